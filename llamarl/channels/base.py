@@ -1,0 +1,142 @@
+"""CommunicationChannel: typed data movement between two executors (BROADCAST / SCATTER / GATHER).
+
+A channel reads ``executor.get_output(name)`` on every outbound rank and calls
+``executor.set_input(name, batch)`` on every inbound rank. Ranks of neither executor do nothing.
+
+- BROADCAST: the outbound batches, concatenated in outbound rank order, reach every inbound
+  rank whole.
+- SCATTER: the outbound batches are concatenated on the outbound leader, split across the
+  inbound ranks balanced by token count (``num_tokens`` field) without ever splitting a group
+  of rows sharing a ``group_ids`` value (GRPO / RLOO need whole groups), and sent one part each.
+- GATHER: every outbound rank's batch is concatenated, in rank order, on the inbound
+  executor's first rank; the other inbound ranks receive an empty batch.
+
+An executor with nothing to send returns an empty ``TensorBatch()``; empty batches travel like
+any other, so every rank always posts the same operations and nothing waits forever.
+"""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from llamarl.batch import TensorBatch
+from llamarl.channels.p2p import exchange
+
+if TYPE_CHECKING:
+    from llamarl.executors.base import Executor
+    from llamarl.world import ExecutorContext
+
+
+class ChannelKind(enum.Enum):
+    BROADCAST = "broadcast"
+    SCATTER = "scatter"
+    GATHER = "gather"
+
+
+BROADCAST, SCATTER, GATHER = ChannelKind.BROADCAST, ChannelKind.SCATTER, ChannelKind.GATHER
+
+
+def balanced_group_partition(batch: TensorBatch, num_parts: int) -> list[list[int]]:
+    """Row indices for each of ``num_parts`` parts: whole groups, balanced by token count.
+
+    Groups are taken in decreasing token count and each goes to the currently lightest part
+    (LPT greedy; ties to the lower part index). Rows keep their original order inside a part.
+    """
+    if num_parts < 1:
+        raise ValueError(f"cannot split a batch into {num_parts} parts")
+    group_ids = batch.row_group_ids().tolist()
+    tokens = batch.row_token_counts().tolist()
+    groups: dict[int, list[int]] = {}
+    for row, gid in enumerate(group_ids):
+        groups.setdefault(gid, []).append(row)
+    order = sorted(groups.values(), key=lambda rows: (-sum(tokens[r] for r in rows), rows[0]))
+    loads = [0] * num_parts
+    parts: list[list[int]] = [[] for _ in range(num_parts)]
+    for rows in order:
+        target = min(range(num_parts), key=lambda p: (loads[p], p))
+        parts[target].extend(rows)
+        loads[target] += sum(tokens[r] for r in rows)
+    return [sorted(p) for p in parts]
+
+
+@dataclass
+class CommunicationChannel:
+    """A data channel ``outbound -> inbound`` of ``kind``, named ``name``.
+
+    ``name`` is what ``get_output`` / ``set_input`` receive. ``last_seconds`` holds the wall time
+    of the last communicate on this rank (a metric).
+    """
+
+    name: str
+    outbound: str
+    inbound: str
+    kind: ChannelKind = BROADCAST
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.kind, ChannelKind):
+            self.kind = ChannelKind(self.kind)
+        if self.outbound == self.inbound:
+            raise ValueError(f"channel {self.name!r} connects executor {self.outbound!r} to itself")
+        self.last_seconds = 0.0
+
+    def involves(self, ctx: ExecutorContext) -> bool:
+        return ctx.executor in (self.outbound, self.inbound)
+
+    def communicate(self, ctx: ExecutorContext, executor: Executor) -> None:
+        """Move one batch along the channel; a no-op on ranks of neither endpoint."""
+        if not self.involves(ctx):
+            return
+        start = time.perf_counter()
+        out_ranks, in_ranks = ctx.ranks[self.outbound], ctx.ranks[self.inbound]
+        label = f"channel {self.name!r}"
+        received: TensorBatch | None = None
+        if self.kind is BROADCAST:
+            if ctx.executor == self.outbound:
+                batch = self._output(executor)
+                exchange({dst: batch for dst in in_ranks}, [], device=ctx.device, label=label)
+            else:
+                got = exchange({}, out_ranks, device=ctx.device, label=label)
+                received = TensorBatch.concat([got[src] for src in out_ranks])
+        elif self.kind is GATHER:
+            leader = in_ranks[0]
+            if ctx.executor == self.outbound:
+                exchange({leader: self._output(executor)}, [], device=ctx.device, label=label)
+            elif ctx.rank == leader:
+                got = exchange({}, out_ranks, device=ctx.device, label=label)
+                received = TensorBatch.concat([got[src] for src in out_ranks])
+            else:
+                received = TensorBatch()
+        else:
+            received = self._scatter(ctx, executor, out_ranks, in_ranks, label)
+        if received is not None:
+            executor.set_input(self.name, received)
+        self.last_seconds = time.perf_counter() - start
+
+    def _output(self, executor: Executor) -> TensorBatch:
+        batch = executor.get_output(self.name)
+        if not isinstance(batch, TensorBatch):
+            raise TypeError(f"{type(executor).__name__}.get_output({self.name!r}) returned "
+                            f"{type(batch).__name__}, expected a TensorBatch")
+        return batch
+
+    def _scatter(self, ctx, executor, out_ranks, in_ranks, label) -> TensorBatch | None:
+        # Two hops (outbound ranks -> outbound leader -> inbound ranks) so that balancing sees
+        # every group at once; the first hop is skipped when the outbound executor has one rank.
+        leader = out_ranks[0]
+        if ctx.executor == self.outbound:
+            batch = self._output(executor)
+            if ctx.rank != leader:
+                exchange({leader: batch}, [], device=ctx.device, label=label)
+                return None
+            others = exchange({}, out_ranks[1:], device=ctx.device, label=label) if len(out_ranks) > 1 else {}
+            full = TensorBatch.concat([batch] + [others[r] for r in out_ranks[1:]])
+            parts = balanced_group_partition(full, len(in_ranks)) if len(full) else [[] for _ in in_ranks]
+            sends = {dst: (full.select(rows) if rows else TensorBatch({}, dict(full.metadata)))
+                     for dst, rows in zip(in_ranks, parts)}
+            exchange(sends, [], device=ctx.device, label=label)
+            return None
+        return exchange({}, [leader], device=ctx.device, label=label)[leader]
+

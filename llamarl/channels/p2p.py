@@ -1,0 +1,63 @@
+"""Point-to-point exchange of TensorBatches between global ranks, without pickle.
+
+One ``exchange`` call moves any number of batches between any pairs of ranks in three rounds of
+``batch_isend_irecv``: sizes (int64[2]: header bytes, data bytes), headers (uint8 JSON) and data
+(one flat uint8 buffer per batch). Every rank names what it sends and from whom it receives,
+so both sides post matching operations and nothing waits on an unexpected message.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from llamarl.batch import MAX_HEADER_BYTES, TensorBatch, WireFormatError
+
+
+def _run(ops: list[dist.P2POp]) -> None:
+    if ops:
+        for work in dist.batch_isend_irecv(ops):
+            work.wait()
+
+
+def exchange(
+    sends: dict[int, TensorBatch],
+    recv_from: list[int],
+    *,
+    device: torch.device,
+    label: str = "channel",
+    max_data_bytes: int = 1 << 36,
+) -> dict[int, TensorBatch]:
+    """Send ``sends[dst]`` to each global rank ``dst`` and receive one batch from each ``recv_from``.
+
+    All ranks taking part must call this with matching arguments (a rank that sends to ``r``
+    must appear in ``r``'s ``recv_from``). Buffers are staged on ``device`` (CUDA for NCCL).
+    Returns ``{src: batch}``. A malformed size or header from a peer raises ``WireFormatError``
+    naming ``label`` and the source rank.
+    """
+    encoded = {dst: batch.encode() for dst, batch in sends.items()}
+    size_out = {dst: torch.tensor([h.numel(), d.numel()], dtype=torch.int64, device=device)
+                for dst, (h, d) in encoded.items()}
+    size_in = {src: torch.zeros(2, dtype=torch.int64, device=device) for src in recv_from}
+    _run([dist.P2POp(dist.isend, t, dst) for dst, t in size_out.items()]
+         + [dist.P2POp(dist.irecv, t, src) for src, t in size_in.items()])
+
+    sizes = {}
+    for src, t in size_in.items():
+        header_bytes, data_bytes = (int(x) for x in t.tolist())
+        if not (0 < header_bytes <= MAX_HEADER_BYTES and 0 <= data_bytes <= max_data_bytes):
+            raise WireFormatError(f"{label}: rank {src} announced an invalid payload of "
+                                  f"{header_bytes} header / {data_bytes} data bytes")
+        sizes[src] = (header_bytes, data_bytes)
+
+    headers_in = {src: torch.empty(h, dtype=torch.uint8, device=device) for src, (h, _) in sizes.items()}
+    _run([dist.P2POp(dist.isend, h.to(device), dst) for dst, (h, _) in encoded.items()]
+         + [dist.P2POp(dist.irecv, t, src) for src, t in headers_in.items()])
+
+    data_in = {src: torch.empty(d, dtype=torch.uint8, device=device) for src, (_, d) in sizes.items()}
+    # Zero-byte messages are legal on gloo but not on every backend: skip them on both sides.
+    _run([dist.P2POp(dist.isend, d.to(device), dst) for dst, (_, d) in encoded.items() if d.numel() > 0]
+         + [dist.P2POp(dist.irecv, t, src) for src, t in data_in.items() if t.numel() > 0])
+
+    return {src: TensorBatch.decode(headers_in[src].cpu(), data_in[src].cpu(), source=f"{label} from rank {src}")
+            for src in recv_from}

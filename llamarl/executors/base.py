@@ -1,0 +1,63 @@
+"""Executor: the unit of work that owns a set of ranks (LlamaRL §4).
+
+Subclasses implement ``step`` and whatever of ``get_output`` / ``set_input`` their channels
+use. An executor only ever sees its own process group / mesh (``self.ctx.group`` /
+``self.ctx.mesh``); it never talks to other executors except through channels.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import torch
+
+from llamarl.batch import TensorBatch
+
+if TYPE_CHECKING:
+    from llamarl.world import ExecutorContext
+
+
+class Executor:
+    """Base class with the paper's surface. ``name`` must match an ExecutorSpec name."""
+
+    name: str = "executor"
+
+    def __init__(self, ctx: ExecutorContext) -> None:
+        self.ctx = ctx
+        self.current_step = 0
+        self.inputs: dict[str, TensorBatch] = {}
+        self.outputs: dict[str, TensorBatch] = {}
+        self.metrics: dict[str, float] = {}
+
+    def init(self) -> None:
+        """Build model / engine / optimizer / data on this executor's mesh. Called once."""
+
+    def set_step(self, step: int) -> None:
+        """Tell the executor which tick it is on (before channels and ``step`` run)."""
+        self.current_step = step
+
+    def step(self) -> None:
+        """One unit of work on what the channels delivered (generate, score, train, ...)."""
+        raise NotImplementedError(f"{type(self).__name__} must implement step()")
+
+    def get_output(self, name: str) -> TensorBatch:
+        """The batch an outbound channel ``name`` sends; empty when there is nothing yet.
+
+        The default pops ``self.outputs[name]`` so a batch is sent once.
+        """
+        return self.outputs.pop(name, TensorBatch())
+
+    def set_input(self, name: str, batch: TensorBatch) -> None:
+        """Receive the batch an inbound channel ``name`` delivered (replaces the previous one)."""
+        self.inputs[name] = batch
+
+    def get_model(self) -> torch.nn.Module | None:
+        """The module a weight channel reads (trainer) or writes (generator)."""
+        return None
+
+    def save_checkpoint(self, directory: Path) -> None:
+        """Save this executor's own state under ``directory`` (created by the caller)."""
+
+    def load_checkpoint(self, directory: Path) -> None:
+        """Restore what ``save_checkpoint`` wrote."""

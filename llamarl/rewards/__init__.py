@@ -1,0 +1,41 @@
+"""Reward functions: a registry of built-in scorers plus ``"module:function"`` dotted-path lookup.
+
+A scorer is any ``Callable[[str, str], float]`` taking ``(completion, reference)``. Scorers run in
+spawned worker processes (see ``llamarl.rewards.pool``), so custom ones must be importable
+module-level functions, referenced by name rather than passed as objects.
+"""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Callable
+
+from llamarl.rewards import arithmetic, gsm8k
+
+Scorer = Callable[[str, str], float]
+
+SCORERS: dict[str, Scorer] = {
+    "arithmetic": arithmetic.score,
+    "gsm8k": gsm8k.score,
+}
+
+
+def resolve_scorer(name: str) -> Scorer:
+    """Return the scorer registered as ``name`` in SCORERS, or import ``"package.module:function"``.
+
+    Raises ValueError for an unknown name or a dotted path that does not import to a callable.
+    """
+    if name in SCORERS:
+        return SCORERS[name]
+    if ":" not in name:
+        known = ", ".join(sorted(SCORERS))
+        raise ValueError(f"unknown scorer {name!r}; known: {known}, or a 'module:function' path")
+    module_name, _, attr = name.partition(":")
+    try:
+        scorer = getattr(importlib.import_module(module_name), attr)
+    except (ImportError, AttributeError) as exc:
+        raise ValueError(f"cannot import scorer {name!r}: {exc}") from None
+    if not callable(scorer):
+        # A bad scorer name is a configuration error, reported like every other one.
+        raise ValueError(f"scorer {name!r} is not callable")  # noqa: TRY004
+    return scorer

@@ -1,0 +1,281 @@
+"""Score (completion, reference) pairs in worker processes with a per-sample timeout.
+
+Why not ``concurrent.futures.ProcessPoolExecutor``: it cannot tell when a queued task actually
+starts (so a per-sample timeout would also charge time spent waiting behind a slow sample) and it
+cannot kill one hung worker, only abandon the whole pool. Instead each worker here is a process with
+its own pipe and holds at most one sample, so:
+
+* a sample's timeout clock starts when it is handed to an idle worker;
+* a sample that times out gets reward 0.0, and only its worker is killed and replaced, so a scorer
+  that hangs forever never blocks the rest of the batch or later batches;
+* a scorer that raises (or returns a non-finite value, or crashes its process) gives 0.0 too.
+  Neither ever stops the run; both are counted in ``stats()``.
+
+Workers use the ``spawn`` start method by default (``forkserver`` is allowed): ``fork`` is unsafe once
+torch has started its threads in the parent. Worker start-up (importing the scorer) is not charged
+to any sample's timeout. Messages are JSON over pipes, so completions must be plain strings.
+
+``num_workers=0`` scores inline in the calling process: no process overhead (what unit tests of other
+modules use), errors still give 0.0, but timeouts cannot be enforced there: a hanging scorer hangs.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import math
+import multiprocessing
+import signal
+import time
+from collections import deque
+from multiprocessing.connection import Connection, wait
+from multiprocessing.process import BaseProcess
+from types import TracebackType
+from typing import Self
+
+from llamarl.rewards import Scorer, resolve_scorer
+
+logger = logging.getLogger(__name__)
+
+_START_METHODS = ("spawn", "forkserver")
+
+
+def _call_scorer(scorer: Scorer, completion: str, reference: str) -> float:
+    """Run one scorer call and check that it gave a finite number (NaN would poison the loss)."""
+    value = float(scorer(completion, reference))
+    if not math.isfinite(value):
+        raise ValueError(f"scorer returned a non-finite reward {value}")
+    return value
+
+
+def _worker_main(conn: Connection, scorer_name: str) -> None:
+    """Worker process loop: resolve the scorer, say ready, then answer one JSON task at a time."""
+    # Ctrl-C reaches the whole process group; only the parent should react to it.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        scorer = resolve_scorer(scorer_name)
+    except Exception as exc:  # noqa: BLE001 - reported to the parent, which raises it
+        conn.send_bytes(json.dumps({"init_error": f"{type(exc).__name__}: {exc}"}).encode())
+        return
+    conn.send_bytes(b'{"ready": true}')
+    while True:
+        try:
+            task = json.loads(conn.recv_bytes())
+        except EOFError:  # the parent went away
+            return
+        if task is None:
+            return
+        reply: dict[str, object] = {"index": task["index"]}
+        try:
+            reply["reward"] = _call_scorer(scorer, task["completion"], task["reference"])
+        except Exception as exc:  # noqa: BLE001 - any scorer failure is a 0.0 reward, counted by the parent
+            reply["error"] = f"{type(exc).__name__}: {exc}"
+        conn.send_bytes(json.dumps(reply).encode())
+
+
+@dataclasses.dataclass
+class _Worker:
+    """Parent-side handle of one worker process and the sample it is working on."""
+
+    process: BaseProcess
+    conn: Connection
+    state: str = "starting"  # "starting" -> "idle" <-> "busy"
+    started_at: float = dataclasses.field(default_factory=time.monotonic)
+    task: int = -1
+    deadline: float = math.inf
+
+
+class RewardPool:
+    """Scores completions against references with a named scorer; see the module docstring."""
+
+    def __init__(
+        self,
+        scorer: str,
+        *,
+        num_workers: int = 1,
+        timeout_s: float = 5.0,
+        start_method: str = "spawn",
+        startup_timeout_s: float = 120.0,
+    ) -> None:
+        """Create the pool and start its workers (asynchronously; the first batch waits for them).
+
+        ``scorer`` is a key of ``llamarl.rewards.SCORERS`` or a ``"module:function"`` path; unknown
+        names, ``num_workers < 0``, ``timeout_s <= 0`` or a start method other than spawn/forkserver
+        raise ValueError.
+        """
+        if num_workers < 0:
+            raise ValueError(f"num_workers must be >= 0, got {num_workers}")
+        if not timeout_s > 0:
+            raise ValueError(f"timeout_s must be > 0, got {timeout_s}")
+        if start_method not in _START_METHODS:
+            raise ValueError(f"start_method must be one of {_START_METHODS}, got {start_method!r}")
+        # Resolve in the parent too, so a bad name fails here rather than inside every worker.
+        self._scorer = resolve_scorer(scorer)
+        self._scorer_name = scorer
+        self._timeout_s = timeout_s
+        self._startup_timeout_s = startup_timeout_s
+        self._ctx = multiprocessing.get_context(start_method)
+        self._counts = {"num_scored": 0, "num_errors": 0, "num_timeouts": 0, "num_worker_restarts": 0}
+        self._closed = False
+        self._workers = [self._start_worker() for _ in range(num_workers)]
+
+    def _start_worker(self) -> _Worker:
+        """Spawn one worker process connected by a duplex pipe."""
+        parent_conn, child_conn = self._ctx.Pipe(duplex=True)
+        process = self._ctx.Process(
+            target=_worker_main, args=(child_conn, self._scorer_name), daemon=True, name="reward-worker"
+        )
+        process.start()
+        # Drop our copy of the child's end so that the child's death shows up as EOF on ours.
+        child_conn.close()
+        return _Worker(process=process, conn=parent_conn)
+
+    def _replace_worker(self, position: int) -> None:
+        """Kill the worker at ``position`` (it may be hung) and start a fresh one in its place."""
+        worker = self._workers[position]
+        worker.process.kill()
+        worker.process.join(timeout=5.0)
+        worker.conn.close()
+        self._workers[position] = self._start_worker()
+        self._counts["num_worker_restarts"] += 1
+
+    def _record_error(self, message: str) -> None:
+        """Count a scorer failure; log the first one loudly and the rest quietly."""
+        self._counts["num_errors"] += 1
+        log = logger.warning if self._counts["num_errors"] == 1 else logger.debug
+        log("reward scorer %s failed (reward 0.0): %s", self._scorer_name, message)
+
+    def score_batch(self, completions: list[str], references: list[str]) -> list[float]:
+        """Return one reward per (completion, reference) pair, in order.
+
+        A sample whose scorer raises or runs longer than ``timeout_s`` gets 0.0 and is counted in
+        ``stats()``. Raises ValueError for mismatched lengths or a closed pool, RuntimeError when a
+        worker cannot start at all.
+        """
+        if len(completions) != len(references):
+            raise ValueError(f"got {len(completions)} completions but {len(references)} references")
+        if self._closed:
+            raise ValueError("RewardPool is closed")
+        if self._workers:
+            rewards = self._score_in_workers(completions, references)
+        else:
+            rewards = [self._score_inline(c, r) for c, r in zip(completions, references, strict=True)]
+        self._counts["num_scored"] += len(rewards)
+        return rewards
+
+    def _score_inline(self, completion: str, reference: str) -> float:
+        """Score one pair in this process (num_workers=0): errors give 0.0, no timeout."""
+        try:
+            return _call_scorer(self._scorer, completion, reference)
+        except Exception as exc:  # noqa: BLE001 - a scorer failure must never stop the run
+            self._record_error(f"{type(exc).__name__}: {exc}")
+            return 0.0
+
+    def _score_in_workers(self, completions: list[str], references: list[str]) -> list[float]:
+        """Dispatch samples to idle workers one at a time and collect replies until all are done."""
+        rewards = [0.0] * len(completions)
+        pending = deque(range(len(completions)))
+        remaining = len(completions)
+        while remaining:
+            for position, worker in enumerate(self._workers):
+                if worker.state == "idle" and pending:
+                    self._dispatch(position, pending, completions, references)
+            waiting = [w for w in self._workers if w.state != "idle"]
+            deadlines = [w.deadline for w in waiting if w.state == "busy"]
+            deadlines += [w.started_at + self._startup_timeout_s for w in waiting if w.state == "starting"]
+            timeout = max(0.0, min(deadlines) - time.monotonic()) if deadlines else None
+            ready = set(wait([w.conn for w in waiting], timeout=timeout))
+            for position, worker in enumerate(self._workers):
+                if worker.conn in ready:
+                    remaining -= self._receive(position, rewards, pending)
+            now = time.monotonic()
+            for position, worker in enumerate(self._workers):
+                if worker.state == "busy" and now >= worker.deadline:
+                    self._counts["num_timeouts"] += 1
+                    logger.debug("reward sample %d timed out after %.1fs", worker.task, self._timeout_s)
+                    rewards[worker.task] = 0.0
+                    remaining -= 1
+                    self._replace_worker(position)
+                elif worker.state == "starting" and now >= worker.started_at + self._startup_timeout_s:
+                    raise RuntimeError(f"reward worker did not start within {self._startup_timeout_s}s")
+        return rewards
+
+    def _dispatch(
+        self, position: int, pending: deque[int], completions: list[str], references: list[str]
+    ) -> None:
+        """Send the next pending sample to the idle worker at ``position``."""
+        worker, index = self._workers[position], pending.popleft()
+        task = {"index": index, "completion": completions[index], "reference": references[index]}
+        try:
+            worker.conn.send_bytes(json.dumps(task).encode())
+        except OSError:  # the worker died while idle: not this sample's fault, so retry it elsewhere
+            pending.appendleft(index)
+            self._replace_worker(position)
+            return
+        worker.state, worker.task = "busy", index
+        worker.deadline = time.monotonic() + self._timeout_s
+
+    def _receive(self, position: int, rewards: list[float], pending: deque[int]) -> int:
+        """Handle one message from the worker at ``position``; return how many samples it finished."""
+        worker = self._workers[position]
+        try:
+            message = json.loads(worker.conn.recv_bytes())
+        except (EOFError, OSError):
+            if worker.state == "starting":
+                raise RuntimeError(
+                    f"reward worker exited during start-up (exit code {worker.process.exitcode})"
+                )
+            # The scorer crashed its whole process (e.g. a segfault or os._exit): a scorer error.
+            self._record_error(f"worker process died while scoring sample {worker.task}")
+            rewards[worker.task] = 0.0
+            self._replace_worker(position)
+            return 1
+        if "init_error" in message:
+            raise RuntimeError(
+                f"reward worker failed to load scorer {self._scorer_name!r}: {message['init_error']}"
+            )
+        if message.get("ready"):
+            worker.state = "idle"
+            return 0
+        if message["index"] != worker.task:
+            raise RuntimeError(f"reward worker answered sample {message['index']}, expected {worker.task}")
+        if "error" in message:
+            self._record_error(message["error"])
+            rewards[worker.task] = 0.0
+        else:
+            rewards[worker.task] = float(message["reward"])
+        worker.state, worker.task, worker.deadline = "idle", -1, math.inf
+        return 1
+
+    def stats(self) -> dict[str, int]:
+        """Cumulative counters: num_scored, num_errors, num_timeouts, num_worker_restarts."""
+        return dict(self._counts)
+
+    def close(self) -> None:
+        """Stop all workers (politely, then by force); idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        for worker in self._workers:
+            try:
+                worker.conn.send_bytes(b"null")
+            except OSError:  # already dead
+                pass
+        for worker in self._workers:
+            worker.process.join(timeout=1.0)
+            if worker.process.is_alive():  # busy or hung: no reason to wait for it
+                worker.process.kill()
+                worker.process.join(timeout=5.0)
+            worker.conn.close()
+        self._workers = []
+
+    def __enter__(self) -> Self:
+        """Return the pool itself."""
+        return self
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        """Close the pool."""
+        self.close()

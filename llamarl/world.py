@@ -1,0 +1,154 @@
+"""ExecutorContext: splits the torchrun world into executors and owns every process group.
+
+Every process group and DeviceMesh in llamarl is created here, once, in the same order on every
+rank (``new_group`` is collective over the world, so order matters). Library code receives the
+group / mesh it needs explicitly and never assumes ``torch.distributed.group.WORLD`` is "my
+executor". Channels send point-to-point on the world group by global rank; the context maps
+executor names to global rank ranges for them.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from dataclasses import dataclass, field
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh
+
+
+@dataclass(frozen=True)
+class ExecutorSpec:
+    """One executor's name and how many consecutive ranks it owns (in spec order)."""
+
+    name: str
+    num_ranks: int
+
+
+def plan_ranks(specs: list[ExecutorSpec], world_size: int) -> dict[str, list[int]]:
+    """Assign consecutive global rank ranges to executors in the given order.
+
+    Raises ValueError (before any collective) on an empty executor, a duplicate name, or a split
+    that does not add up to ``world_size``.
+    """
+    if not specs:
+        raise ValueError("at least one executor is needed")
+    names = [s.name for s in specs]
+    if len(set(names)) != len(names):
+        raise ValueError(f"executor names must be unique, got {names}")
+    for spec in specs:
+        if spec.num_ranks < 1:
+            raise ValueError(f"executor {spec.name!r} has {spec.num_ranks} ranks; every executor needs >= 1")
+    total = sum(s.num_ranks for s in specs)
+    if total != world_size:
+        split = " + ".join(f"{s.name}={s.num_ranks}" for s in specs)
+        raise ValueError(f"rank split {split} = {total} does not match the world size {world_size}")
+    ranges, start = {}, 0
+    for spec in specs:
+        ranges[spec.name] = list(range(start, start + spec.num_ranks))
+        start += spec.num_ranks
+    return ranges
+
+
+def default_backend() -> str:
+    """``nccl`` when CUDA is available, else ``gloo``."""
+    return "nccl" if torch.cuda.is_available() else "gloo"
+
+
+@dataclass
+class ExecutorContext:
+    """This rank's view of the split world.
+
+    Attributes: ``rank`` / ``world_size`` (global), ``executor`` (this rank's executor name),
+    ``ranks`` (executor name -> global ranks), ``group`` (this executor's process group),
+    ``mesh`` (a 1-D DeviceMesh over this executor's ranks), ``device``.
+    """
+
+    rank: int
+    world_size: int
+    executor: str
+    ranks: dict[str, list[int]]
+    group: dist.ProcessGroup | None
+    mesh: DeviceMesh | None
+    device: torch.device
+    timeout: timedelta
+    _groups: dict[str, dist.ProcessGroup] = field(default_factory=dict, repr=False)
+
+    @staticmethod
+    def create(
+        specs: list[ExecutorSpec],
+        *,
+        timeout_s: float = 300.0,
+        backend: str | None = None,
+        channel_endpoints: list[tuple[str, str]] | None = None,
+    ) -> ExecutorContext:
+        """Initialise torch.distributed (from torchrun env vars) and split the world.
+
+        ``channel_endpoints`` lists the (outbound, inbound) executor names of every channel so
+        that an unknown name fails here, before any process group is made. ``timeout_s`` is the
+        collective timeout of every group: a peer that died turns into an error, not a hang.
+        """
+        world_size = int(os.environ.get("WORLD_SIZE", "1"))
+        ranges = plan_ranks(specs, world_size)
+        for outbound, inbound in channel_endpoints or []:
+            for end in (outbound, inbound):
+                if end not in ranges:
+                    raise ValueError(f"channel {outbound}->{inbound} names unknown executor {end!r}; have {list(ranges)}")
+            if outbound == inbound:
+                raise ValueError(f"channel {outbound}->{inbound} connects an executor to itself")
+        backend = backend or default_backend()
+        timeout = timedelta(seconds=timeout_s)
+        if not dist.is_initialized():
+            if backend == "nccl":
+                torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+            dist.init_process_group(backend=backend, timeout=timeout)
+        rank = dist.get_rank()
+        device = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")
+        groups = {}
+        # new_group is collective over WORLD: every rank creates every group, in spec order.
+        for spec in specs:
+            groups[spec.name] = dist.new_group(ranges[spec.name], timeout=timeout, backend=backend)
+        executor = next(name for name, rs in ranges.items() if rank in rs)
+        group = groups[executor]
+        mesh = DeviceMesh.from_group(group, device.type, mesh=ranges[executor])
+        return ExecutorContext(rank=rank, world_size=world_size, executor=executor, ranks=ranges, group=group,
+                               mesh=mesh, device=device, timeout=timeout, _groups=groups)
+
+    @property
+    def local_rank(self) -> int:
+        """This rank's index inside its executor."""
+        return self.ranks[self.executor].index(self.rank)
+
+    @property
+    def local_world_size(self) -> int:
+        return len(self.ranks[self.executor])
+
+    def is_member(self, executor: str) -> bool:
+        return self.rank in self.ranks[executor]
+
+    def leader(self, executor: str) -> int:
+        """Global rank of ``executor``'s first rank."""
+        return self.ranks[executor][0]
+
+    def destroy(self) -> None:
+        """Tear down the default group (and with it every subgroup)."""
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+@contextlib.contextmanager
+def world_as(group: dist.ProcessGroup):
+    """Temporarily make ``group`` the default group, for third-party code that cannot take one.
+
+    LlamaRL swaps WORLD for its executors; we only do it inside this context manager.
+    """
+    from torch.distributed import distributed_c10d as c10d
+
+    saved = c10d._world.default_pg
+    c10d._world.default_pg = group
+    try:
+        yield
+    finally:
+        c10d._world.default_pg = saved

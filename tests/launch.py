@@ -1,0 +1,27 @@
+"""Start real torchrun worlds from tests (gloo on CPU) and collect what their ranks wrote."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def run_torchrun(script: str, *, nproc: int, args: list[str] = (), timeout_s: float = 300,
+                 env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+    """Run ``tests/worlds/<script>`` under ``torchrun --standalone`` with ``nproc`` CPU ranks."""
+    full_env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO), "HF_HUB_OFFLINE": "1",
+                "TOKENIZERS_PARALLELISM": "false", **(env or {})}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
+           "--monitor-interval=0.5", str(REPO / "tests" / "worlds" / script), *args]
+    return subprocess.run(cmd, cwd=REPO, env=full_env, capture_output=True, text=True, timeout=timeout_s)
+
+
+def check(proc: subprocess.CompletedProcess) -> None:
+    """Fail with the world's output tail when it exited non-zero."""
+    if proc.returncode != 0:
+        raise AssertionError(f"torchrun exited {proc.returncode}\n--- stdout ---\n{proc.stdout[-4000:]}"
+                             f"\n--- stderr ---\n{proc.stderr[-8000:]}")

@@ -1,0 +1,25 @@
+"""Misbehaving scorers for RewardPool tests; spawned workers import them by "scorers_for_tests:NAME"."""
+
+from __future__ import annotations
+
+import os
+import time
+
+
+def flaky(completion: str, reference: str) -> float:
+    """Exact match, except: "raise" raises, "sleep" hangs for an hour, "die" kills its process."""
+    if completion == "raise":
+        raise RuntimeError("scorer failure requested by the test")
+    if completion == "sleep":
+        time.sleep(3600)
+    if completion == "die":
+        os._exit(3)
+    return 1.0 if completion == reference else 0.0
+
+
+def not_finite(completion: str, reference: str) -> float:
+    """Always NaN, which the pool must treat as a scorer error."""
+    return float("nan")
+
+
+NOT_CALLABLE = 42

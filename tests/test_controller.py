@@ -1,0 +1,61 @@
+"""The controller over several ticks in real 4-rank gloo worlds: async lag, sync order, failures."""
+
+import json
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).parent))
+from launch import check, run_torchrun  # noqa: E402
+
+from llamarl.controller import ExecutorController  # noqa: E402
+
+MAX_STEPS = 5
+
+
+def run_schedule(tmp_path, schedule):
+    check(run_torchrun("controller_world.py", nproc=4, args=[str(tmp_path), schedule, str(MAX_STEPS)]))
+    return {r: json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(4)}
+
+
+def train_seen(seen):
+    """Per tick: the union of generator ticks both trainer ranks saw, and their row counts."""
+    return [(sorted(set(a["gen_steps"]) | set(b["gen_steps"])), a["rows"] + b["rows"],
+             sorted(set(a["versions"]) | set(b["versions"])))
+            for a, b in zip(seen[2], seen[3])]
+
+
+def test_async_schedule_lags_by_the_pipeline_depth(tmp_path):
+    seen = run_schedule(tmp_path, "async")
+    # The generator uses the weights the trainer produced one tick earlier (version = tick).
+    assert [s["version"] for s in seen[0]] == [0, 1, 2, 3, 4]
+    # Reward scores the rollouts of the previous tick.
+    assert [s["gen_steps"] for s in seen[1]] == [[], [0], [1], [2], [3]]
+    # The trainer trains on rollouts generated two ticks earlier, split over its two ranks.
+    assert train_seen(seen) == [([], 0, []), ([], 0, []), ([0], 4, [0]), ([1], 4, [1]), ([2], 4, [2])]
+    assert all(s["rows"] == 2 for s in seen[2][2:]), "SCATTER should give each trainer rank one group"
+
+
+def test_sync_schedule_is_strictly_on_policy(tmp_path):
+    seen = run_schedule(tmp_path, "sync")
+    assert [s["version"] for s in seen[0]] == [0, 1, 2, 3, 4]
+    assert [s["gen_steps"] for s in seen[1]] == [[0], [1], [2], [3], [4]]
+    # Tick t trains on tick t's rollouts, generated with version t = the trainer's own version.
+    assert train_seen(seen) == [([t], 4, [t]) for t in range(MAX_STEPS)]
+
+
+def test_a_rank_that_raises_takes_the_world_down_with_a_named_message(tmp_path):
+    start = time.monotonic()
+    proc = run_torchrun("controller_world.py", nproc=4, args=[str(tmp_path), "async", "8", "3", "3"], timeout_s=120)
+    elapsed = time.monotonic() - start
+    assert proc.returncode != 0
+    assert elapsed < 60, f"the world took {elapsed:.0f} s to go down"
+    assert "executor 'train' (rank 3, local rank 1) failed at step 3 during step: RuntimeError: boom" in proc.stderr
+    assert not list(tmp_path.glob("rank*.json")), "no rank should have finished normally"
+
+
+def test_bad_schedule_is_a_value_error():
+    with pytest.raises(ValueError, match="schedule"):
+        ExecutorController(None, None, [], max_steps=1, executor_order=[], schedule="later")

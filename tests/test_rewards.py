@@ -1,0 +1,195 @@
+"""Tests for the GSM8K / arithmetic scorers, the scorer registry and RewardPool."""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+import pytest
+
+from llamarl.rewards import SCORERS, arithmetic, gsm8k, resolve_scorer
+from llamarl.rewards.pool import RewardPool
+
+LABELLED = Path(__file__).resolve().parents[1] / "../shared/data/gsm8k/example_model_solutions.jsonl"
+TESTS_DIR = Path(__file__).resolve().parent
+SOLUTION_KEYS = ("6b_finetuning", "6b_verification", "175b_finetuning", "175b_verification")
+
+
+def test_gsm8k_agrees_with_labelled_model_solutions():
+    # Deliberately no skip: a missing file must fail loudly.
+    assert LABELLED.is_file(), f"labelled GSM8K solutions missing: {LABELLED}"
+    total = agree = 0
+    with LABELLED.open(encoding="utf-8") as lines:
+        for line in lines:
+            row = json.loads(line)
+            for key in SOLUTION_KEYS:
+                predicted = gsm8k.score(row[key]["solution"], row["ground_truth"]) == 1.0
+                agree += predicted == row[key]["is_correct"]
+                total += 1
+    assert total == 5276
+    assert agree / total >= 0.99, f"agreement {agree / total:.4f}"
+
+
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [
+        ("He pays 3 * 4 = <<3*4=12>>12 dollars.\n#### 12", "12"),
+        ("#### 1,234,567", "1234567"),
+        ("First 5 then #### 7 and more text 9", "7"),
+        ("So the result is \\boxed{72}. Check: 70 + 2", "72"),
+        ("\\boxed{\\$1,200.00}", "1200.00"),
+        ("\\boxed{\\frac{3}{4}}", "3/4"),
+        ("She has 9 eggs.\nA: 18", "18"),
+        ("The answer is $2,500.", "2500"),
+        ("Final answer: 45%", "45"),
+        ("the answer is -3 degrees", "-3"),
+        ("10 - 5 = 5 apples left", "5"),
+        ("He buys <<2*3=6>>6 pens and 4 pencils", "4"),
+        ("It costs 0.5 each, so 2.", "2"),
+        ("no digits here", None),
+    ],
+)
+def test_gsm8k_extract_answer(text, expected):
+    assert gsm8k.extract_answer(text) == expected
+
+
+def test_gsm8k_priority_order():
+    # "####" beats \boxed beats "A:" beats the last number.
+    assert gsm8k.extract_answer("A: 1\n\\boxed{2}\n#### 3\n4") == "3"
+    assert gsm8k.extract_answer("A: 1\n\\boxed{2}\n4") == "2"
+    assert gsm8k.extract_answer("A: 1\n4 and 5") == "1"
+
+
+@pytest.mark.parametrize(
+    ("completion", "reference", "expected"),
+    [
+        ("#### 72", "Natalia sold 48/2 = <<48/2=24>>24 clips.\n#### 72", 1.0),
+        ("\\boxed{72.0}", "#### 72", 1.0),
+        ("The answer is $72.", "#### 72", 1.0),
+        ("The answer is 73.", "#### 72", 0.0),
+        ("A: 1,000", "#### 1000", 1.0),
+        ("\\boxed{0.75}", "#### 3/4", 1.0),
+        ("no idea", "#### 72", 0.0),
+        ("A: 18", "... so she makes $18.\nA: 18", 1.0),  # the labelled file's reference format
+    ],
+)
+def test_gsm8k_score(completion, reference, expected):
+    assert gsm8k.score(completion, reference) == expected
+
+
+def test_gsm8k_reference_without_number_is_value_error():
+    with pytest.raises(ValueError, match="no numeric answer"):
+        gsm8k.score("#### 1", "nothing here")
+
+
+@pytest.mark.parametrize(
+    ("completion", "reference", "expected"),
+    [
+        ("68", "68", 1.0),
+        (" 68\n", "68", 1.0),
+        ("68. Because 23 + 45 = 68.", "68", 1.0),
+        ("23 + 45 = 68", "68", 0.0),  # first number wins when there is no marker
+        ("Let me compute: 23 + 45 = 68. The answer is 68.", "68", 1.0),
+        ("so \\boxed{68}", "68", 1.0),
+        ("work 1 2 3\n#### 68", "68", 1.0),
+        ("-17", "-17", 1.0),
+        ("17", "-17", 0.0),
+        ("1,234", "1234", 1.0),
+        ("68.0", "68", 1.0),
+        ("68.5", "68", 0.0),
+        ("", "68", 0.0),
+        ("sixty-eight", "68", 0.0),
+    ],
+)
+def test_arithmetic_score(completion, reference, expected):
+    assert arithmetic.score(completion, reference) == expected
+
+
+def test_arithmetic_bad_reference_is_value_error():
+    with pytest.raises(ValueError, match="not an integer"):
+        arithmetic.score("1", "1.5")
+
+
+def test_registry_and_dotted_paths():
+    assert set(SCORERS) >= {"arithmetic", "gsm8k"}
+    assert resolve_scorer("gsm8k") is gsm8k.score
+    assert resolve_scorer("llamarl.rewards.arithmetic:score") is arithmetic.score
+    with pytest.raises(ValueError, match="known: arithmetic, gsm8k"):
+        resolve_scorer("nope")
+    with pytest.raises(ValueError, match="cannot import"):
+        resolve_scorer("no_such_module_xyz:score")
+    with pytest.raises(ValueError, match="cannot import"):
+        resolve_scorer("llamarl.rewards.arithmetic:missing")
+
+
+def test_pool_unknown_scorer_is_value_error():
+    with pytest.raises(ValueError, match="unknown scorer 'nope'"):
+        RewardPool("nope", num_workers=0)
+
+
+@pytest.fixture
+def tests_importable(monkeypatch):
+    # Spawned workers copy sys.path at start, so this makes scorers_for_tests importable there too.
+    monkeypatch.syspath_prepend(str(TESTS_DIR))
+
+
+def test_dotted_path_to_non_callable_is_value_error(tests_importable):
+    with pytest.raises(ValueError, match="not callable"):
+        resolve_scorer("scorers_for_tests:NOT_CALLABLE")
+
+
+def test_pool_inline_counts_errors(tests_importable):
+    with RewardPool("scorers_for_tests:flaky", num_workers=0) as pool:
+        assert pool.score_batch(["a", "raise", "b"], ["a", "a", "a"]) == [1.0, 0.0, 0.0]
+        assert pool.stats()["num_errors"] == 1
+        assert pool.stats()["num_scored"] == 3
+        with pytest.raises(ValueError, match="2 completions but 1 references"):
+            pool.score_batch(["a", "b"], ["a"])
+
+
+def test_pool_worker_errors_timeouts_and_recovery(tests_importable):
+    with RewardPool("scorers_for_tests:flaky", num_workers=1, timeout_s=1.0) as pool:
+        assert pool.score_batch(["1", "2", "raise", "3"], ["1", "1", "1", "3"]) == [1.0, 0.0, 0.0, 1.0]
+        assert pool.stats()["num_errors"] == 1
+
+        start = time.monotonic()
+        assert pool.score_batch(["x", "sleep", "y"], ["x", "x", "y"]) == [1.0, 0.0, 1.0]
+        assert time.monotonic() - start < 10.0
+        assert pool.stats()["num_timeouts"] == 1
+
+        # The hung worker was replaced: the next batch is correct and is not held up by it.
+        start = time.monotonic()
+        assert pool.score_batch(["a", "b"], ["a", "a"]) == [1.0, 0.0]
+        assert time.monotonic() - start < 5.0
+
+        # A scorer that kills its own process is an error, and the pool carries on.
+        assert pool.score_batch(["die", "z"], ["z", "z"]) == [0.0, 1.0]
+        stats = pool.stats()
+    assert stats == {"num_scored": 11, "num_errors": 2, "num_timeouts": 1, "num_worker_restarts": 2}
+
+
+def test_pool_two_workers_builtin_scorer():
+    with RewardPool("arithmetic", num_workers=2, timeout_s=5.0) as pool:
+        rewards = pool.score_batch([str(i) for i in range(20)], [str(i % 3) for i in range(20)])
+    assert rewards == [1.0 if i == i % 3 else 0.0 for i in range(20)]
+
+
+def test_pool_non_finite_reward_is_error(tests_importable):
+    with RewardPool("scorers_for_tests:not_finite", num_workers=0) as pool:
+        assert pool.score_batch(["1"], ["1"]) == [0.0]
+        assert pool.stats()["num_errors"] == 1
+
+
+def test_pool_rejects_bad_arguments_and_use_after_close():
+    with pytest.raises(ValueError, match="num_workers"):
+        RewardPool("arithmetic", num_workers=-1)
+    with pytest.raises(ValueError, match="timeout_s"):
+        RewardPool("arithmetic", timeout_s=0)
+    with pytest.raises(ValueError, match="start_method"):
+        RewardPool("arithmetic", start_method="fork")
+    pool = RewardPool("arithmetic", num_workers=0)
+    pool.close()
+    pool.close()
+    with pytest.raises(ValueError, match="closed"):
+        pool.score_batch(["1"], ["1"])
