@@ -134,7 +134,7 @@ def aipo_loss(
     logp, others, adv, mask = _prepare(logp, {"behav_logp": behav_logp}, advantages, mask)
     log_ratio = torch.where(mask, logp.detach() - others["behav_logp"], 0.0)
     ratio = log_ratio.exp()
-    weight = ratio
+    weight = ratio.clamp(max=rho)
     per_token = -weight * adv * torch.where(mask, logp, 0.0)
     loss = torch.where(mask, per_token, 0.0).sum() / _denominator(mask, num_loss_tokens, logp.dtype)
 

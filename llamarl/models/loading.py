@@ -10,12 +10,14 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
+import functools
 import importlib.util
 import json
 import os
 import shutil
 import tempfile
 from pathlib import Path
+from unittest import mock
 
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM
@@ -122,16 +124,45 @@ def _file_lock(path: Path):
             fcntl.flock(fh.fileno(), fcntl.LOCK_UN)
 
 
+@contextlib.contextmanager
+def _memoised_gguf():
+    """Share one GGUFReader and one tensor-name map across transformers' GGUF calls.
+
+    Why: transformers re-parses the GGUF for config, weights and tokenizer (~5 s each) and rebuilds
+    gguf's TensorNameMap once per submodule (~400 times); both are pure functions of their inputs,
+    so caching them for the duration of one conversion halves its time (~30 s -> ~15 s).
+    """
+    import gguf  # only the one-off conversion needs it
+
+    if not (hasattr(gguf, "GGUFReader") and hasattr(gguf, "get_tensor_name_map")):
+        yield
+        return
+    readers: dict = {}
+    make_reader = gguf.GGUFReader
+
+    def shared_reader(path, *args, **kwargs):
+        key = (str(path), args, tuple(sorted(kwargs.items())))
+        if key not in readers:
+            readers[key] = make_reader(path, *args, **kwargs)
+        return readers[key]
+
+    name_map = functools.lru_cache(maxsize=None)(gguf.get_tensor_name_map)
+    with mock.patch.object(gguf, "GGUFReader", shared_reader), mock.patch.object(
+        gguf, "get_tensor_name_map", name_map
+    ):
+        yield
+
+
 def _convert_gguf(gguf_dir: Path, out_dir: Path) -> None:
     """De-quantise the GGUF into ``out_dir`` as fp32 safetensors + config + tokenizer."""
-    tokenizer = AutoTokenizer.from_pretrained(gguf_dir, gguf_file=_SMOLLM2_GGUF)
-    quantized = AutoModelForCausalLM.from_pretrained(gguf_dir, gguf_file=_SMOLLM2_GGUF, dtype=torch.float32)
+    with _memoised_gguf():
+        tokenizer = AutoTokenizer.from_pretrained(gguf_dir, gguf_file=_SMOLLM2_GGUF)
+        quantized = AutoModelForCausalLM.from_pretrained(gguf_dir, gguf_file=_SMOLLM2_GGUF, dtype=torch.float32)
     config = quantized.config
     # A GGUF-loaded model refuses save_pretrained; a clean model built from the same config without
     # quantization_config serialises normally (and keeps tie_word_embeddings).
     if hasattr(config, "quantization_config"):
         del config.quantization_config
-    config.name_or_path = SMOLLM2_ALIAS
     with torch.device("meta"):
         clean = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     clean.load_state_dict(quantized.state_dict(), assign=True)
@@ -167,6 +198,7 @@ def resolve_model_path(alias: str) -> Path:
         for stale in models_dir.glob(f".{alias}.tmp-*"):
             shutil.rmtree(stale, ignore_errors=True)
         tmp = Path(tempfile.mkdtemp(prefix=f".{alias}.tmp-", dir=models_dir))
+        tmp.chmod(0o755)  # mkdtemp's 0700 would survive the rename
         try:
             _convert_gguf(gguf_dir, tmp)
             if final.exists():  # an outdated conversion (older format or different GGUF)

@@ -19,7 +19,7 @@ _NUMBER_RE = re.compile(r"(?:(?<![\w)])-)?(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d+)?")
 _MARKER_RES = (
     re.compile(r"\\boxed\{\s*([^{}]*)\}"),
     re.compile(r"####\s*([^\n]*)"),
-    re.compile(r"answer\s+is\s*:?\s*([^\n]*)", re.IGNORECASE),
+    re.compile(r"\banswer\s+is\b\s*:?\s*([^\n]*)", re.IGNORECASE),
 )
 
 

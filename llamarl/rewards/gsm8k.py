@@ -27,7 +27,7 @@ _NUMBER_RE = re.compile(_NUMBER)
 _FRACTION_RE = re.compile(rf"(?:{_NUMBER})\s*/\s*(?:{_NUMBER})")
 _HASH_RE = re.compile(r"####\s*([^\n]*)")
 _ANSWER_RE = re.compile(
-    r"(?:^|\n)\s*A\s*:\s*([^\n]*)|(?:the\s+)?(?:final\s+)?answer\s+is\s*:?\s*([^\n]*)|answer\s*:\s*([^\n]*)",
+    r"(?:^|\n)\s*A\s*:\s*([^\n]*)|(?:the\s+)?(?:final\s+)?answer\s+is\b\s*:?\s*([^\n]*)|\banswer\s*:\s*([^\n]*)",
     re.IGNORECASE,
 )
 _CALCULATOR_RE = re.compile(r"<<[^<>]*>>")

@@ -1,0 +1,164 @@
+"""Top-level dataclass configs. Parsed by tyro at a recipe's entry point only (``--section.field``).
+
+Every field has a docstring (tyro shows it in ``--help``); every config validates itself in
+``__post_init__`` and raises ``ValueError`` with one line naming the flag.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal
+
+
+def _check(condition: bool, message: str) -> None:
+    if not condition:
+        raise ValueError(message)
+
+
+@dataclass
+class ModelConfig:
+    name: str = "smollm2-135m-instruct"
+    """HF causal-LM directory, or the built-in alias ``smollm2-135m-instruct``."""
+    dtype: Literal["float32", "bfloat16"] = "float32"
+    """Trainer parameter dtype (the optimizer state follows it)."""
+
+
+@dataclass
+class GeneratorConfig:
+    num_ranks: int = 1
+    """Ranks given to the generator (the first ranks of the world)."""
+    engine: Literal["torch"] = "torch"
+    """Generation engine: ``torch`` (native, KV-cached batched decoding)."""
+    num_prompts_per_step: int = 16
+    """Prompts started per generator step (each sampled ``samples_per_prompt`` times)."""
+    samples_per_prompt: int = 4
+    """Group size n: samples per prompt, the group the advantage baseline is computed over."""
+    temperature: float = 1.0
+    """Sampling temperature; the behaviour log-probs are those of the tempered distribution."""
+    top_p: float = 1.0
+    """Nucleus sampling threshold (1.0 disables)."""
+    top_k: int = 0
+    """Top-k sampling (0 disables)."""
+    max_new_tokens: int = 12
+    """Maximum completion length in tokens."""
+    token_budget: int | None = None
+    """Partial rollouts: max new tokens per sample per step; unfinished samples are carried over
+    and resumed with newer weights. None generates every sample to completion in one step."""
+    dtype: Literal["float32", "bfloat16"] = "float32"
+    """Generator weights dtype; the weight channel casts the trainer's weights to it."""
+    num_threads: int = 1
+    """torch intra-op threads on each generator rank."""
+
+    def __post_init__(self) -> None:
+        _check(self.num_ranks >= 1, f"--generator.num-ranks must be >= 1, got {self.num_ranks}")
+        _check(self.num_prompts_per_step >= 1, "--generator.num-prompts-per-step must be >= 1")
+        _check(self.samples_per_prompt >= 1, "--generator.samples-per-prompt must be >= 1")
+        _check(self.temperature >= 0, f"--generator.temperature must be >= 0, got {self.temperature}")
+        _check(0 < self.top_p <= 1, f"--generator.top-p must be in (0, 1], got {self.top_p}")
+        _check(self.max_new_tokens >= 1, "--generator.max-new-tokens must be >= 1")
+        _check(self.token_budget is None or self.token_budget >= 1, "--generator.token-budget must be >= 1")
+
+
+@dataclass
+class RewardConfig:
+    num_ranks: int = 1
+    """Ranks given to the reward executor (after the generator's)."""
+    num_workers: int = 1
+    """Scoring processes per reward rank (0 scores inline, without timeouts)."""
+    timeout_s: float = 5.0
+    """Per-sample scoring timeout; a timeout scores 0 and is counted."""
+
+    def __post_init__(self) -> None:
+        _check(self.num_ranks >= 1, f"--reward.num-ranks must be >= 1, got {self.num_ranks}")
+        _check(self.num_workers >= 0, "--reward.num-workers must be >= 0")
+        _check(self.timeout_s > 0, "--reward.timeout-s must be > 0")
+
+
+@dataclass
+class AlgoConfig:
+    loss: Literal["aipo", "decoupled_ppo", "ppo"] = "aipo"
+    """Policy loss: AIPO (LlamaRL), decoupled PPO (AReaL) or coupled PPO/GRPO (on-policy baseline)."""
+    prox: Literal["recompute", "loglinear"] = "recompute"
+    """Proximal policy for decoupled PPO: a no-grad forward before the update, or A-3PO's
+    log-linear interpolation between behaviour and current log-probs."""
+    rho: float = 4.0
+    """AIPO one-sided clip of the importance ratio (typical 2..10)."""
+    eps_clip: float = 0.2
+    """PPO clip range epsilon."""
+    behav_weight_cap: float | None = None
+    """Decoupled PPO: drop tokens whose behaviour weight exp(prox - behav) exceeds this."""
+    advantage: Literal["grpo", "rloo", "mean"] = "grpo"
+    """Group baseline: GRPO mean/std, RLOO leave-one-out, or plain group mean."""
+    normalize_batch: bool = False
+    """Normalise advantages over the whole batch after the group baseline."""
+    max_staleness: int | None = None
+    """eta (AReaL): drop samples whose oldest token is more than this many versions behind the
+    trainer. None keeps everything (the async pipeline already bounds the lag)."""
+
+    def __post_init__(self) -> None:
+        _check(self.rho > 0, f"--algo.rho must be > 0, got {self.rho}")
+        _check(0 < self.eps_clip < 1, f"--algo.eps-clip must be in (0, 1), got {self.eps_clip}")
+        _check(self.max_staleness is None or self.max_staleness >= 0, "--algo.max-staleness must be >= 0")
+
+
+@dataclass
+class TrainerConfig:
+    lr: float = 1e-5
+    """AdamW learning rate."""
+    weight_decay: float = 0.0
+    """AdamW weight decay."""
+    grad_clip: float = 1.0
+    """Clip the global gradient norm to this (0 disables)."""
+    max_tokens_per_microbatch: int = 2048
+    """Dynamic micro-batching budget: samples are packed (first-fit decreasing) so that no
+    micro-batch holds more tokens than this."""
+    num_threads: int = 1
+    """torch intra-op threads on each trainer rank."""
+
+    def __post_init__(self) -> None:
+        _check(self.lr > 0, f"--trainer.lr must be > 0, got {self.lr}")
+        _check(self.grad_clip >= 0, "--trainer.grad-clip must be >= 0")
+        _check(self.max_tokens_per_microbatch >= 1, "--trainer.max-tokens-per-microbatch must be >= 1")
+
+
+@dataclass
+class WeightsConfig:
+    mode: Literal["gather_broadcast"] = "gather_broadcast"
+    """How trainer weights reach the generator: ``gather_broadcast`` (all-gather on the trainer,
+    its first rank sends the full model to every generator rank)."""
+
+
+@dataclass
+class RunConfig:
+    max_steps: int = 20
+    """Controller ticks to run."""
+    schedule: Literal["async", "sync"] = "async"
+    """``async``: executors overlap (off-policy); ``sync``: one after another (on-policy)."""
+    seed: int = 0
+    """Seed for data order, sampling and initialisation."""
+    output_dir: str | None = None
+    """Run directory (metrics, summary.json, checkpoints); default runs/<recipe>-<timestamp>."""
+    checkpoint_every: int = 0
+    """Save every executor's state every this many ticks (0: never)."""
+    collective_timeout_s: float = 300.0
+    """Timeout of every collective / point-to-point wait: a dead peer becomes an error."""
+    num_eval_problems: int = 100
+    """Held-out problems for the greedy accuracy evaluated before and after training."""
+
+    def __post_init__(self) -> None:
+        _check(self.max_steps >= 0, f"--run.max-steps must be >= 0, got {self.max_steps}")
+        _check(self.checkpoint_every >= 0, "--run.checkpoint-every must be >= 0")
+        _check(self.collective_timeout_s > 0, "--run.collective-timeout-s must be > 0")
+
+
+@dataclass
+class RLConfig:
+    """Everything a recipe needs; each section is a ``--section.field`` group on the CLI."""
+
+    model: ModelConfig = field(default_factory=ModelConfig)
+    generator: GeneratorConfig = field(default_factory=GeneratorConfig)
+    reward: RewardConfig = field(default_factory=RewardConfig)
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    algo: AlgoConfig = field(default_factory=AlgoConfig)
+    weights: WeightsConfig = field(default_factory=WeightsConfig)
+    run: RunConfig = field(default_factory=RunConfig)

@@ -1,0 +1,294 @@
+"""Native batched generation for any HF causal LM, with exact behaviour log-probs and partial rollouts.
+
+The decode loop is written here (not ``model.generate``) so that the engine controls exactly which
+distribution each token is drawn from, reports its log-prob, and can stop a request after a per-call
+token budget (LlamaRL §4.2 / AReaL interruptible generation): such a request comes back "carried" and
+is later re-submitted, possibly after a weight update, with its partial completion. Every token is
+tagged with the weight ``version`` that produced it, so the trainer can correct for off-policyness.
+
+Batching: prompts are left-padded into one batch, with an explicit attention mask and position ids,
+and decoded with a transformers ``DynamicCache``. Finished rows are dropped from the batch and the KV
+cache, so long stragglers do not drag dead rows through every forward pass.
+
+Behaviour log-prob (what ``Completion.logprobs`` holds), computed in fp32:
+
+* ``temperature > 0``: log-prob of the sampled token under the distribution actually sampled from,
+  i.e. ``softmax(logits / T)`` restricted to the top-k / top-p set and renormalised (vLLM's
+  "processed logprobs"). With ``top_p == 1`` and ``top_k == 0`` this is ``log_softmax(logits / T)``.
+* ``temperature == 0`` (greedy, argmax): ``log_softmax(logits)`` at the argmax, i.e. T = 1 and no
+  filtering (top-k / top-p are ignored; they cannot change the argmax).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import torch
+from transformers import DynamicCache
+
+FINISH_STOP = "stop"
+FINISH_LENGTH = "length"
+FINISH_CARRIED = "carried"
+
+
+@dataclass
+class SamplingParams:
+    """Decoding settings; ``max_new_tokens`` bounds the whole completion, carried tokens included."""
+
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    max_new_tokens: int = 64
+
+    def __post_init__(self) -> None:
+        if not (math.isfinite(self.temperature) and self.temperature >= 0):
+            raise ValueError(f"temperature must be a finite number >= 0, got {self.temperature}")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.top_k < 0:
+            raise ValueError(f"top_k must be >= 0 (0 disables it), got {self.top_k}")
+        if self.max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
+
+
+@dataclass
+class Request:
+    """One sample to generate; non-empty ``completion_ids`` resume a carried-over partial output."""
+
+    sample_id: int
+    prompt_ids: list[int]
+    completion_ids: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)  # behaviour log-probs of completion_ids
+    versions: list[int] = field(default_factory=list)  # weight version behind each completion token
+
+
+@dataclass
+class Completion:
+    """A generated sample; ``finish_reason`` is "stop" (EOS, included), "length" or "carried"."""
+
+    sample_id: int
+    prompt_ids: list[int]
+    completion_ids: list[int]
+    logprobs: list[float]
+    versions: list[int]
+    finish_reason: str
+
+    def to_request(self) -> Request:
+        """Return a ``Request`` that resumes this (carried) completion where it stopped."""
+        return Request(
+            sample_id=self.sample_id,
+            prompt_ids=list(self.prompt_ids),
+            completion_ids=list(self.completion_ids),
+            logprobs=list(self.logprobs),
+            versions=list(self.versions),
+        )
+
+
+def filtered_logprobs(logits: torch.Tensor, *, temperature: float, top_p: float = 1.0, top_k: int = 0):
+    """Return fp32 log-probs of the distribution sampled from: ``softmax(logits / T)`` after top-k then
+    top-p filtering, renormalised; filtered-out tokens get ``-inf``.
+
+    Contract: ``logits`` is ``(..., vocab)``; ``temperature > 0``. top-k keeps every token tied with the
+    k-th largest logit; top-p keeps the smallest prefix (by descending probability) whose mass reaches
+    ``top_p`` (so the most likely token always survives). With ``top_p == 1, top_k == 0`` the result is
+    exactly ``log_softmax(logits.float() / temperature)``. The order (temperature, top-k, top-p) matches
+    HF and vLLM.
+    """
+    if temperature <= 0:
+        raise ValueError(f"filtered_logprobs needs temperature > 0, got {temperature}")
+    x = logits.float() / temperature
+    if 0 < top_k < x.shape[-1]:
+        kth = torch.topk(x, top_k, dim=-1).values[..., -1:]
+        x = x.masked_fill(x < kth, float("-inf"))
+    if top_p < 1.0:
+        sorted_x, order = torch.sort(x, dim=-1, descending=True)
+        probs = sorted_x.softmax(dim=-1)
+        # Drop a token once the mass strictly before it already reaches top_p.
+        drop_sorted = (probs.cumsum(dim=-1) - probs) >= top_p
+        drop = torch.empty_like(drop_sorted).scatter_(-1, order, drop_sorted)
+        x = x.masked_fill(drop, float("-inf"))
+    return torch.log_softmax(x, dim=-1)
+
+
+def sample_tokens(logits: torch.Tensor, *, sampling: SamplingParams, generator: torch.Generator | None = None):
+    """Pick one token per row of ``logits`` ``(batch, vocab)``; return ``(tokens, logprobs)``.
+
+    Contract: tokens are int64 ``(batch,)``; logprobs are fp32 ``(batch,)`` behaviour log-probs as
+    documented in the module docstring (greedy when ``temperature == 0``). Sampling draws from
+    ``generator`` only, so a seeded generator makes the draw reproducible.
+    """
+    if sampling.temperature == 0:
+        logp = torch.log_softmax(logits.float(), dim=-1)
+        tokens = logp.argmax(dim=-1)
+    else:
+        logp = filtered_logprobs(
+            logits, temperature=sampling.temperature, top_p=sampling.top_p, top_k=sampling.top_k
+        )
+        tokens = torch.multinomial(logp.exp(), 1, generator=generator).squeeze(1)
+    return tokens, logp.gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
+
+
+class TorchEngine:
+    """Batched KV-cached sampler over a live HF causal LM (weights may change in place between calls)."""
+
+    def __init__(self, model: torch.nn.Module, *, eos_token_ids: list[int], pad_token_id: int):
+        """Wrap ``model`` (any HF causal LM accepting ``past_key_values`` and ``logits_to_keep``).
+
+        Contract: the engine keeps only a reference to ``model`` and caches nothing derived from its
+        weights, so in-place weight updates between ``generate`` calls take effect at once. Generation
+        stops at any id in ``eos_token_ids`` (an empty list: only at the length limits).
+        ``pad_token_id`` fills left padding; it is always masked, so any valid id works.
+        """
+        self.model = model
+        self.eos_token_ids = [int(t) for t in eos_token_ids]
+        self.pad_token_id = int(pad_token_id)
+        self._eos = torch.tensor(self.eos_token_ids, dtype=torch.long)
+
+    def _check(self, req: Request, sampling: SamplingParams, vocab: int) -> None:
+        n = len(req.completion_ids)
+        if not req.prompt_ids:
+            raise ValueError(f"request {req.sample_id} has an empty prompt")
+        if len(req.logprobs) != n or len(req.versions) != n:
+            raise ValueError(
+                f"request {req.sample_id}: completion_ids, logprobs and versions must have equal lengths"
+            )
+        if n > sampling.max_new_tokens:
+            raise ValueError(
+                f"request {req.sample_id} carries {n} tokens, more than max_new_tokens={sampling.max_new_tokens}"
+            )
+        if n and req.completion_ids[-1] in self.eos_token_ids:
+            raise ValueError(f"request {req.sample_id} already ended with EOS; it cannot be resumed")
+        ids = req.prompt_ids + req.completion_ids
+        if min(ids) < 0 or max(ids) >= vocab:
+            raise ValueError(f"request {req.sample_id} has token ids outside [0, {vocab})")
+
+    @torch.no_grad()
+    def generate(
+        self,
+        requests: list[Request],
+        *,
+        sampling: SamplingParams,
+        version: int,
+        generator: torch.Generator | None = None,
+        token_budget: int | None = None,
+    ) -> list[Completion]:
+        """Generate (or continue) every request; return one ``Completion`` per request, in input order.
+
+        Contract: each request ends when it samples an EOS id ("stop"; the EOS token is kept in
+        ``completion_ids``), when its completion reaches ``sampling.max_new_tokens`` tokens counting
+        carried ones ("length"), or, if ``token_budget`` is set, after ``token_budget`` new tokens in
+        this call ("carried", resumable with ``Completion.to_request``). Carried-in tokens, log-probs and
+        versions are returned unchanged; new tokens are tagged ``version``. A resumed request is
+        re-prefilled from prompt + partial completion, so with unchanged weights and greedy decoding a
+        carried-then-resumed sample equals the uninterrupted one. The model is run in eval mode and its
+        previous train/eval mode is restored afterwards.
+        """
+        if token_budget is not None and token_budget < 1:
+            raise ValueError(f"token_budget must be >= 1 (or None), got {token_budget}")
+        vocab = self.model.get_input_embeddings().num_embeddings
+        results: list[Completion | None] = [None] * len(requests)
+        rows, limits = [], []
+        for i, req in enumerate(requests):
+            self._check(req, sampling, vocab)
+            remaining = sampling.max_new_tokens - len(req.completion_ids)
+            if remaining == 0:
+                results[i] = self._finish(req, [], [], version, FINISH_LENGTH)
+                continue
+            rows.append(i)
+            limits.append(remaining if token_budget is None else min(remaining, token_budget))
+        if rows:
+            was_training = self.model.training
+            self.model.eval()
+            try:
+                new_ids, new_lps, stopped = self._decode(
+                    [requests[i] for i in rows], limits=limits, sampling=sampling, generator=generator
+                )
+            finally:
+                self.model.train(was_training)
+            for i, ids, lps, stop in zip(rows, new_ids, new_lps, stopped):
+                req = requests[i]
+                if stop:
+                    reason = FINISH_STOP
+                elif len(req.completion_ids) + len(ids) >= sampling.max_new_tokens:
+                    reason = FINISH_LENGTH
+                else:
+                    reason = FINISH_CARRIED
+                results[i] = self._finish(req, ids, lps, version, reason)
+        return results
+
+    @staticmethod
+    def _finish(req: Request, ids: list[int], lps: list[float], version: int, reason: str) -> Completion:
+        return Completion(
+            sample_id=req.sample_id,
+            prompt_ids=list(req.prompt_ids),
+            completion_ids=list(req.completion_ids) + ids,
+            logprobs=list(req.logprobs) + lps,
+            versions=list(req.versions) + [version] * len(ids),
+            finish_reason=reason,
+        )
+
+    def _forward(self, input_ids, *, attention_mask, position_ids, cache) -> torch.Tensor:
+        # logits_to_keep=1: prefill computes the vocab projection for the last position only.
+        out = self.model(
+            input_ids=input_ids,
+            attention_mask=attention_mask,
+            position_ids=position_ids,
+            past_key_values=cache,
+            use_cache=True,
+            logits_to_keep=1,
+        )
+        return out.logits[:, -1]
+
+    def _decode(self, reqs: list[Request], *, limits: list[int], sampling: SamplingParams, generator):
+        """Run prefill + decode; return per-request new token ids, log-probs and whether EOS stopped it."""
+        device = self.model.get_input_embeddings().weight.device
+        contexts = [r.prompt_ids + r.completion_ids for r in reqs]
+        batch, width = len(contexts), max(len(c) for c in contexts)
+        input_ids = torch.full((batch, width), self.pad_token_id, dtype=torch.long)
+        mask = torch.zeros((batch, width), dtype=torch.long)
+        for b, ctx in enumerate(contexts):
+            input_ids[b, width - len(ctx) :] = torch.tensor(ctx, dtype=torch.long)
+            mask[b, width - len(ctx) :] = 1
+        input_ids, mask = input_ids.to(device), mask.to(device)
+        # Left padding: real tokens get positions 0..len-1 whatever their column.
+        positions = (mask.cumsum(dim=-1) - 1).clamp_min(0)
+        next_pos = torch.tensor([len(c) for c in contexts], dtype=torch.long, device=device)
+
+        cache = DynamicCache(config=self.model.config)
+        logits = self._forward(input_ids, attention_mask=mask, position_ids=positions, cache=cache)
+
+        max_steps = max(limits)
+        out_ids = torch.zeros((batch, max_steps), dtype=torch.long, device=device)
+        out_lps = torch.zeros((batch, max_steps), dtype=torch.float32, device=device)
+        n_new = torch.zeros(batch, dtype=torch.long, device=device)
+        stopped = torch.zeros(batch, dtype=torch.bool, device=device)
+        limit = torch.tensor(limits, dtype=torch.long, device=device)
+        eos = self._eos.to(device)
+        active = torch.arange(batch, device=device)  # original row of each live batch row
+        for step in range(max_steps):
+            tokens, lps = sample_tokens(logits, sampling=sampling, generator=generator)
+            out_ids[active, step] = tokens
+            out_lps[active, step] = lps
+            hit_eos = torch.isin(tokens, eos)
+            done = hit_eos | (limit[active] <= step + 1)
+            if bool(done.any()):
+                n_new[active[done]] = step + 1
+                stopped[active[done]] = hit_eos[done]
+                keep = (~done).nonzero().squeeze(1)
+                if keep.numel() == 0:
+                    break
+                # Shrink the batch so finished rows cost nothing in later steps.
+                active, tokens, mask, next_pos = active[keep], tokens[keep], mask[keep], next_pos[keep]
+                cache.batch_select_indices(keep)
+            mask = torch.cat([mask, mask.new_ones((mask.shape[0], 1))], dim=1)
+            logits = self._forward(
+                tokens.unsqueeze(1), attention_mask=mask, position_ids=next_pos.unsqueeze(1), cache=cache
+            )
+            next_pos = next_pos + 1
+
+        # One host transfer for the whole batch, then plain slicing.
+        ids_rows, lps_rows, counts = out_ids.tolist(), out_lps.tolist(), n_new.tolist()
+        new_ids = [row[:n] for row, n in zip(ids_rows, counts)]
+        new_lps = [row[:n] for row, n in zip(lps_rows, counts)]
+        return new_ids, new_lps, stopped.tolist()

@@ -1,0 +1,166 @@
+"""GeneratorExecutor: samples groups of completions for a task's prompts with the current weights.
+
+Each step takes ``num_prompts_per_step`` new prompts (data position advances deterministically,
+so a resumed run neither skips nor repeats a prompt), samples ``samples_per_prompt`` completions
+each, plus resumes the samples carried over from the previous step (partial rollouts, with
+``--generator.token-budget``). A prompt's group is emitted only when all its samples finished,
+because the advantage baseline needs the whole group.
+
+Output (channel ``rollouts``): right-padded ``input_ids`` [N, L] = prompt + completion,
+``loss_mask`` / ``behav_logp`` / ``versions`` [N, L] at the completion positions (versions -1
+elsewhere), ``num_tokens``, ``prompt_len``, ``completion_len``, ``group_ids`` (the prompt's data
+index), ``finish_stop`` (1 when the sample ended on EOS), strings ``completion`` / ``reference``;
+metadata ``group_size``.
+
+With several generator ranks (data-parallel replicas) rank r of the executor takes prompts
+``position + r * num_prompts_per_step + i``.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Callable, Protocol
+
+import torch
+
+from llamarl.batch import TensorBatch
+from llamarl.config import GeneratorConfig, ModelConfig
+from llamarl.data.prompts import Problem
+from llamarl.engines.torch_engine import Completion, Request, SamplingParams, TorchEngine
+from llamarl.executors.base import Executor
+from llamarl.models.loading import load_causal_lm
+
+
+class Task(Protocol):
+    def sample(self, index: int) -> Problem: ...
+
+
+PromptFn = Callable[[object, str], list[int]]
+
+
+def completions_to_batch(completions: list[Completion], *, group_ids: list[int], references: list[str],
+                         texts: list[str], pad_token_id: int, group_size: int) -> TensorBatch:
+    """Pack finished completions into the rollout TensorBatch described in the module docstring."""
+    rows = len(completions)
+    lengths = [len(c.prompt_ids) + len(c.completion_ids) for c in completions]
+    width = max(lengths, default=0)
+    input_ids = torch.full((rows, width), pad_token_id, dtype=torch.int64)
+    loss_mask = torch.zeros(rows, width, dtype=torch.uint8)
+    behav_logp = torch.zeros(rows, width, dtype=torch.float32)
+    versions = torch.full((rows, width), -1, dtype=torch.int64)
+    for row, c in enumerate(completions):
+        p, n = len(c.prompt_ids), len(c.completion_ids)
+        input_ids[row, : p + n] = torch.tensor(c.prompt_ids + c.completion_ids, dtype=torch.int64)
+        loss_mask[row, p : p + n] = 1
+        behav_logp[row, p : p + n] = torch.tensor(c.logprobs, dtype=torch.float32)
+        versions[row, p : p + n] = torch.tensor(c.versions, dtype=torch.int64)
+    batch = TensorBatch({
+        "input_ids": input_ids, "loss_mask": loss_mask, "behav_logp": behav_logp, "versions": versions,
+        "num_tokens": torch.tensor(lengths, dtype=torch.int64),
+        "prompt_len": torch.tensor([len(c.prompt_ids) for c in completions], dtype=torch.int64),
+        "completion_len": torch.tensor([len(c.completion_ids) for c in completions], dtype=torch.int64),
+        "group_ids": torch.tensor(group_ids, dtype=torch.int64),
+        "finish_stop": torch.tensor([c.finish_reason == "stop" for c in completions]),
+    }, {"group_size": group_size})
+    batch.set_strings("completion", texts)
+    batch.set_strings("reference", references)
+    return batch
+
+
+class GeneratorExecutor(Executor):
+    """Rollout generation with the native engine; weights arrive through a WeightsChannel."""
+
+    name = "generator"
+
+    def __init__(self, ctx, *, model_config: ModelConfig, config: GeneratorConfig, task: Task,
+                 prompt_fn: PromptFn, output_name: str = "rollouts", seed: int = 0) -> None:
+        super().__init__(ctx)
+        self.model_config, self.config, self.task, self.prompt_fn = model_config, config, task, prompt_fn
+        self.output_name, self.seed = output_name, seed
+        self.version = 0
+        self.data_position = 0
+        self.carried: list[Request] = []
+        self.finished: dict[int, list[Completion]] = {}
+        self.problems: dict[int, Problem] = {}
+
+    def init(self) -> None:
+        torch.set_num_threads(self.config.num_threads)
+        self.model, self.tokenizer = load_causal_lm(self.model_config.name, dtype=getattr(torch, self.config.dtype))
+        self.model.eval()
+        eos = self.tokenizer.eos_token_id
+        pad = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else eos
+        self.engine = TorchEngine(self.model, eos_token_ids=[eos], pad_token_id=pad)
+        self.rng = torch.Generator().manual_seed(self.seed * 1000 + self.ctx.local_rank)
+
+    def get_model(self) -> torch.nn.Module:
+        return self.model
+
+    def set_weights_version(self, version: int) -> None:
+        """Called by the weight channel after new weights were written into the model."""
+        self.version = version
+
+    def sampling(self) -> SamplingParams:
+        c = self.config
+        return SamplingParams(temperature=c.temperature, top_p=c.top_p, top_k=c.top_k, max_new_tokens=c.max_new_tokens)
+
+    def _new_requests(self) -> list[Request]:
+        c = self.config
+        first = self.data_position + self.ctx.local_rank * c.num_prompts_per_step
+        self.data_position += c.num_prompts_per_step * self.ctx.local_world_size
+        requests = []
+        for index in range(first, first + c.num_prompts_per_step):
+            problem = self.task.sample(index)
+            self.problems[index] = problem
+            prompt_ids = self.prompt_fn(self.tokenizer, problem.question)
+            requests += [Request(sample_id=index * c.samples_per_prompt + j, prompt_ids=list(prompt_ids))
+                         for j in range(c.samples_per_prompt)]
+        return requests
+
+    def step(self) -> None:
+        start = time.perf_counter()
+        requests = self.carried + self._new_requests()
+        outputs = self.engine.generate(requests, sampling=self.sampling(), version=self.version,
+                                       generator=self.rng, token_budget=self.config.token_budget)
+        seconds = time.perf_counter() - start
+        previous = {r.sample_id: len(r.completion_ids) for r in requests}
+        num_new_tokens = sum(len(o.completion_ids) - previous[o.sample_id] for o in outputs)
+        self.carried = []
+        n = self.config.samples_per_prompt
+        for out in outputs:
+            if out.finish_reason == "carried":
+                self.carried.append(Request(sample_id=out.sample_id, prompt_ids=out.prompt_ids,
+                                            completion_ids=out.completion_ids, logprobs=out.logprobs,
+                                            versions=out.versions))
+            else:
+                self.finished.setdefault(out.sample_id // n, []).append(out)
+        done = sorted(g for g, outs in self.finished.items() if len(outs) == n)
+        completions, group_ids, references = [], [], []
+        for g in done:
+            for out in sorted(self.finished.pop(g), key=lambda o: o.sample_id):
+                completions.append(out)
+                group_ids.append(g)
+                references.append(self.problems[g].answer)
+            del self.problems[g]
+        texts = self.tokenizer.batch_decode([c.completion_ids for c in completions], skip_special_tokens=True)
+        if completions:
+            self.outputs[self.output_name] = completions_to_batch(
+                completions, group_ids=group_ids, references=references, texts=texts,
+                pad_token_id=self.engine.pad_token_id, group_size=n)
+        self.metrics = {"gen_seconds": seconds, "gen_new_tokens": float(num_new_tokens),
+                        "gen_tokens_per_s": num_new_tokens / max(seconds, 1e-9),
+                        "gen_carried": float(len(self.carried)), "gen_version": float(self.version),
+                        "gen_emitted_samples": float(len(completions))}
+
+    @torch.no_grad()
+    def evaluate(self, problems: list[Problem], score: Callable[[str, str], float], *, chunk: int = 64) -> float:
+        """Greedy accuracy of the current weights on ``problems`` (fraction scored 1.0)."""
+        greedy = SamplingParams(temperature=0.0, max_new_tokens=self.config.max_new_tokens)
+        correct = 0.0
+        for lo in range(0, len(problems), chunk):
+            part = problems[lo : lo + chunk]
+            requests = [Request(sample_id=i, prompt_ids=list(self.prompt_fn(self.tokenizer, p.question)))
+                        for i, p in enumerate(part)]
+            outs = self.engine.generate(requests, sampling=greedy, version=self.version)
+            texts = self.tokenizer.batch_decode([o.completion_ids for o in outs], skip_special_tokens=True)
+            correct += sum(score(t, p.answer) for t, p in zip(texts, part))
+        return correct / max(len(problems), 1)

@@ -1,0 +1,52 @@
+"""RewardExecutor: scores rollouts with a rule-based scorer in a process pool.
+
+Reads the ``completion`` / ``reference`` strings of its input batch, adds ``rewards`` (float32
+[N]) and passes the batch on. A scorer that raises or times out gives 0 and is counted in the
+metrics (``reward_errors`` / ``reward_timeouts``); it never stops the run.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from llamarl.batch import TensorBatch
+from llamarl.config import RewardConfig
+from llamarl.executors.base import Executor
+from llamarl.rewards.pool import RewardPool
+
+
+class RewardExecutor(Executor):
+    name = "reward"
+
+    def __init__(self, ctx, *, config: RewardConfig, scorer: str, input_name: str = "rollouts",
+                 output_name: str = "scored") -> None:
+        super().__init__(ctx)
+        self.config, self.scorer = config, scorer
+        self.input_name, self.output_name = input_name, output_name
+        self.pool: RewardPool | None = None
+
+    def init(self) -> None:
+        torch.set_num_threads(1)
+        self.pool = RewardPool(self.scorer, num_workers=self.config.num_workers, timeout_s=self.config.timeout_s)
+
+    def step(self) -> None:
+        batch = self.inputs.pop(self.input_name, TensorBatch())
+        if not len(batch):
+            self.metrics = {}
+            return
+        start = time.perf_counter()
+        rewards = self.pool.score_batch(batch.get_strings("completion"), batch.get_strings("reference"))
+        batch.fields["rewards"] = torch.tensor(rewards, dtype=torch.float32)
+        self.outputs[self.output_name] = batch
+        stats = self.pool.stats()
+        self.metrics = {"reward_mean": float(sum(rewards) / len(rewards)),
+                        "accuracy": float(sum(r >= 1.0 for r in rewards) / len(rewards)),
+                        "completion_len_mean": float(batch["completion_len"].float().mean()),
+                        "reward_errors": float(stats["num_errors"]), "reward_timeouts": float(stats["num_timeouts"]),
+                        "reward_seconds": time.perf_counter() - start, "reward_samples": float(len(rewards))}
+
+    def close(self) -> None:
+        if self.pool is not None:
+            self.pool.close()

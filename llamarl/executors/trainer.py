@@ -1,0 +1,208 @@
+"""TrainerExecutor: the policy under FSDP2 on the trainer mesh, one optimizer step per tick.
+
+Input (channel ``scored``, SCATTERed so prompt groups are whole on each rank): right-padded
+``input_ids`` [N, L] (prompt then completion), ``loss_mask`` [N, L] (1 on completion tokens),
+``behav_logp`` [N, L] and ``versions`` [N, L] (-1 off the completion) at the same positions,
+``rewards`` [N], ``group_ids`` [N], ``num_tokens`` [N]; metadata ``group_size``.
+
+Each step:
+1. advantages from the group baseline (``--algo.advantage``); staleness measured per token
+   against the trainer's version; rows older than ``--algo.max-staleness`` are dropped;
+2. the global count of loss tokens over all DP ranks (one all-reduce), so the loss is a global
+   token mean however the samples are split into micro-batches and ranks;
+3. dynamic micro-batches (first-fit decreasing by token count, ``max_tokens_per_microbatch``);
+   every rank runs the same number of micro-batches (padding with zero-weight dummies) because
+   each FSDP2 forward / backward is collective;
+4. loss (AIPO / decoupled PPO / PPO), backward, gradient clipping, AdamW; version += 1.
+
+FSDP2 averages gradients over the mesh; the loss is multiplied by the DP size to turn that
+average back into the sum that a global token mean needs.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+import torch.distributed as dist
+from torch.distributed.fsdp import fully_shard
+
+from llamarl.algorithms.advantages import group_advantages
+from llamarl.algorithms.losses import aipo_loss, decoupled_ppo_loss, ppo_loss
+from llamarl.algorithms.prox import loglinear_prox_logp
+from llamarl.batch import TensorBatch
+from llamarl.config import AlgoConfig, ModelConfig, TrainerConfig
+from llamarl.data.packing import pack_microbatches
+from llamarl.executors.base import Executor
+from llamarl.models.loading import load_causal_lm
+
+
+def shard_model(model: torch.nn.Module, mesh) -> torch.nn.Module:
+    """FSDP2 ``fully_shard`` each decoder layer, then the root (HF ``model.model.layers`` layout)."""
+    layers = getattr(getattr(model, "model", None), "layers", None)
+    for layer in layers or []:
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    return model
+
+
+def completion_logprobs(model, input_ids, attention_mask, *, start: int, temperature: float) -> torch.Tensor:
+    """Log-probs [B, L] of ``input_ids[:, t]`` under ``model`` for t >= ``start`` (0 before).
+
+    Only the logits of positions ``start - 1 .. L - 2`` are computed (``logits_to_keep``): the
+    prompt's full-vocabulary logits are the most expensive part of the forward and unused.
+    Logits are divided by ``temperature`` so the ratio with the behaviour log-probs is exact.
+    """
+    length = input_ids.shape[1]
+    start = max(int(start), 1)
+    logits = model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False,
+                   logits_to_keep=length - start + 1).logits[:, :-1].float()
+    if temperature > 0:
+        logits = logits / temperature
+    targets = input_ids[:, start:]
+    token_logp = torch.log_softmax(logits, dim=-1).gather(-1, targets.unsqueeze(-1)).squeeze(-1)
+    return torch.nn.functional.pad(token_logp, (start, 0))
+
+
+class TrainerExecutor(Executor):
+    """Policy optimisation on the trainer's ranks. ``version`` counts optimizer steps."""
+
+    name = "trainer"
+
+    def __init__(self, ctx, *, model_config: ModelConfig, config: TrainerConfig, algo: AlgoConfig,
+                 temperature: float, input_name: str = "scored", seed: int = 0) -> None:
+        super().__init__(ctx)
+        self.model_config, self.config, self.algo = model_config, config, algo
+        self.temperature, self.input_name, self.seed = temperature, input_name, seed
+        self.version = 0
+        self.model = None
+
+    def init(self) -> None:
+        torch.set_num_threads(self.config.num_threads)
+        torch.manual_seed(self.seed)
+        dtype = getattr(torch, self.model_config.dtype)
+        model, _ = load_causal_lm(self.model_config.name, dtype=dtype)
+        self.model = shard_model(model, self.ctx.mesh)
+        self.model.train()
+        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=self.config.lr,
+                                           weight_decay=self.config.weight_decay)
+
+    def get_model(self) -> torch.nn.Module:
+        return self.model
+
+    # ----- one step -----
+    def step(self) -> None:
+        batch = self.inputs.pop(self.input_name, TensorBatch())
+        start = time.perf_counter()
+        metrics = self.train_on(batch)
+        metrics["train_seconds"] = time.perf_counter() - start
+        self.metrics = metrics
+
+    def _all_reduce(self, values: list[float], op=dist.ReduceOp.SUM) -> list[float]:
+        tensor = torch.tensor(values, dtype=torch.float64, device=self.ctx.device)
+        dist.all_reduce(tensor, op=op, group=self.ctx.group)
+        return tensor.tolist()
+
+    def prepare(self, batch: TensorBatch) -> tuple[TensorBatch, dict[str, float]]:
+        """Advantages, staleness and the max-staleness filter on this rank's rows."""
+        stats: dict[str, float] = {}
+        if not len(batch):
+            return batch, stats
+        group_size = int(batch.metadata.get("group_size", 1))
+        order = torch.argsort(batch["group_ids"], stable=True)
+        batch = batch.select(order)
+        advantages = group_advantages(batch["rewards"].float(), group_size, mode=self.algo.advantage,
+                                      normalize_batch=self.algo.normalize_batch)
+        batch.fields["advantages"] = advantages
+        mask = batch["loss_mask"].bool()
+        staleness = (self.version - batch["versions"]).masked_fill(~mask, 0)
+        if self.algo.max_staleness is not None:
+            stale_rows = (staleness > self.algo.max_staleness).any(dim=1)
+            batch.fields["loss_mask"] = batch["loss_mask"] * (~stale_rows).unsqueeze(1).to(batch["loss_mask"].dtype)
+            stats["dropped_stale_samples"] = float(stale_rows.sum())
+        stats["staleness_sum"] = float(staleness[mask].sum())
+        stats["staleness_max"] = float(staleness[mask].max()) if mask.any() else 0.0
+        return batch, stats
+
+    def train_on(self, batch: TensorBatch) -> dict[str, float]:
+        """One optimizer step on this rank's part of the batch (collective over the trainer)."""
+        batch, stats = self.prepare(batch)
+        num_local_tokens = float(batch["loss_mask"].sum()) if len(batch) else 0.0
+        lengths = batch["num_tokens"].tolist() if len(batch) else []
+        microbatches = pack_microbatches(lengths, max_tokens_per_microbatch=self.config.max_tokens_per_microbatch) \
+            if lengths else []
+        total_tokens, staleness_sum = self._all_reduce([num_local_tokens, stats.get("staleness_sum", 0.0)])
+        max_mbs = int(self._all_reduce([float(len(microbatches))], op=dist.ReduceOp.MAX)[0])
+        if total_tokens == 0:
+            return {"skipped": 1.0, "version": float(self.version)}
+        dp_size = self.ctx.local_world_size
+        prox_all = self._recompute_prox(batch, microbatches, max_mbs) \
+            if self.algo.loss == "decoupled_ppo" and self.algo.prox == "recompute" else None
+        sums: dict[str, float] = {}
+        self.optimizer.zero_grad(set_to_none=True)
+        for index in range(max_mbs):
+            rows = microbatches[index] if index < len(microbatches) else None
+            loss, metrics, num_tokens = self._microbatch_loss(batch, index, rows, total_tokens, prox_all)
+            (loss * dp_size).backward()
+            for key, value in metrics.items():
+                sums[key] = sums.get(key, 0.0) + float(value) * num_tokens
+            sums["loss"] = sums.get("loss", 0.0) + float(loss)
+        grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(),
+                                                   self.config.grad_clip if self.config.grad_clip > 0 else float("inf"))
+        if isinstance(grad_norm, torch.distributed.tensor.DTensor):
+            grad_norm = grad_norm.full_tensor()
+        self.optimizer.step()
+        self.version += 1
+        keys = sorted(k for k in sums if k != "loss")
+        reduced = self._all_reduce([sums["loss"]] + [sums[k] for k in keys])
+        out = {"loss": reduced[0], "grad_norm": float(grad_norm), "num_loss_tokens": total_tokens,
+               "staleness_mean": staleness_sum / total_tokens, "version": float(self.version)}
+        out.update({k: v / total_tokens for k, v in zip(keys, reduced[1:])})
+        out["staleness_max"] = self._all_reduce([stats.get("staleness_max", 0.0)], op=dist.ReduceOp.MAX)[0]
+        return out
+
+    def _inputs(self, batch: TensorBatch, rows: list[int] | None):
+        """Trimmed micro-batch tensors; ``rows=None`` is a 2-token dummy (zero loss weight)."""
+        if rows is None:
+            ids = torch.zeros(1, 2, dtype=torch.long)
+            return ids, torch.ones_like(ids), torch.zeros(1, 2), 1, None
+        sub = batch.select(rows)
+        length = int(sub["num_tokens"].max())
+        start = int(sub["loss_mask"][:, :length].float().argmax(dim=1).min())
+        ids = sub["input_ids"][:, :length].long()
+        attention = (torch.arange(length).unsqueeze(0) < sub["num_tokens"].unsqueeze(1)).long()
+        return ids, attention, sub["loss_mask"][:, :length].float(), start, sub
+
+    def _recompute_prox(self, batch, microbatches, max_mbs) -> dict[int, torch.Tensor]:
+        """No-grad log-probs with the weights before this step's update, per micro-batch."""
+        prox = {}
+        with torch.no_grad():
+            for index in range(max_mbs):
+                rows = microbatches[index] if index < len(microbatches) else None
+                ids, attention, _, start, _ = self._inputs(batch, rows)
+                prox[index] = completion_logprobs(self.model, ids, attention, start=start,
+                                                  temperature=self.temperature)
+        return prox
+
+    def _microbatch_loss(self, batch, index, rows, total_tokens, prox_all):
+        ids, attention, mask, start, sub = self._inputs(batch, rows)
+        logp = completion_logprobs(self.model, ids, attention, start=start, temperature=self.temperature)
+        if sub is None:
+            return logp.sum() * 0.0, {}, 0.0
+        length = ids.shape[1]
+        behav = sub["behav_logp"][:, :length].float()
+        advantages = sub["advantages"]
+        if self.algo.loss == "aipo":
+            loss, metrics = aipo_loss(logp, behav, advantages, mask, rho=self.algo.rho, num_loss_tokens=total_tokens)
+        elif self.algo.loss == "ppo":
+            loss, metrics = ppo_loss(logp, behav, advantages, mask, eps_clip=self.algo.eps_clip,
+                                     num_loss_tokens=total_tokens)
+        else:
+            if prox_all is not None:
+                prox = prox_all[index]
+            else:
+                prox = loglinear_prox_logp(behav, logp, sub["versions"][:, :length], self.version, mask=mask)
+            loss, metrics = decoupled_ppo_loss(logp, prox, behav, advantages, mask, eps_clip=self.algo.eps_clip,
+                                               behav_weight_cap=self.algo.behav_weight_cap,
+                                               num_loss_tokens=total_tokens)
+        return loss, metrics, float(mask.sum())
