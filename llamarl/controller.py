@@ -89,6 +89,8 @@ class ExecutorController:
         self.on_tick = on_tick
         self.records: list[TickRecord] = []
         self.phase, self.step_index = "init", start_step
+        # Optional hook run on this rank after init and the init channels (e.g. a base evaluation).
+        self.before_loop: Callable[[], None] | None = None
 
     # ----- the loop -----
     def run(self) -> None:
@@ -98,6 +100,9 @@ class ExecutorController:
             self.executor.init()
             for channel in self.init_channels:
                 channel.communicate(self.ctx, self.executor)
+            if self.before_loop is not None:
+                self.phase = "before_loop"
+                self.before_loop()
             for step in range(self.start_step, self.max_steps):
                 self.step_index = step
                 self._tick(step)

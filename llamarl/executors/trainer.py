@@ -95,7 +95,10 @@ class TrainerExecutor(Executor):
         batch = self.inputs.pop(self.input_name, TensorBatch())
         start = time.perf_counter()
         metrics = self.train_on(batch)
-        metrics["train_seconds"] = time.perf_counter() - start
+        seconds = time.perf_counter() - start
+        metrics["train_seconds"] = seconds
+        if len(batch):
+            metrics["train_tokens_per_s"] = float(batch["num_tokens"].sum()) / seconds
         self.metrics = metrics
 
     def _all_reduce(self, values: list[float], op=dist.ReduceOp.SUM) -> list[float]:
@@ -146,7 +149,7 @@ class TrainerExecutor(Executor):
             (loss * dp_size).backward()
             for key, value in metrics.items():
                 sums[key] = sums.get(key, 0.0) + float(value) * num_tokens
-            sums["loss"] = sums.get("loss", 0.0) + float(loss)
+            sums["loss"] = sums.get("loss", 0.0) + float(loss.detach())
         grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(),
                                                    self.config.grad_clip if self.config.grad_clip > 0 else float("inf"))
         if isinstance(grad_norm, torch.distributed.tensor.DTensor):

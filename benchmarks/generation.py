@@ -1,0 +1,108 @@
+"""Generation throughput: TorchEngine vs HF ``model.generate`` on SmolLM2-135M-Instruct (CPU).
+
+Not a test. Usage::
+
+    OMP_NUM_THREADS=2 .venv/bin/python benchmarks/generation.py [--batch 64] [--new-tokens 12]
+
+Both sides sample at T = 1 with no top-k / top-p and no EOS stop (HF gets ``min_new_tokens`` equal to
+``max_new_tokens``), so both produce exactly ``batch * new_tokens`` tokens from the same left-padded
+prompts. Prints one row per (dtype, implementation): best-of-``--repeats`` wall time and tokens/s.
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import time
+
+import torch
+
+from llamarl.engines.torch_engine import Request, SamplingParams, TorchEngine
+from llamarl.models import load_causal_lm
+
+
+def _prompts(tok, *, batch: int, seed: int = 0) -> list[list[int]]:
+    """Chat-formatted arithmetic questions of slightly varying length (~40 tokens each)."""
+    rng = random.Random(seed)
+    prompts = []
+    for _ in range(batch):
+        a, b = rng.randint(1, 999), rng.randint(1, 999)
+        text = f"What is {a} + {b}? Think step by step and answer with a single number."
+        chat = tok.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True, tokenize=False)
+        prompts.append(tok(chat).input_ids)
+    return prompts
+
+
+def _time_engine(engine: TorchEngine, prompts, *, new_tokens: int, seed: int) -> float:
+    reqs = [Request(sample_id=i, prompt_ids=p) for i, p in enumerate(prompts)]
+    sampling = SamplingParams(temperature=1.0, max_new_tokens=new_tokens)
+    start = time.perf_counter()
+    out = engine.generate(reqs, sampling=sampling, version=0, generator=torch.Generator().manual_seed(seed))
+    elapsed = time.perf_counter() - start
+    assert sum(len(c.completion_ids) for c in out) == len(prompts) * new_tokens
+    return elapsed
+
+
+def _time_hf(model, tok, prompts, *, new_tokens: int, seed: int) -> float:
+    width = max(len(p) for p in prompts)
+    ids = torch.full((len(prompts), width), tok.pad_token_id, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for row, p in enumerate(prompts):
+        ids[row, width - len(p) :] = torch.tensor(p)
+        mask[row, width - len(p) :] = 1
+    torch.manual_seed(seed)
+    start = time.perf_counter()
+    with torch.no_grad():
+        out = model.generate(
+            ids,
+            attention_mask=mask,
+            do_sample=True,
+            temperature=1.0,
+            top_k=0,
+            top_p=1.0,
+            max_new_tokens=new_tokens,
+            min_new_tokens=new_tokens,
+            pad_token_id=tok.pad_token_id,
+        )
+    elapsed = time.perf_counter() - start
+    assert out.shape == (len(prompts), width + new_tokens)
+    return elapsed
+
+
+def main() -> None:
+    """Print the throughput table (see module docstring)."""
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default="smollm2-135m-instruct")
+    parser.add_argument("--batch", type=int, default=64)
+    parser.add_argument("--new-tokens", type=int, default=12)
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--dtypes", default="float32,bfloat16")
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+
+    rows = []
+    for dtype_name in args.dtypes.split(","):
+        model, tok = load_causal_lm(args.model, dtype=getattr(torch, dtype_name))
+        prompts = _prompts(tok, batch=args.batch)
+        engine = TorchEngine(model, eos_token_ids=[], pad_token_id=tok.pad_token_id)
+        # Warm-up: first calls pay one-off allocator / kernel-selection costs.
+        _time_engine(engine, prompts[:4], new_tokens=2, seed=0)
+        _time_hf(model, tok, prompts[:4], new_tokens=2, seed=0)
+        for name, fn in (
+            ("TorchEngine", lambda s: _time_engine(engine, prompts, new_tokens=args.new_tokens, seed=s)),
+            ("HF generate", lambda s: _time_hf(model, tok, prompts, new_tokens=args.new_tokens, seed=s)),
+        ):
+            best = min(fn(seed) for seed in range(args.repeats))
+            rows.append((dtype_name, name, best, args.batch * args.new_tokens / best))
+        lens = [len(p) for p in prompts]
+        print(f"[{dtype_name}] prompt tokens: min {min(lens)} mean {sum(lens) / len(lens):.1f} max {max(lens)}")
+
+    print(f"\nbatch={args.batch} new_tokens={args.new_tokens} threads={args.threads} (best of {args.repeats})")
+    print(f"{'dtype':<10} {'impl':<12} {'seconds':>8} {'tokens/s':>9}")
+    for dtype_name, name, secs, tps in rows:
+        print(f"{dtype_name:<10} {name:<12} {secs:>8.2f} {tps:>9.1f}")
+
+
+if __name__ == "__main__":
+    main()

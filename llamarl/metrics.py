@@ -1,0 +1,58 @@
+"""Per-executor metrics: JSONL + TensorBoard, a one-line console progress, and a timeline trace.
+
+Each executor's first rank owns one ``MetricsLogger`` writing ``<run>/metrics/<executor>.jsonl``
+and TensorBoard scalars under ``<run>/tensorboard/<executor>``. Every rank appends its busy spans
+to ``<run>/timeline/rank<r>.json``; ``write_chrome_trace`` merges them into a Chrome-trace JSON
+(``chrome://tracing`` / Perfetto) showing, per executor and tick, busy vs idle time — the
+picture of LlamaRL's Figure 2.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from pathlib import Path
+
+
+class MetricsLogger:
+    """Writes one JSON object per step (and TensorBoard scalars) for one executor."""
+
+    def __init__(self, run_dir: Path, executor: str, *, tensorboard: bool = True) -> None:
+        self.executor = executor
+        (run_dir / "metrics").mkdir(parents=True, exist_ok=True)
+        self.jsonl = open(run_dir / "metrics" / f"{executor}.jsonl", "a", encoding="utf-8")
+        self.writer = None
+        if tensorboard:
+            from torch.utils.tensorboard import SummaryWriter
+
+            self.writer = SummaryWriter(log_dir=str(run_dir / "tensorboard" / executor))
+
+    def log(self, step: int, metrics: dict[str, float]) -> None:
+        record = {"step": step, "time": time.time(), **{k: float(v) for k, v in metrics.items()}}
+        self.jsonl.write(json.dumps(record) + "\n")
+        self.jsonl.flush()
+        if self.writer is not None:
+            for key, value in metrics.items():
+                self.writer.add_scalar(f"{self.executor}/{key}", float(value), step)
+
+    def close(self) -> None:
+        self.jsonl.close()
+        if self.writer is not None:
+            self.writer.close()
+
+
+def progress_line(step: int, max_steps: int, executor: str, metrics: dict[str, float], keys: list[str]) -> None:
+    """Print ``[step/max] executor k=v ...`` for the keys present (console progress)."""
+    shown = " ".join(f"{k}={metrics[k]:.4g}" for k in keys if k in metrics)
+    print(f"[{step + 1:>3}/{max_steps}] {executor:<9} {shown}", file=sys.stdout, flush=True)
+
+
+def write_chrome_trace(run_dir: Path, spans: list[dict], *, out_name: str = "timeline.json") -> Path:
+    """Chrome-trace JSON of busy spans: each ``{"executor", "rank", "step", "start", "end"}``."""
+    origin = min((s["start"] for s in spans), default=0.0)
+    events = [{"name": f"{s['executor']} step {s['step']}", "ph": "X", "pid": s["executor"], "tid": s["rank"],
+               "ts": (s["start"] - origin) * 1e6, "dur": (s["end"] - s["start"]) * 1e6} for s in spans]
+    path = run_dir / out_name
+    path.write_text(json.dumps({"traceEvents": events}))
+    return path

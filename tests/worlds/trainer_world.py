@@ -1,0 +1,38 @@
+"""One TrainerExecutor step on N ranks (the whole world is the trainer).
+
+usage: trainer_world.py MODEL_DIR BATCH.safetensors OUT.safetensors MAX_TOKENS_PER_MICROBATCH LOSS
+Rank 0 writes the full updated parameters and the step's metrics (as a JSON string in metadata).
+"""
+
+import json
+import sys
+
+from safetensors.torch import load_file, save_file
+
+from llamarl.batch import TensorBatch
+from llamarl.channels.base import balanced_group_partition
+from llamarl.channels.weights import full_named_parameters
+from llamarl.config import AlgoConfig, ModelConfig, TrainerConfig
+from llamarl.executors.trainer import TrainerExecutor
+from llamarl.world import ExecutorContext, ExecutorSpec
+
+
+def main() -> None:
+    model_dir, batch_path, out_path, budget, loss = sys.argv[1:6]
+    ctx = ExecutorContext.create([ExecutorSpec("trainer", int(__import__("os").environ["WORLD_SIZE"]))], timeout_s=60)
+    trainer = TrainerExecutor(ctx, model_config=ModelConfig(name=model_dir),
+                              config=TrainerConfig(lr=1e-2, grad_clip=0.5, max_tokens_per_microbatch=int(budget)),
+                              algo=AlgoConfig(loss=loss, prox="loglinear"), temperature=0.8)
+    trainer.init()
+    trainer.version = 3  # versions in the batch are 1..3: exercises staleness and log-linear prox
+    full = TensorBatch(load_file(batch_path), {"group_size": 2})
+    part = full.select(balanced_group_partition(full, ctx.local_world_size)[ctx.local_rank])
+    metrics = trainer.train_on(part)
+    params = full_named_parameters(trainer.get_model())
+    if ctx.rank == 0:
+        save_file({k: v.contiguous() for k, v in params.items()}, out_path, metadata={"metrics": json.dumps(metrics)})
+    ctx.destroy()
+
+
+if __name__ == "__main__":
+    main()
