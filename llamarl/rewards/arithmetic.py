@@ -1,9 +1,10 @@
 """Arithmetic reward: exact integer match between a completion's answer and the reference.
 
-The arithmetic prompt asks for "just the number", so when the completion has no explicit answer
-marker (``\\boxed{N}``, ``#### N``, ``answer is N``) the FIRST number is taken, not the last: a
-model that answers "68" and then rambles on ("... 23 + 45 = 68, or 70 rounded") is judged on what it
-answered first, and working-out like "23 + 45 = 68" is (deliberately) scored on the 23.
+When the completion has no explicit answer marker (``\\boxed{N}``, ``#### N``, ``answer is N``),
+the first number after the LAST ``=`` is taken ("23 + 45 = 68" scores on 68), and without an
+``=`` the LAST number (the usual "last number" rule of math scorers). A completion cut off by the
+length limit mid-explanation therefore scores on whatever number it ended with: the reward
+pushes the policy toward short answers that end on the result.
 
 Numbers may carry a leading minus sign and thousands commas. A decimal token counts as its exact
 value, so "68.0" matches 68 but "68.5" does not match 68 (it is never truncated to its integer part).
@@ -27,14 +28,19 @@ def extract_answer(completion: str) -> Fraction | None:
     """The completion's answer as an exact number, or None when it contains no number.
 
     Marker forms are tried in order (``\\boxed``, ``####``, ``answer is``); the first marker that
-    is followed by a number wins. Without one, the first number in the completion is used.
+    is followed by a number wins. Without one: the first number after the last ``=``, else the
+    last number in the completion.
     """
     for marker in _MARKER_RES:
         for span in marker.findall(completion):
             if number := _NUMBER_RE.search(span):
                 return Fraction(number.group(0).replace(",", ""))
-    number = _NUMBER_RE.search(completion)
-    return Fraction(number.group(0).replace(",", "")) if number else None
+    if "=" in completion:
+        number = _NUMBER_RE.search(completion.rsplit("=", 1)[1])
+        if number:
+            return Fraction(number.group(0).replace(",", ""))
+    numbers = _NUMBER_RE.findall(completion)
+    return Fraction(numbers[-1].replace(",", "")) if numbers else None
 
 
 def score(completion: str, reference: str) -> float:

@@ -1,0 +1,256 @@
+"""DDMA planning: per-rank parameter layouts and their intersection into a static transfer plan.
+
+A *layout* is what one rank holds of each parameter, as JSON (it travels as TensorBatch
+metadata, never pickle)::
+
+    {"dtype": "bfloat16", "params": [{"name": ..., "shape": [...], "box": [[start, length], ...]}]}
+
+``shape`` is the parameter's global shape (an entry is ``null`` where the rank cannot know it:
+the sliced dim of an explicit slice spec); ``box`` is the region of the global tensor this rank
+holds, one ``[start, length]`` per dim. A replica holds the whole box; an FSDP2 ``Shard(0)`` rank
+holds rows ``[offset, offset + local_rows)``; a TP ``Shard(1)`` rank holds a column range. Boxes
+make the intersection generic: trainer box ∩ generator box is the block one pair moves.
+
+``build_plan`` turns every trainer and generator layout into a ``DdmaPlan``: for each
+(trainer index, generator index) pair the ordered pieces (parameter, source box in the trainer's
+local tensor, destination box in the generator's local tensor, offset in the pair's bucket).
+Every rank computes the same plan from the same layouts, so every rank validates identically and
+a bad layout raises the same one-line ValueError everywhere instead of hanging a peer.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+from llamarl.batch import DTYPES
+
+Box = tuple[tuple[int, int], ...]
+_DTYPE_NAMES = {v: k for k, v in DTYPES.items()}
+
+
+def _dtensor_box(name: str, param: DTensor) -> list[list[int]]:
+    for placement in param.placements:
+        # _StridedShard (FSDP2 + TP) and Partial do not hold one contiguous box per rank.
+        if type(placement) not in (Shard, Replicate):
+            raise ValueError(f"parameter {name!r} has placement {placement}; only Shard and Replicate are supported")
+    shape, offset = compute_local_shape_and_global_offset(param.shape, param.device_mesh, param.placements)
+    local = tuple(param.to_local().shape)
+    if tuple(shape) != local:
+        raise ValueError(f"parameter {name!r}: local shard {list(local)} is not the chunk-rule shape {list(shape)}")
+    return [[int(o), int(s)] for o, s in zip(offset, shape)]
+
+
+def describe_local_layout(
+    model: torch.nn.Module,
+    *,
+    slices: dict[str, tuple[int, int, int]] | None = None,
+    single_dtype: bool = False,
+) -> dict:
+    """This rank's layout of ``model`` (see the module docstring), in ``named_parameters()`` order.
+
+    DTensor parameters describe themselves from their placements (Shard / Replicate on any
+    mesh); a plain tensor named in ``slices`` as ``(dim, start, length)`` holds that slice of
+    dim ``dim`` (its local size there must be ``length``); any other plain tensor is a replica.
+    With ``single_dtype`` the parameters must share one dtype (ValueError otherwise), reported as
+    ``dtype``; else ``dtype`` is the first parameter's.
+    """
+    slices = dict(slices or {})
+    params, dtypes = [], []
+    for name, param in model.named_parameters():
+        dtypes.append(param.dtype)
+        spec = slices.pop(name, None)
+        if isinstance(param, DTensor):
+            if spec is not None:
+                raise ValueError(f"parameter {name!r} is a DTensor; it cannot also take an explicit slice")
+            shape, box = list(param.shape), _dtensor_box(name, param)
+        else:
+            shape, box = list(param.shape), [[0, s] for s in param.shape]
+            if spec is not None:
+                dim, start, length = (int(x) for x in spec)
+                if not 0 <= dim < param.dim() or start < 0 or param.shape[dim] != length:
+                    raise ValueError(f"slice {tuple(spec)} of parameter {name!r} does not fit its local shape "
+                                     f"{list(param.shape)}")
+                shape[dim], box[dim] = None, [start, length]
+        params.append({"name": name, "shape": shape, "box": box})
+    if slices:
+        raise ValueError(f"slice spec names unknown parameter {min(slices)!r}")
+    if single_dtype and len(set(dtypes)) > 1:
+        raise ValueError(f"generator parameters mix dtypes {sorted(map(str, set(dtypes)))}; cast the model to one dtype")
+    if dtypes and dtypes[0] not in _DTYPE_NAMES:
+        raise ValueError(f"parameter dtype {dtypes[0]} is not supported by the weight channel")
+    return {"dtype": _DTYPE_NAMES[dtypes[0]] if dtypes else "float32", "params": params}
+
+
+def local_tensor(param: torch.Tensor) -> torch.Tensor:
+    """The tensor this rank holds for ``param`` (the DTensor's local shard, else the tensor)."""
+    return param.to_local() if isinstance(param, DTensor) else param
+
+
+def chunk_slice(size: int, *, rank: int, world: int) -> tuple[int, int]:
+    """``(start, length)`` of ``rank``'s part of ``size`` under torch.chunk (FSDP2 / DTensor) rules."""
+    chunk = -(-size // world)
+    start = min(chunk * rank, size)
+    return start, min(chunk, size - start)
+
+
+def llama_tp_slices(model: torch.nn.Module, *, tp_rank: int, tp_size: int) -> dict[str, tuple[int, int, int]]:
+    """Megatron-style TP slice spec of an HF Llama: q/k/v/gate/up ``Shard(0)``, o/down ``Shard(1)``.
+
+    Everything else (embeddings, norms, lm_head) is a replica. Names and shapes are those of
+    ``model`` (the full model); slices follow the chunk rule, so uneven sizes are allowed.
+    """
+    column = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj")
+    row = ("o_proj", "down_proj")
+    spec = {}
+    for name, param in model.named_parameters():
+        module = name.rsplit(".", 2)[-2] if name.endswith(".weight") and name.count(".") >= 1 else ""
+        dim = 0 if module in column else 1 if module in row else None
+        if dim is not None:
+            spec[name] = (dim, *chunk_slice(param.shape[dim], rank=tp_rank, world=tp_size))
+    return spec
+
+
+def narrow_to_slices(model: torch.nn.Module, slices: dict[str, tuple[int, int, int]]) -> torch.nn.Module:
+    """Replace each parameter named in ``slices`` by a copy of its ``(dim, start, length)`` slice.
+
+    Stands in for a TP engine in tests and benchmarks: the module is no longer runnable, but its
+    parameters have the local shapes a TP rank would hold. Works on meta tensors too.
+    """
+    for name, (dim, start, length) in slices.items():
+        owner, _, leaf = name.rpartition(".")
+        module = model.get_submodule(owner)
+        old = getattr(module, leaf)
+        setattr(module, leaf, torch.nn.Parameter(old.detach().narrow(dim, start, length).clone(),
+                                                 requires_grad=old.requires_grad))
+    return model
+
+
+@dataclass(frozen=True)
+class Piece:
+    """One block a (trainer rank, generator rank) pair moves: ``numel`` elements at ``offset``."""
+
+    name: str
+    src: Box
+    dst: Box
+    offset: int
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return tuple(length for _, length in self.src)
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+
+def box_index(box: Box) -> tuple[slice, ...]:
+    """Basic-indexing slices selecting ``box`` (a view, never a copy)."""
+    return tuple(slice(start, start + length) for start, length in box)
+
+
+def _intersect(a: Box, b: Box) -> Box | None:
+    out = []
+    for (sa, la), (sb, lb) in zip(a, b):
+        start, stop = max(sa, sb), min(sa + la, sb + lb)
+        if stop <= start:
+            return None
+        out.append((start, stop - start))
+    return tuple(out)
+
+
+def _shift(box: Box, origin: Box) -> Box:
+    return tuple((s - o, length) for (s, length), (o, _) in zip(box, origin))
+
+
+def _inside(box: Box, outer: Box) -> bool:
+    return all(so <= s and s + length <= so + lo for (s, length), (so, lo) in zip(box, outer))
+
+
+def _volume(box: Box) -> int:
+    return math.prod(length for _, length in box)
+
+
+@dataclass
+class DdmaPlan:
+    """Pieces per (trainer index, generator index) pair and each generator rank's dtype."""
+
+    pieces: dict[tuple[int, int], list[Piece]]
+    dtypes: list[str]
+
+    def numel(self, pair: tuple[int, int]) -> int:
+        """Elements (of the generator's dtype) the pair moves each sync."""
+        return sum(p.numel for p in self.pieces.get(pair, []))
+
+
+def _trainer_params(layouts: list[dict], label: str) -> dict[str, tuple[list[int], list[Box]]]:
+    """name -> (global shape, every trainer rank's box); checks the trainer ranks agree."""
+    first = [(p["name"], p["shape"]) for p in layouts[0]["params"]]
+    params: dict[str, tuple[list[int], list[Box]]] = {}
+    for rank, layout in enumerate(layouts):
+        if [(p["name"], p["shape"]) for p in layout["params"]] != first:
+            raise ValueError(f"{label}: trainer rank {rank} disagrees with trainer rank 0 on the parameters")
+        for p in layout["params"]:
+            if any(s is None for s in p["shape"]):
+                raise ValueError(f"{label}: trainer parameter {p['name']!r} has an unknown global shape")
+            params.setdefault(p["name"], (p["shape"], []))[1].append(tuple(tuple(x) for x in p["box"]))
+    for name, (shape, boxes) in params.items():
+        distinct = sorted({b for b in boxes if _volume(b) > 0})
+        full = tuple((0, s) for s in shape)
+        overlap = any(_intersect(a, b) is not None for i, a in enumerate(distinct) for b in distinct[i + 1:])
+        inside = all(_inside(b, full) for b in distinct)
+        if overlap or not inside or sum(map(_volume, distinct)) != math.prod(shape):
+            raise ValueError(f"{label}: the trainer's shards of {name!r} do not tile its shape {shape} exactly")
+    return params
+
+
+def _check_generator_param(label: str, rank: int, p: dict, trainer: dict) -> Box:
+    name = p["name"]
+    if name not in trainer:
+        raise ValueError(f"{label}: generator parameter {name!r} does not exist in the trainer's model")
+    shape, box = trainer[name][0], tuple(tuple(x) for x in p["box"])
+    gshape = p["shape"]
+    if len(gshape) != len(shape) or any(g is not None and g != t for g, t in zip(gshape, shape)):
+        shown = ["?" if g is None else g for g in gshape]
+        raise ValueError(f"{label}: parameter {name!r} is {shape} on the trainer but {shown} on the generator")
+    if len(box) != len(shape) or not _inside(box, tuple((0, s) for s in shape)):
+        raise ValueError(f"{label}: generator rank {rank} holds {[list(b) for b in box]} of parameter {name!r}, "
+                         f"outside its trainer shape {shape}")
+    return box
+
+
+def build_plan(trainer_layouts: list[dict], generator_layouts: list[dict], *, label: str = "weights") -> DdmaPlan:
+    """Intersect every trainer layout with every generator layout into a static ``DdmaPlan``.
+
+    Generator parameters must exist in the trainer with the same (known) shape and lie inside it;
+    the trainer's non-empty boxes must tile each parameter exactly (identical boxes are replicas:
+    generator rank ``g`` takes such a block from the ``g % k``-th of its ``k`` holders, so each
+    byte goes once to each generator rank). Extra trainer parameters are ignored. Violations raise
+    a one-line ValueError naming ``label`` and the parameter.
+    """
+    trainer = _trainer_params(trainer_layouts, label)
+    holders = {name: {} for name in trainer}  # name -> {box: [trainer indices]}
+    for name, (_, boxes) in trainer.items():
+        for index, box in enumerate(boxes):
+            if _volume(box) > 0:
+                holders[name].setdefault(box, []).append(index)
+    pieces: dict[tuple[int, int], list[Piece]] = {}
+    offsets: dict[tuple[int, int], int] = {}
+    for g, layout in enumerate(generator_layouts):
+        if layout["dtype"] not in DTYPES:
+            raise ValueError(f"{label}: generator rank {g} has unsupported dtype {layout['dtype']!r}")
+        for p in layout["params"]:
+            gbox = _check_generator_param(label, g, p, trainer)
+            for tbox, owners in sorted(holders[p["name"]].items()):
+                block = _intersect(tbox, gbox)
+                if block is None:
+                    continue
+                pair = (owners[g % len(owners)], g)
+                piece = Piece(p["name"], _shift(block, tbox), _shift(block, gbox), offsets.get(pair, 0))
+                pieces.setdefault(pair, []).append(piece)
+                offsets[pair] = piece.offset + piece.numel
+    return DdmaPlan(pieces=pieces, dtypes=[layout["dtype"] for layout in generator_layouts])

@@ -1,0 +1,198 @@
+"""WeightsChannel in a real gloo world under several trainer -> generator splits.
+
+usage: weights_world.py OUT_DIR G:T [G:T ...]
+
+The first split (generator = the first G ranks, trainer = the next T, G + T = the world size) is
+made by ``ExecutorContext.create``. Each further split takes the first G' generator ranks and the
+first T' trainer ranks of it, with real process groups / meshes of their own, and leaves the other
+ranks idle: one world start-up (the expensive part: ~7 s of imports per rank) tests many layouts.
+Every split writes into ``OUT_DIR/<T>to<G>/``.
+
+For every case of ``cases(G)`` (see there) the trainer builds a tiny Llama, shards it with
+``shard_model`` on its mesh (uneven shards: no size is divisible by 3) and perturbs each local
+shard rank-dependently, so only a correct routing reproduces its full weights. The channel syncs
+twice (the trainer perturbs again in between, so buckets are reused). Then:
+
+- the trainer's first rank writes ``<case>_trainer.safetensors`` (the full parameters);
+- every trainer rank writes ``<case>_trainer<r>.json`` (its ``bytes_sent``);
+- every generator rank writes ``<case>_gen<i>.safetensors`` (its local parameters) with metadata
+  ``info`` = JSON {version, bytes_received, slices}.
+
+Error cases (``ERROR_CASES``) write ``error_<case>_<executor><local rank>.txt``: the ValueError's message, or
+``NO ERROR``. A crash exits non-zero (the test shows the output).
+"""
+
+import json
+import os
+import sys
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from safetensors.torch import save_file
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Shard
+
+from llamarl.channels.ddma_plan import llama_tp_slices, local_tensor, narrow_to_slices
+from llamarl.channels.weights import WeightsChannel, full_named_parameters
+from llamarl.executors.base import Executor
+from llamarl.executors.trainer import shard_model
+from llamarl.models.loading import build_tiny_llama
+from llamarl.world import ExecutorContext, ExecutorSpec
+
+# 131 / 40 / 71 / 20 (kv) are divisible by neither 2 nor 3 where it matters: uneven FSDP and TP shards.
+SIZES = {"vocab_size": 131, "hidden_size": 40, "num_heads": 4, "num_kv_heads": 2, "intermediate_size": 71}
+ERROR_CASES = {"unknown": "'extra.weight' does not exist", "shape": "'model.embed_tokens.weight' is [131, 40]"}
+
+
+def cases(num_generators: int) -> dict[str, dict]:
+    """Case name -> {tied, trainer_dtype, dtype (generator's), layout (replica / tp / tp_dtensor), mode}."""
+    out = {}
+    layouts = ["replica", "tp"] if num_generators > 1 else ["replica"]
+    for tied in (False, True):
+        for dtype in ("float32", "bfloat16"):
+            for layout in layouts:
+                name = f"{'tied' if tied else 'untied'}_{dtype}_{layout}"
+                out[name] = {"tied": tied, "trainer_dtype": "float32", "dtype": dtype, "layout": layout,
+                             "mode": "ddma"}
+                if layout == "replica":
+                    out[f"{name}_gb"] = {**out[name], "mode": "gather_broadcast"}
+    out["untied_trainerbf16_float32_replica"] = {"tied": False, "trainer_dtype": "bfloat16", "dtype": "float32",
+                                                 "layout": "replica", "mode": "ddma"}
+    if num_generators > 1:
+        out["untied_bfloat16_tp_dtensor"] = {"tied": False, "trainer_dtype": "float32", "dtype": "bfloat16",
+                                             "layout": "tp_dtensor", "mode": "ddma"}
+    return out
+
+
+class Toy(Executor):
+    """Trainer or generator stand-in: a model, a version, and (TP generators) a slice spec."""
+
+    def __init__(self, ctx, model, *, slices=None):
+        super().__init__(ctx)
+        self.model, self.slices, self.version = model, slices, 0
+
+    def get_model(self):
+        return self.model
+
+    def get_weight_slices(self):
+        return self.slices
+
+    def set_weights_version(self, version):
+        self.version = version
+
+
+def perturb(model, ctx, step: int) -> None:
+    """Change every local shard in a rank- and step-dependent way (no collective)."""
+    with torch.no_grad():
+        for param in model.parameters():
+            local = local_tensor(param)
+            local.mul_(1.5).add_(0.001 * (ctx.local_rank + 1) + 0.01 * step)
+
+
+def to_dtensors(model, slices, mesh) -> None:
+    """Turn each sliced parameter into a DTensor ``Shard(dim)`` over ``mesh`` (its global shape kept)."""
+    full = dict(build_tiny_llama(seed=2, **SIZES).named_parameters())
+    for name, (dim, _, _) in slices.items():
+        owner, _, leaf = name.rpartition(".")
+        module = model.get_submodule(owner)
+        local = getattr(module, leaf).detach()
+        dt = DTensor.from_local(local, mesh, [Shard(dim)], run_check=False, shape=full[name].shape,
+                                stride=full[name].stride())
+        setattr(module, leaf, torch.nn.Parameter(dt))
+
+
+def generator_model(ctx, case: dict, num_generators: int):
+    model = build_tiny_llama(seed=2, tie_word_embeddings=case["tied"], **SIZES).to(getattr(torch, case["dtype"]))
+    slices = None
+    if case["layout"] != "replica":
+        slices = llama_tp_slices(model, tp_rank=ctx.local_rank, tp_size=num_generators)
+        narrow_to_slices(model, slices)
+        if case["layout"] == "tp_dtensor":
+            to_dtensors(model, slices, ctx.mesh)
+            return model, None, slices
+    return model, slices, slices
+
+
+def sub_context(ctx: ExecutorContext, *, generators: int, trainers: int) -> ExecutorContext:
+    """A split over ``ctx``'s first generator / trainer ranks; the rest are executor ``idle``.
+
+    Collective over WORLD (``new_group``): every rank calls it, with the same arguments, in order.
+    """
+    ranks = {"generator": ctx.ranks["generator"][:generators], "trainer": ctx.ranks["trainer"][:trainers]}
+    ranks["idle"] = [r for r in range(ctx.world_size) if r not in ranks["generator"] + ranks["trainer"]]
+    groups = {name: dist.new_group(rs, timeout=ctx.timeout) for name, rs in ranks.items() if rs}
+    executor = next(name for name, rs in ranks.items() if ctx.rank in rs)
+    mesh = DeviceMesh.from_group(groups[executor], ctx.device.type, mesh=ranks[executor])
+    return ExecutorContext(rank=ctx.rank, world_size=ctx.world_size, executor=executor, ranks=ranks,
+                           group=groups[executor], mesh=mesh, device=ctx.device, timeout=ctx.timeout,
+                           _groups=groups)
+
+
+def run_case(ctx, out: Path, name: str, case: dict, num_generators: int) -> None:
+    if ctx.executor not in ("trainer", "generator"):
+        return
+    channel = WeightsChannel("weights", "trainer", "generator", mode=case["mode"])
+    if ctx.executor == "trainer":
+        model = build_tiny_llama(seed=1, tie_word_embeddings=case["tied"], **SIZES)
+        model = shard_model(model.to(getattr(torch, case["trainer_dtype"])), ctx.mesh)
+        toy = Toy(ctx, model)
+        for step in range(2):
+            perturb(model, ctx, step)
+            toy.version = 10 * step + 7
+            channel.communicate(ctx, toy)
+        full = full_named_parameters(model)  # collective over the trainer group
+        if ctx.local_rank == 0:
+            save_file({k: v.contiguous() for k, v in full.items()}, out / f"{name}_trainer.safetensors")
+        sent = [[src, dst, n] for (src, dst), n in channel.bytes_sent.items()]
+        (out / f"{name}_trainer{ctx.local_rank}.json").write_text(json.dumps({"bytes_sent": sent}))
+    else:
+        model, exposed, slices = generator_model(ctx, case, num_generators)
+        toy = Toy(ctx, model, slices=exposed)
+        for _ in range(2):
+            channel.communicate(ctx, toy)
+        info = {"version": toy.version, "slices": slices or {},
+                "bytes_received": [[src, dst, n] for (src, dst), n in channel.bytes_received.items()]}
+        tensors = {n: local_tensor(p).detach().contiguous() for n, p in model.named_parameters()}
+        save_file(tensors, out / f"{name}_gen{ctx.local_rank}.safetensors", metadata={"info": json.dumps(info)})
+
+
+def run_error_case(ctx, out: Path, name: str) -> None:
+    if ctx.executor not in ("trainer", "generator"):
+        return
+    channel = WeightsChannel("weights", "trainer", "generator")
+    if ctx.executor == "trainer":
+        toy = Toy(ctx, shard_model(build_tiny_llama(seed=1, **SIZES), ctx.mesh))
+    else:
+        sizes = {**SIZES, "vocab_size": 132} if name == "shape" else SIZES
+        model = build_tiny_llama(seed=2, **sizes)
+        if name == "unknown":
+            model.extra = torch.nn.Linear(2, 2)
+        toy = Toy(ctx, model)
+    try:
+        channel.communicate(ctx, toy)
+        message = "NO ERROR"
+    except ValueError as err:
+        message = str(err)
+    (out / f"error_{name}_{ctx.executor}{ctx.local_rank}.txt").write_text(message)
+
+
+def main() -> None:
+    out = Path(sys.argv[1])
+    splits = [tuple(int(x) for x in arg.split(":")) for arg in sys.argv[2:]]
+    ctx = ExecutorContext.create([ExecutorSpec("generator", splits[0][0]),
+                                  ExecutorSpec("trainer", int(os.environ["WORLD_SIZE"]) - splits[0][0])],
+                                 timeout_s=60)
+    for index, (generators, trainers) in enumerate(splits):
+        split = ctx if index == 0 else sub_context(ctx, generators=generators, trainers=trainers)
+        split_dir = out / f"{trainers}to{generators}"
+        split_dir.mkdir(parents=True, exist_ok=True)
+        for name, case in cases(generators).items():
+            run_case(split, split_dir, name, case, generators)
+        for name in ERROR_CASES:
+            run_error_case(split, split_dir, name)
+    ctx.destroy()
+
+
+if __name__ == "__main__":
+    main()
