@@ -48,9 +48,16 @@ class GeneratorConfig:
     """Generator weights dtype; the weight channel casts the trainer's weights to it."""
     num_threads: int = 1
     """torch intra-op threads on each generator rank."""
+    tp: int = 1
+    """Tensor-parallel degree: consecutive groups of ``tp`` generator ranks hold one model
+    sharded Megatron-style (heads, KV heads and the MLP width must divide by it) and run the
+    same requests; ``num_ranks // tp`` data-parallel replicas split the prompts."""
 
     def __post_init__(self) -> None:
         _check(self.num_ranks >= 1, f"--generator.num-ranks must be >= 1, got {self.num_ranks}")
+        _check(self.tp >= 1, f"--generator.tp must be >= 1, got {self.tp}")
+        _check(self.num_ranks % self.tp == 0,
+               f"--generator.num-ranks ({self.num_ranks}) must be a multiple of --generator.tp ({self.tp})")
         _check(self.num_prompts_per_step >= 1, "--generator.num-prompts-per-step must be >= 1")
         _check(self.samples_per_prompt >= 1, "--generator.samples-per-prompt must be >= 1")
         _check(self.temperature >= 0, f"--generator.temperature must be >= 0, got {self.temperature}")
@@ -114,6 +121,10 @@ class TrainerConfig:
     micro-batch holds more tokens than this."""
     num_threads: int = 1
     """torch intra-op threads on each trainer rank."""
+    param_dtype: Literal["float32", "bfloat16"] = "float32"
+    """Compute dtype of forward / backward (FSDP2 MixedPrecisionPolicy): master weights and
+    AdamW state stay in ``--model.dtype`` and gradients are reduced in fp32. bf16 is ~1.7x faster
+    on CPUs with AVX512-BF16 / AMX and on every recent GPU."""
 
     def __post_init__(self) -> None:
         _check(self.lr > 0, f"--trainer.lr must be > 0, got {self.lr}")

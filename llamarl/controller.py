@@ -23,9 +23,9 @@ import os
 import sys
 import time
 import traceback
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable
 
 from llamarl.channels.base import CommunicationChannel
 from llamarl.executors.base import Executor

@@ -21,7 +21,8 @@ class MetricsLogger:
     def __init__(self, run_dir: Path, executor: str, *, tensorboard: bool = True) -> None:
         self.executor = executor
         (run_dir / "metrics").mkdir(parents=True, exist_ok=True)
-        self.jsonl = open(run_dir / "metrics" / f"{executor}.jsonl", "a", encoding="utf-8")
+        # Kept open for the whole run (one append per step); closed by close().
+        self.jsonl = open(run_dir / "metrics" / f"{executor}.jsonl", "a", encoding="utf-8")  # noqa: SIM115
         self.writer = None
         if tensorboard:
             from torch.utils.tensorboard import SummaryWriter

@@ -16,11 +16,11 @@ before and after training and writes ``summary.json`` into the run directory.
 from __future__ import annotations
 
 import json
-from dataclasses import asdict
 import os
 import time
+from collections.abc import Callable
+from dataclasses import asdict
 from pathlib import Path
-from typing import Callable
 
 import torch
 import torch.distributed as dist

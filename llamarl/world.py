@@ -5,6 +5,14 @@ rank (``new_group`` is collective over the world, so order matters). Library cod
 group / mesh it needs explicitly and never assumes ``torch.distributed.group.WORLD`` is "my
 executor". Channels send point-to-point on the world group by global rank; the context maps
 executor names to global rank ranges for them.
+
+Tensor parallelism: an executor declared with ``ExecutorSpec(name, num_ranks, tp=N)`` (N > 1)
+lays its ranks out as a 2-D ``(dp, tp)`` grid, tp innermost (consecutive ranks share a TP group),
+and its ``ctx.mesh`` is a 2-D DeviceMesh with dim names ``("dp", "tp")`` (``ctx.mesh["tp"]`` is
+the TP sub-mesh). Every TP and DP group of every such executor is created on every rank, so no
+collective is entered by only some ranks. With ``tp == 1`` (the default) ``ctx.mesh`` stays the
+1-D mesh over the executor's ranks (the trainer's FSDP2 relies on it). ``ctx.group`` is always
+the whole executor's group.
 """
 
 from __future__ import annotations
@@ -21,10 +29,15 @@ from torch.distributed.device_mesh import DeviceMesh
 
 @dataclass(frozen=True)
 class ExecutorSpec:
-    """One executor's name and how many consecutive ranks it owns (in spec order)."""
+    """One executor's name, how many consecutive ranks it owns (in spec order), and its TP degree.
+
+    ``tp > 1`` makes the executor's mesh 2-D ``(dp, tp)`` with ``dp = num_ranks // tp``;
+    ``num_ranks`` must then be a multiple of ``tp`` (checked by ``plan_ranks``).
+    """
 
     name: str
     num_ranks: int
+    tp: int = 1
 
 
 def plan_ranks(specs: list[ExecutorSpec], world_size: int) -> dict[str, list[int]]:
@@ -41,6 +54,8 @@ def plan_ranks(specs: list[ExecutorSpec], world_size: int) -> dict[str, list[int
     for spec in specs:
         if spec.num_ranks < 1:
             raise ValueError(f"executor {spec.name!r} has {spec.num_ranks} ranks; every executor needs >= 1")
+        if spec.tp < 1 or spec.num_ranks % spec.tp:
+            raise ValueError(f"executor {spec.name!r}: num_ranks ({spec.num_ranks}) must be a multiple of tp ({spec.tp})")
     total = sum(s.num_ranks for s in specs)
     if total != world_size:
         split = " + ".join(f"{s.name}={s.num_ranks}" for s in specs)
@@ -50,6 +65,17 @@ def plan_ranks(specs: list[ExecutorSpec], world_size: int) -> dict[str, list[int
         ranges[spec.name] = list(range(start, start + spec.num_ranks))
         start += spec.num_ranks
     return ranges
+
+
+def tp_grid(ranks: list[int], tp: int) -> list[list[int]]:
+    """The ``(dp, tp)`` grid of ``ranks``: row ``d`` is DP replica ``d``'s TP group (tp innermost).
+
+    Column ``t`` of the grid is the DP group of TP rank ``t``. ValueError when ``len(ranks)`` is
+    not a multiple of ``tp``.
+    """
+    if tp < 1 or len(ranks) % tp:
+        raise ValueError(f"{len(ranks)} ranks cannot be split into TP groups of {tp}")
+    return [ranks[i : i + tp] for i in range(0, len(ranks), tp)]
 
 
 def default_backend() -> str:
@@ -63,7 +89,9 @@ class ExecutorContext:
 
     Attributes: ``rank`` / ``world_size`` (global), ``executor`` (this rank's executor name),
     ``ranks`` (executor name -> global ranks), ``group`` (this executor's process group),
-    ``mesh`` (a 1-D DeviceMesh over this executor's ranks), ``device``.
+    ``mesh`` (a 1-D DeviceMesh over this executor's ranks, or the 2-D ``("dp", "tp")`` mesh when
+    its spec has ``tp > 1``), ``device``, ``tp_sizes`` (executor name -> TP degree; missing
+    means 1).
     """
 
     rank: int
@@ -75,6 +103,7 @@ class ExecutorContext:
     device: torch.device
     timeout: timedelta
     _groups: dict[str, dist.ProcessGroup] = field(default_factory=dict, repr=False)
+    tp_sizes: dict[str, int] = field(default_factory=dict)
 
     @staticmethod
     def create(
@@ -113,8 +142,18 @@ class ExecutorContext:
         executor = next(name for name, rs in ranges.items() if rank in rs)
         group = groups[executor]
         mesh = DeviceMesh.from_group(group, device.type, mesh=ranges[executor])
+        # Then every TP / DP group of every TP executor, again on every rank in spec order.
+        for spec in specs:
+            if spec.tp == 1:
+                continue
+            grid = tp_grid(ranges[spec.name], spec.tp)
+            tp_group, dp_group = _grid_groups(grid, rank=rank, timeout=timeout, backend=backend)
+            if spec.name == executor:
+                # from_group takes this rank's group per mesh dim: no further collective.
+                mesh = DeviceMesh.from_group([dp_group, tp_group], device.type, mesh=grid, mesh_dim_names=("dp", "tp"))
         return ExecutorContext(rank=rank, world_size=world_size, executor=executor, ranks=ranges, group=group,
-                               mesh=mesh, device=device, timeout=timeout, _groups=groups)
+                               mesh=mesh, device=device, timeout=timeout, _groups=groups,
+                               tp_sizes={s.name: s.tp for s in specs})
 
     @property
     def local_rank(self) -> int:
@@ -124,6 +163,31 @@ class ExecutorContext:
     @property
     def local_world_size(self) -> int:
         return len(self.ranks[self.executor])
+
+    @property
+    def tp_size(self) -> int:
+        """This executor's TP degree (1 without tensor parallelism)."""
+        return self.tp_sizes.get(self.executor, 1)
+
+    @property
+    def tp_rank(self) -> int:
+        """This rank's index inside its TP group (0 without tensor parallelism)."""
+        return self.local_rank % self.tp_size
+
+    @property
+    def dp_size(self) -> int:
+        """Data-parallel replicas of this executor (its ranks without TP)."""
+        return self.local_world_size // self.tp_size
+
+    @property
+    def dp_rank(self) -> int:
+        """This rank's data-parallel replica index (``local_rank`` without TP)."""
+        return self.local_rank // self.tp_size
+
+    @property
+    def tp_mesh(self) -> DeviceMesh | None:
+        """The 1-D TP sub-mesh of this rank's TP group, or None without tensor parallelism."""
+        return self.mesh["tp"] if self.tp_size > 1 else None
 
     def is_member(self, executor: str) -> bool:
         return self.rank in self.ranks[executor]
@@ -136,6 +200,25 @@ class ExecutorContext:
         """Tear down the default group (and with it every subgroup)."""
         if dist.is_initialized():
             dist.destroy_process_group()
+
+
+def _grid_groups(grid: list[list[int]], *, rank: int, timeout: timedelta,
+                 backend: str) -> tuple[dist.ProcessGroup | None, dist.ProcessGroup | None]:
+    """Create every TP group (grid rows) then every DP group (columns); return this rank's pair.
+
+    Collective over WORLD: every rank must call it with the same grid. A rank outside the grid
+    gets ``(None, None)``.
+    """
+    mine_tp = mine_dp = None
+    for row in grid:
+        group = dist.new_group(row, timeout=timeout, backend=backend)
+        if rank in row:
+            mine_tp = group
+    for column in zip(*grid):
+        group = dist.new_group(list(column), timeout=timeout, backend=backend)
+        if rank in column:
+            mine_dp = group
+    return mine_tp, mine_dp
 
 
 @contextlib.contextmanager

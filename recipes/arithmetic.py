@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 
 import tyro
 
-from llamarl.config import RLConfig
+from llamarl.config import GeneratorConfig, RLConfig, RunConfig, TrainerConfig
 from llamarl.data.arithmetic import ArithmeticTask
 from llamarl.data.prompts import ARITHMETIC_INSTRUCTION, build_chat_prompt
 from llamarl.rewards.arithmetic import score
@@ -30,6 +30,13 @@ class ArithmeticConfig(RLConfig):
     """RL on seeded integer-addition problems (generated on the fly, no download)."""
 
     task: ArithmeticTaskConfig = field(default_factory=ArithmeticTaskConfig)
+    # Defaults tuned for `make run` on 2 CPU cores (see README): bf16 compute on both sides, the
+    # trainer (the bottleneck) gets 2 threads, small frequent batches.
+    generator: GeneratorConfig = field(default_factory=lambda: GeneratorConfig(
+        num_prompts_per_step=8, samples_per_prompt=4, max_new_tokens=12, dtype="bfloat16", num_threads=1))
+    trainer: TrainerConfig = field(default_factory=lambda: TrainerConfig(lr=2e-5, param_dtype="bfloat16",
+                                                                          num_threads=2))
+    run: RunConfig = field(default_factory=lambda: RunConfig(max_steps=40))
 
 
 def prompt_fn(tokenizer, question: str) -> list[int]:

@@ -17,7 +17,8 @@ def run_torchrun(script: str, *, nproc: int, args: list[str] = (), timeout_s: fl
                 "TOKENIZERS_PARALLELISM": "false", **(env or {})}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
            "--monitor-interval=0.5", str(REPO / "tests" / "worlds" / script), *args]
-    return subprocess.run(cmd, cwd=REPO, env=full_env, capture_output=True, text=True, timeout=timeout_s)
+    return subprocess.run(cmd, cwd=REPO, env=full_env, capture_output=True, text=True,
+                          timeout=timeout_s, check=False)
 
 
 def check(proc: subprocess.CompletedProcess) -> None:

@@ -7,11 +7,11 @@ import pytest
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
-from launch import check, run_torchrun  # noqa: E402
-from worlds.channels_world import make_batch  # noqa: E402
+from launch import check, run_torchrun
+from worlds.channels_world import make_batch
 
-from llamarl.batch import TensorBatch  # noqa: E402
-from llamarl.channels.base import balanced_group_partition  # noqa: E402
+from llamarl.batch import TensorBatch
+from llamarl.channels.base import balanced_group_partition
 
 
 @pytest.fixture(scope="module")

@@ -8,9 +8,9 @@ from pathlib import Path
 import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))
-from launch import check, run_torchrun  # noqa: E402
+from launch import check, run_torchrun
 
-from llamarl.controller import ExecutorController  # noqa: E402
+from llamarl.controller import ExecutorController
 
 MAX_STEPS = 5
 

@@ -7,8 +7,8 @@ from pathlib import Path
 import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))
-from launch import check, run_torchrun  # noqa: E402
-from tiny_model import save_tiny_model  # noqa: E402
+from launch import check, run_torchrun
+from tiny_model import save_tiny_model
 
 MAX_STEPS = 5
 

@@ -11,10 +11,10 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 sys.path.insert(0, str(Path(__file__).parent))
-from launch import check, run_torchrun  # noqa: E402
-from tiny_model import save_tiny_model  # noqa: E402
+from launch import check, run_torchrun
+from tiny_model import save_tiny_model
 
-from llamarl.models.loading import load_causal_lm  # noqa: E402
+from llamarl.models.loading import load_causal_lm
 
 TEMPERATURE, LR, CLIP, RHO, EPS = 0.8, 1e-2, 0.5, 4.0, 0.2
 CURRENT_VERSION = 3
@@ -101,7 +101,7 @@ def test_fsdp_update_matches_single_process_reference(setup, nproc, budget, loss
     expected, expected_loss = reference_update(model_dir, batch, loss_name)
     with safe_open(str(out), "pt") as f:
         metrics = json.loads(f.metadata()["metrics"])
-        got = {k: f.get_tensor(k) for k in f.keys()}
+        got = {k: f.get_tensor(k) for k in f.keys()}  # noqa: SIM118 - safe_open is not iterable
     assert sorted(got) == sorted(expected)
     initial, _ = load_causal_lm(str(model_dir))
     moved = max((expected[n] - p).abs().max().item() for n, p in initial.named_parameters())

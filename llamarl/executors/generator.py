@@ -12,14 +12,22 @@ elsewhere), ``num_tokens``, ``prompt_len``, ``completion_len``, ``group_ids`` (t
 index), ``finish_stop`` (1 when the sample ended on EOS), strings ``completion`` / ``reference``;
 metadata ``group_size``.
 
-With several generator ranks (data-parallel replicas) rank r of the executor takes prompts
-``position + r * num_prompts_per_step + i``.
+With several generator ranks, data-parallel replica d (``ctx.dp_rank``) takes prompts
+``position + d * num_prompts_per_step + i``. With ``--generator.tp N`` the ranks form a
+``(dp, tp)`` mesh (``ctx.mesh``, see llamarl/world.py): the model is sharded over each TP group
+(llamarl/models/tensor_parallel.py), and every rank of a TP group runs the same requests with the
+same seed, so they sample identical tokens (TP all-reduces leave every rank bitwise identical
+activations). Only the TP group's first rank emits the rollouts; its peers emit nothing (an empty
+batch), since channels concatenate every outbound rank's batch. The parameters are DTensors on the
+TP mesh, which the DDMA weight channel reads as per-rank slices, so each TP rank receives exactly
+its shard (the ``gather_broadcast`` weight mode supports replicas only).
 """
 
 from __future__ import annotations
 
 import time
-from typing import Callable, Protocol
+from collections.abc import Callable
+from typing import Protocol
 
 import torch
 
@@ -29,6 +37,7 @@ from llamarl.data.prompts import Problem
 from llamarl.engines.torch_engine import Completion, Request, SamplingParams, TorchEngine
 from llamarl.executors.base import Executor
 from llamarl.models.loading import load_causal_lm
+from llamarl.models.tensor_parallel import apply_tensor_parallel
 
 
 class Task(Protocol):
@@ -84,13 +93,19 @@ class GeneratorExecutor(Executor):
         self.problems: dict[int, Problem] = {}
 
     def init(self) -> None:
+        if self.config.tp != self.ctx.tp_size:
+            raise ValueError(f"--generator.tp is {self.config.tp} but the generator's mesh has tp={self.ctx.tp_size}; "
+                             "pass ExecutorSpec(..., tp=config.generator.tp)")
         torch.set_num_threads(self.config.num_threads)
         self.model, self.tokenizer = load_causal_lm(self.model_config.name, dtype=getattr(torch, self.config.dtype))
         self.model.eval()
+        if self.ctx.tp_size > 1:
+            apply_tensor_parallel(self.model, self.ctx.tp_mesh)
         eos = self.tokenizer.eos_token_id
         pad = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else eos
         self.engine = TorchEngine(self.model, eos_token_ids=[eos], pad_token_id=pad)
-        self.rng = torch.Generator().manual_seed(self.seed * 1000 + self.ctx.local_rank)
+        # Seeded by the DP replica, not the rank: TP peers must draw the same samples.
+        self.rng = torch.Generator().manual_seed(self.seed * 1000 + self.ctx.dp_rank)
 
     def get_model(self) -> torch.nn.Module:
         return self.model
@@ -105,8 +120,8 @@ class GeneratorExecutor(Executor):
 
     def _new_requests(self) -> list[Request]:
         c = self.config
-        first = self.data_position + self.ctx.local_rank * c.num_prompts_per_step
-        self.data_position += c.num_prompts_per_step * self.ctx.local_world_size
+        first = self.data_position + self.ctx.dp_rank * c.num_prompts_per_step
+        self.data_position += c.num_prompts_per_step * self.ctx.dp_size
         requests = []
         for index in range(first, first + c.num_prompts_per_step):
             problem = self.task.sample(index)
@@ -141,19 +156,25 @@ class GeneratorExecutor(Executor):
                 group_ids.append(g)
                 references.append(self.problems[g].answer)
             del self.problems[g]
-        texts = self.tokenizer.batch_decode([c.completion_ids for c in completions], skip_special_tokens=True)
-        if completions:
+        # TP peers hold the same samples: only the TP group's first rank emits them.
+        emits = self.ctx.tp_rank == 0
+        if completions and emits:
+            texts = self.tokenizer.batch_decode([c.completion_ids for c in completions], skip_special_tokens=True)
             self.outputs[self.output_name] = completions_to_batch(
                 completions, group_ids=group_ids, references=references, texts=texts,
                 pad_token_id=self.engine.pad_token_id, group_size=n)
         self.metrics = {"gen_seconds": seconds, "gen_new_tokens": float(num_new_tokens),
                         "gen_tokens_per_s": num_new_tokens / max(seconds, 1e-9),
                         "gen_carried": float(len(self.carried)), "gen_version": float(self.version),
-                        "gen_emitted_samples": float(len(completions))}
+                        "gen_emitted_samples": float(len(completions) if emits else 0)}
 
     @torch.no_grad()
     def evaluate(self, problems: list[Problem], score: Callable[[str, str], float], *, chunk: int = 64) -> float:
-        """Greedy accuracy of the current weights on ``problems`` (fraction scored 1.0)."""
+        """Greedy accuracy of the current weights on ``problems`` (fraction scored 1.0).
+
+        With ``tp > 1`` it is collective over this rank's TP group: every rank of the group must
+        call it with the same problems (each returns the same accuracy).
+        """
         greedy = SamplingParams(temperature=0.0, max_new_tokens=self.config.max_new_tokens)
         correct = 0.0
         for lo in range(0, len(problems), chunk):

@@ -22,27 +22,35 @@ average back into the sum that a global token mean needs.
 from __future__ import annotations
 
 import time
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from torch.distributed.fsdp import fully_shard
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
 from llamarl.algorithms.advantages import group_advantages
 from llamarl.algorithms.losses import aipo_loss, decoupled_ppo_loss, ppo_loss
 from llamarl.algorithms.prox import loglinear_prox_logp
 from llamarl.batch import TensorBatch
+from llamarl.checkpoint import export_hf, load_sharded, read_json, save_sharded, write_json
 from llamarl.config import AlgoConfig, ModelConfig, TrainerConfig
 from llamarl.data.packing import pack_microbatches
 from llamarl.executors.base import Executor
 from llamarl.models.loading import load_causal_lm
 
 
-def shard_model(model: torch.nn.Module, mesh) -> torch.nn.Module:
-    """FSDP2 ``fully_shard`` each decoder layer, then the root (HF ``model.model.layers`` layout)."""
+def shard_model(model: torch.nn.Module, mesh, *, param_dtype: torch.dtype | None = None) -> torch.nn.Module:
+    """FSDP2 ``fully_shard`` each decoder layer, then the root (HF ``model.model.layers`` layout).
+
+    ``param_dtype`` (e.g. bf16) is the compute dtype of a MixedPrecisionPolicy; gradients are
+    reduced in fp32 and the sharded master weights keep the model's dtype.
+    """
+    mp_policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32) \
+        if param_dtype is not None and param_dtype != next(model.parameters()).dtype else MixedPrecisionPolicy()
     layers = getattr(getattr(model, "model", None), "layers", None)
     for layer in layers or []:
-        fully_shard(layer, mesh=mesh)
-    fully_shard(model, mesh=mesh)
+        fully_shard(layer, mesh=mesh, mp_policy=mp_policy)
+    fully_shard(model, mesh=mesh, mp_policy=mp_policy)
     return model
 
 
@@ -82,13 +90,24 @@ class TrainerExecutor(Executor):
         torch.manual_seed(self.seed)
         dtype = getattr(torch, self.model_config.dtype)
         model, _ = load_causal_lm(self.model_config.name, dtype=dtype)
-        self.model = shard_model(model, self.ctx.mesh)
+        self.model = shard_model(model, self.ctx.mesh, param_dtype=getattr(torch, self.config.param_dtype))
         self.model.train()
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=self.config.lr,
                                            weight_decay=self.config.weight_decay)
 
     def get_model(self) -> torch.nn.Module:
         return self.model
+
+    def save_checkpoint(self, directory: Path) -> None:
+        """DCP model + AdamW (every trainer rank), version, and an HF safetensors export."""
+        save_sharded(directory, model=self.model, optimizer=self.optimizer, group=self.ctx.group)
+        export_hf(directory / "hf", model=self.model, write=self.ctx.local_rank == 0)
+        if self.ctx.local_rank == 0:
+            write_json(directory / "state.json", {"version": self.version})
+
+    def load_checkpoint(self, directory: Path) -> None:
+        load_sharded(directory, model=self.model, optimizer=self.optimizer, group=self.ctx.group)
+        self.version = int(read_json(directory / "state.json")["version"])
 
     # ----- one step -----
     def step(self) -> None:
