@@ -59,7 +59,10 @@ def run_rl(config: RLConfig, *, recipe: str, task: Task, heldout: list[Problem],
     wall_start = time.time()
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     num_trainer = world_size - config.generator.num_ranks - config.reward.num_ranks
-    specs = [ExecutorSpec("generator", config.generator.num_ranks), ExecutorSpec("reward", config.reward.num_ranks),
+    if config.generator.tp > 1 and config.weights.mode == "gather_broadcast":
+        raise ValueError("--weights.mode gather_broadcast cannot feed a tensor-parallel generator; use ddma")
+    specs = [ExecutorSpec("generator", config.generator.num_ranks, tp=config.generator.tp),
+             ExecutorSpec("reward", config.reward.num_ranks),
              ExecutorSpec("trainer", num_trainer)]
     weights = WeightsChannel("weights", "trainer", "generator", mode=config.weights.mode)
     channels = [CommunicationChannel("rollouts", "generator", "reward", SCATTER),
@@ -99,12 +102,14 @@ def run_rl(config: RLConfig, *, recipe: str, task: Task, heldout: list[Problem],
                                     executor_order=["generator", "reward", "trainer"], init_channels=[weights],
                                     schedule=config.run.schedule, checkpoint_every=config.run.checkpoint_every,
                                     checkpoint_dir=run_dir / "checkpoints", on_tick=on_tick)
-    if ctx.rank == 0:
+    # Evaluation is collective over a TP group, so every rank of the first generator replica runs it.
+    evaluates = ctx.executor == "generator" and ctx.dp_rank == 0
+    if evaluates:
         controller.before_loop = lambda: summary.update(base_accuracy=executor.evaluate(heldout, score))
     controller.run()
     try:
         weights.communicate(ctx, executor)  # the final policy, for the final evaluation
-        if ctx.rank == 0:
+        if evaluates:
             summary["final_accuracy"] = executor.evaluate(heldout, score)
     except BaseException as exc:  # noqa: BLE001 - same failure contract as the loop
         controller._abort(exc)

@@ -1,0 +1,142 @@
+"""Tensor-parallel generator (tp=2) next to a 1-rank trainer, in one 3-rank gloo world.
+
+usage: tp_world.py MODEL_DIR OUT_DIR
+
+Ranks 0-1 are the generator (``ExecutorSpec("generator", 2, tp=2)``: one TP group), rank 2 the
+trainer. Every rank writes ``OUT_DIR/mesh<rank>.json`` (its mesh and coordinates). Then:
+
+1. greedy: the trainer runs ``PROMPTS`` (different lengths) through a plain model (TP=1), the
+   generator ranks through ``GeneratorExecutor`` with the model sharded over TP=2; each writes
+   ``greedy_<who>.json`` (per request: completion ids and log-probs);
+2. step: one sampled ``GeneratorExecutor.step`` (temperature 1); each generator rank writes
+   ``step_gen<r>.json`` (what its engine generated, and how many rows it emits);
+3. ddma: the trainer shards a perturbed copy of the model (FSDP2, 1 rank) and syncs it through
+   a DDMA ``WeightsChannel``; the trainer writes ``trainer.safetensors`` (full params), generator
+   rank 0 ``generator_full.safetensors`` (``full_tensor`` of every param) and each generator rank
+   ``generator_local<r>.safetensors`` plus its weight version; then greedy again on both sides
+   (``greedy2_<who>.json``).
+"""
+
+import json
+import sys
+from pathlib import Path
+
+import torch
+from safetensors.torch import save_file
+
+from llamarl.channels.ddma_plan import local_tensor
+from llamarl.channels.weights import WeightsChannel, full_named_parameters
+from llamarl.config import GeneratorConfig, ModelConfig
+from llamarl.data.prompts import Problem
+from llamarl.engines.torch_engine import Request, SamplingParams, TorchEngine
+from llamarl.executors.base import Executor
+from llamarl.executors.generator import GeneratorExecutor
+from llamarl.executors.trainer import shard_model
+from llamarl.models.loading import load_causal_lm
+from llamarl.world import ExecutorContext, ExecutorSpec
+
+PROMPTS = ["1+1=", "what is 12 times 7?", "x", "The quick brown fox jumps over"]
+MAX_NEW_TOKENS = 10
+VERSION = 5
+
+
+class Questions:
+    """Task stand-in: problem ``i`` asks ``PROMPTS[i % len]``."""
+
+    def sample(self, index: int) -> Problem:
+        return Problem(question=PROMPTS[index % len(PROMPTS)], answer="0")
+
+
+def encode(tokenizer, question: str) -> list[int]:
+    return tokenizer.encode(question, add_special_tokens=False)
+
+
+class Trainer(Executor):
+    """Holds the FSDP2 model the weight channel reads."""
+
+    def __init__(self, ctx, model):
+        super().__init__(ctx)
+        self.model, self.version = model, VERSION
+
+    def get_model(self):
+        return self.model
+
+
+def greedy(engine: TorchEngine, tokenizer) -> list[dict]:
+    requests = [Request(sample_id=i, prompt_ids=encode(tokenizer, p)) for i, p in enumerate(PROMPTS)]
+    outs = engine.generate(requests, sampling=SamplingParams(temperature=0.0, max_new_tokens=MAX_NEW_TOKENS),
+                           version=0)
+    return [{"ids": o.completion_ids, "logprobs": o.logprobs} for o in outs]
+
+
+def write_json(path: Path, data) -> None:
+    path.write_text(json.dumps(data))
+
+
+def run_trainer(ctx, model_dir: str, out: Path) -> None:
+    model, tokenizer = load_causal_lm(model_dir)
+    engine = TorchEngine(model, eos_token_ids=[tokenizer.eos_token_id], pad_token_id=tokenizer.pad_token_id)
+    write_json(out / "greedy_tp1.json", greedy(engine, tokenizer))
+    sharded = shard_model(load_causal_lm(model_dir)[0], ctx.mesh)
+    with torch.no_grad():  # a seeded perturbation, so only a correct routing reproduces it
+        gen = torch.Generator().manual_seed(3)
+        for param in sharded.parameters():
+            local = local_tensor(param)
+            local.add_(torch.randn(local.shape, generator=gen) * 0.05)
+    WeightsChannel("weights", "trainer", "generator").communicate(ctx, Trainer(ctx, sharded))
+    full = {n: t.contiguous() for n, t in full_named_parameters(sharded).items()}
+    save_file(full, out / "trainer.safetensors")
+    model.load_state_dict(full)
+    write_json(out / "greedy2_tp1.json", greedy(engine, tokenizer))
+
+
+def run_generator(ctx, model_dir: str, out: Path) -> None:
+    r = ctx.local_rank
+    config = GeneratorConfig(num_ranks=2, tp=2, num_prompts_per_step=2, samples_per_prompt=2, temperature=1.0,
+                             max_new_tokens=MAX_NEW_TOKENS)
+    gen = GeneratorExecutor(ctx, model_config=ModelConfig(name=model_dir), config=config, task=Questions(),
+                            prompt_fn=encode, seed=7)
+    gen.init()
+    write_json(out / f"greedy_gen{r}.json", greedy(gen.engine, gen.tokenizer))
+    generated = []
+    generate = gen.engine.generate
+
+    def recording(*args, **kwargs):
+        outs = generate(*args, **kwargs)
+        generated.extend({"id": o.sample_id, "ids": o.completion_ids, "logprobs": o.logprobs} for o in outs)
+        return outs
+
+    gen.engine.generate = recording
+    gen.step()
+    gen.engine.generate = generate
+    emitted = len(gen.get_output("rollouts"))
+    write_json(out / f"step_gen{r}.json", {"generated": generated, "emitted": emitted})
+    WeightsChannel("weights", "trainer", "generator").communicate(ctx, gen)
+    full = full_named_parameters(gen.model)  # collective over the TP group
+    if r == 0:
+        save_file({n: t.contiguous() for n, t in full.items()}, out / "generator_full.safetensors")
+    local = {n: local_tensor(p).detach().contiguous() for n, p in gen.model.named_parameters()}
+    save_file(local, out / f"generator_local{r}.safetensors", metadata={"version": str(gen.version)})
+    write_json(out / f"greedy2_gen{r}.json", greedy(gen.engine, gen.tokenizer))
+
+
+def main() -> None:
+    model_dir, out = sys.argv[1], Path(sys.argv[2])
+    ctx = ExecutorContext.create([ExecutorSpec("generator", 2, tp=2), ExecutorSpec("trainer", 1)], timeout_s=60,
+                                 channel_endpoints=[("trainer", "generator")])
+    mesh = ctx.mesh
+    tp_mesh = ctx.tp_mesh
+    write_json(out / f"mesh{ctx.rank}.json", {
+        "executor": ctx.executor, "ndim": mesh.ndim, "dim_names": list(mesh.mesh_dim_names or []),
+        "mesh": mesh.mesh.tolist(), "tp_rank": ctx.tp_rank, "dp_rank": ctx.dp_rank, "tp_size": ctx.tp_size,
+        "dp_size": ctx.dp_size, "tp_mesh": tp_mesh.mesh.tolist() if tp_mesh is not None else None,
+        "tp_mesh_rank": tp_mesh.get_local_rank() if tp_mesh is not None else None})
+    if ctx.executor == "trainer":
+        run_trainer(ctx, model_dir, out)
+    else:
+        run_generator(ctx, model_dir, out)
+    ctx.destroy()
+
+
+if __name__ == "__main__":
+    main()
