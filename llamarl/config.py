@@ -10,6 +10,12 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 
+def resume_step(path: str) -> int | None:
+    """The tick count ``n`` of a ``.../step_<n>`` checkpoint directory name, else None."""
+    name = path.rstrip("/").rsplit("/", 1)[-1]
+    return int(name[5:]) if name.startswith("step_") and name[5:].isdigit() else None
+
+
 def _check(condition: bool, message: str) -> None:
     if not condition:
         raise ValueError(message)
@@ -157,11 +163,17 @@ class RunConfig:
     """Timeout of every collective / point-to-point wait: a dead peer becomes an error."""
     num_eval_problems: int = 100
     """Held-out problems for the greedy accuracy evaluated before and after training."""
+    resume_from: str | None = None
+    """Checkpoint to resume from: a ``<run>/checkpoints/step_<n>`` directory; the run continues at
+    tick n with every executor's state (weights, optimizer, data position, carried samples)."""
 
     def __post_init__(self) -> None:
         _check(self.max_steps >= 0, f"--run.max-steps must be >= 0, got {self.max_steps}")
         _check(self.checkpoint_every >= 0, "--run.checkpoint-every must be >= 0")
         _check(self.collective_timeout_s > 0, "--run.collective-timeout-s must be > 0")
+        if self.resume_from is not None:
+            _check(resume_step(self.resume_from) is not None,
+                   f"--run.resume-from must be a .../checkpoints/step_<n> directory, got {self.resume_from!r}")
 
 
 @dataclass

@@ -52,7 +52,8 @@ class ExecutorController:
     ``init_channels`` run once after ``init`` (e.g. initial weights). ``on_tick`` is called on
     every rank after each tick with (step, executor, TickRecord) for metrics / progress.
     Checkpoints are saved to ``checkpoint_dir/step_{step}/{executor name}`` every
-    ``checkpoint_every`` ticks (0 disables).
+    ``checkpoint_every`` ticks (0 disables); ``step_{n}`` holds the state after ``n`` ticks, so a
+    run resumes from it with ``resume_dir=.../step_{n}`` and ``start_step=n``.
     """
 
     def __init__(
@@ -69,6 +70,7 @@ class ExecutorController:
         checkpoint_every: int = 0,
         checkpoint_dir: Path | None = None,
         on_tick: Callable[[int, Executor, TickRecord], None] | None = None,
+        resume_dir: Path | None = None,
     ) -> None:
         if schedule not in SCHEDULES:
             raise ValueError(f"schedule must be one of {SCHEDULES}, got {schedule!r}")
@@ -87,6 +89,7 @@ class ExecutorController:
         self.executor_order = executor_order
         self.checkpoint_every, self.checkpoint_dir = checkpoint_every, checkpoint_dir
         self.on_tick = on_tick
+        self.resume_dir = resume_dir
         self.records: list[TickRecord] = []
         self.phase, self.step_index = "init", start_step
         # Optional hook run on this rank after init and the init channels (e.g. a base evaluation).
@@ -98,6 +101,9 @@ class ExecutorController:
         try:
             self.phase = "init"
             self.executor.init()
+            if self.resume_dir is not None:
+                self.phase = "load_checkpoint"
+                self.executor.load_checkpoint(Path(self.resume_dir) / self.ctx.executor)
             for channel in self.init_channels:
                 channel.communicate(self.ctx, self.executor)
             if self.before_loop is not None:

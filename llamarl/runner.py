@@ -27,7 +27,7 @@ import torch.distributed as dist
 
 from llamarl.channels.base import SCATTER, CommunicationChannel
 from llamarl.channels.weights import WeightsChannel
-from llamarl.config import RLConfig
+from llamarl.config import RLConfig, resume_step
 from llamarl.controller import ExecutorController
 from llamarl.data.prompts import Problem
 from llamarl.executors.generator import GeneratorExecutor, PromptFn, Task
@@ -101,7 +101,9 @@ def run_rl(config: RLConfig, *, recipe: str, task: Task, heldout: list[Problem],
     controller = ExecutorController(ctx, executor, channels, max_steps=config.run.max_steps,
                                     executor_order=["generator", "reward", "trainer"], init_channels=[weights],
                                     schedule=config.run.schedule, checkpoint_every=config.run.checkpoint_every,
-                                    checkpoint_dir=run_dir / "checkpoints", on_tick=on_tick)
+                                    checkpoint_dir=run_dir / "checkpoints", on_tick=on_tick,
+                                    resume_dir=Path(config.run.resume_from) if config.run.resume_from else None,
+                                    start_step=resume_step(config.run.resume_from) if config.run.resume_from else 0)
     # Evaluation is collective over a TP group, so every rank of the first generator replica runs it.
     evaluates = ctx.executor == "generator" and ctx.dp_rank == 0
     if evaluates:

@@ -23,3 +23,9 @@ def not_finite(completion: str, reference: str) -> float:
 
 
 NOT_CALLABLE = 42
+
+
+def contains_seven(completion: str, reference: str) -> float:
+    """1.0 when the completion contains a '7': a reward a tiny random model hits often, so its
+    policy gradient is non-zero (end-to-end tests need real updates)."""
+    return 1.0 if "7" in completion else 0.0

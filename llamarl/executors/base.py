@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 import torch
+from safetensors.torch import load_file, save_file
 
 from llamarl.batch import TensorBatch
 
@@ -57,7 +58,23 @@ class Executor:
         return None
 
     def save_checkpoint(self, directory: Path) -> None:
-        """Save this executor's own state under ``directory`` (created by the caller)."""
+        """Save this executor's own state under ``directory`` (created by the caller).
+
+        The base class saves the outputs not yet sent (a batch produced at this tick leaves at
+        the next one), so a resumed run neither loses nor repeats them. Subclasses that add
+        state call ``super().save_checkpoint(directory)``.
+        """
+        tensors = {}
+        for name, batch in self.outputs.items():
+            tensors[f"{name}.header"], tensors[f"{name}.data"] = batch.encode()
+        save_file(tensors, str(directory / f"outputs_rank{self.ctx.local_rank}.safetensors"))
 
     def load_checkpoint(self, directory: Path) -> None:
         """Restore what ``save_checkpoint`` wrote."""
+        path = directory / f"outputs_rank{self.ctx.local_rank}.safetensors"
+        if not path.is_file():
+            raise ValueError(f"checkpoint {directory} has no {path.name} for this rank")
+        tensors = load_file(str(path))
+        names = {key.rsplit(".", 1)[0] for key in tensors}
+        self.outputs = {name: TensorBatch.decode(tensors[f"{name}.header"], tensors[f"{name}.data"],
+                                                 source=str(path)) for name in names}

@@ -26,12 +26,15 @@ its shard (the ``gather_broadcast`` weight mode supports replicas only).
 from __future__ import annotations
 
 import time
+from dataclasses import asdict
+from pathlib import Path
 from collections.abc import Callable
 from typing import Protocol
 
 import torch
 
 from llamarl.batch import TensorBatch
+from llamarl.checkpoint import load_rng, read_json, save_rng, write_json
 from llamarl.config import GeneratorConfig, ModelConfig
 from llamarl.data.prompts import Problem
 from llamarl.engines.torch_engine import Completion, Request, SamplingParams, TorchEngine
@@ -106,6 +109,28 @@ class GeneratorExecutor(Executor):
         self.engine = TorchEngine(self.model, eos_token_ids=[eos], pad_token_id=pad)
         # Seeded by the DP replica, not the rank: TP peers must draw the same samples.
         self.rng = torch.Generator().manual_seed(self.seed * 1000 + self.ctx.dp_rank)
+
+    def save_checkpoint(self, directory: Path) -> None:
+        """Data position, weight version, carried-over samples, unfinished groups, RNG, pending output."""
+        super().save_checkpoint(directory)
+        rank = self.ctx.local_rank
+        write_json(directory / f"state_rank{rank}.json", {
+            "data_position": self.data_position, "version": self.version,
+            "carried": [asdict(r) for r in self.carried],
+            "finished": {str(g): [asdict(c) for c in outs] for g, outs in self.finished.items()},
+            "problems": {str(g): asdict(p) for g, p in self.problems.items()},
+        })
+        save_rng(directory / f"rng_rank{rank}.safetensors", self.rng)
+
+    def load_checkpoint(self, directory: Path) -> None:
+        super().load_checkpoint(directory)
+        rank = self.ctx.local_rank
+        state = read_json(directory / f"state_rank{rank}.json")
+        self.data_position, self.version = int(state["data_position"]), int(state["version"])
+        self.carried = [Request(**r) for r in state["carried"]]
+        self.finished = {int(g): [Completion(**c) for c in outs] for g, outs in state["finished"].items()}
+        self.problems = {int(g): Problem(**p) for g, p in state["problems"].items()}
+        load_rng(directory / f"rng_rank{rank}.safetensors", self.rng)
 
     def get_model(self) -> torch.nn.Module:
         return self.model

@@ -100,12 +100,14 @@ class TrainerExecutor(Executor):
 
     def save_checkpoint(self, directory: Path) -> None:
         """DCP model + AdamW (every trainer rank), version, and an HF safetensors export."""
+        super().save_checkpoint(directory)
         save_sharded(directory, model=self.model, optimizer=self.optimizer, group=self.ctx.group)
         export_hf(directory / "hf", model=self.model, write=self.ctx.local_rank == 0)
         if self.ctx.local_rank == 0:
             write_json(directory / "state.json", {"version": self.version})
 
     def load_checkpoint(self, directory: Path) -> None:
+        super().load_checkpoint(directory)
         load_sharded(directory, model=self.model, optimizer=self.optimizer, group=self.ctx.group)
         self.version = int(read_json(directory / "state.json")["version"])
 

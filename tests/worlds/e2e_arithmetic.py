@@ -1,8 +1,22 @@
-"""Run the arithmetic recipe's main with the given CLI args (torchrun entry for tests)."""
+"""The arithmetic recipe under torchrun for tests; ``LLAMARL_TEST_SCORER`` swaps the scorer
+(a ``module:function`` path, e.g. one a tiny random model can actually earn reward from)."""
+
+import os
 
 import tyro
 
-from recipes.arithmetic import ArithmeticConfig, main
+from llamarl.runner import run_rl
+from recipes.arithmetic import ArithmeticConfig, main, prompt_fn
 
 if __name__ == "__main__":
-    main(tyro.cli(ArithmeticConfig))
+    config = tyro.cli(ArithmeticConfig)
+    scorer = os.environ.get("LLAMARL_TEST_SCORER")
+    if scorer is None:
+        main(config)
+    else:
+        from llamarl.data.arithmetic import ArithmeticTask
+        from llamarl.rewards import resolve_scorer
+
+        task = ArithmeticTask(num_digits=config.task.num_digits, seed=config.run.seed)
+        run_rl(config, recipe="arithmetic", task=task, heldout=task.heldout(config.run.num_eval_problems),
+               score=resolve_scorer(scorer), scorer=scorer, prompt_fn=prompt_fn)

