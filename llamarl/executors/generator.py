@@ -26,9 +26,9 @@ its shard (the ``gather_broadcast`` weight mode supports replicas only).
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import asdict
 from pathlib import Path
-from collections.abc import Callable
 from typing import Protocol
 
 import torch
