@@ -14,7 +14,8 @@ bf16). One torchrun world per layout (``T + G`` CPU ranks, ``OMP_NUM_THREADS=1``
 Per (layout, size): one warm-up sync (handshake, plan, buckets), then ``--repeats`` timed syncs,
 each between two world barriers; ``seconds_median`` is the median. ``memcpy_bound`` is a local
 ``copy_`` of the bytes generator rank 0 must receive (the floor for any transport).
-``gather_broadcast`` needs replica generators, so it is absent from TP layouts. A (layout, size,
+For TP layouts ``gather_broadcast`` sends every generator rank the full model and each keeps its
+slice (the peers' way of feeding TP engines). A (layout, size,
 mode) whose estimated peak memory (all ranks together) exceeds ``--mem-budget-gb`` is skipped.
 """
 
@@ -93,7 +94,7 @@ def estimate_bytes(size: str, *, layout: str, mode: str, trainer_bytes: int, gen
         send = total * gen_bytes if not tp else sum(numels) * gen_bytes
         return base + send + sum(numels) * gen_bytes
     if mode == "gather_broadcast":  # full fp32 model on every trainer rank + leader bucket + receive buckets
-        return base + trainers * total * trainer_bytes + total * gen_bytes + sum(numels) * gen_bytes
+        return base + trainers * total * trainer_bytes + total * gen_bytes + generators * total * gen_bytes
     return base + 2 * numels[0] * gen_bytes
 
 
@@ -292,7 +293,7 @@ def main() -> None:
             tp = parse_layout(layout)[2]
             skip: dict[str, list[str]] = {}
             for size in args.sizes.split(","):
-                skip[size] = ["gather_broadcast"] if tp else []
+                skip[size] = []
                 for mode in MODES:
                     need = estimate_bytes(size, layout=layout, mode=mode, trainer_bytes=trainer_bytes,
                                           gen_bytes=gen_bytes)

@@ -59,8 +59,6 @@ def run_rl(config: RLConfig, *, recipe: str, task: Task, heldout: list[Problem],
     wall_start = time.time()
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     num_trainer = world_size - config.generator.num_ranks - config.reward.num_ranks
-    if config.generator.tp > 1 and config.weights.mode == "gather_broadcast":
-        raise ValueError("--weights.mode gather_broadcast cannot feed a tensor-parallel generator; use ddma")
     specs = [ExecutorSpec("generator", config.generator.num_ranks, tp=config.generator.tp),
              ExecutorSpec("reward", config.reward.num_ranks),
              ExecutorSpec("trainer", num_trainer)]

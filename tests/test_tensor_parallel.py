@@ -140,3 +140,12 @@ def test_prompts_are_split_by_dp_replica_not_by_rank():
         seen[local_rank] = [[r.prompt_ids[0] for r in gen._new_requests()] for _ in range(2)]
     assert seen[0] == seen[1] == [[0, 0, 1, 1, 2, 2], [6, 6, 7, 7, 8, 8]]
     assert seen[2] == seen[3] == [[3, 3, 4, 4, 5, 5], [9, 9, 10, 10, 11, 11]]
+
+
+def test_gather_broadcast_into_tp2_generator_gives_the_trainers_weights(world):
+    trainer = load_file(world / "trainer_gb.safetensors")
+    generator = load_file(world / "generator_full_gb.safetensors")
+    assert sorted(trainer) == sorted(generator)
+    assert any(not torch.equal(trainer[n], load_file(world / "trainer.safetensors")[n]) for n in trainer)
+    for name, tensor in trainer.items():
+        assert torch.equal(generator[name], tensor), name

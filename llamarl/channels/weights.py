@@ -15,9 +15,9 @@ fp8 is not supported: a plain cast without per-tensor scales is not what fp8 eng
 Mode ``gather_broadcast`` (what OpenRLHF / verl / PipelineRL do; kept for comparison and as a
 fallback): every trainer rank takes part in all-gathering each FSDP2 shard into the full
 parameter, the trainer's first rank packs every parameter (cast to the generator's dtype) into one
-contiguous bucket and sends it point-to-point to every (replica) generator rank, which unpacks it
-into its parameters' storage in place. Its handshake: each generator rank sends the trainer's
-first rank its parameter names, shapes and dtype.
+contiguous bucket and sends it point-to-point to every generator rank, which copies into its
+parameters' storage in place (a TP rank keeps just its slice of each full parameter, as verl does).
+Its handshake is the DDMA one (layouts + plan, for the same validation and errors).
 
 In both modes names are the HF names of ``named_parameters()``, so tied embeddings appear once; a
 missing or mis-shaped parameter is a one-line ValueError before any weight moves. After a sync the
@@ -29,6 +29,7 @@ this rank, ``bytes_sent`` / ``bytes_received`` the weight bytes of the last sync
 
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import dataclass
 
@@ -48,16 +49,6 @@ def full_named_parameters(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     """Every parameter materialised whole (collective over the FSDP mesh for DTensors)."""
     return {name: (p.full_tensor() if isinstance(p, DTensor) else p).detach()
             for name, p in model.named_parameters()}
-
-
-def describe_layout(model: torch.nn.Module) -> dict:
-    """JSON-able layout of a (non-sharded) generator model: names, shapes, dtype."""
-    params = list(model.named_parameters())
-    dtypes = {p.dtype for _, p in params}
-    if len(dtypes) != 1:
-        raise ValueError(f"generator parameters mix dtypes {sorted(map(str, dtypes))}; cast the model to one dtype")
-    return {"names": [n for n, _ in params], "shapes": [list(p.shape) for _, p in params],
-            "dtype": _DTYPE_NAMES[dtypes.pop()]}
 
 
 @dataclass
@@ -118,7 +109,8 @@ class WeightsChannel:
         self.last_seconds = time.perf_counter() - start
 
     # ----- ddma -----
-    def _ddma_handshake(self, ctx, executor) -> None:
+    def _exchange_layouts(self, ctx, executor) -> dict[int, dict]:
+        """Every rank of both executors learns every rank's local layout; errors raise everywhere."""
         label = f"weight channel {self.name!r}"
         trainers, generators = ctx.ranks[self.outbound], ctx.ranks[self.inbound]
         try:
@@ -139,6 +131,12 @@ class WeightsChannel:
                 raise WireFormatError(f"{label}: rank {rank} sent no layout")
             if "error" in layouts[rank]:
                 raise ValueError(f"{label}: {layouts[rank]['error']}")
+        return layouts
+
+    def _ddma_handshake(self, ctx, executor) -> None:
+        label = f"weight channel {self.name!r}"
+        trainers, generators = ctx.ranks[self.outbound], ctx.ranks[self.inbound]
+        layouts = self._exchange_layouts(ctx, executor)
         self.plan = build_plan([layouts[r] for r in trainers], [layouts[r] for r in generators], label=label)
         self._buckets = self._make_buckets(ctx, trainers, generators)
 
@@ -191,26 +189,19 @@ class WeightsChannel:
 
     # ----- gather_broadcast -----
     def _handshake(self, ctx, executor) -> None:
-        leader = ctx.leader(self.outbound)
-        label = f"weight channel {self.name!r}"
-        if ctx.executor == self.inbound:
-            layout = describe_layout(executor.get_model())
-            exchange({leader: TensorBatch({}, {"layout": layout})}, [], device=ctx.device, label=label)
-            self.layout = layout
-        elif ctx.rank == leader:
-            got = exchange({}, ctx.ranks[self.inbound], device=ctx.device, label=label)
-            layouts = [got[r].metadata.get("layout") for r in ctx.ranks[self.inbound]]
-            if any(layout != layouts[0] for layout in layouts):
-                raise ValueError(f"{label}: generator ranks disagree on the model layout")
-            self.layout = layouts[0]
-            ours = {n: list(p.shape) for n, p in executor.get_model().named_parameters()}
-            for n, shape in zip(self.layout["names"], self.layout["shapes"]):
-                if n not in ours:
-                    raise ValueError(f"{label}: generator parameter {n!r} does not exist in the trainer's model")
-                if ours[n] != shape:
-                    raise ValueError(f"{label}: parameter {n!r} is {ours[n]} on the trainer but {shape} on the generator")
-        else:
-            self.layout = {}
+        """Agree on the bucket order (generator names), full shapes and this rank's boxes.
+
+        The DDMA layout exchange and plan are reused only to validate (same errors either way).
+        """
+        trainers, generators = ctx.ranks[self.outbound], ctx.ranks[self.inbound]
+        layouts = self._exchange_layouts(ctx, executor)
+        build_plan([layouts[r] for r in trainers], [layouts[r] for r in generators], label=f"weight channel {self.name!r}")
+        full_shapes = {p["name"]: p["shape"] for p in layouts[trainers[0]]["params"]}
+        reference = layouts[generators[0]]
+        mine = layouts[ctx.rank]["params"] if ctx.executor == self.inbound else []
+        self.layout = {"names": [p["name"] for p in reference["params"]],
+                       "shapes": [full_shapes[p["name"]] for p in reference["params"]],
+                       "dtype": reference["dtype"], "boxes": {p["name"]: p["box"] for p in mine}}
 
     def _gather_broadcast(self, ctx, executor) -> None:
         if self.layout is None:
@@ -230,16 +221,20 @@ class WeightsChannel:
                 nbytes = bucket.numel() * bucket.element_size()
                 self.bytes_sent = {(ctx.rank, dst): nbytes for dst in ctx.ranks[self.inbound]}
         else:
-            model = executor.get_model()
-            params = dict(model.named_parameters())
-            numel = sum(params[n].numel() for n in self.layout["names"])
+            # Every generator rank receives every full parameter; a TP rank keeps its box of each
+            # (what verl / OpenRLHF do for TP engines), a replica keeps all of it.
+            params = dict(executor.get_model().named_parameters())
+            boxes = self.layout["boxes"]
+            shapes = dict(zip(self.layout["names"], self.layout["shapes"]))
+            numel = sum(math.prod(shapes[n]) for n in self.layout["names"])
             bucket = torch.empty(numel, dtype=DTYPES[self.layout["dtype"]], device=ctx.device)
             _wait([dist.P2POp(dist.irecv, version, leader), dist.P2POp(dist.irecv, bucket, leader)])
             offset = 0
             with torch.no_grad():
                 for n in self.layout["names"]:
-                    p = params[n]
-                    p.copy_(bucket[offset : offset + p.numel()].view_as(p))
-                    offset += p.numel()
+                    size = math.prod(shapes[n])
+                    full = bucket[offset : offset + size].view(shapes[n])
+                    local_tensor(params[n]).copy_(full[box_index(boxes[n])])
+                    offset += size
             self.bytes_received = {(leader, ctx.rank): bucket.numel() * bucket.element_size()}
             executor.set_weights_version(int(version.item()))

@@ -88,6 +88,11 @@ def run_trainer(ctx, model_dir: str, out: Path) -> None:
     save_file(full, out / "trainer.safetensors")
     model.load_state_dict(full)
     write_json(out / "greedy2_tp1.json", greedy(engine, tokenizer))
+    with torch.no_grad():  # a second perturbation, sent the gather_broadcast way
+        for param in sharded.parameters():
+            local_tensor(param).mul_(1.5)
+    WeightsChannel("weights_gb", "trainer", "generator", mode="gather_broadcast").communicate(ctx, Trainer(ctx, sharded))
+    save_file({n: t.contiguous() for n, t in full_named_parameters(sharded).items()}, out / "trainer_gb.safetensors")
 
 
 def run_generator(ctx, model_dir: str, out: Path) -> None:
@@ -118,6 +123,10 @@ def run_generator(ctx, model_dir: str, out: Path) -> None:
     local = {n: local_tensor(p).detach().contiguous() for n, p in gen.model.named_parameters()}
     save_file(local, out / f"generator_local{r}.safetensors", metadata={"version": str(gen.version)})
     write_json(out / f"greedy2_gen{r}.json", greedy(gen.engine, gen.tokenizer))
+    WeightsChannel("weights_gb", "trainer", "generator", mode="gather_broadcast").communicate(ctx, gen)
+    full = full_named_parameters(gen.model)
+    if r == 0:
+        save_file({n: t.contiguous() for n, t in full.items()}, out / "generator_full_gb.safetensors")
 
 
 def main() -> None:
