@@ -290,7 +290,6 @@ def main() -> None:
     rows, skipped = [], []
     with tempfile.TemporaryDirectory() as tmp:
         for layout in args.layouts.split(","):
-            tp = parse_layout(layout)[2]
             skip: dict[str, list[str]] = {}
             for size in args.sizes.split(","):
                 skip[size] = []
