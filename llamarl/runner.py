@@ -113,7 +113,7 @@ def run_rl(config: RLConfig, *, recipe: str, task: Task, heldout: list[Problem],
             summary["final_accuracy"] = executor.evaluate(heldout, score)
     except BaseException as exc:  # noqa: BLE001 - same failure contract as the loop
         controller._abort(exc)
-    if isinstance(executor, RewardExecutor):
+    if isinstance(executor, (RewardExecutor, GeneratorExecutor)):
         executor.close()
     (run_dir / "timeline").mkdir(exist_ok=True)
     (run_dir / "timeline" / f"rank{ctx.rank}.json").write_text(json.dumps(spans))

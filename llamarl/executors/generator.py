@@ -106,7 +106,18 @@ class GeneratorExecutor(Executor):
             apply_tensor_parallel(self.model, self.ctx.tp_mesh)
         eos = self.tokenizer.eos_token_id
         pad = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else eos
-        self.engine = TorchEngine(self.model, eos_token_ids=[eos], pad_token_id=pad)
+        if self.config.engine == "vllm":
+            # The HF model stays: it is the weight channel's receive buffer (get_model()); each
+            # sync then reloads vLLM's weights from it in place (set_weights_version).
+            from llamarl.engines.vllm_engine import VLLMEngine
+            from llamarl.models.loading import KNOWN_ALIASES, resolve_model_path
+
+            name = self.model_config.name
+            path = str(resolve_model_path(name)) if name in KNOWN_ALIASES else name
+            self.engine = VLLMEngine(path, dtype=self.config.dtype, eos_token_ids=[eos], pad_token_id=pad,
+                                     seed=self.seed * 1000 + self.ctx.dp_rank, kv_cache_gib=self.config.kv_cache_gib)
+        else:
+            self.engine = TorchEngine(self.model, eos_token_ids=[eos], pad_token_id=pad)
         # Seeded by the DP replica, not the rank: TP peers must draw the same samples.
         self.rng = torch.Generator().manual_seed(self.seed * 1000 + self.ctx.dp_rank)
 
@@ -137,7 +148,15 @@ class GeneratorExecutor(Executor):
 
     def set_weights_version(self, version: int) -> None:
         """Called by the weight channel after new weights were written into the model."""
+        if self.config.engine == "vllm":
+            self.engine.load_weights(self.model.named_parameters())
         self.version = version
+
+    def close(self) -> None:
+        """Shut the engine down (vLLM holds threads and memory); the native engine needs nothing."""
+        close = getattr(self.engine, "close", None)
+        if close is not None:
+            close()
 
     def sampling(self) -> SamplingParams:
         c = self.config
