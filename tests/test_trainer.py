@@ -111,3 +111,4 @@ def test_fsdp_update_matches_single_process_reference(setup, nproc, budget, loss
     assert metrics["loss"] == pytest.approx(expected_loss, rel=1e-4, abs=1e-6)
     assert metrics["num_loss_tokens"] == float(batch["loss_mask"].sum())
     assert metrics["staleness_max"] == 2.0
+    assert metrics["zero_advantage_samples"] == 4  # groups 3 (all 0) and 9 (all 1): skipped, same update

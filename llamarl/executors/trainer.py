@@ -152,10 +152,18 @@ class TrainerExecutor(Executor):
         """One optimizer step on this rank's part of the batch (collective over the trainer)."""
         batch, stats = self.prepare(batch)
         num_local_tokens = float(batch["loss_mask"].sum()) if len(batch) else 0.0
+        if len(batch):
+            # A zero-advantage sample (its group all scored alike) adds exactly zero loss and
+            # gradient in every loss here (each is proportional to A), so it is not forwarded at all.
+            # Its tokens still count in the global token mean: the update is bit-for-bit the same.
+            keep = (batch["advantages"] != 0).nonzero().squeeze(1)
+            stats["zero_advantage_samples"] = float(len(batch) - len(keep))
+            batch = batch.select(keep)
         lengths = batch["num_tokens"].tolist() if len(batch) else []
         microbatches = pack_microbatches(lengths, max_tokens_per_microbatch=self.config.max_tokens_per_microbatch) \
             if lengths else []
-        total_tokens, staleness_sum = self._all_reduce([num_local_tokens, stats.get("staleness_sum", 0.0)])
+        total_tokens, staleness_sum, zero_adv = self._all_reduce(
+            [num_local_tokens, stats.get("staleness_sum", 0.0), stats.get("zero_advantage_samples", 0.0)])
         max_mbs = int(self._all_reduce([float(len(microbatches))], op=dist.ReduceOp.MAX)[0])
         if total_tokens == 0:
             return {"skipped": 1.0, "version": float(self.version)}
@@ -163,27 +171,51 @@ class TrainerExecutor(Executor):
         prox_all = self._recompute_prox(batch, microbatches, max_mbs) \
             if self.algo.loss == "decoupled_ppo" and self.algo.prox == "recompute" else None
         sums: dict[str, float] = {}
+        maxes: dict[str, float] = {}
         self.optimizer.zero_grad(set_to_none=True)
         for index in range(max_mbs):
             rows = microbatches[index] if index < len(microbatches) else None
             loss, metrics, num_tokens = self._microbatch_loss(batch, index, rows, total_tokens, prox_all)
             (loss * dp_size).backward()
             for key, value in metrics.items():
-                sums[key] = sums.get(key, 0.0) + float(value) * num_tokens
+                if key.endswith("_max"):
+                    maxes[key] = max(maxes.get(key, 0.0), float(value))
+                else:
+                    sums[key] = sums.get(key, 0.0) + float(value) * num_tokens
             sums["loss"] = sums.get("loss", 0.0) + float(loss.detach())
+            sums["metric_tokens"] = sums.get("metric_tokens", 0.0) + num_tokens
         grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(),
                                                    self.config.grad_clip if self.config.grad_clip > 0 else float("inf"))
         if isinstance(grad_norm, torch.distributed.tensor.DTensor):
             grad_norm = grad_norm.full_tensor()
         self.optimizer.step()
         self.version += 1
-        keys = sorted(k for k in sums if k != "loss")
-        reduced = self._all_reduce([sums["loss"]] + [sums[k] for k in keys])
+        # Every rank reduces the same keys, even one that only ran dummy micro-batches.
+        keys = self._metric_keys()
+        reduced = self._all_reduce([sums.get("loss", 0.0), sums.get("metric_tokens", 0.0)]
+                                   + [sums.get(k, 0.0) for k in keys if not k.endswith("_max")])
+        max_keys = [k for k in keys if k.endswith("_max")]
+        reduced_max = self._all_reduce([maxes.get(k, 0.0) for k in max_keys], op=dist.ReduceOp.MAX)
         out = {"loss": reduced[0], "grad_norm": float(grad_norm), "num_loss_tokens": total_tokens,
-               "staleness_mean": staleness_sum / total_tokens, "version": float(self.version)}
-        out.update({k: v / total_tokens for k, v in zip(keys, reduced[1:])})
+               "staleness_mean": staleness_sum / total_tokens, "version": float(self.version),
+               "zero_advantage_samples": zero_adv}
+        metric_tokens = max(reduced[1], 1.0)  # token-weighted means over the samples trained on
+        out.update({k: v / metric_tokens for k, v in zip([k for k in keys if not k.endswith("_max")], reduced[2:])})
+        out.update(dict(zip(max_keys, reduced_max)))
         out["staleness_max"] = self._all_reduce([stats.get("staleness_max", 0.0)], op=dist.ReduceOp.MAX)[0]
         return out
+
+    def _metric_keys(self) -> list[str]:
+        """The metric names this step's loss reports (from a 1-token call; same on every rank)."""
+        one = torch.zeros(1, 1)
+        mask = torch.ones(1, 1)
+        if self.algo.loss == "aipo":
+            _, metrics = aipo_loss(one, one, one, mask)
+        elif self.algo.loss == "ppo":
+            _, metrics = ppo_loss(one, one, one, mask)
+        else:
+            _, metrics = decoupled_ppo_loss(one, one, one, one, mask)
+        return sorted(metrics)
 
     def _inputs(self, batch: TensorBatch, rows: list[int] | None):
         """Trimmed micro-batch tensors; ``rows=None`` is a 2-token dummy (zero loss weight)."""
