@@ -105,12 +105,13 @@ def run_rl(config: RLConfig, *, recipe: str, task: Task, heldout: list[Problem],
     # Evaluation is collective over a TP group, so every rank of the first generator replica runs it.
     evaluates = ctx.executor == "generator" and ctx.dp_rank == 0
     if evaluates:
-        controller.before_loop = lambda: summary.update(base_accuracy=executor.evaluate(heldout, score))
+        controller.before_loop = lambda: summary.update(
+            base_accuracy=executor.evaluate(heldout, score, samples_path=run_dir / "eval_base.jsonl"))
     controller.run()
     try:
         weights.communicate(ctx, executor)  # the final policy, for the final evaluation
         if evaluates:
-            summary["final_accuracy"] = executor.evaluate(heldout, score)
+            summary["final_accuracy"] = executor.evaluate(heldout, score, samples_path=run_dir / "eval_final.jsonl")
     except BaseException as exc:  # noqa: BLE001 - same failure contract as the loop
         controller._abort(exc)
     if isinstance(executor, (RewardExecutor, GeneratorExecutor)):

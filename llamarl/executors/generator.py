@@ -25,6 +25,7 @@ its shard (the ``gather_broadcast`` weight mode supports replicas only).
 
 from __future__ import annotations
 
+import json
 import time
 from collections.abc import Callable
 from dataclasses import asdict
@@ -213,19 +214,27 @@ class GeneratorExecutor(Executor):
                         "gen_emitted_samples": float(len(completions) if emits else 0)}
 
     @torch.no_grad()
-    def evaluate(self, problems: list[Problem], score: Callable[[str, str], float], *, chunk: int = 64) -> float:
+    def evaluate(self, problems: list[Problem], score: Callable[[str, str], float], *, chunk: int = 64,
+                 samples_path: Path | None = None) -> float:
         """Greedy accuracy of the current weights on ``problems`` (fraction scored 1.0).
 
         With ``tp > 1`` it is collective over this rank's TP group: every rank of the group must
-        call it with the same problems (each returns the same accuracy).
+        call it with the same problems (each returns the same accuracy). ``samples_path`` gets one
+        JSON line per problem (question, reference, completion, score) for inspection.
         """
         greedy = SamplingParams(temperature=0.0, max_new_tokens=self.config.max_new_tokens)
         correct = 0.0
+        records = []
         for lo in range(0, len(problems), chunk):
             part = problems[lo : lo + chunk]
             requests = [Request(sample_id=i, prompt_ids=list(self.prompt_fn(self.tokenizer, p.question)))
                         for i, p in enumerate(part)]
             outs = self.engine.generate(requests, sampling=greedy, version=self.version)
             texts = self.tokenizer.batch_decode([o.completion_ids for o in outs], skip_special_tokens=True)
-            correct += sum(score(t, p.answer) for t, p in zip(texts, part))
+            scores = [score(t, p.answer) for t, p in zip(texts, part)]
+            correct += sum(scores)
+            records += [{"question": p.question, "reference": p.answer, "completion": t, "score": s}
+                        for p, t, s in zip(part, texts, scores)]
+        if samples_path is not None:
+            samples_path.write_text("".join(json.dumps(r) + "\n" for r in records))
         return correct / max(len(problems), 1)
