@@ -33,11 +33,11 @@ class ArithmeticConfig(RLConfig):
     # Defaults tuned for `make run` on 2 CPU cores (see README): bf16 compute on both sides, the
     # trainer (the bottleneck) gets 2 threads, small frequent batches.
     generator: GeneratorConfig = field(default_factory=lambda: GeneratorConfig(
-        num_prompts_per_step=8, samples_per_prompt=4, max_new_tokens=12, temperature=0.6, dtype="bfloat16",
+        num_prompts_per_step=16, samples_per_prompt=4, max_new_tokens=12, temperature=0.8, dtype="bfloat16",
         num_threads=1))
-    trainer: TrainerConfig = field(default_factory=lambda: TrainerConfig(lr=2e-5, param_dtype="bfloat16",
+    trainer: TrainerConfig = field(default_factory=lambda: TrainerConfig(lr=1.5e-5, param_dtype="bfloat16",
                                                                           num_threads=2))
-    run: RunConfig = field(default_factory=lambda: RunConfig(max_steps=45))
+    run: RunConfig = field(default_factory=lambda: RunConfig(max_steps=40))
 
 
 def prompt_fn(tokenizer, question: str) -> list[int]:

@@ -162,11 +162,16 @@ class TrainerExecutor(Executor):
         lengths = batch["num_tokens"].tolist() if len(batch) else []
         microbatches = pack_microbatches(lengths, max_tokens_per_microbatch=self.config.max_tokens_per_microbatch) \
             if lengths else []
-        total_tokens, staleness_sum, zero_adv = self._all_reduce(
-            [num_local_tokens, stats.get("staleness_sum", 0.0), stats.get("zero_advantage_samples", 0.0)])
+        total_tokens, staleness_sum, zero_adv, num_signal = self._all_reduce(
+            [num_local_tokens, stats.get("staleness_sum", 0.0), stats.get("zero_advantage_samples", 0.0),
+             float(len(batch))])
         max_mbs = int(self._all_reduce([float(len(microbatches))], op=dist.ReduceOp.MAX)[0])
         if total_tokens == 0:
             return {"skipped": 1.0, "version": float(self.version)}
+        if num_signal == 0:
+            # Every group scored alike: the gradient is exactly zero, and an AdamW step on it would
+            # still move the weights along stale momentum. Skip the update (and the version bump).
+            return {"skipped_no_signal": 1.0, "zero_advantage_samples": zero_adv, "version": float(self.version)}
         dp_size = self.ctx.local_world_size
         prox_all = self._recompute_prox(batch, microbatches, max_mbs) \
             if self.algo.loss == "decoupled_ppo" and self.algo.prox == "recompute" else None
