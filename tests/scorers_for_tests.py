@@ -25,7 +25,7 @@ def not_finite(completion: str, reference: str) -> float:
 NOT_CALLABLE = 42
 
 
-def contains_seven(completion: str, reference: str) -> float:
-    """1.0 when the completion contains a '7': a reward a tiny random model hits often, so its
-    policy gradient is non-zero (end-to-end tests need real updates)."""
-    return 1.0 if "7" in completion else 0.0
+def first_char_even(completion: str, reference: str) -> float:
+    """1.0 when the completion's first character has an even code point: about half of a tiny
+    random model's samples, so nearly every group has mixed rewards (a non-zero advantage)."""
+    return 1.0 if completion and ord(completion[0]) % 2 == 0 else 0.0

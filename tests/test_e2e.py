@@ -28,7 +28,9 @@ def read_jsonl(path):
 ])
 def test_recipe_runs_and_reports(tmp_path, model_dir, schedule, extra):
     out = tmp_path / "run"
-    check(run_torchrun("e2e_arithmetic.py", nproc=3, timeout_s=300, args=[
+    # A reward a random model earns about half the time, so (almost) every tick really trains.
+    env = {"LLAMARL_TEST_SCORER": "scorers_for_tests:first_char_even"}
+    check(run_torchrun("e2e_arithmetic.py", nproc=3, timeout_s=300, env=env, args=[
         "--model.name", str(model_dir), "--run.max-steps", str(MAX_STEPS), "--run.schedule", schedule,
         "--run.num-eval-problems", "8", "--run.output-dir", str(out), "--generator.num-prompts-per-step", "4",
         "--reward.num-workers", "1", *extra]))
@@ -68,7 +70,7 @@ def test_resume_continues_exactly_where_the_checkpoint_left_off(tmp_path, model_
               "--reward.num-workers", "0", "--run.checkpoint-every", "3", "--run.max-steps", "6",
               "--generator.token-budget", "5", "--trainer.lr", "1e-3"]
     straight, resumed = tmp_path / "straight", tmp_path / "resumed"
-    env = {"LLAMARL_TEST_SCORER": "scorers_for_tests:contains_seven"}
+    env = {"LLAMARL_TEST_SCORER": "scorers_for_tests:first_char_even"}
     check(run_torchrun("e2e_arithmetic.py", nproc=3, env=env, args=[*common, "--run.output-dir", str(straight)]))
     check(run_torchrun("e2e_arithmetic.py", nproc=3, env=env, args=[
         *common, "--run.output-dir", str(resumed), "--run.resume-from", str(straight / "checkpoints" / "step_3")]))
