@@ -11,12 +11,14 @@ import importlib
 from collections.abc import Callable
 
 from llamarl.rewards import arithmetic, gsm8k
+from llamarl.rewards import math as math_scorer
 
 Scorer = Callable[[str, str], float]
 
 SCORERS: dict[str, Scorer] = {
     "arithmetic": arithmetic.score,
     "gsm8k": gsm8k.score,
+    "math": math_scorer.score,
 }
 
 
