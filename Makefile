@@ -17,7 +17,7 @@ RUN_ARGS ?=
 	$(PY) -m pip uninstall -y -q torchvision torchaudio torchcodec triton
 	touch $@
 
-.PHONY: run test test-vllm lint
+.PHONY: run test test-vllm test-gpu lint
 run: .venv/.installed
 	OMP_NUM_THREADS=1 .venv/bin/torchrun --standalone --nproc-per-node $(NPROC) -m recipes.arithmetic $(RUN_ARGS)
 
@@ -29,3 +29,8 @@ lint: .venv/.installed
 
 test-vllm: .venv/.vllm-installed
 	LLAMARL_TEST_VLLM=1 OMP_NUM_THREADS=1 $(PY) -m pytest -q tests/test_vllm_engine.py
+
+# CUDA paths (native engine, one trainer step, colocated runs; NCCL worlds where >= 2-3 GPUs exist).
+# Every test there skips with a reason naming CUDA on a machine without one.
+test-gpu: .venv/.installed
+	OMP_NUM_THREADS=1 $(PY) -m pytest -q -s tests/gpu

@@ -14,6 +14,12 @@ Conventions other modules rely on:
 - ``num_tokens`` (int64 [N]): per-row token count used to balance SCATTER; 1 per row if absent.
 - Ragged fields (token sequences, strings) are right-padded 2-D tensors; ``concat`` pads the
   second dimension with zeros to the widest input, so carry a length or mask field alongside.
+
+Devices: a batch's fields live on one device (``device``; CPU for an empty batch). Helpers create
+their tensors on that device explicitly, never on torch's default. ``encode(device=...)`` stages the
+flat data buffer on the given device (CUDA under NCCL, CPU under gloo) and ``decode`` returns fields
+on the device of the buffer it is given, so a payload crosses NCCL without a host round trip; only
+the small JSON header always goes through the host.
 """
 
 from __future__ import annotations
@@ -73,6 +79,13 @@ class TensorBatch:
             return tensor.shape[0]
         return 0
 
+    @property
+    def device(self) -> torch.device:
+        """The device of the batch's fields (CPU for an empty batch)."""
+        for tensor in self.fields.values():
+            return tensor.device
+        return torch.device("cpu")
+
     def __getitem__(self, name: str) -> torch.Tensor:
         return self.fields[name]
 
@@ -91,12 +104,13 @@ class TensorBatch:
         """
         encoded = [v.encode("utf-8") for v in values]
         width = max((len(b) for b in encoded), default=0)
-        data = torch.zeros(len(encoded), width, dtype=torch.uint8)
+        # Strings are built on the host (from Python bytes), then join the batch's device.
+        data = torch.zeros(len(encoded), width, dtype=torch.uint8, device="cpu")
         for row, raw in enumerate(encoded):
             if raw:
                 data[row, : len(raw)] = torch.frombuffer(bytearray(raw), dtype=torch.uint8)
-        self.fields[name] = data
-        self.fields[f"{name}__nbytes"] = torch.tensor([len(b) for b in encoded], dtype=torch.int64)
+        self.fields[name] = data.to(self.device)
+        self.fields[f"{name}__nbytes"] = torch.tensor([len(b) for b in encoded], dtype=torch.int64, device=self.device)
         if name not in self.string_fields:
             self.metadata[_STRING_KEY] = self.string_fields + [name]
         self.__post_init__()
@@ -108,10 +122,14 @@ class TensorBatch:
         data, lengths = self.fields[name], self.fields[f"{name}__nbytes"].tolist()
         return [bytes(data[row, :n].tolist()).decode("utf-8") for row, n in enumerate(lengths)]
 
+    def to(self, device: torch.device | str) -> TensorBatch:
+        """The same batch with every field on ``device`` (no copy for fields already there)."""
+        return TensorBatch({k: v.to(device) for k, v in self.fields.items()}, dict(self.metadata))
+
     # ----- row helpers -----
     def select(self, indices: list[int] | torch.Tensor) -> TensorBatch:
         """Rows ``indices`` (in that order) of every field; metadata is shared (shallow copy)."""
-        index = torch.as_tensor(indices, dtype=torch.long)
+        index = torch.as_tensor(indices, dtype=torch.long, device=self.device)
         return TensorBatch({k: v.index_select(0, index) for k, v in self.fields.items()}, dict(self.metadata))
 
     def split(self, sizes: list[int]) -> list[TensorBatch]:
@@ -125,13 +143,13 @@ class TensorBatch:
         """Per-row token counts used for balancing (``num_tokens`` field, else ones)."""
         if "num_tokens" in self.fields:
             return self.fields["num_tokens"].to(torch.int64)
-        return torch.ones(len(self), dtype=torch.int64)
+        return torch.ones(len(self), dtype=torch.int64, device=self.device)
 
     def row_group_ids(self) -> torch.Tensor:
         """Per-row prompt-group ids (``group_ids`` field, else every row its own group)."""
         if "group_ids" in self.fields:
             return self.fields["group_ids"].to(torch.int64)
-        return torch.arange(len(self), dtype=torch.int64)
+        return torch.arange(len(self), dtype=torch.int64, device=self.device)
 
     @staticmethod
     def concat(batches: list[TensorBatch]) -> TensorBatch:
@@ -165,11 +183,11 @@ class TensorBatch:
         return TensorBatch(out, metadata)
 
     # ----- wire format -----
-    def encode(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """Encode into (header uint8 tensor, data uint8 tensor). See ``decode``."""
+    def encode(self, *, device: torch.device | str = "cpu") -> tuple[torch.Tensor, torch.Tensor]:
+        """Encode into (header uint8 tensor on the host, data uint8 tensor on ``device``). See ``decode``."""
         specs, chunks, offset = [], [], 0
         for name, tensor in self.fields.items():
-            raw = tensor.detach().to("cpu").contiguous().reshape(-1).view(torch.uint8)
+            raw = tensor.detach().to(device).contiguous().reshape(-1).view(torch.uint8)
             specs.append({"name": name, "dtype": _DTYPE_NAMES[tensor.dtype], "shape": list(tensor.shape),
                           "offset": offset, "nbytes": raw.numel()})
             chunks.append(raw)
@@ -179,12 +197,15 @@ class TensorBatch:
         except TypeError as exc:
             raise ValueError(f"TensorBatch metadata is not JSON-serialisable: {exc}") from None
         header = torch.frombuffer(bytearray(text.encode("utf-8")), dtype=torch.uint8)
-        data = torch.cat(chunks) if chunks else torch.empty(0, dtype=torch.uint8)
+        data = torch.cat(chunks) if chunks else torch.empty(0, dtype=torch.uint8, device=device)
         return header, data
 
     @staticmethod
     def decode(header: torch.Tensor, data: torch.Tensor, *, source: str = "peer") -> TensorBatch:
-        """Inverse of ``encode``; raises ``WireFormatError`` naming ``source`` on any bad input."""
+        """Inverse of ``encode``; raises ``WireFormatError`` naming ``source`` on any bad input.
+
+        ``header`` is read on the host; the fields are views-turned-copies of ``data`` on its device.
+        """
         if header.dtype != torch.uint8 or header.dim() != 1 or header.numel() > MAX_HEADER_BYTES:
             raise WireFormatError(f"{source}: header must be a 1-D uint8 tensor of <= {MAX_HEADER_BYTES} bytes")
         try:
@@ -205,7 +226,7 @@ class TensorBatch:
             numel = 1
             for s in shape:
                 numel *= s
-            itemsize = torch.empty(0, dtype=dtype).element_size()
+            itemsize = dtype.itemsize
             if min(shape, default=0) < 0 or numel * itemsize != nbytes or offset < 0 or offset + nbytes > data.numel():
                 raise WireFormatError(f"{source}: field {name!r} shape {shape} / {nbytes} bytes does not fit the buffer")
             fields[name] = data[offset : offset + nbytes].clone().view(dtype).reshape(shape)

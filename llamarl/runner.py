@@ -1,5 +1,8 @@
 """run_rl: wires the standard generator -> reward -> trainer -> generator pipeline and runs it.
 
+``--run.schedule colocated`` instead puts generator, scorer and trainer on every rank
+(``executors/colocated.py``); everything below about ranks and channels is for the split schedules.
+
 Recipes supply the task (prompts + references), the scorer and the prompt format; everything else
 comes from ``RLConfig``. The world is split generator | reward | trainer by
 ``--generator.num-ranks`` / ``--reward.num-ranks`` (the trainer gets the rest). Channels:
@@ -30,6 +33,7 @@ from llamarl.channels.weights import WeightsChannel
 from llamarl.config import RLConfig, resume_step
 from llamarl.controller import ExecutorController
 from llamarl.data.prompts import Problem
+from llamarl.executors.colocated import ColocatedExecutor
 from llamarl.executors.generator import GeneratorExecutor, PromptFn, Task
 from llamarl.executors.reward import RewardExecutor
 from llamarl.executors.trainer import TrainerExecutor
@@ -53,11 +57,26 @@ def _shared_run_dir(config: RLConfig, recipe: str, device: torch.device) -> Path
     return Path("runs") / f"{recipe}-{time.strftime('%Y%m%d-%H%M%S', time.localtime(int(stamp.item())))}"
 
 
-def run_rl(config: RLConfig, *, recipe: str, task: Task, heldout: list[Problem],
-           score: Callable[[str, str], float], scorer: str, prompt_fn: PromptFn) -> dict | None:
-    """Run the RL loop on this rank; returns the summary dict on global rank 0, else None."""
-    wall_start = time.time()
+def _build(config: RLConfig, *, task: Task, scorer: str, prompt_fn: PromptFn):
+    """The world, this rank's executor and the channels for ``config.run.schedule``.
+
+    Split schedules (``async`` / ``sync``): generator | reward | trainer ranks with the ``rollouts``,
+    ``scored`` and ``weights`` channels. ``colocated``: one executor on every rank, no channels
+    (the weights are updated in place inside the executor).
+    Returns ``(ctx, executor, channels, init_channels, executor_order)``.
+    """
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    if config.run.schedule == "colocated":
+        if config.generator.tp != 1:
+            raise ValueError(f"--run.schedule colocated needs --generator.tp 1, got {config.generator.tp}")
+        ctx = ExecutorContext.create([ExecutorSpec("colocated", world_size)],
+                                     timeout_s=config.run.collective_timeout_s)
+        generator = GeneratorExecutor(ctx, model_config=config.model, config=config.generator, task=task,
+                                      prompt_fn=prompt_fn, seed=config.run.seed)
+        trainer = TrainerExecutor(ctx, model_config=config.model, config=config.trainer, algo=config.algo,
+                                  temperature=config.generator.temperature, seed=config.run.seed)
+        executor = ColocatedExecutor(ctx, generator=generator, trainer=trainer, reward=config.reward, scorer=scorer)
+        return ctx, executor, [], [], ["colocated"]
     num_trainer = world_size - config.generator.num_ranks - config.reward.num_ranks
     specs = [ExecutorSpec("generator", config.generator.num_ranks, tp=config.generator.tp),
              ExecutorSpec("reward", config.reward.num_ranks),
@@ -67,12 +86,6 @@ def run_rl(config: RLConfig, *, recipe: str, task: Task, heldout: list[Problem],
                 CommunicationChannel("scored", "reward", "trainer", SCATTER), weights]
     ctx = ExecutorContext.create(specs, timeout_s=config.run.collective_timeout_s,
                                  channel_endpoints=[(c.outbound, c.inbound) for c in channels])
-    run_dir = _shared_run_dir(config, recipe, ctx.device)
-    run_dir.mkdir(parents=True, exist_ok=True)
-    if ctx.rank == 0:
-        (run_dir / "config.json").write_text(json.dumps(asdict(config), indent=2))
-        print(f"llamarl: run directory {run_dir}", flush=True)
-
     if ctx.executor == "generator":
         executor = GeneratorExecutor(ctx, model_config=config.model, config=config.generator, task=task,
                                      prompt_fn=prompt_fn, seed=config.run.seed)
@@ -81,44 +94,74 @@ def run_rl(config: RLConfig, *, recipe: str, task: Task, heldout: list[Problem],
     else:
         executor = TrainerExecutor(ctx, model_config=config.model, config=config.trainer, algo=config.algo,
                                    temperature=config.generator.temperature, seed=config.run.seed)
+    return ctx, executor, channels, [weights], ["generator", "reward", "trainer"]
+
+
+def run_rl(config: RLConfig, *, recipe: str, task: Task, heldout: list[Problem],
+           score: Callable[[str, str], float], scorer: str, prompt_fn: PromptFn) -> dict | None:
+    """Run the RL loop on this rank; returns the summary dict on global rank 0, else None."""
+    wall_start = time.time()
+    ctx, executor, channels, init_channels, executor_order = _build(config, task=task, scorer=scorer,
+                                                                    prompt_fn=prompt_fn)
+    run_dir = _shared_run_dir(config, recipe, ctx.device)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    if ctx.rank == 0:
+        (run_dir / "config.json").write_text(json.dumps(asdict(config), indent=2))
+        print(f"llamarl: run directory {run_dir}", flush=True)
+
     leader = ctx.local_rank == 0
-    logger = MetricsLogger(run_dir, ctx.executor) if leader else None
+    loggers: dict[str, MetricsLogger] = {}
     spans: list[dict] = []
     summary: dict = {}
 
     def on_tick(step, ex, record):
         spans.extend({"executor": ctx.executor, "rank": ctx.rank, "step": step, "start": a, "end": b}
                      for a, b in record.step_spans)
-        if logger is not None and ex.metrics:
-            metrics = {**ex.metrics, "channel_seconds": record.channel_seconds, "step_seconds": record.step_seconds}
-            if ctx.executor == "generator":
-                metrics["weight_sync_seconds"] = weights.last_seconds
-            logger.log(step, metrics)
-            progress_line(step, config.run.max_steps, ctx.executor, metrics, PROGRESS_KEYS[ctx.executor])
+        if not leader:
+            return
+        # An executor that hosts several roles (colocated) reports one metric section per role.
+        sections = getattr(ex, "metric_sections", None) or {ctx.executor: ex.metrics}
+        for section, values in sections.items():
+            if not values:
+                continue
+            metrics = {**values, "channel_seconds": record.channel_seconds, "step_seconds": record.step_seconds}
+            if section == "generator" and init_channels:
+                metrics["weight_sync_seconds"] = init_channels[0].last_seconds
+            if section not in loggers:
+                loggers[section] = MetricsLogger(run_dir, section)
+            loggers[section].log(step, metrics)
+            progress_line(step, config.run.max_steps, section, metrics, PROGRESS_KEYS.get(section, []))
 
     controller = ExecutorController(ctx, executor, channels, max_steps=config.run.max_steps,
-                                    executor_order=["generator", "reward", "trainer"], init_channels=[weights],
-                                    schedule=config.run.schedule, checkpoint_every=config.run.checkpoint_every,
+                                    executor_order=executor_order, init_channels=init_channels,
+                                    # One executor and no channels: both split schedules are the same loop.
+                                    schedule="sync" if config.run.schedule == "colocated" else config.run.schedule,
+                                    checkpoint_every=config.run.checkpoint_every,
                                     checkpoint_dir=run_dir / "checkpoints", on_tick=on_tick,
                                     resume_dir=Path(config.run.resume_from) if config.run.resume_from else None,
-                                    start_step=resume_step(config.run.resume_from) if config.run.resume_from else 0)
-    # Evaluation is collective over a TP group, so every rank of the first generator replica runs it.
-    evaluates = ctx.executor == "generator" and ctx.dp_rank == 0
+                                    start_step=resume_step(config.run.resume_from) if config.run.resume_from else 0,
+                                    device_guard=config.run.device_guard)
+    # Evaluation is collective over a TP group, so every rank of the first replica runs it.
+    evaluates = hasattr(executor, "evaluate") and ctx.dp_rank == 0
     if evaluates:
         controller.before_loop = lambda: summary.update(
             base_accuracy=executor.evaluate(heldout, score, samples_path=run_dir / "eval_base.jsonl"))
     controller.run()
     try:
-        weights.communicate(ctx, executor)  # the final policy, for the final evaluation
-        if evaluates:
-            summary["final_accuracy"] = executor.evaluate(heldout, score, samples_path=run_dir / "eval_final.jsonl")
+        with controller.guard():
+            for channel in init_channels:  # the final policy, for the final evaluation
+                channel.communicate(ctx, executor)
+            if evaluates:
+                summary["final_accuracy"] = executor.evaluate(heldout, score,
+                                                              samples_path=run_dir / "eval_final.jsonl")
     except BaseException as exc:  # noqa: BLE001 - same failure contract as the loop
         controller._abort(exc)
-    if isinstance(executor, (RewardExecutor, GeneratorExecutor)):
-        executor.close()
+    close = getattr(executor, "close", None)
+    if close is not None:
+        close()
     (run_dir / "timeline").mkdir(exist_ok=True)
     (run_dir / "timeline" / f"rank{ctx.rank}.json").write_text(json.dumps(spans))
-    if logger is not None:
+    for logger in loggers.values():
         logger.close()
     dist.barrier()
     result = None

@@ -135,6 +135,11 @@ class ExecutorContext:
             dist.init_process_group(backend=backend, timeout=timeout)
         rank = dist.get_rank()
         device = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")
+        # NCCL: the device was set before the group was made (above), and one WORLD-wide collective
+        # runs before any sub-group or point-to-point traffic, so every rank's communicator exists
+        # and a first P2P between a subset of ranks is never the first operation on WORLD (which
+        # NCCL documents as undefined). Cheap and harmless under gloo, so it always runs.
+        dist.all_reduce(torch.zeros(1, device=device))
         groups = {}
         # new_group is collective over WORLD: every rank creates every group, in spec order.
         for spec in specs:

@@ -29,3 +29,15 @@ def first_char_even(completion: str, reference: str) -> float:
     """1.0 when the completion's first character has an even code point: about half of a tiny
     random model's samples, so nearly every group has mixed rewards (a non-zero advantage)."""
     return 1.0 if completion and ord(completion[0]) % 2 == 0 else 0.0
+
+
+def recording_first_char_even(completion: str, reference: str) -> float:
+    """``first_char_even``, and appends (completion, reference) as a JSON line to the file named by
+    ``LLAMARL_TEST_SAMPLES`` (``.<pid>`` added), so tests can compare the exact samples of two runs."""
+    import json
+
+    path = os.environ.get("LLAMARL_TEST_SAMPLES")
+    if path:
+        with open(f"{path}.{os.getpid()}", "a", encoding="utf-8") as f:
+            f.write(json.dumps([completion, reference]) + "\n")
+    return first_char_even(completion, reference)

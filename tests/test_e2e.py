@@ -1,4 +1,7 @@
-"""End to end: the arithmetic recipe on a tiny random model in a 3-rank gloo world, both schedules."""
+"""End to end: the arithmetic recipe on a tiny random model in a 3-rank gloo world, both schedules.
+
+Every run here uses ``--run.device-guard``, so any tensor made on an implicit device on these paths
+(steps, channels, weight syncs, evaluations) fails the test on CPU rather than a user's GPU run."""
 
 import json
 import sys
@@ -34,7 +37,7 @@ def test_recipe_runs_and_reports(tmp_path, model_dir, schedule, extra):
     check(run_torchrun("e2e_arithmetic.py", nproc=3, timeout_s=300, env=env, args=[
         "--model.name", str(model_dir), "--run.max-steps", str(MAX_STEPS), "--run.schedule", schedule,
         "--run.num-eval-problems", "8", "--run.output-dir", str(out), "--generator.num-prompts-per-step", "4",
-        "--reward.num-workers", "1", *extra]))
+        "--reward.num-workers", "1", "--run.device-guard", *extra]))
     summary = json.loads((out / "summary.json").read_text())
     for key in ("base_accuracy", "final_accuracy", "num_steps", "wall_seconds", "gen_tokens_per_s_mean",
                 "train_tokens_per_s_mean"):
@@ -76,7 +79,7 @@ def test_resume_continues_exactly_where_the_checkpoint_left_off(tmp_path, model_
 
     common = ["--model.name", str(model_dir), "--run.num-eval-problems", "4", "--generator.num-prompts-per-step", "2",
               "--reward.num-workers", "0", "--run.checkpoint-every", "3", "--run.max-steps", "6",
-              "--generator.token-budget", "5", "--trainer.lr", "1e-3"]
+              "--generator.token-budget", "5", "--trainer.lr", "1e-3", "--run.device-guard"]
     straight, resumed = tmp_path / "straight", tmp_path / "resumed"
     env = {"LLAMARL_TEST_SCORER": "scorers_for_tests:first_char_even"}
     check(run_torchrun("e2e_arithmetic.py", nproc=3, env=env, args=[*common, "--run.output-dir", str(straight)]))

@@ -26,7 +26,7 @@ import torch.distributed as dist
 
 if os.environ.get("LLAMARL_TEST_VLLM") != "1" and __name__ != "__main__":
     pytest.skip("vLLM tests run under `make test-vllm` (LLAMARL_TEST_VLLM=1)", allow_module_level=True)
-import vllm  # noqa: E402,F401 - a broken install must fail here, loudly
+import vllm  # noqa: F401 - a broken install must fail here, loudly
 
 from llamarl.engines.torch_engine import Request, SamplingParams, TorchEngine, filtered_logprobs
 from llamarl.engines.vllm_engine import VLLMEngine

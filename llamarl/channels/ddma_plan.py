@@ -38,7 +38,11 @@ def _dtensor_box(name: str, param: DTensor) -> list[list[int]]:
         # _StridedShard (FSDP2 + TP) and Partial do not hold one contiguous box per rank.
         if type(placement) not in (Shard, Replicate):
             raise ValueError(f"parameter {name!r} has placement {placement}; only Shard and Replicate are supported")
-    shape, offset = compute_local_shape_and_global_offset(param.shape, param.device_mesh, param.placements)
+    # torch computes the offsets with small host tensors made on the default device: pin it to the
+    # host explicitly (this is shape metadata, never device data; it also keeps the device guard,
+    # which sets the default to meta, from tripping on torch's own code).
+    with torch.device("cpu"):
+        shape, offset = compute_local_shape_and_global_offset(param.shape, param.device_mesh, param.placements)
     local = tuple(param.to_local().shape)
     if tuple(shape) != local:
         raise ValueError(f"parameter {name!r}: local shard {list(local)} is not the chunk-rule shape {list(shape)}")

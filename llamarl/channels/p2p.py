@@ -31,11 +31,12 @@ def exchange(
     """Send ``sends[dst]`` to each global rank ``dst`` and receive one batch from each ``recv_from``.
 
     All ranks taking part must call this with matching arguments (a rank that sends to ``r``
-    must appear in ``r``'s ``recv_from``). Buffers are staged on ``device`` (CUDA for NCCL).
-    Returns ``{src: batch}``. A malformed size or header from a peer raises ``WireFormatError``
+    must appear in ``r``'s ``recv_from``). Buffers are staged on ``device``: ``ctx.device``, i.e.
+    CUDA under NCCL (which moves device memory only) and the host under gloo, and the received
+    batches stay there (no device -> host -> device round trip). Returns ``{src: batch}``. A malformed size or header from a peer raises ``WireFormatError``
     naming ``label`` and the source rank.
     """
-    encoded = {dst: batch.encode() for dst, batch in sends.items()}
+    encoded = {dst: batch.encode(device=device) for dst, batch in sends.items()}
     size_out = {dst: torch.tensor([h.numel(), d.numel()], dtype=torch.int64, device=device)
                 for dst, (h, d) in encoded.items()}
     size_in = {src: torch.zeros(2, dtype=torch.int64, device=device) for src in recv_from}
@@ -59,5 +60,6 @@ def exchange(
     _run([dist.P2POp(dist.isend, d.to(device), dst) for dst, (_, d) in encoded.items() if d.numel() > 0]
          + [dist.P2POp(dist.irecv, t, src) for src, t in data_in.items() if t.numel() > 0])
 
-    return {src: TensorBatch.decode(headers_in[src].cpu(), data_in[src].cpu(), source=f"{label} from rank {src}")
+    # The JSON header is parsed on the host; the data buffer stays on ``device``.
+    return {src: TensorBatch.decode(headers_in[src].cpu(), data_in[src], source=f"{label} from rank {src}")
             for src in recv_from}

@@ -173,7 +173,7 @@ class TorchEngine:
         self.model = model
         self.eos_token_ids = [int(t) for t in eos_token_ids]
         self.pad_token_id = int(pad_token_id)
-        self._eos = torch.tensor(self.eos_token_ids, dtype=torch.long)
+        self._eos = torch.tensor(self.eos_token_ids, dtype=torch.long, device="cpu")
 
     def _check(self, req: Request, sampling: SamplingParams, vocab: int) -> None:
         n = len(req.completion_ids)
@@ -217,6 +217,11 @@ class TorchEngine:
         if token_budget is not None and token_budget < 1:
             raise ValueError(f"token_budget must be >= 1 (or None), got {token_budget}")
         vocab = self.model.get_input_embeddings().num_embeddings
+        device = self.model.get_input_embeddings().weight.device
+        if generator is not None and sampling.temperature > 0 and generator.device.type != device.type:
+            # torch.rand(generator=...) must draw on the logits' device; say so before any work.
+            raise ValueError(f"the sampling generator is on {generator.device} but the model is on {device}; "
+                             f"create it with torch.Generator(device=ctx.device)")
         results: list[Completion | None] = [None] * len(requests)
         rows, limits = [], []
         for i, req in enumerate(requests):
@@ -275,10 +280,11 @@ class TorchEngine:
         device = self.model.get_input_embeddings().weight.device
         contexts = [list(r.prompt_ids) + list(r.completion_ids) for r in reqs]
         batch, width = len(contexts), max(len(c) for c in contexts)
-        input_ids = torch.full((batch, width), self.pad_token_id, dtype=torch.long)
-        mask = torch.zeros((batch, width), dtype=torch.long)
+        # Assembled on the host from Python lists (one copy to the model's device below).
+        input_ids = torch.full((batch, width), self.pad_token_id, dtype=torch.long, device="cpu")
+        mask = torch.zeros((batch, width), dtype=torch.long, device="cpu")
         for b, ctx in enumerate(contexts):
-            input_ids[b, width - len(ctx) :] = torch.tensor(ctx, dtype=torch.long)
+            input_ids[b, width - len(ctx) :] = torch.tensor(ctx, dtype=torch.long, device="cpu")
             mask[b, width - len(ctx) :] = 1
         input_ids, mask = input_ids.to(device), mask.to(device)
         # Left padding: real tokens get positions 0..len-1 whatever their column.

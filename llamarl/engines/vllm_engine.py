@@ -57,6 +57,8 @@ Choices (each one mirrors a TorchEngine behaviour or a verified vLLM fact):
 
 from __future__ import annotations
 
+import contextlib
+import math
 import os
 import weakref
 from collections.abc import Iterable
@@ -186,12 +188,17 @@ def _check_request(req: Request, *, sampling: SamplingParams, eos_token_ids: lis
         raise ValueError(f"request {req.sample_id} has {len(ids)} tokens, no room under max_model_len={max_model_len}")
 
 
+def _numel(shape) -> int:
+    return math.prod(int(x) for x in shape)
+
+
 class VLLMEngine:
     """In-process vLLM sampler with in-place weight updates; see the module docstring."""
 
     def __init__(self, model_path: str | Path, *, dtype: str | torch.dtype = "float32",
                  eos_token_ids: list[int], pad_token_id: int, seed: int = 0, kv_cache_gib: float = 2.0,
-                 max_model_len: int | None = None) -> None:
+                 max_model_len: int | None = None, device: torch.device | str = "cpu",
+                 gpu_memory_utilization: float = 0.5) -> None:
         """Build a ``vllm.LLM`` over the HF checkpoint at ``model_path`` (a local directory or hub id).
 
         Contract: ``dtype`` is the engine's compute dtype (``"bfloat16"`` is fastest on CPU;
@@ -203,9 +210,24 @@ class VLLMEngine:
         The calling thread's torch thread count, ``torch.set_num_threads``, the CPU RNG state and
         torch.distributed's default group are the same after construction as before (safe on one
         rank of a larger world: no collective is issued over it).
+
+        ``device`` is the rank's own device (``ctx.device``). On CUDA the engine is built with that
+        GPU current (``torch.cuda.device``), vLLM may use ``gpu_memory_utilization`` of it (weights,
+        activations and KV cache; ``kv_cache_gib`` applies on CPU only), and afterwards the free
+        memory of that GPU must have dropped by at least the weights' size: vLLM's single-process
+        executor picks its GPU itself, and an engine that landed on another rank's GPU (``cuda:0``)
+        is a one-line ValueError here rather than a silent out-of-memory later. Not yet run on a GPU
+        (no GPU machine in the session that wrote it); the CPU path is what the tests exercise.
         """
         if kv_cache_gib <= 0:
             raise ValueError(f"kv_cache_gib must be > 0, got {kv_cache_gib}")
+        if not 0 < gpu_memory_utilization <= 1:
+            raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {gpu_memory_utilization}")
+        device = torch.device(device)
+        on_gpu = device.type == "cuda"
+        memory = {"gpu_memory_utilization": gpu_memory_utilization} if on_gpu \
+            else {"kv_cache_memory_bytes": int(kv_cache_gib * 2**30)}
+        free_before = torch.cuda.mem_get_info(device)[0] if on_gpu else 0
         vllm, self._tokens_prompt = _import_vllm()
         self._vllm = vllm
         self.eos_token_ids = [int(t) for t in eos_token_ids]
@@ -214,10 +236,11 @@ class VLLMEngine:
         set_num_threads, num_threads = torch.set_num_threads, torch.get_num_threads()
         rng_state = torch.get_rng_state()
         try:
-            with _distributed_sandbox() as sandbox:
+            gpu = torch.cuda.device(device) if on_gpu else contextlib.nullcontext()
+            with _distributed_sandbox() as sandbox, gpu:
                 self.llm = vllm.LLM(
                     str(model_path), dtype=dtype, seed=seed, enforce_eager=True,
-                    logprobs_mode="processed_logprobs", kv_cache_memory_bytes=int(kv_cache_gib * 2**30),
+                    logprobs_mode="processed_logprobs", **memory,
                     max_model_len=max_model_len, skip_tokenizer_init=True, generation_config="vllm",
                 )
         finally:
@@ -230,7 +253,14 @@ class VLLMEngine:
         self.vocab_size = model_config.get_vocab_size()
         self.max_model_len = model_config.max_model_len
         self.tie_word_embeddings = bool(getattr(model_config.hf_config, "tie_word_embeddings", False))
-        self._seeds = torch.Generator().manual_seed(seed)
+        self._seeds = torch.Generator(device="cpu").manual_seed(seed)
+        if on_gpu:
+            # At least half the weights' bf16 bytes must now be taken on this GPU (0 for a hub id).
+            num_weights = sum(map(_numel, (self._checkpoint or {}).values()))
+            if free_before - torch.cuda.mem_get_info(device)[0] < num_weights:
+                self.close()
+                raise ValueError(f"vLLM did not allocate on {device} (this rank's GPU): it probably bound "
+                                 f"to another device; run one process per GPU with LOCAL_RANK set")
 
     def close(self) -> None:
         """Shut vLLM down and free its process groups; idempotent. Call before the world is destroyed."""

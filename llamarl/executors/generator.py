@@ -53,27 +53,32 @@ PromptFn = Callable[[object, str], list[int]]
 
 def completions_to_batch(completions: list[Completion], *, group_ids: list[int], references: list[str],
                          texts: list[str], pad_token_id: int, group_size: int) -> TensorBatch:
-    """Pack finished completions into the rollout TensorBatch described in the module docstring."""
+    """Pack finished completions into the rollout TensorBatch described in the module docstring.
+
+    Built on the host (from Python lists, explicitly): channels stage it on their backend's device and
+    consumers move it to their own ``ctx.device``.
+    """
+    cpu = torch.device("cpu")
     rows = len(completions)
     lengths = [len(c.prompt_ids) + len(c.completion_ids) for c in completions]
     width = max(lengths, default=0)
-    input_ids = torch.full((rows, width), pad_token_id, dtype=torch.int64)
-    loss_mask = torch.zeros(rows, width, dtype=torch.uint8)
-    behav_logp = torch.zeros(rows, width, dtype=torch.float32)
-    versions = torch.full((rows, width), -1, dtype=torch.int64)
+    input_ids = torch.full((rows, width), pad_token_id, dtype=torch.int64, device=cpu)
+    loss_mask = torch.zeros(rows, width, dtype=torch.uint8, device=cpu)
+    behav_logp = torch.zeros(rows, width, dtype=torch.float32, device=cpu)
+    versions = torch.full((rows, width), -1, dtype=torch.int64, device=cpu)
     for row, c in enumerate(completions):
         p, n = len(c.prompt_ids), len(c.completion_ids)
-        input_ids[row, : p + n] = torch.tensor(c.prompt_ids + c.completion_ids, dtype=torch.int64)
+        input_ids[row, : p + n] = torch.tensor(c.prompt_ids + c.completion_ids, dtype=torch.int64, device=cpu)
         loss_mask[row, p : p + n] = 1
-        behav_logp[row, p : p + n] = torch.tensor(c.logprobs, dtype=torch.float32)
-        versions[row, p : p + n] = torch.tensor(c.versions, dtype=torch.int64)
+        behav_logp[row, p : p + n] = torch.tensor(c.logprobs, dtype=torch.float32, device=cpu)
+        versions[row, p : p + n] = torch.tensor(c.versions, dtype=torch.int64, device=cpu)
     batch = TensorBatch({
         "input_ids": input_ids, "loss_mask": loss_mask, "behav_logp": behav_logp, "versions": versions,
-        "num_tokens": torch.tensor(lengths, dtype=torch.int64),
-        "prompt_len": torch.tensor([len(c.prompt_ids) for c in completions], dtype=torch.int64),
-        "completion_len": torch.tensor([len(c.completion_ids) for c in completions], dtype=torch.int64),
-        "group_ids": torch.tensor(group_ids, dtype=torch.int64),
-        "finish_stop": torch.tensor([c.finish_reason == "stop" for c in completions]),
+        "num_tokens": torch.tensor(lengths, dtype=torch.int64, device=cpu),
+        "prompt_len": torch.tensor([len(c.prompt_ids) for c in completions], dtype=torch.int64, device=cpu),
+        "completion_len": torch.tensor([len(c.completion_ids) for c in completions], dtype=torch.int64, device=cpu),
+        "group_ids": torch.tensor(group_ids, dtype=torch.int64, device=cpu),
+        "finish_stop": torch.tensor([c.finish_reason == "stop" for c in completions], device=cpu),
     }, {"group_size": group_size})
     batch.set_strings("completion", texts)
     batch.set_strings("reference", references)
@@ -101,7 +106,10 @@ class GeneratorExecutor(Executor):
             raise ValueError(f"--generator.tp is {self.config.tp} but the generator's mesh has tp={self.ctx.tp_size}; "
                              "pass ExecutorSpec(..., tp=config.generator.tp)")
         torch.set_num_threads(self.config.num_threads)
-        self.model, self.tokenizer = load_causal_lm(self.model_config.name, dtype=getattr(torch, self.config.dtype))
+        # On ctx.device before TP: parallelize_module shards the projections onto the TP mesh's
+        # device, and the embeddings / norms / lm_head must already be there with them.
+        self.model, self.tokenizer = load_causal_lm(self.model_config.name, dtype=getattr(torch, self.config.dtype),
+                                                    device=self.ctx.device)
         self.model.eval()
         if self.ctx.tp_size > 1:
             apply_tensor_parallel(self.model, self.ctx.tp_mesh)
@@ -116,11 +124,14 @@ class GeneratorExecutor(Executor):
             name = self.model_config.name
             path = str(resolve_model_path(name)) if name in KNOWN_ALIASES else name
             self.engine = VLLMEngine(path, dtype=self.config.dtype, eos_token_ids=[eos], pad_token_id=pad,
-                                     seed=self.seed * 1000 + self.ctx.dp_rank, kv_cache_gib=self.config.kv_cache_gib)
+                                     seed=self.seed * 1000 + self.ctx.dp_rank, kv_cache_gib=self.config.kv_cache_gib,
+                                     device=self.ctx.device,
+                                     gpu_memory_utilization=self.config.gpu_memory_utilization)
         else:
             self.engine = TorchEngine(self.model, eos_token_ids=[eos], pad_token_id=pad)
         # Seeded by the DP replica, not the rank: TP peers must draw the same samples.
-        self.rng = torch.Generator().manual_seed(self.seed * 1000 + self.ctx.dp_rank)
+        # On ctx.device: the sampler draws its uniforms on the logits' device.
+        self.rng = torch.Generator(device=self.ctx.device).manual_seed(self.seed * 1000 + self.ctx.dp_rank)
 
     def save_checkpoint(self, directory: Path) -> None:
         """Data position, weight version, carried-over samples, unfinished groups, RNG, pending output."""

@@ -17,6 +17,21 @@ from llamarl.executors.base import Executor
 from llamarl.rewards.pool import RewardPool
 
 
+def score_rollouts(pool: RewardPool, batch: TensorBatch) -> tuple[TensorBatch, dict[str, float]]:
+    """Add ``rewards`` (float32 [N], on the batch's device) to a non-empty rollout batch; return it
+    and the reward metrics. Shared by the reward executor and the colocated schedule."""
+    start = time.perf_counter()
+    rewards = pool.score_batch(batch.get_strings("completion"), batch.get_strings("reference"))
+    batch.fields["rewards"] = torch.tensor(rewards, dtype=torch.float32, device=batch.device)
+    stats = pool.stats()
+    metrics = {"reward_mean": float(sum(rewards) / len(rewards)),
+               "accuracy": float(sum(r >= 1.0 for r in rewards) / len(rewards)),
+               "completion_len_mean": float(batch["completion_len"].float().mean()),
+               "reward_errors": float(stats["num_errors"]), "reward_timeouts": float(stats["num_timeouts"]),
+               "reward_seconds": time.perf_counter() - start, "reward_samples": float(len(rewards))}
+    return batch, metrics
+
+
 class RewardExecutor(Executor):
     name = "reward"
 
@@ -36,16 +51,7 @@ class RewardExecutor(Executor):
         if not len(batch):
             self.metrics = {}
             return
-        start = time.perf_counter()
-        rewards = self.pool.score_batch(batch.get_strings("completion"), batch.get_strings("reference"))
-        batch.fields["rewards"] = torch.tensor(rewards, dtype=torch.float32)
-        self.outputs[self.output_name] = batch
-        stats = self.pool.stats()
-        self.metrics = {"reward_mean": float(sum(rewards) / len(rewards)),
-                        "accuracy": float(sum(r >= 1.0 for r in rewards) / len(rewards)),
-                        "completion_len_mean": float(batch["completion_len"].float().mean()),
-                        "reward_errors": float(stats["num_errors"]), "reward_timeouts": float(stats["num_timeouts"]),
-                        "reward_seconds": time.perf_counter() - start, "reward_samples": float(len(rewards))}
+        self.outputs[self.output_name], self.metrics = score_rollouts(self.pool, batch)
 
     def close(self) -> None:
         if self.pool is not None:

@@ -89,7 +89,9 @@ class TrainerExecutor(Executor):
         torch.set_num_threads(self.config.num_threads)
         torch.manual_seed(self.seed)
         dtype = getattr(torch, self.model_config.dtype)
-        model, _ = load_causal_lm(self.model_config.name, dtype=dtype)
+        # Loaded on the host, then fully_shard moves each rank's shards to the mesh's device
+        # (ctx.device), so the full model never has to fit on one accelerator.
+        model, _ = load_causal_lm(self.model_config.name, dtype=dtype, device="cpu")
         self.model = shard_model(model, self.ctx.mesh, param_dtype=getattr(torch, self.config.param_dtype))
         self.model.train()
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=self.config.lr,
@@ -150,7 +152,7 @@ class TrainerExecutor(Executor):
 
     def train_on(self, batch: TensorBatch) -> dict[str, float]:
         """One optimizer step on this rank's part of the batch (collective over the trainer)."""
-        batch, stats = self.prepare(batch)
+        batch, stats = self.prepare(batch.to(self.ctx.device))
         num_local_tokens = float(batch["loss_mask"].sum()) if len(batch) else 0.0
         if len(batch):
             # A zero-advantage sample (its group all scored alike) adds exactly zero loss and
@@ -212,8 +214,8 @@ class TrainerExecutor(Executor):
 
     def _metric_keys(self) -> list[str]:
         """The metric names this step's loss reports (from a 1-token call; same on every rank)."""
-        one = torch.zeros(1, 1)
-        mask = torch.ones(1, 1)
+        one = torch.zeros(1, 1, device=self.ctx.device)
+        mask = torch.ones(1, 1, device=self.ctx.device)
         if self.algo.loss == "aipo":
             _, metrics = aipo_loss(one, one, one, mask)
         elif self.algo.loss == "ppo":
@@ -225,13 +227,13 @@ class TrainerExecutor(Executor):
     def _inputs(self, batch: TensorBatch, rows: list[int] | None):
         """Trimmed micro-batch tensors; ``rows=None`` is a 2-token dummy (zero loss weight)."""
         if rows is None:
-            ids = torch.zeros(1, 2, dtype=torch.long)
-            return ids, torch.ones_like(ids), torch.zeros(1, 2), 1, None
+            ids = torch.zeros(1, 2, dtype=torch.long, device=self.ctx.device)
+            return ids, torch.ones_like(ids), torch.zeros(1, 2, device=self.ctx.device), 1, None
         sub = batch.select(rows)
         length = int(sub["num_tokens"].max())
         start = int(sub["loss_mask"][:, :length].float().argmax(dim=1).min())
         ids = sub["input_ids"][:, :length].long()
-        attention = (torch.arange(length).unsqueeze(0) < sub["num_tokens"].unsqueeze(1)).long()
+        attention = (torch.arange(length, device=ids.device).unsqueeze(0) < sub["num_tokens"].unsqueeze(1)).long()
         return ids, attention, sub["loss_mask"][:, :length].float(), start, sub
 
     def _recompute_prox(self, batch, microbatches, max_mbs) -> dict[int, torch.Tensor]:

@@ -1,5 +1,7 @@
 """The arithmetic recipe under torchrun for tests; ``LLAMARL_TEST_SCORER`` swaps the scorer
-(a ``module:function`` path, e.g. one a tiny random model can actually earn reward from)."""
+(a ``module:function`` path, e.g. one a tiny random model can actually earn reward from).
+``LLAMARL_TEST_ZERO_LR=1`` sets the learning rate to 0 after parsing (users cannot: the flag must be
+> 0), which freezes the policy so that two schedules must produce exactly the same samples."""
 
 import os
 
@@ -10,6 +12,8 @@ from recipes.arithmetic import ArithmeticConfig, main, prompt_fn
 
 if __name__ == "__main__":
     config = tyro.cli(ArithmeticConfig)
+    if os.environ.get("LLAMARL_TEST_ZERO_LR") == "1":
+        config.trainer.lr = 0.0
     scorer = os.environ.get("LLAMARL_TEST_SCORER")
     if scorer is None:
         main(config)

@@ -1,0 +1,40 @@
+"""A one-rank world whose executor mixes a tensor made without a device with one on ``ctx.device``.
+
+usage: guard_world.py OUT.json on|off  — runs 2 ticks under the controller with the device guard
+on or off; rank 0 writes the sums it computed. With the guard on, the first step must fail.
+"""
+
+import json
+import sys
+
+import torch
+
+from llamarl.controller import ExecutorController
+from llamarl.executors.base import Executor
+from llamarl.world import ExecutorContext, ExecutorSpec
+
+
+class Careless(Executor):
+    """The bug the guard exists for: ``torch.ones(2)`` lands on the default device, not ctx.device."""
+
+    def __init__(self, ctx) -> None:
+        super().__init__(ctx)
+        self.sums: list[float] = []
+
+    def step(self) -> None:
+        on_device = torch.arange(2, dtype=torch.float32, device=self.ctx.device)
+        self.sums.append(float((on_device + torch.ones(2)).sum()))
+
+
+def main() -> None:
+    out, guard = sys.argv[1], sys.argv[2] == "on"
+    ctx = ExecutorContext.create([ExecutorSpec("careless", 1)], timeout_s=60)
+    executor = Careless(ctx)
+    ExecutorController(ctx, executor, [], max_steps=2, executor_order=["careless"], device_guard=guard).run()
+    with open(out, "w") as f:
+        json.dump(executor.sums, f)
+    ctx.destroy()
+
+
+if __name__ == "__main__":
+    main()
