@@ -1,0 +1,100 @@
+"""pass@k evaluation with the native engine: k-sample success rates on held-out problems.
+
+``pass_at_k(n, c, k)`` is the unbiased estimator of Chen et al. (2021): with ``n`` samples of
+which ``c`` are correct, ``1 - C(n - c, k) / C(n, k)``. ``evaluate_policy`` loads a policy (a base
+model, optionally with a trainer's HF safetensors export on top, since that export carries no
+tokenizer), then measures greedy accuracy and pass@k for every requested k, sampling
+``n = max(ks)`` completions per problem through the public ``TorchEngine.generate`` API.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file
+
+from llamarl.data.prompts import Problem
+from llamarl.engines.torch_engine import Request, SamplingParams, TorchEngine
+from llamarl.models.loading import load_causal_lm
+
+Score = Callable[[str, str], float]
+
+
+def pass_at_k(n: int, c: int, k: int) -> float:
+    """Unbiased pass@k from ``n`` samples with ``c`` correct; ValueError unless 0 <= c <= n and 1 <= k <= n."""
+    if not (0 <= c <= n and 1 <= k <= n):
+        raise ValueError(f"need 0 <= c <= n and 1 <= k <= n, got n={n} c={c} k={k}")
+    if n - c < k:
+        return 1.0
+    return 1.0 - math.comb(n - c, k) / math.comb(n, k)
+
+
+def load_policy(base: str, *, weights_dir: str | Path | None = None, dtype: torch.dtype = torch.bfloat16,
+                device: str | torch.device = "cpu"):
+    """``(model, tokenizer)`` of ``base`` with, if given, the ``model.safetensors`` of ``weights_dir``
+    (a checkpoint's ``trainer/hf`` export) loaded over it. ValueError if the export does not match
+    the base architecture (unknown names, or any non-tied parameter left unset)."""
+    model, tokenizer = load_causal_lm(base, dtype=dtype, device=device)
+    if weights_dir is not None:
+        state = load_file(str(Path(weights_dir) / "model.safetensors"), device=str(device))
+        result = model.load_state_dict(state, strict=False)
+        tied = {name for name, p in model.named_parameters(remove_duplicate=False)} - {
+            name for name, p in model.named_parameters()}
+        missing = set(result.missing_keys) - tied
+        if result.unexpected_keys or missing:
+            raise ValueError(f"weights in {weights_dir} do not match {base}: unexpected "
+                             f"{result.unexpected_keys[:3]}, missing {sorted(missing)[:3]}")
+    return model.eval(), tokenizer
+
+
+@torch.no_grad()
+def evaluate_policy(model, tokenizer, *, problems: list[Problem], prompt_fn, score: Score, ks: list[int],
+                    temperature: float, max_new_tokens: int, seed: int = 0, chunk: int = 64,
+                    samples_path: Path | None = None) -> dict[str, float]:
+    """Greedy accuracy and pass@k (for each k in ``ks``) of ``model`` on ``problems``.
+
+    ``n = max(ks)`` samples per problem at ``temperature`` (seeded), at most ``chunk`` sequences a
+    batch. Returns ``{"greedy_accuracy": ..., "pass@k": ...}``; ``samples_path`` gets one JSON line per
+    problem (greedy completion, sampled scores).
+    """
+    if not ks or min(ks) < 1:
+        raise ValueError(f"ks must be non-empty positive integers, got {ks}")
+    n = max(ks)
+    eos = tokenizer.eos_token_id
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos
+    engine = TorchEngine(model, eos_token_ids=[eos], pad_token_id=pad)
+    device = next(model.parameters()).device
+    rng = torch.Generator(device=device).manual_seed(seed)
+    prompts = [list(prompt_fn(tokenizer, p.question)) for p in problems]
+
+    def run(sampling: SamplingParams, copies: int) -> tuple[list[list[float]], list[str]]:
+        requests = [Request(sample_id=i * copies + j, prompt_ids=prompts[i])
+                    for i in range(len(problems)) for j in range(copies)]
+        scores = [[0.0] * copies for _ in problems]
+        texts: list[str] = [""] * len(requests)
+        for lo in range(0, len(requests), chunk):
+            outs = engine.generate(requests[lo : lo + chunk], sampling=sampling, version=0,
+                                   generator=None if sampling.temperature == 0 else rng)
+            decoded = tokenizer.batch_decode([o.completion_ids for o in outs], skip_special_tokens=True)
+            for out, text in zip(outs, decoded):
+                i, j = divmod(out.sample_id, copies)
+                texts[out.sample_id] = text
+                scores[i][j] = float(score(text, problems[i].answer))
+        return scores, texts
+
+    greedy, greedy_texts = run(SamplingParams(temperature=0.0, max_new_tokens=max_new_tokens), 1)
+    sampled, _ = run(SamplingParams(temperature=temperature, max_new_tokens=max_new_tokens), n)
+    result = {"greedy_accuracy": sum(s[0] for s in greedy) / max(len(problems), 1)}
+    for k in sorted(set(ks)):
+        values = [pass_at_k(n, sum(1 for x in s if x >= 1.0), k) for s in sampled]
+        result[f"pass@{k}"] = sum(values) / max(len(values), 1)
+    if samples_path is not None:
+        samples_path.write_text("".join(
+            json.dumps({"question": p.question, "reference": p.answer, "greedy": t, "greedy_score": g[0],
+                        "sampled_scores": s}) + "\n"
+            for p, t, g, s in zip(problems, greedy_texts, greedy, sampled)))
+    return result

@@ -1,0 +1,97 @@
+"""Shared by the GSM8K and MATH recipes: the pass@k evaluation section and the run directory it reads.
+
+pass@k needs samples from the final policy; ``run_rl`` evaluates greedy accuracy only, so the
+recipe measures pass@k after the run, on global rank 0, from the trainer's HF export of the last
+tick (``<run>/checkpoints/step_<max_steps>/trainer/hf``; the recipe turns on a checkpoint at the
+last tick for it) loaded over the base model, with the native engine. Results are added to
+``summary.json`` as ``base_pass@k`` / ``final_pass@k`` (and the greedy accuracy of the reload as a
+cross-check: ``final_greedy_reload``).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from llamarl.config import RLConfig
+from llamarl.data.passk import evaluate_policy, load_policy
+from llamarl.data.prompts import Problem
+
+
+@dataclass
+class EvalConfig:
+    pass_k: list[int] = field(default_factory=list)
+    """k values of pass@k measured on the test split before and after training (empty: greedy
+    accuracy only, which ``--run.num-eval-problems`` controls). n = max(k) samples per problem."""
+    pass_k_problems: int = 100
+    """Test problems (a prefix of the test split) used for pass@k."""
+    temperature: float = 1.0
+    """Sampling temperature of the pass@k samples."""
+    chunk: int = 64
+    """Sequences decoded together in the pass@k evaluation (raise it on a GPU)."""
+
+    def __post_init__(self) -> None:
+        if any(k < 1 for k in self.pass_k):
+            raise ValueError(f"--eval.pass-k values must be >= 1, got {self.pass_k}")
+        if self.pass_k_problems < 1:
+            raise ValueError(f"--eval.pass-k-problems must be >= 1, got {self.pass_k_problems}")
+        if self.temperature <= 0:
+            raise ValueError(f"--eval.temperature must be > 0, got {self.temperature}")
+        if self.chunk < 1:
+            raise ValueError(f"--eval.chunk must be >= 1, got {self.chunk}")
+
+
+def prepare_pass_k(config: RLConfig, eval_config: EvalConfig, recipe: str) -> None:
+    """Make the run keep what pass@k reads: a checkpoint at the last tick and a known run directory.
+
+    Mutates ``config.run``; a no-op without ``--eval.pass-k``. Raises ValueError if the checkpoint
+    interval does not land on the last tick.
+    """
+    if not eval_config.pass_k or config.run.max_steps == 0:
+        return
+    run = config.run
+    if run.checkpoint_every == 0:
+        run.checkpoint_every = run.max_steps
+    if run.max_steps % run.checkpoint_every:
+        raise ValueError(f"--eval.pass-k needs a checkpoint at the last tick: --run.checkpoint-every "
+                         f"({run.checkpoint_every}) must divide --run.max-steps ({run.max_steps})")
+    if run.output_dir is None:
+        # Every rank must pick the same directory before the world exists: torchrun's run id is
+        # shared by all agents (a uuid under --standalone, --rdzv-id across nodes).
+        run_id = os.environ.get("TORCHELASTIC_RUN_ID")
+        suffix = run_id[:8] if run_id and int(os.environ.get("WORLD_SIZE", "1")) > 1 else time.strftime("%H%M%S")
+        run.output_dir = str(Path("runs") / f"{recipe}-{time.strftime('%Y%m%d')}-{suffix}")
+
+
+def run_pass_k(config: RLConfig, eval_config: EvalConfig, *, summary: dict | None, problems: list[Problem],
+               prompt_fn, score) -> dict | None:
+    """On the rank that got ``summary`` (global rank 0): pass@k of the base and the final policy,
+    merged into ``summary`` and ``summary.json``. Returns the summary (None on other ranks)."""
+    if summary is None or not eval_config.pass_k:
+        return summary
+    run_dir = Path(config.run.output_dir)
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    dtype = torch.bfloat16 if config.generator.dtype == "bfloat16" else torch.float32
+    final_dir = run_dir / "checkpoints" / f"step_{config.run.max_steps}" / "trainer" / "hf"
+    torch.set_num_threads(max(config.generator.num_threads, config.trainer.num_threads))
+    for label, weights in (("base", None), ("final", final_dir if config.run.max_steps else None)):
+        model, tokenizer = load_policy(config.model.name, weights_dir=weights, dtype=dtype, device=device)
+        result = evaluate_policy(model, tokenizer, problems=problems[: eval_config.pass_k_problems],
+                                 prompt_fn=prompt_fn, score=score, ks=eval_config.pass_k,
+                                 temperature=eval_config.temperature, max_new_tokens=config.generator.max_new_tokens,
+                                 seed=config.run.seed, chunk=eval_config.chunk,
+                                 samples_path=run_dir / f"passk_{label}.jsonl")
+        for key, value in result.items():
+            summary[f"{label}_{key}" if key != "greedy_accuracy" else f"{label}_greedy_reload"] = value
+        del model
+    summary["pass_k_problems"] = min(eval_config.pass_k_problems, len(problems))
+    (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
+    ks = ", ".join(f"pass@{k} {summary[f'base_pass@{k}']:.1%} -> {summary[f'final_pass@{k}']:.1%}"
+                   for k in sorted(set(eval_config.pass_k)))
+    print(f"llamarl: {ks} on {summary['pass_k_problems']} test problems", flush=True)
+    return summary

@@ -1,0 +1,57 @@
+# Shared by local.sh / multinode.sh (sourced, not run). Expects a `usage` function.
+# Sets: TARGET (torchrun's program: "-m module" or a .py path), REMAINING (recipe args),
+# DRY_RUN (0/1), TORCHRUN_CMD (array). Exits 2 with a message on bad arguments.
+
+die() { echo "error: $*" >&2; echo "(see $0 --help)" >&2; exit 2; }
+
+require_positive_int() {  # NAME VALUE
+  [[ "$2" =~ ^[1-9][0-9]*$ ]] || die "$1 must be a positive integer, got '$2'"
+}
+
+default_nproc() {
+  local gpus=0
+  if command -v nvidia-smi >/dev/null 2>&1; then gpus=$(nvidia-smi -L 2>/dev/null | grep -c '^GPU' || true); fi
+  if [[ "$gpus" -gt 0 ]]; then echo "$gpus"; else echo 3; fi
+}
+
+parse_common_args() {
+  DRY_RUN=0
+  while [[ $# -gt 0 ]]; do
+    case "$1" in
+      -h|--help) usage; exit 0 ;;
+      --dry-run) DRY_RUN=1; shift ;;
+      --) shift; break ;;
+      -*) die "unknown option '$1' (script options come before RECIPE)" ;;
+      *) break ;;
+    esac
+  done
+  [[ $# -ge 1 ]] || die "missing RECIPE (a module such as recipes.gsm8k, or a .py file)"
+  local recipe="$1"; shift
+  if [[ "$recipe" == *.py ]]; then
+    [[ -f "$recipe" ]] || die "no such file: $recipe"
+    TARGET=("$recipe")
+  elif [[ "$recipe" =~ ^[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*$ ]]; then
+    TARGET=(-m "$recipe")
+  else
+    die "RECIPE must be a Python module name or a .py file, got '$recipe'"
+  fi
+  REMAINING=("$@")
+  local here
+  here="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+  if [[ -n "${TORCHRUN:-}" ]]; then
+    read -r -a TORCHRUN_CMD <<< "$TORCHRUN"
+  elif [[ -x "$here/.venv/bin/torchrun" ]]; then
+    TORCHRUN_CMD=("$here/.venv/bin/torchrun")
+  else
+    TORCHRUN_CMD=(torchrun)
+  fi
+  export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"
+}
+
+run_or_print() {
+  if [[ "$DRY_RUN" == 1 ]]; then
+    printf '%q ' "$@"; echo
+  else
+    exec "$@"
+  fi
+}
