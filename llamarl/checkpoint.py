@@ -1,59 +1,103 @@
-"""Checkpoints: DCP for sharded trainer state, JSON + safetensors for everything else, HF export.
+"""Checkpoints: atomic steps, keep-K, resume-latest, and the small JSON / safetensors files.
 
-Nothing here unpickles: DCP stores tensors in its own format, small state goes to JSON, RNG
-states to safetensors. Layout of one executor's checkpoint directory:
+Nothing here unpickles: sharded trainer state is per-rank safetensors + JSON
+(``llamarl/sharded_state.py``), small state is JSON, RNG states are safetensors.
 
-- trainer: ``dcp/`` (model + AdamW, sharded, written by every trainer rank),
-  ``state.json`` (version), ``hf/`` (a safetensors + config.json export of the policy, loadable
-  with ``from_pretrained``);
-- generator: ``state.json`` per generator rank (data position, weight version, carried-over
-  samples, unfinished groups) and ``rng_rank<k>.safetensors``.
+A checkpoint of step n (the state after n ticks) is written by every executor into
+``checkpoints/step_<n>.partial/<executor>/``; after a WORLD barrier one rank renames it to
+``step_<n>/`` and writes ``step_<n>/COMPLETE.json``. Only directories with that marker are resumed
+(``--checkpoint.resume latest``) or counted by ``--checkpoint.keep``. Per executor:
+
+- trainer: ``state/`` (model + AdamW, sharded, every trainer rank), ``state.json`` (version);
+- generator: ``state_rank<k>.json`` (data position, weight version, carried-over samples,
+  unfinished groups) and ``rng_rank<k>.safetensors``;
+- every executor: ``outputs_rank<k>.safetensors`` (batches produced but not yet sent).
 """
 
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 import torch
-import torch.distributed.checkpoint as dcp
+from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
-from torch.distributed.checkpoint.state_dict import (
-    StateDictOptions,
-    get_model_state_dict,
-    get_optimizer_state_dict,
-    set_model_state_dict,
-    set_optimizer_state_dict,
-)
 
-from llamarl.channels.weights import full_named_parameters
+COMPLETE_MARKER = "COMPLETE.json"
 
 
-def save_sharded(directory: Path, *, model: torch.nn.Module, optimizer: torch.optim.Optimizer, group) -> None:
-    """Write the FSDP2 model and optimizer state with DCP (collective over ``group``)."""
-    state = {"model": get_model_state_dict(model), "optim": get_optimizer_state_dict(model, optimizer)}
-    dcp.save(state, checkpoint_id=str(directory / "dcp"), process_group=group)
+def step_dir(checkpoint_dir: Path, step: int) -> Path:
+    """Where the checkpoint taken after ``step`` ticks lives (complete once it holds the marker)."""
+    return checkpoint_dir / f"step_{step}"
 
 
-def load_sharded(directory: Path, *, model: torch.nn.Module, optimizer: torch.optim.Optimizer, group) -> None:
-    """Inverse of ``save_sharded``; the trainer may use a different number of ranks than at save."""
-    path = directory / "dcp"
-    if not (path / ".metadata").is_file():
-        raise ValueError(f"no DCP checkpoint at {path}")
-    state = {"model": get_model_state_dict(model), "optim": get_optimizer_state_dict(model, optimizer)}
-    dcp.load(state, checkpoint_id=str(path), process_group=group)
-    set_model_state_dict(model, state["model"], options=StateDictOptions(strict=True))
-    set_optimizer_state_dict(model, optimizer, state["optim"])
+def partial_dir(checkpoint_dir: Path, step: int) -> Path:
+    """Where every executor writes the checkpoint of ``step`` before it is committed."""
+    return checkpoint_dir / f"step_{step}.partial"
 
 
-def export_hf(directory: Path, *, model: torch.nn.Module, write: bool) -> None:
-    """Export the full policy as an HF safetensors directory (all-gather; ``write`` on one rank)."""
-    params = full_named_parameters(model)  # collective: every trainer rank must call it
-    if write:
-        directory.mkdir(parents=True, exist_ok=True)
-        save_file({k: v.contiguous().cpu() for k, v in params.items()}, str(directory / "model.safetensors"),
-                  metadata={"format": "pt"})
-        model.config.to_json_file(str(directory / "config.json"))
+def commit_step(checkpoint_dir: Path, step: int, info: dict) -> Path:
+    """Make the checkpoint of ``step`` visible: rename its partial directory, then write the marker.
+
+    Called by one rank after a barrier that every executor passed once its files were on disk. A
+    crash before the rename leaves only ``step_<n>.partial``; between the rename and the marker, a
+    directory without a marker: neither is ever resumed or counted.
+    """
+    final = step_dir(checkpoint_dir, step)
+    if final.exists():
+        shutil.rmtree(final)
+    partial_dir(checkpoint_dir, step).rename(final)
+    write_json(final / COMPLETE_MARKER, {"step": step, **info})
+    return final
+
+
+def complete_steps(checkpoint_dir: Path) -> list[int]:
+    """Steps with a complete checkpoint (marker present), ascending."""
+    if not checkpoint_dir.is_dir():
+        return []
+    steps = []
+    for path in checkpoint_dir.iterdir():
+        name = path.name
+        if name.startswith("step_") and name[5:].isdigit() and (path / COMPLETE_MARKER).is_file():
+            steps.append(int(name[5:]))
+    return sorted(steps)
+
+
+def prune(checkpoint_dir: Path, *, keep: int, current: int) -> list[Path]:
+    """Delete complete checkpoints beyond the newest ``keep`` (0 keeps all) and every partial or
+    unmarked directory older than ``current``; return what was deleted."""
+    removed = []
+    steps = complete_steps(checkpoint_dir)
+    doomed = set(steps[:-keep]) if keep and len(steps) > keep else set()
+    for path in sorted(checkpoint_dir.iterdir()) if checkpoint_dir.is_dir() else []:
+        name = path.name.removesuffix(".partial")
+        if not (name.startswith("step_") and name[5:].isdigit()):
+            continue
+        step = int(name[5:])
+        stale = step < current and (path.name.endswith(".partial") or not (path / COMPLETE_MARKER).is_file())
+        if step in doomed and not path.name.endswith(".partial") or stale:
+            shutil.rmtree(path, ignore_errors=True)
+            removed.append(path)
+    return removed
+
+
+def resolve_resume(resume: str, checkpoint_dir: Path) -> tuple[Path, int]:
+    """``(directory, step)`` to resume from: ``"latest"`` (the newest complete step under
+    ``checkpoint_dir``) or a ``.../step_<n>`` directory, which must be complete."""
+    if resume == "latest":
+        steps = complete_steps(checkpoint_dir)
+        if not steps:
+            raise ValueError(f"--checkpoint.resume latest: no complete checkpoint under {checkpoint_dir}")
+        return step_dir(checkpoint_dir, steps[-1]), steps[-1]
+    path = Path(resume)
+    name = path.name
+    if not (name.startswith("step_") and name[5:].isdigit()):
+        raise ValueError(f"--checkpoint.resume must be 'latest' or a .../step_<n> directory, got {resume!r}")
+    if not (path / COMPLETE_MARKER).is_file():
+        raise ValueError(f"--checkpoint.resume {resume}: not a complete checkpoint (no {COMPLETE_MARKER}; "
+                         "the run died while saving it)")
+    return path, int(name[5:])
 
 
 def write_json(path: Path, value: dict) -> None:
@@ -76,4 +120,8 @@ def save_rng(path: Path, generator: torch.Generator) -> None:
 
 
 def load_rng(path: Path, generator: torch.Generator) -> None:
-    generator.set_state(load_file(str(path))["state"])
+    try:
+        state = load_file(str(path))["state"]
+    except (OSError, SafetensorError, KeyError) as exc:
+        raise ValueError(f"cannot read checkpoint file {path}: {exc}") from None
+    generator.set_state(state)

@@ -170,27 +170,56 @@ class RunConfig:
     """Seed for data order, sampling and initialisation."""
     output_dir: str | None = None
     """Run directory (metrics, summary.json, checkpoints); default runs/<recipe>-<timestamp>."""
-    checkpoint_every: int = 0
-    """Save every executor's state every this many ticks (0: never)."""
-    collective_timeout_s: float = 300.0
-    """Timeout of every collective / point-to-point wait: a dead peer becomes an error."""
+    collective_timeout_s: float = 3600.0
+    """The longest any collective or point-to-point wait may last: it must exceed the slowest
+    legitimate step, evaluation or checkpoint of a peer. Dead ranks are found by the heartbeat
+    (``--run.liveness-timeout-s``), not by this."""
+    liveness_timeout_s: float = 30.0
+    """A rank whose heartbeat (through torchrun's store) is silent this long is dead: the job ends
+    with a line naming it, its executor, step and phase."""
     num_eval_problems: int = 100
     """Held-out problems for the greedy accuracy evaluated before and after training."""
     device_guard: bool = False
     """Debug: run every executor step, channel and evaluation with torch's default device set to
     ``meta``, so that a tensor created without an explicit device fails loudly when it meets a real
     one (the bug that crashes on a GPU). The test suite runs its CPU worlds with it."""
-    resume_from: str | None = None
-    """Checkpoint to resume from: a ``<run>/checkpoints/step_<n>`` directory; the run continues at
-    tick n with every executor's state (weights, optimizer, data position, carried samples)."""
 
     def __post_init__(self) -> None:
         _check(self.max_steps >= 0, f"--run.max-steps must be >= 0, got {self.max_steps}")
-        _check(self.checkpoint_every >= 0, "--run.checkpoint-every must be >= 0")
         _check(self.collective_timeout_s > 0, "--run.collective-timeout-s must be > 0")
-        if self.resume_from is not None:
-            _check(resume_step(self.resume_from) is not None,
-                   f"--run.resume-from must be a .../checkpoints/step_<n> directory, got {self.resume_from!r}")
+        _check(self.liveness_timeout_s > 0, "--run.liveness-timeout-s must be > 0")
+
+
+@dataclass
+class CheckpointConfig:
+    every: int = 0
+    """Save every executor's state every this many ticks (0: never) into
+    ``<run>/checkpoints/step_<n>``, atomically (complete once ``COMPLETE.json`` is in it)."""
+    keep: int = 2
+    """Complete checkpoints to keep (the newest; 0 keeps all)."""
+    resume: str | None = None
+    """``latest`` (the newest complete checkpoint of ``--run.output-dir``) or a
+    ``.../checkpoints/step_<n>`` directory: the run continues at tick n with every executor's state
+    (weights, optimizer, data position, carried samples, pending outputs, RNG)."""
+
+    def __post_init__(self) -> None:
+        _check(self.every >= 0, f"--checkpoint.every must be >= 0, got {self.every}")
+        _check(self.keep >= 0, f"--checkpoint.keep must be >= 0, got {self.keep}")
+        if self.resume is not None and self.resume != "latest":
+            _check(resume_step(self.resume) is not None,
+                   f"--checkpoint.resume must be 'latest' or a .../checkpoints/step_<n> directory, got {self.resume!r}")
+
+
+@dataclass
+class ExportConfig:
+    every: int = 0
+    """Also export the policy as an HF directory every this many ticks (``<run>/hf/step_<n>``);
+    0: only the final one."""
+    final: bool = True
+    """Export the final policy to ``<run>/hf/final`` (loads with ``from_pretrained`` and vLLM)."""
+
+    def __post_init__(self) -> None:
+        _check(self.every >= 0, f"--export.every must be >= 0, got {self.every}")
 
 
 @dataclass
@@ -204,3 +233,9 @@ class RLConfig:
     algo: AlgoConfig = field(default_factory=AlgoConfig)
     weights: WeightsConfig = field(default_factory=WeightsConfig)
     run: RunConfig = field(default_factory=RunConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    export: ExportConfig = field(default_factory=ExportConfig)
+
+    def __post_init__(self) -> None:
+        _check(self.checkpoint.resume != "latest" or self.run.output_dir is not None,
+               "--checkpoint.resume latest needs --run.output-dir (the run whose checkpoints to continue)")

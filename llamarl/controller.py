@@ -29,9 +29,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 
 from llamarl.channels.base import CommunicationChannel
+from llamarl.checkpoint import commit_step, partial_dir, prune
 from llamarl.executors.base import Executor
+from llamarl.liveness import Heartbeat
 from llamarl.world import ExecutorContext
 
 SCHEDULES = ("async", "sync")
@@ -54,9 +57,16 @@ class ExecutorController:
     ``executor_order`` is the data order of executor names (used by the sync schedule).
     ``init_channels`` run once after ``init`` (e.g. initial weights). ``on_tick`` is called on
     every rank after each tick with (step, executor, TickRecord) for metrics / progress.
-    Checkpoints are saved to ``checkpoint_dir/step_{step}/{executor name}`` every
-    ``checkpoint_every`` ticks (0 disables); ``step_{n}`` holds the state after ``n`` ticks, so a
-    run resumes from it with ``resume_dir=.../step_{n}`` and ``start_step=n``.
+    Checkpoints (``checkpoint_every`` ticks, 0 disables): every executor writes into
+    ``checkpoint_dir/step_{n}.partial/{executor name}``; after a WORLD barrier global rank 0 renames
+    it to ``step_{n}`` and writes its completion marker, then deletes complete checkpoints beyond the
+    newest ``checkpoint_keep`` (0 keeps all) and leftovers of interrupted saves. ``step_{n}`` holds
+    the state after ``n`` ticks, so a run resumes from it with ``resume_dir=.../step_{n}`` and
+    ``start_step=n``. Exports (``export_every`` ticks, and once after the last tick when
+    ``export_dir`` is set): ``executor.export(export_dir/step_{n})`` / ``export_dir/final`` on every rank.
+    ``before_loop`` runs on this rank after init and the init channels (e.g. a base evaluation).
+    ``liveness_timeout_s`` (None: off) starts a ``Heartbeat`` (llamarl/liveness.py): a rank silent
+    that long ends the job with a line naming it, independently of the collective timeout.
     """
 
     def __init__(
@@ -75,6 +85,11 @@ class ExecutorController:
         on_tick: Callable[[int, Executor, TickRecord], None] | None = None,
         resume_dir: Path | None = None,
         device_guard: bool = False,
+        checkpoint_keep: int = 0,
+        export_every: int = 0,
+        export_dir: Path | None = None,
+        before_loop: Callable[[], None] | None = None,
+        liveness_timeout_s: float | None = None,
     ) -> None:
         if schedule not in SCHEDULES:
             raise ValueError(f"schedule must be one of {SCHEDULES}, got {schedule!r}")
@@ -95,15 +110,31 @@ class ExecutorController:
         self.on_tick = on_tick
         self.resume_dir = resume_dir
         self.device_guard = device_guard
-        self.records: list[TickRecord] = []
-        self.phase, self.step_index = "init", start_step
-        # Optional hook run on this rank after init and the init channels (e.g. a base evaluation).
-        self.before_loop: Callable[[], None] | None = None
+        self.checkpoint_keep = checkpoint_keep
+        self.export_every, self.export_dir = export_every, export_dir
+        self.before_loop = before_loop
+        self.heartbeat = Heartbeat(rank=ctx.rank, world_size=ctx.world_size, timeout_s=liveness_timeout_s,
+                                   executor_of={r: name for name, rs in ctx.ranks.items() for r in rs}) \
+            if liveness_timeout_s is not None else None
+        self._phase, self.step_index = "init", start_step
+
+    @property
+    def phase(self) -> str:
+        """What this rank is doing now (in failure messages and heartbeats)."""
+        return self._phase
+
+    @phase.setter
+    def phase(self, value: str) -> None:
+        self._phase = value
+        if self.heartbeat is not None:
+            self.heartbeat.update(step=self.step_index, phase=value)
 
     # ----- the loop -----
     def run(self) -> None:
         """Run init, init channels and every tick; on any exception report and exit(1)."""
         try:
+            if self.heartbeat is not None:
+                self.heartbeat.start()
             self.phase = "init"
             self.executor.init()
             if self.resume_dir is not None:
@@ -111,6 +142,7 @@ class ExecutorController:
                 self.executor.load_checkpoint(Path(self.resume_dir) / self.ctx.executor)
             with self.guard():
                 for channel in self.init_channels:
+                    self.phase = f"init channel {channel.name!r} ({channel.outbound} -> {channel.inbound})"
                     channel.communicate(self.ctx, self.executor)
                 if self.before_loop is not None:
                     self.phase = "before_loop"
@@ -118,8 +150,16 @@ class ExecutorController:
             for step in range(self.start_step, self.max_steps):
                 self.step_index = step
                 self._tick(step)
+            if self.export_dir is not None:
+                self.phase = "export"
+                self.executor.export(Path(self.export_dir) / "final")
         except BaseException as exc:  # noqa: BLE001 - any failure must take the world down
             self._abort(exc)
+
+    def finish(self) -> None:
+        """Mark this rank's clean end for the liveness watch (call last, after any collective)."""
+        if self.heartbeat is not None:
+            self.heartbeat.finish()
 
     def guard(self):
         """The device guard (``device_guard=True``): torch's default device is ``meta`` inside it.
@@ -143,17 +183,31 @@ class ExecutorController:
                 if name == self.ctx.executor:
                     self._step(record)
         if self.checkpoint_every and (step + 1) % self.checkpoint_every == 0:
-            self.phase = "checkpoint"
-            directory = Path(self.checkpoint_dir) / f"step_{step + 1}" / self.ctx.executor
-            directory.mkdir(parents=True, exist_ok=True)
-            self.executor.save_checkpoint(directory)
-        self.records.append(record)
+            self._checkpoint(step + 1)
+        if self.export_every and (step + 1) % self.export_every == 0 and self.export_dir is not None:
+            self.phase = "export"
+            self.executor.export(Path(self.export_dir) / f"step_{step + 1}")
         if self.on_tick is not None:
             self.on_tick(step, self.executor, record)
 
+    def _checkpoint(self, step: int) -> None:
+        """Atomic across executors: partial directory, WORLD barrier, then rename + marker on rank 0."""
+        self.phase = "checkpoint"
+        root = Path(self.checkpoint_dir)
+        directory = partial_dir(root, step) / self.ctx.executor
+        directory.mkdir(parents=True, exist_ok=True)
+        self.executor.save_checkpoint(directory)
+        self.phase = "checkpoint barrier"
+        dist.barrier()  # every executor's files are on disk (WORLD: all ranks checkpoint together)
+        if self.ctx.rank == 0:
+            commit_step(root, step, {"executors": sorted(self.ctx.ranks), "world_size": self.ctx.world_size,
+                                     "time": time.time()})
+            prune(root, keep=self.checkpoint_keep, current=step)
+
     def _communicate(self, channels: list[CommunicationChannel], record: TickRecord) -> None:
         for channel in channels:
-            self.phase = f"channel {channel.name!r}"
+            # The endpoints name the executor at fault when a peer died mid-exchange.
+            self.phase = f"channel {channel.name!r} ({channel.outbound} -> {channel.inbound})"
             start = time.perf_counter()
             with self.guard():
                 channel.communicate(self.ctx, self.executor)

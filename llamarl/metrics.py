@@ -18,11 +18,18 @@ from pathlib import Path
 class MetricsLogger:
     """Writes one JSON object per step (and TensorBoard scalars) for one executor."""
 
-    def __init__(self, run_dir: Path, executor: str, *, tensorboard: bool = True) -> None:
+    def __init__(self, run_dir: Path, executor: str, *, tensorboard: bool = True, start_step: int = 0) -> None:
+        """``start_step`` > 0 (a resumed run) drops the records of ticks >= it that an interrupted run
+        already wrote, so each tick appears once, as the resumed run computes it."""
         self.executor = executor
         (run_dir / "metrics").mkdir(parents=True, exist_ok=True)
+        path = run_dir / "metrics" / f"{executor}.jsonl"
+        if start_step > 0 and path.exists():
+            kept = [line for line in path.read_text(encoding="utf-8").splitlines()
+                    if line.strip() and json.loads(line).get("step", 0) < start_step]
+            path.write_text("".join(line + "\n" for line in kept), encoding="utf-8")
         # Kept open for the whole run (one append per step); closed by close().
-        self.jsonl = open(run_dir / "metrics" / f"{executor}.jsonl", "a", encoding="utf-8")  # noqa: SIM115
+        self.jsonl = open(path, "a", encoding="utf-8")  # noqa: SIM115
         self.writer = None
         if tensorboard:
             from torch.utils.tensorboard import SummaryWriter

@@ -30,7 +30,8 @@ import torch.distributed as dist
 
 from llamarl.channels.base import SCATTER, CommunicationChannel
 from llamarl.channels.weights import WeightsChannel
-from llamarl.config import RLConfig, resume_step
+from llamarl.checkpoint import resolve_resume
+from llamarl.config import RLConfig
 from llamarl.controller import ExecutorController
 from llamarl.data.prompts import Problem
 from llamarl.executors.colocated import ColocatedExecutor
@@ -109,6 +110,10 @@ def run_rl(config: RLConfig, *, recipe: str, task: Task, heldout: list[Problem],
         (run_dir / "config.json").write_text(json.dumps(asdict(config), indent=2))
         print(f"llamarl: run directory {run_dir}", flush=True)
 
+    resume_dir, start_step = resolve_resume(config.checkpoint.resume, run_dir / "checkpoints") \
+        if config.checkpoint.resume else (None, 0)
+    if resume_dir is not None and ctx.rank == 0:
+        print(f"llamarl: resuming from {resume_dir} (tick {start_step})", flush=True)
     leader = ctx.local_rank == 0
     loggers: dict[str, MetricsLogger] = {}
     spans: list[dict] = []
@@ -128,24 +133,34 @@ def run_rl(config: RLConfig, *, recipe: str, task: Task, heldout: list[Problem],
             if section == "generator" and init_channels:
                 metrics["weight_sync_seconds"] = init_channels[0].last_seconds
             if section not in loggers:
-                loggers[section] = MetricsLogger(run_dir, section)
+                loggers[section] = MetricsLogger(run_dir, section, start_step=start_step)
             loggers[section].log(step, metrics)
             progress_line(step, config.run.max_steps, section, metrics, PROGRESS_KEYS.get(section, []))
 
+    # Evaluation is collective over a TP group, so every rank of the first replica runs it.
+    evaluates = hasattr(executor, "evaluate") and ctx.dp_rank == 0
+
+    def base_evaluation():
+        # A resumed run's weights are not the base model's: reuse the first run's base evaluation.
+        earlier = resume_dir.parents[1] / "eval_base.jsonl" if resume_dir is not None else None
+        if earlier is not None and earlier.is_file():
+            scores = [json.loads(line)["score"] for line in earlier.read_text().splitlines() if line.strip()]
+            summary["base_accuracy"] = sum(scores) / max(len(scores), 1)
+            return
+        summary["base_accuracy"] = executor.evaluate(heldout, score, samples_path=run_dir / "eval_base.jsonl")
+
+    export_dir = run_dir / "hf" if config.export.final or config.export.every else None
     controller = ExecutorController(ctx, executor, channels, max_steps=config.run.max_steps,
                                     executor_order=executor_order, init_channels=init_channels,
                                     # One executor and no channels: both split schedules are the same loop.
                                     schedule="sync" if config.run.schedule == "colocated" else config.run.schedule,
-                                    checkpoint_every=config.run.checkpoint_every,
+                                    checkpoint_every=config.checkpoint.every, checkpoint_keep=config.checkpoint.keep,
                                     checkpoint_dir=run_dir / "checkpoints", on_tick=on_tick,
-                                    resume_dir=Path(config.run.resume_from) if config.run.resume_from else None,
-                                    start_step=resume_step(config.run.resume_from) if config.run.resume_from else 0,
-                                    device_guard=config.run.device_guard)
-    # Evaluation is collective over a TP group, so every rank of the first replica runs it.
-    evaluates = hasattr(executor, "evaluate") and ctx.dp_rank == 0
-    if evaluates:
-        controller.before_loop = lambda: summary.update(
-            base_accuracy=executor.evaluate(heldout, score, samples_path=run_dir / "eval_base.jsonl"))
+                                    resume_dir=resume_dir, start_step=start_step,
+                                    export_every=config.export.every, export_dir=export_dir,
+                                    before_loop=base_evaluation if evaluates else None,
+                                    device_guard=config.run.device_guard,
+                                    liveness_timeout_s=config.run.liveness_timeout_s)
     controller.run()
     try:
         with controller.guard():
@@ -164,6 +179,7 @@ def run_rl(config: RLConfig, *, recipe: str, task: Task, heldout: list[Problem],
     for logger in loggers.values():
         logger.close()
     dist.barrier()
+    controller.finish()
     result = None
     if ctx.rank == 0:
         all_spans = [s for f in sorted((run_dir / "timeline").glob("rank*.json")) for s in json.loads(f.read_text())]

@@ -101,13 +101,12 @@ def test_colocated_resume_is_exact(tmp_path, model_dir):
     import torch
     from safetensors.torch import load_file
 
-    common = ["--run.schedule", "colocated", "--run.max-steps", "4", "--run.checkpoint-every", "2",
-              "--generator.token-budget", "5", "--trainer.lr", "1e-3"]
+    common = ["--run.schedule", "colocated", "--run.max-steps", "4", "--checkpoint.every", "2",
+              "--generator.token-budget", "5", "--trainer.lr", "1e-3", "--export.every", "2"]
     straight = run(tmp_path, model_dir, "straight", nproc=1, args=common)
     resumed = run(tmp_path, model_dir, "resumed", nproc=1, args=[
-        *common, "--run.resume-from", str(straight / "checkpoints" / "step_2")])
-    final = "checkpoints/step_4/colocated/trainer/hf/model.safetensors"
-    a, b = load_file(str(straight / final)), load_file(str(resumed / final))
-    middle = load_file(str(straight / "checkpoints/step_2/colocated/trainer/hf/model.safetensors"))
+        *common, "--checkpoint.resume", str(straight / "checkpoints" / "step_2")])
+    a, b = (load_file(str(d / "hf" / "final" / "model.safetensors")) for d in (straight, resumed))
+    middle = load_file(str(straight / "hf" / "step_2" / "model.safetensors"))
     assert any(not torch.equal(middle[k], a[k]) for k in a), "ticks 2-3 did not train"
     assert all(torch.equal(a[k], b[k]) for k in a)

@@ -70,7 +70,8 @@ def test_recipe_runs_and_reports(tmp_path, model_dir, schedule, extra):
 
 
 def test_resume_continues_exactly_where_the_checkpoint_left_off(tmp_path, model_dir):
-    """6 ticks straight == 3 ticks, checkpoint, resume for ticks 3..5: same final policy bitwise.
+    """6 ticks straight == 3 ticks, checkpoint, resume for ticks 3..5: same final policy bitwise
+    (compared on the HF exports, which are also checked to load as plain safetensors).
 
     At tick 3 the checkpoint holds carried-over partial samples (5-token budget), a scored batch
     not yet sent to the trainer and trained weights + AdamW state, so all of it must round-trip."""
@@ -78,19 +79,39 @@ def test_resume_continues_exactly_where_the_checkpoint_left_off(tmp_path, model_
     from safetensors.torch import load_file
 
     common = ["--model.name", str(model_dir), "--run.num-eval-problems", "4", "--generator.num-prompts-per-step", "2",
-              "--reward.num-workers", "0", "--run.checkpoint-every", "3", "--run.max-steps", "6",
-              "--generator.token-budget", "5", "--trainer.lr", "1e-3", "--run.device-guard"]
+              "--reward.num-workers", "0", "--checkpoint.every", "3", "--run.max-steps", "6", "--export.every", "3",
+              "--generator.token-budget", "5", "--trainer.lr", "1e-3", "--run.device-guard",
+              "--generator.dtype", "float32"]  # fp32 both sides: the export's greedy text must match
     straight, resumed = tmp_path / "straight", tmp_path / "resumed"
     env = {"LLAMARL_TEST_SCORER": "scorers_for_tests:first_char_even"}
     check(run_torchrun("e2e_arithmetic.py", nproc=3, env=env, args=[*common, "--run.output-dir", str(straight)]))
     check(run_torchrun("e2e_arithmetic.py", nproc=3, env=env, args=[
-        *common, "--run.output-dir", str(resumed), "--run.resume-from", str(straight / "checkpoints" / "step_3")]))
-    final_straight = load_file(str(straight / "checkpoints" / "step_6" / "trainer" / "hf" / "model.safetensors"))
-    final_resumed = load_file(str(resumed / "checkpoints" / "step_6" / "trainer" / "hf" / "model.safetensors"))
-    at_three = load_file(str(straight / "checkpoints" / "step_3" / "trainer" / "hf" / "model.safetensors"))
+        *common, "--run.output-dir", str(resumed), "--checkpoint.resume", str(straight / "checkpoints" / "step_3")]))
+    final_straight = load_file(str(straight / "hf" / "final" / "model.safetensors"))
+    final_resumed = load_file(str(resumed / "hf" / "final" / "model.safetensors"))
+    at_three = load_file(str(straight / "hf" / "step_3" / "model.safetensors"))
     assert any(not torch.equal(at_three[k], final_straight[k]) for k in at_three), "ticks 3-5 did not train"
     for name, tensor in final_straight.items():
         assert torch.equal(final_resumed[name], tensor), name
     straight_steps = [r["step"] for r in read_jsonl(straight / "metrics" / "trainer.jsonl") if "loss" in r]
     resumed_steps = [r["step"] for r in read_jsonl(resumed / "metrics" / "trainer.jsonl") if "loss" in r]
     assert resumed_steps == [s for s in straight_steps if s >= 3] and resumed_steps
+    # The final export is a plain HF directory: from_pretrained + its tokenizer give the greedy text the
+    # generator produced with the trainer's final weights in the run's final evaluation.
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from recipes.arithmetic import prompt_fn
+
+    hf_model = AutoModelForCausalLM.from_pretrained(straight / "hf" / "final")
+    tokenizer = AutoTokenizer.from_pretrained(straight / "hf" / "final")
+    for record in read_jsonl(straight / "eval_final.jsonl"):
+        ids = torch.tensor([prompt_fn(tokenizer, record["question"])])
+        out = hf_model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=12,
+                                eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
+        assert tokenizer.decode(out[0, ids.shape[1]:], skip_special_tokens=True) == record["completion"]
+    # Both checkpoints are complete (marked) and keep-K (default 2) kept them; nothing partial is left.
+    assert sorted(p.name for p in (straight / "checkpoints").iterdir()) == ["step_3", "step_6"]
+    assert all((straight / "checkpoints" / s / "COMPLETE.json").is_file() for s in ("step_3", "step_6"))
+    # The base accuracy of the resumed run is the first run's (its weights are no longer the base's).
+    base = json.loads((straight / "summary.json").read_text())["base_accuracy"]
+    assert json.loads((resumed / "summary.json").read_text())["base_accuracy"] == base

@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 import torch
+from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
 from llamarl.batch import TensorBatch
@@ -57,6 +58,11 @@ class Executor:
         """The module a weight channel reads (trainer) or writes (generator)."""
         return None
 
+    def export(self, directory: Path) -> None:
+        """Write a deployable artefact of this executor's model into ``directory`` (the trainer: an
+        HF directory). Called on every rank of every executor when an export is due; the default
+        does nothing."""
+
     def save_checkpoint(self, directory: Path) -> None:
         """Save this executor's own state under ``directory`` (created by the caller).
 
@@ -74,7 +80,10 @@ class Executor:
         path = directory / f"outputs_rank{self.ctx.local_rank}.safetensors"
         if not path.is_file():
             raise ValueError(f"checkpoint {directory} has no {path.name} for this rank")
-        tensors = load_file(str(path))
+        try:
+            tensors = load_file(str(path))
+        except (OSError, SafetensorError) as exc:
+            raise ValueError(f"cannot read checkpoint file {path}: {exc}") from None
         names = {key.rsplit(".", 1)[0] for key in tensors}
         self.outputs = {name: TensorBatch.decode(tensors[f"{name}.header"], tensors[f"{name}.data"],
                                                  source=str(path)) for name in names}

@@ -145,6 +145,9 @@ class ColocatedExecutor(Executor):
             (directory / name).mkdir(parents=True, exist_ok=True)
             part.save_checkpoint(directory / name)
 
+    def export(self, directory: Path) -> None:
+        self.trainer.export(directory)
+
     def load_checkpoint(self, directory: Path) -> None:
         self.generator.load_checkpoint(directory / "generator")
         self.trainer.load_checkpoint(directory / "trainer")

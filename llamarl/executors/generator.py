@@ -222,7 +222,9 @@ class GeneratorExecutor(Executor):
         self.metrics = {"gen_seconds": seconds, "gen_new_tokens": float(num_new_tokens),
                         "gen_tokens_per_s": num_new_tokens / max(seconds, 1e-9),
                         "gen_carried": float(len(self.carried)), "gen_version": float(self.version),
-                        "gen_emitted_samples": float(len(completions) if emits else 0)}
+                        "gen_emitted_samples": float(len(completions) if emits else 0),
+                        # Prompts consumed so far by every replica: resumes must neither skip nor repeat one.
+                        "gen_data_position": float(self.data_position)}
 
     @torch.no_grad()
     def evaluate(self, problems: list[Problem], score: Callable[[str, str], float], *, chunk: int = 64,

@@ -32,11 +32,13 @@ from llamarl.algorithms.advantages import group_advantages
 from llamarl.algorithms.losses import aipo_loss, decoupled_ppo_loss, ppo_loss
 from llamarl.algorithms.prox import loglinear_prox_logp
 from llamarl.batch import TensorBatch
-from llamarl.checkpoint import export_hf, load_sharded, read_json, save_sharded, write_json
+from llamarl.checkpoint import load_rng, read_json, save_rng, write_json
 from llamarl.config import AlgoConfig, ModelConfig, TrainerConfig
 from llamarl.data.packing import pack_microbatches
 from llamarl.executors.base import Executor
+from llamarl.models.export import export_hf
 from llamarl.models.loading import load_causal_lm
+from llamarl.sharded_state import load_sharded_state, save_sharded_state
 
 
 def shard_model(model: torch.nn.Module, mesh, *, param_dtype: torch.dtype | None = None) -> torch.nn.Module:
@@ -91,7 +93,7 @@ class TrainerExecutor(Executor):
         dtype = getattr(torch, self.model_config.dtype)
         # Loaded on the host, then fully_shard moves each rank's shards to the mesh's device
         # (ctx.device), so the full model never has to fit on one accelerator.
-        model, _ = load_causal_lm(self.model_config.name, dtype=dtype, device="cpu")
+        model, self.tokenizer = load_causal_lm(self.model_config.name, dtype=dtype, device="cpu")
         self.model = shard_model(model, self.ctx.mesh, param_dtype=getattr(torch, self.config.param_dtype))
         self.model.train()
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=self.config.lr,
@@ -101,17 +103,32 @@ class TrainerExecutor(Executor):
         return self.model
 
     def save_checkpoint(self, directory: Path) -> None:
-        """DCP model + AdamW (every trainer rank), version, and an HF safetensors export."""
+        """Sharded model + AdamW (every trainer rank, safetensors + JSON, reshardable), version and
+        the torch RNG state. The learning rate is constant (no schedule to save). The HF export is
+        separate (``export``), so a checkpoint never gathers the full model."""
         super().save_checkpoint(directory)
-        save_sharded(directory, model=self.model, optimizer=self.optimizer, group=self.ctx.group)
-        export_hf(directory / "hf", model=self.model, write=self.ctx.local_rank == 0)
+        save_sharded_state(directory / "state", model=self.model, optimizer=self.optimizer,
+                           rank=self.ctx.local_rank, world_size=self.ctx.local_world_size)
+        save_rng(directory / f"rng_rank{self.ctx.local_rank}.safetensors", torch.default_generator)
         if self.ctx.local_rank == 0:
             write_json(directory / "state.json", {"version": self.version})
 
     def load_checkpoint(self, directory: Path) -> None:
-        super().load_checkpoint(directory)
-        load_sharded(directory, model=self.model, optimizer=self.optimizer, group=self.ctx.group)
+        """Restore ``save_checkpoint``'s state, onto any number of trainer ranks."""
+        # A rank that did not exist at save time (more trainer ranks now) has no pending-outputs
+        # file; the trainer sends nothing, so there is nothing to restore there.
+        if (directory / f"outputs_rank{self.ctx.local_rank}.safetensors").is_file():
+            super().load_checkpoint(directory)
+        load_sharded_state(directory / "state", model=self.model, optimizer=self.optimizer)
+        rng = directory / f"rng_rank{self.ctx.local_rank}.safetensors"
+        if rng.is_file():  # a resharded resume has no file for a new rank: its RNG keeps the seed
+            load_rng(rng, torch.default_generator)
         self.version = int(read_json(directory / "state.json")["version"])
+
+    def export(self, directory: Path) -> None:
+        """The policy as an HF directory (``from_pretrained`` / vLLM load it as-is), written by the
+        trainer's first rank shard by shard; collective over the trainer."""
+        export_hf(directory, model=self.model, tokenizer=self.tokenizer, writer=self.ctx.local_rank == 0)
 
     # ----- one step -----
     def step(self) -> None:

@@ -1,7 +1,8 @@
 """The arithmetic recipe under torchrun for tests; ``LLAMARL_TEST_SCORER`` swaps the scorer
 (a ``module:function`` path, e.g. one a tiny random model can actually earn reward from).
 ``LLAMARL_TEST_ZERO_LR=1`` sets the learning rate to 0 after parsing (users cannot: the flag must be
-> 0), which freezes the policy so that two schedules must produce exactly the same samples."""
+> 0), which freezes the policy so that two schedules must produce exactly the same samples.
+``LLAMARL_TEST_PID_DIR`` makes each rank write its pid to ``<dir>/rank<RANK>.pid``."""
 
 import os
 
@@ -11,6 +12,9 @@ from llamarl.runner import run_rl
 from recipes.arithmetic import ArithmeticConfig, main, prompt_fn
 
 if __name__ == "__main__":
+    if os.environ.get("LLAMARL_TEST_PID_DIR"):  # so a test can SIGKILL a chosen rank
+        with open(os.path.join(os.environ["LLAMARL_TEST_PID_DIR"], f"rank{os.environ['RANK']}.pid"), "w") as f:
+            f.write(str(os.getpid()))
     config = tyro.cli(ArithmeticConfig)
     if os.environ.get("LLAMARL_TEST_ZERO_LR") == "1":
         config.trainer.lr = 0.0

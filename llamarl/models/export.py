@@ -1,0 +1,78 @@
+"""Hugging Face export of the trained policy: a directory ``from_pretrained`` (and vLLM) loads as-is.
+
+Written by one rank, shard by shard: parameters are gathered one at a time (``full_tensor`` over
+the FSDP2 mesh, so each rank holds at most one full parameter beyond its shards); only the writer
+keeps them, until a shard of ``max_shard_bytes`` is full and written. No rank ever holds the full
+model. The shard plan (which parameter goes to which file) is computed up front from the global
+shapes, which every rank knows, so file names follow the HF convention
+(``model-00001-of-00003.safetensors`` + ``model.safetensors.index.json``; a single
+``model.safetensors`` when it fits one shard). The directory appears atomically (written as
+``<dir>.partial`` and renamed), with ``config.json`` and the tokenizer files beside the weights.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import torch
+from safetensors.torch import save_file
+from torch.distributed.tensor import DTensor
+
+
+def _shard_plan(model: torch.nn.Module, max_shard_bytes: int) -> list[list[str]]:
+    shards: list[list[str]] = [[]]
+    size = 0
+    for name, param in model.named_parameters():
+        nbytes = param.numel() * param.element_size()
+        if shards[-1] and size + nbytes > max_shard_bytes:
+            shards.append([])
+            size = 0
+        shards[-1].append(name)
+        size += nbytes
+    return shards
+
+
+@torch.no_grad()
+def export_hf(directory: Path, *, model: torch.nn.Module, tokenizer=None, writer: bool,
+              max_shard_bytes: int = 2 << 30) -> None:
+    """Write ``model`` (HF names, its own dtype) as an HF directory at ``directory``.
+
+    Contract: collective over the model's FSDP2 mesh (every rank holding a shard calls it, with
+    ``writer`` True on exactly one of them); the writer creates ``directory`` (replacing an older
+    one) with the weights, ``config.json`` and, when given, the tokenizer.
+    """
+    plan = _shard_plan(model, max_shard_bytes)
+    params = dict(model.named_parameters())
+    partial = directory.with_name(directory.name + ".partial")
+    if writer:
+        shutil.rmtree(partial, ignore_errors=True)
+        partial.mkdir(parents=True)
+    weight_map = {}
+    for index, names in enumerate(plan):
+        filename = "model.safetensors" if len(plan) == 1 else f"model-{index + 1:05d}-of-{len(plan):05d}.safetensors"
+        shard = {}
+        for name in names:
+            param = params[name]
+            full = param.full_tensor() if isinstance(param, DTensor) else param
+            if writer:
+                shard[name] = full.detach().to("cpu").contiguous()
+                weight_map[name] = filename
+            del full
+        if writer:
+            save_file(shard, str(partial / filename), metadata={"format": "pt"})
+        del shard
+    if not writer:
+        return
+    if len(plan) > 1:
+        total = sum(p.numel() * p.element_size() for p in params.values())
+        (partial / "model.safetensors.index.json").write_text(
+            json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2))
+    config = model.config
+    config.torch_dtype = next(iter(params.values())).dtype
+    config.to_json_file(str(partial / "config.json"))
+    if tokenizer is not None:
+        tokenizer.save_pretrained(str(partial))
+    shutil.rmtree(directory, ignore_errors=True)
+    partial.rename(directory)

@@ -1,0 +1,155 @@
+"""Sharded trainer state (model + optimizer) as per-rank safetensors and a JSON index: no pickle.
+
+Why not DCP's default format: its ``.metadata`` file is read with ``pickle.load``, so resuming from
+a checkpoint someone else wrote could run their code. Here every file is either safetensors (a
+JSON header and raw bytes) or JSON.
+
+Layout of ``<dir>``:
+
+- ``rank<r>.safetensors``: rank r's local pieces of every state tensor, under flat keys
+  ``model/<fqn>`` and ``optim/<fqn>/<name>`` (AdamW's ``exp_avg``, ``exp_avg_sq``, ``step``);
+- ``rank<r>.json``: for each key, the global shape and the box (offset, length per dim) rank r holds;
+- ``optim_param_groups.json`` (rank 0): the optimizer's hyper-parameters per group.
+- ``meta.json`` (rank 0): the number of ranks that wrote, so a missing file is detected.
+
+Loading reads every rank's index and assembles each key's local box on this rank from the
+intersecting pieces of the saved boxes (``safe_open(...).get_slice``, reading only those bytes), so a
+checkpoint written by T trainer ranks loads onto any other number of ranks (FSDP2 ``Shard(0)`` or
+replicated tensors). A missing, truncated or corrupt file, or a key whose box is not fully covered,
+is a one-line ValueError naming the file or key.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import torch
+from safetensors import SafetensorError, safe_open
+from safetensors.torch import save_file
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    set_model_state_dict,
+    set_optimizer_state_dict,
+)
+from torch.distributed.tensor import DTensor
+
+from llamarl.channels.ddma_plan import _dtensor_box
+
+Box = list[list[int]]  # [[offset, length], ...] per dim
+
+
+def _flatten(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> tuple[dict, list[dict]]:
+    """``{key: tensor}`` of the whole state (DTensors stay sharded) and the param groups."""
+    flat = {f"model/{fqn}": t for fqn, t in get_model_state_dict(model).items()}
+    optim = get_optimizer_state_dict(model, optimizer)  # initialises AdamW state if no step ran yet
+    for fqn, entries in optim["state"].items():
+        for name, value in entries.items():
+            if not isinstance(value, torch.Tensor):
+                raise TypeError(f"optimizer state {fqn}/{name} is a {type(value).__name__}, not a tensor")
+            flat[f"optim/{fqn}/{name}"] = value
+    return flat, optim["param_groups"]
+
+
+def _local(key: str, tensor: torch.Tensor) -> tuple[torch.Tensor, Box]:
+    if isinstance(tensor, DTensor):
+        return tensor.to_local(), _dtensor_box(key, tensor)
+    return tensor, [[0, int(s)] for s in tensor.shape]
+
+
+def save_sharded_state(directory: Path, *, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
+                       rank: int, world_size: int) -> None:
+    """Write this rank's pieces (every rank of the trainer calls it; no collective of its own
+    beyond what ``get_*_state_dict`` needs, which is collective over the FSDP mesh)."""
+    directory.mkdir(parents=True, exist_ok=True)
+    flat, groups = _flatten(model, optimizer)
+    tensors, index = {}, {}
+    for key, tensor in flat.items():
+        local, box = _local(key, tensor)
+        tensors[key] = local.detach().to("cpu").contiguous()
+        index[key] = {"shape": [int(s) for s in tensor.shape], "box": box}
+    save_file(tensors, str(directory / f"rank{rank}.safetensors"))
+    (directory / f"rank{rank}.json").write_text(json.dumps(index))
+    if rank == 0:
+        (directory / "optim_param_groups.json").write_text(json.dumps(groups))
+        (directory / "meta.json").write_text(json.dumps({"format": 1, "num_ranks": world_size}))
+
+
+def _read_json(path: Path):
+    try:
+        return json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise ValueError(f"cannot read checkpoint file {path}: {exc}") from None
+
+
+def _intersect(a: Box, b: Box) -> Box | None:
+    out = []
+    for (ao, al), (bo, bl) in zip(a, b):
+        lo, hi = max(ao, bo), min(ao + al, bo + bl)
+        if hi <= lo:
+            return None
+        out.append([lo, hi - lo])
+    return out
+
+
+def load_sharded_state(directory: Path, *, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
+    """Restore what ``save_sharded_state`` wrote, onto this rank's current sharding (any size)."""
+    meta = _read_json(directory / "meta.json")
+    num_ranks = int(meta.get("num_ranks", 0))
+    indexes = [_read_json(directory / f"rank{r}.json") for r in range(num_ranks)]
+    files = [directory / f"rank{r}.safetensors" for r in range(num_ranks)]
+    flat, _ = _flatten(model, optimizer)
+    handles: dict[int, object] = {}
+
+    def source(r: int):
+        if r not in handles:
+            try:
+                handles[r] = safe_open(str(files[r]), "pt")
+            except (OSError, SafetensorError) as exc:
+                raise ValueError(f"cannot read checkpoint file {files[r]}: {exc}") from None
+        return handles[r]
+
+    for key, target in flat.items():
+        local, box = _local(key, target)
+        saved = [(r, idx[key]) for r, idx in enumerate(indexes) if key in idx]
+        if not saved:
+            raise ValueError(f"checkpoint {directory} has no entry {key!r} (another model or optimizer?)")
+        if saved[0][1]["shape"] != [int(s) for s in target.shape]:
+            raise ValueError(f"checkpoint {directory}: {key!r} has shape {saved[0][1]['shape']}, "
+                             f"the model has {list(target.shape)}")
+        covered, volume = 0, math.prod(length for _, length in box)
+        for r, entry in saved:
+            if covered == volume:
+                break
+            part = _intersect(box, entry["box"]) if box else []
+            if part is None:
+                continue
+            try:
+                if not box:  # a 0-d tensor (AdamW's step): read whole
+                    piece = source(r).get_tensor(key)
+                else:
+                    piece = source(r).get_slice(key)[tuple(slice(o - so, o - so + n)
+                                                           for (o, n), (so, _) in zip(part, entry["box"]))]
+            except (SafetensorError, ValueError, RuntimeError) as exc:
+                raise ValueError(f"cannot read {key!r} from checkpoint file {files[r]}: {exc}") from None
+            destination = local[tuple(slice(o - to, o - to + n) for (o, n), (to, _) in zip(part, box))]
+            with torch.no_grad():
+                destination.copy_(piece.to(device=destination.device, dtype=destination.dtype))
+            covered += math.prod(n for _, n in part)
+            if all(o == to and n == tn for (o, n), (to, tn) in zip(part, box)):
+                covered = volume  # a replicated piece covers the whole box at once
+        if covered != volume:
+            raise ValueError(f"checkpoint {directory}: {key!r} is only partly saved (a rank's file is missing "
+                             f"or truncated)")
+    groups = _read_json(directory / "optim_param_groups.json")
+    model_state = {k.removeprefix("model/"): v for k, v in flat.items() if k.startswith("model/")}
+    optim_state: dict[str, dict] = {}
+    for key, value in flat.items():
+        if key.startswith("optim/"):
+            fqn, name = key.removeprefix("optim/").rsplit("/", 1)
+            optim_state.setdefault(fqn, {})[name] = value
+    set_model_state_dict(model, model_state, options=StateDictOptions(strict=True))
+    set_optimizer_state_dict(model, optimizer, {"state": optim_state, "param_groups": groups})
