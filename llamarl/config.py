@@ -9,6 +9,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal
 
+from llamarl.algorithms.registry import ADVANTAGES, POLICY_LOSSES
+
 
 def resume_step(path: str) -> int | None:
     """The tick count ``n`` of a ``.../step_<n>`` checkpoint directory name, else None."""
@@ -99,8 +101,9 @@ class RewardConfig:
 
 @dataclass
 class AlgoConfig:
-    loss: Literal["aipo", "decoupled_ppo", "ppo"] = "aipo"
-    """Policy loss: AIPO (LlamaRL), decoupled PPO (AReaL) or coupled PPO/GRPO (on-policy baseline)."""
+    loss: str = "aipo"
+    """Policy loss, by registered name (``llamarl.algorithms.registry.register_policy_loss``): built in
+    ``aipo`` (LlamaRL), ``decoupled_ppo`` (AReaL) and ``ppo`` (coupled PPO/GRPO, on-policy baseline)."""
     prox: Literal["recompute", "loglinear"] = "recompute"
     """Proximal policy for decoupled PPO: a no-grad forward before the update, or A-3PO's
     log-linear interpolation between behaviour and current log-probs."""
@@ -110,8 +113,9 @@ class AlgoConfig:
     """PPO clip range epsilon."""
     behav_weight_cap: float | None = None
     """Decoupled PPO: drop tokens whose behaviour weight exp(prox - behav) exceeds this."""
-    advantage: Literal["grpo", "rloo", "mean"] = "grpo"
-    """Group baseline: GRPO mean/std, RLOO leave-one-out, or plain group mean."""
+    advantage: str = "grpo"
+    """Advantage estimator, by registered name (``register_advantage``): built in ``grpo`` (group
+    mean/std), ``rloo`` (leave-one-out) and ``mean`` (plain group mean, Dr. GRPO)."""
     normalize_batch: bool = False
     """Normalise advantages over the whole batch after the group baseline."""
     max_staleness: int | None = None
@@ -119,6 +123,9 @@ class AlgoConfig:
     trainer. None keeps everything (the async pipeline already bounds the lag)."""
 
     def __post_init__(self) -> None:
+        _check(self.loss in POLICY_LOSSES, f"--algo.loss {self.loss!r} is not registered; known: {sorted(POLICY_LOSSES)}")
+        _check(self.advantage in ADVANTAGES,
+               f"--algo.advantage {self.advantage!r} is not registered; known: {sorted(ADVANTAGES)}")
         _check(self.rho > 0, f"--algo.rho must be > 0, got {self.rho}")
         _check(0 < self.eps_clip < 1, f"--algo.eps-clip must be in (0, 1), got {self.eps_clip}")
         _check(self.max_staleness is None or self.max_staleness >= 0, "--algo.max-staleness must be >= 0")

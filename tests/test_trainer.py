@@ -136,3 +136,34 @@ def test_fsdp_update_matches_single_process_reference(setup, nproc, budget, loss
     assert metrics["num_loss_tokens"] == float(batch["loss_mask"].sum())
     assert metrics["staleness_max"] == 2.0
     assert metrics["zero_advantage_samples"] == 4  # groups 3 (all 0) and 9 (all 1): skipped, same update
+
+
+@pytest.mark.parametrize(("nproc", "budget"), [(1, 4096), (2, 12)])
+def test_a_loss_registered_by_user_code_is_used_with_its_declared_reductions(setup, nproc, budget):
+    """``aipo_x2`` (registered in the world script) doubles AIPO's loss; its ``rows`` metric is a
+    sum over micro-batches and ranks: the 4 samples with signal, however they are split."""
+    tmp, model_dir, batch = setup
+    out = tmp / f"x2_{nproc}_{budget}.safetensors"
+    check(run_torchrun("trainer_world.py", nproc=nproc,
+                       args=[str(model_dir), str(tmp / "batch.safetensors"), str(out), str(budget), "aipo_x2"]))
+    _, expected_loss = reference_gradients(model_dir, batch, "aipo")
+    with safe_open(str(out), "pt") as f:
+        metrics = json.loads(f.metadata()["metrics"])
+    assert metrics["loss"] == pytest.approx(2 * expected_loss, rel=1e-4, abs=1e-6)
+    assert metrics["rows"] == 4 and "importance_weight_max" not in metrics
+
+
+def test_unknown_names_list_the_registered_ones():
+    from llamarl.algorithms.registry import get_advantage, get_policy_loss, register_policy_loss
+    from llamarl.config import AlgoConfig
+
+    with pytest.raises(ValueError, match=r"unknown policy loss 'nope'; registered: \['aipo', 'decoupled_ppo', 'ppo'"):
+        get_policy_loss("nope")
+    with pytest.raises(ValueError, match=r"registered: \['grpo', 'mean', 'rloo'\]"):
+        get_advantage("nope")
+    with pytest.raises(ValueError, match="--algo.loss 'nope' is not registered; known:"):
+        AlgoConfig(loss="nope")
+    with pytest.raises(ValueError, match="already registered"):
+        register_policy_loss("aipo", metrics={})(lambda **kw: None)
+    with pytest.raises(ValueError, match="reductions must be one of"):
+        register_policy_loss("other", metrics={"x": "median"})

@@ -13,7 +13,9 @@ Each step:
 3. dynamic micro-batches (first-fit decreasing by token count, ``max_tokens_per_microbatch``);
    every rank runs the same number of micro-batches (padding with zero-weight dummies) because
    each FSDP2 forward / backward is collective;
-4. loss (AIPO / decoupled PPO / PPO), backward, gradient clipping, AdamW; version += 1.
+4. the loss registered as ``--algo.loss`` (``llamarl/algorithms/registry.py``: AIPO, decoupled
+   PPO, PPO built in), backward, gradient clipping, AdamW; version += 1. Its metrics are reduced
+   over micro-batches and ranks as the loss declared them (token-weighted mean, max or sum).
 
 FSDP2 averages gradients over the mesh; the loss is multiplied by the DP size to turn that
 average back into the sum that a global token mean needs.
@@ -28,9 +30,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
-from llamarl.algorithms.advantages import group_advantages
-from llamarl.algorithms.losses import aipo_loss, decoupled_ppo_loss, ppo_loss
 from llamarl.algorithms.prox import loglinear_prox_logp
+from llamarl.algorithms.registry import get_advantage, get_policy_loss
 from llamarl.batch import TensorBatch
 from llamarl.checkpoint import load_rng, read_json, save_rng, write_json
 from llamarl.config import AlgoConfig, ModelConfig, TrainerConfig
@@ -154,8 +155,9 @@ class TrainerExecutor(Executor):
         group_size = int(batch.metadata.get("group_size", 1))
         order = torch.argsort(batch["group_ids"], stable=True)
         batch = batch.select(order)
-        advantages = group_advantages(batch["rewards"].float(), group_size, mode=self.algo.advantage,
-                                      normalize_batch=self.algo.normalize_batch)
+        advantages = get_advantage(self.algo.advantage)(batch["rewards"].float(), group_size)
+        if self.algo.normalize_batch and advantages.numel() > 0:
+            advantages = (advantages - advantages.mean()) / (advantages.std(unbiased=False) + 1e-6)
         batch.fields["advantages"] = advantages
         mask = batch["loss_mask"].bool()
         staleness = (self.version - batch["versions"]).masked_fill(~mask, 0)
@@ -192,8 +194,9 @@ class TrainerExecutor(Executor):
             # still move the weights along stale momentum. Skip the update (and the version bump).
             return {"skipped_no_signal": 1.0, "zero_advantage_samples": zero_adv, "version": float(self.version)}
         dp_size = self.ctx.local_world_size
+        spec = get_policy_loss(self.algo.loss)
         prox_all = self._recompute_prox(batch, microbatches, max_mbs) \
-            if self.algo.loss == "decoupled_ppo" and self.algo.prox == "recompute" else None
+            if spec.needs_prox and self.algo.prox == "recompute" else None
         sums: dict[str, float] = {}
         maxes: dict[str, float] = {}
         self.optimizer.zero_grad(set_to_none=True)
@@ -202,9 +205,15 @@ class TrainerExecutor(Executor):
             loss, metrics, num_tokens = self._microbatch_loss(batch, index, rows, total_tokens, prox_all)
             (loss * dp_size).backward()
             for key, value in metrics.items():
-                if key.endswith("_max"):
-                    maxes[key] = max(maxes.get(key, 0.0), float(value))
-                else:
+                reduction = spec.metrics.get(key)
+                if reduction is None:
+                    raise ValueError(f"policy loss {spec.name!r} reported metric {key!r} it did not declare "
+                                     f"(declared: {sorted(spec.metrics)})")
+                if reduction == "max":
+                    maxes[key] = max(maxes.get(key, float("-inf")), float(value))
+                elif reduction == "sum":
+                    sums[key] = sums.get(key, 0.0) + float(value)
+                else:  # token-weighted mean
                     sums[key] = sums.get(key, 0.0) + float(value) * num_tokens
             sums["loss"] = sums.get("loss", 0.0) + float(loss.detach())
             sums["metric_tokens"] = sums.get("metric_tokens", 0.0) + num_tokens
@@ -214,32 +223,21 @@ class TrainerExecutor(Executor):
             grad_norm = grad_norm.full_tensor()
         self.optimizer.step()
         self.version += 1
-        # Every rank reduces the same keys, even one that only ran dummy micro-batches.
-        keys = self._metric_keys()
+        # Every rank reduces the same (declared) keys, even one that only ran dummy micro-batches.
+        keys = sorted(spec.metrics)
+        sum_keys = [k for k in keys if spec.metrics[k] != "max"]
+        max_keys = [k for k in keys if spec.metrics[k] == "max"]
         reduced = self._all_reduce([sums.get("loss", 0.0), sums.get("metric_tokens", 0.0)]
-                                   + [sums.get(k, 0.0) for k in keys if not k.endswith("_max")])
-        max_keys = [k for k in keys if k.endswith("_max")]
+                                   + [sums.get(k, 0.0) for k in sum_keys])
         reduced_max = self._all_reduce([maxes.get(k, 0.0) for k in max_keys], op=dist.ReduceOp.MAX)
         out = {"loss": reduced[0], "grad_norm": float(grad_norm), "num_loss_tokens": total_tokens,
                "staleness_mean": staleness_sum / total_tokens, "version": float(self.version),
                "zero_advantage_samples": zero_adv}
         metric_tokens = max(reduced[1], 1.0)  # token-weighted means over the samples trained on
-        out.update({k: v / metric_tokens for k, v in zip([k for k in keys if not k.endswith("_max")], reduced[2:])})
+        out.update({k: v / metric_tokens if spec.metrics[k] == "mean" else v for k, v in zip(sum_keys, reduced[2:])})
         out.update(dict(zip(max_keys, reduced_max)))
         out["staleness_max"] = self._all_reduce([stats.get("staleness_max", 0.0)], op=dist.ReduceOp.MAX)[0]
         return out
-
-    def _metric_keys(self) -> list[str]:
-        """The metric names this step's loss reports (from a 1-token call; same on every rank)."""
-        one = torch.zeros(1, 1, device=self.ctx.device)
-        mask = torch.ones(1, 1, device=self.ctx.device)
-        if self.algo.loss == "aipo":
-            _, metrics = aipo_loss(one, one, one, mask)
-        elif self.algo.loss == "ppo":
-            _, metrics = ppo_loss(one, one, one, mask)
-        else:
-            _, metrics = decoupled_ppo_loss(one, one, one, one, mask)
-        return sorted(metrics)
 
     def _inputs(self, batch: TensorBatch, rows: list[int] | None):
         """Trimmed micro-batch tensors; ``rows=None`` is a 2-token dummy (zero loss weight)."""
@@ -271,18 +269,11 @@ class TrainerExecutor(Executor):
             return logp.sum() * 0.0, {}, 0.0
         length = ids.shape[1]
         behav = sub["behav_logp"][:, :length].float()
-        advantages = sub["advantages"]
-        if self.algo.loss == "aipo":
-            loss, metrics = aipo_loss(logp, behav, advantages, mask, rho=self.algo.rho, num_loss_tokens=total_tokens)
-        elif self.algo.loss == "ppo":
-            loss, metrics = ppo_loss(logp, behav, advantages, mask, eps_clip=self.algo.eps_clip,
-                                     num_loss_tokens=total_tokens)
-        else:
-            if prox_all is not None:
-                prox = prox_all[index]
-            else:
-                prox = loglinear_prox_logp(behav, logp, sub["versions"][:, :length], self.version, mask=mask)
-            loss, metrics = decoupled_ppo_loss(logp, prox, behav, advantages, mask, eps_clip=self.algo.eps_clip,
-                                               behav_weight_cap=self.algo.behav_weight_cap,
-                                               num_loss_tokens=total_tokens)
+        spec = get_policy_loss(self.algo.loss)
+        prox = None
+        if spec.needs_prox:
+            prox = prox_all[index] if prox_all is not None else loglinear_prox_logp(
+                behav, logp, sub["versions"][:, :length], self.version, mask=mask)
+        loss, metrics = spec.fn(logp=logp, behav_logp=behav, prox_logp=prox, advantages=sub["advantages"], mask=mask,
+                                algo=self.algo, num_loss_tokens=total_tokens)
         return loss, metrics, float(mask.sum())

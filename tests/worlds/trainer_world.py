@@ -11,12 +11,21 @@ import sys
 from safetensors.torch import load_file, save_file
 from torch.distributed.tensor import DTensor
 
+from llamarl.algorithms.losses import aipo_loss
+from llamarl.algorithms.registry import register_policy_loss
 from llamarl.batch import TensorBatch
 from llamarl.channels.base import balanced_group_partition
 from llamarl.channels.weights import full_named_parameters
 from llamarl.config import AlgoConfig, ModelConfig, TrainerConfig
 from llamarl.executors.trainer import TrainerExecutor
 from llamarl.world import ExecutorContext, ExecutorSpec
+
+
+@register_policy_loss("aipo_x2", metrics={"rows": "sum", "clip_fraction": "mean"})
+def aipo_x2(*, logp, behav_logp, prox_logp, advantages, mask, algo, num_loss_tokens):
+    """A loss registered from user code: twice AIPO, with a summed metric (rows per micro-batch)."""
+    loss, metrics = aipo_loss(logp, behav_logp, advantages, mask, rho=algo.rho, num_loss_tokens=num_loss_tokens)
+    return 2 * loss, {"rows": float(logp.shape[0]), "clip_fraction": metrics["clip_fraction"]}
 
 
 def main() -> None:
