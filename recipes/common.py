@@ -1,11 +1,10 @@
 """Shared by the GSM8K and MATH recipes: the pass@k evaluation section and the run directory it reads.
 
 pass@k needs samples from the final policy; ``run_rl`` evaluates greedy accuracy only, so the
-recipe measures pass@k after the run, on global rank 0, from the trainer's HF export of the last
-tick (``<run>/checkpoints/step_<max_steps>/trainer/hf``; the recipe turns on a checkpoint at the
-last tick for it) loaded over the base model, with the native engine. Results are added to
-``summary.json`` as ``base_pass@k`` / ``final_pass@k`` (and the greedy accuracy of the reload as a
-cross-check: ``final_greedy_reload``).
+recipe measures pass@k after the run, on global rank 0, from the final HF export
+(``<run>/hf/final``, written by the runner with ``--export.final``), with the native engine.
+Results are added to ``summary.json`` as ``base_pass@k`` / ``final_pass@k`` (and the greedy
+accuracy of the reloaded policies as a cross-check: ``base_greedy_reload`` / ``final_greedy_reload``).
 """
 
 from __future__ import annotations
@@ -47,19 +46,16 @@ class EvalConfig:
 
 
 def prepare_pass_k(config: RLConfig, eval_config: EvalConfig, recipe: str) -> None:
-    """Make the run keep what pass@k reads: a checkpoint at the last tick and a known run directory.
+    """Make the run keep what pass@k reads: the final HF export in a run directory known up front.
 
-    Mutates ``config.run``; a no-op without ``--eval.pass-k``. Raises ValueError if the checkpoint
-    interval does not land on the last tick.
+    Mutates ``config.run.output_dir`` when unset; a no-op without ``--eval.pass-k``. Raises
+    ValueError when ``--export.final`` is off.
     """
-    if not eval_config.pass_k or config.run.max_steps == 0:
+    if not eval_config.pass_k:
         return
+    if not config.export.final:
+        raise ValueError("--eval.pass-k evaluates the final policy: it needs --export.final True")
     run = config.run
-    if run.checkpoint_every == 0:
-        run.checkpoint_every = run.max_steps
-    if run.max_steps % run.checkpoint_every:
-        raise ValueError(f"--eval.pass-k needs a checkpoint at the last tick: --run.checkpoint-every "
-                         f"({run.checkpoint_every}) must divide --run.max-steps ({run.max_steps})")
     if run.output_dir is None:
         # Every rank must pick the same directory before the world exists: torchrun's run id is
         # shared by all agents (a uuid under --standalone, --rdzv-id across nodes).
@@ -77,10 +73,9 @@ def run_pass_k(config: RLConfig, eval_config: EvalConfig, *, summary: dict | Non
     run_dir = Path(config.run.output_dir)
     device = "cuda" if torch.cuda.is_available() else "cpu"
     dtype = torch.bfloat16 if config.generator.dtype == "bfloat16" else torch.float32
-    final_dir = run_dir / "checkpoints" / f"step_{config.run.max_steps}" / "trainer" / "hf"
     torch.set_num_threads(max(config.generator.num_threads, config.trainer.num_threads))
-    for label, weights in (("base", None), ("final", final_dir if config.run.max_steps else None)):
-        model, tokenizer = load_policy(config.model.name, weights_dir=weights, dtype=dtype, device=device)
+    for label, policy in (("base", config.model.name), ("final", str(run_dir / "hf" / "final"))):
+        model, tokenizer = load_policy(policy, dtype=dtype, device=device)
         result = evaluate_policy(model, tokenizer, problems=problems[: eval_config.pass_k_problems],
                                  prompt_fn=prompt_fn, score=score, ks=eval_config.pass_k,
                                  temperature=eval_config.temperature, max_new_tokens=config.generator.max_new_tokens,

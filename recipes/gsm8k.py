@@ -36,6 +36,7 @@ import tyro
 
 from llamarl.config import (
     AlgoConfig,
+    CheckpointConfig,
     GeneratorConfig,
     ModelConfig,
     RewardConfig,
@@ -103,13 +104,13 @@ PRESETS: dict[str, tuple[str, GSM8KConfig]] = {
     "cpu-smoke": ("SmolLM2-135M-Instruct, 3 CPU ranks (async), a few minutes: checks the pipeline end to end.",
                   GSM8KConfig(
                       model=ModelConfig(name="smollm2-135m-instruct"),
-                      generator=GeneratorConfig(num_prompts_per_step=4, samples_per_prompt=4, max_new_tokens=160,
+                      generator=GeneratorConfig(num_prompts_per_step=4, samples_per_prompt=4, max_new_tokens=128,
                                                 temperature=0.8, dtype="bfloat16", num_threads=1),
                       reward=RewardConfig(num_workers=1),
                       trainer=TrainerConfig(lr=1e-5, param_dtype="bfloat16", num_threads=1),
-                      run=RunConfig(max_steps=4, num_eval_problems=32),
+                      run=RunConfig(max_steps=4, num_eval_problems=24),
                       data=GSM8KDataConfig(path=SHARED_GSM8K),
-                      eval=EvalConfig(pass_k=[], pass_k_problems=16, chunk=64))),
+                      eval=EvalConfig(pass_k=[1, 4], pass_k_problems=8, chunk=64))),
     "qwen2.5-0.5b-1gpu": ("Qwen2.5-0.5B-Instruct on one GPU, colocated, vLLM (from verl's GSM8K quick-start).",
                           GSM8KConfig(
                               model=ModelConfig(name="Qwen/Qwen2.5-0.5B-Instruct"),
@@ -118,8 +119,8 @@ PRESETS: dict[str, tuple[str, GSM8KConfig]] = {
                                                         dtype="bfloat16"),
                               reward=RewardConfig(num_workers=8),
                               trainer=TrainerConfig(lr=2e-6, param_dtype="bfloat16", max_tokens_per_microbatch=16384),
-                              run=RunConfig(schedule="colocated", max_steps=350, num_eval_problems=1319,
-                                            checkpoint_every=50),
+                              run=RunConfig(schedule="colocated", max_steps=350, num_eval_problems=1319),
+                              checkpoint=CheckpointConfig(every=50),
                               eval=EvalConfig(pass_k=[1, 8], pass_k_problems=1319, chunk=512))),
     "qwen2.5-1.5b-8gpu": ("Qwen2.5-1.5B-Instruct, one 8-GPU node: 4 vLLM generators, 1 reward, 3 FSDP trainers.",
                           GSM8KConfig(
@@ -132,8 +133,8 @@ PRESETS: dict[str, tuple[str, GSM8KConfig]] = {
                               trainer=TrainerConfig(lr=1.7e-5, weight_decay=0.017, param_dtype="bfloat16",
                                                     max_tokens_per_microbatch=32768),
                               algo=AlgoConfig(loss="decoupled_ppo", prox="recompute", max_staleness=2),
-                              run=RunConfig(schedule="async", max_steps=300, num_eval_problems=1319,
-                                            checkpoint_every=50),
+                              run=RunConfig(schedule="async", max_steps=300, num_eval_problems=1319),
+                              checkpoint=CheckpointConfig(every=50),
                               eval=EvalConfig(pass_k=[1, 8], pass_k_problems=1319, chunk=512))),
 }
 

@@ -22,6 +22,7 @@ import tyro
 
 from llamarl.config import (
     AlgoConfig,
+    CheckpointConfig,
     GeneratorConfig,
     ModelConfig,
     RewardConfig,
@@ -95,8 +96,8 @@ PRESETS: dict[str, tuple[str, MathConfig]] = {
                                                         dtype="bfloat16"),
                               reward=RewardConfig(num_workers=8),
                               trainer=TrainerConfig(lr=1e-6, param_dtype="bfloat16", max_tokens_per_microbatch=16384),
-                              run=RunConfig(schedule="colocated", max_steps=300, num_eval_problems=500,
-                                            checkpoint_every=50),
+                              run=RunConfig(schedule="colocated", max_steps=300, num_eval_problems=500),
+                              checkpoint=CheckpointConfig(every=50),
                               eval=EvalConfig(pass_k=[1, 8], pass_k_problems=500, chunk=512))),
     "qwen2.5-1.5b-8gpu": ("Qwen2.5-1.5B-Instruct, one 8-GPU node: 4 vLLM generators, 1 reward, 3 FSDP trainers, AIPO.",
                           MathConfig(
@@ -108,8 +109,8 @@ PRESETS: dict[str, tuple[str, MathConfig]] = {
                               reward=RewardConfig(num_ranks=1, num_workers=16, timeout_s=10.0),
                               trainer=TrainerConfig(lr=1e-6, param_dtype="bfloat16", max_tokens_per_microbatch=32768),
                               algo=AlgoConfig(loss="aipo", rho=4.0),
-                              run=RunConfig(schedule="async", max_steps=300, num_eval_problems=500,
-                                            checkpoint_every=50),
+                              run=RunConfig(schedule="async", max_steps=300, num_eval_problems=500),
+                              checkpoint=CheckpointConfig(every=50),
                               eval=EvalConfig(pass_k=[1, 8], pass_k_problems=500, chunk=512))),
 }
 

@@ -11,7 +11,7 @@ import torch
 from safetensors.torch import save_file
 from tiny_model import save_tiny_model
 
-from llamarl.config import RunConfig
+from llamarl.config import ExportConfig, RunConfig
 from llamarl.data.hub import load_hub_problems
 from llamarl.data.math import load_math_jsonl
 from llamarl.data.passk import evaluate_policy, load_policy, pass_at_k
@@ -104,16 +104,15 @@ def test_presets_are_valid_configs(recipe):
             assert config.run.schedule in ("async", "sync")
 
 
-def test_prepare_pass_k_checkpoints_the_last_tick():
-    config = gsm8k_recipe.GSM8KConfig(run=RunConfig(max_steps=6, output_dir="out"))
-    prepare_pass_k(config, EvalConfig(pass_k=[2]), "gsm8k")
-    assert config.run.checkpoint_every == 6
-    config = gsm8k_recipe.GSM8KConfig(run=RunConfig(max_steps=6, checkpoint_every=4))
-    with pytest.raises(ValueError, match="--run.checkpoint-every"):
-        prepare_pass_k(config, EvalConfig(pass_k=[2]), "gsm8k")
+def test_prepare_pass_k_needs_the_final_export_and_a_known_run_dir():
     config = gsm8k_recipe.GSM8KConfig(run=RunConfig(max_steps=6))
     prepare_pass_k(config, EvalConfig(), "gsm8k")  # no pass@k: nothing changes
-    assert config.run.checkpoint_every == 0 and config.run.output_dir is None
+    assert config.run.output_dir is None
+    prepare_pass_k(config, EvalConfig(pass_k=[2]), "gsm8k")
+    assert config.run.output_dir.startswith("runs/gsm8k-")
+    config = gsm8k_recipe.GSM8KConfig(export=ExportConfig(final=False))
+    with pytest.raises(ValueError, match="--export.final"):
+        prepare_pass_k(config, EvalConfig(pass_k=[2]), "gsm8k")
     with pytest.raises(ValueError, match="--eval.pass-k"):
         EvalConfig(pass_k=[0])
 
