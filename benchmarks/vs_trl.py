@@ -1,0 +1,229 @@
+"""llamarl vs TRL's GRPOTrainer on the same machine, task, prompts and hyper-parameters.
+
+    .venv/bin/python benchmarks/vs_trl.py --out bench_trl            # table on stdout, bench_trl/vs_trl.{json,png}
+
+Both sides: SmolLM2-135M-Instruct, two-digit addition in the chat format of ``recipes.arithmetic``,
+the same prompts in the same order (llamarl's ``ArithmeticTask(seed)`` stream, TRL with
+``shuffle_dataset=False``), 16 prompts x 4 samples an optimizer step, 12 new tokens, temperature
+0.8, AdamW at a constant lr 1.5e-5, gradient clip 1.0, no KL, GRPO group mean/std advantages,
+token-mean loss, one update per generation (on-policy), bf16 compute with fp32 master weights,
+one process with ``--threads`` torch threads each (llamarl: ``--run.schedule colocated``, so
+generation, scoring and training share the process as in TRL).
+
+TRL (``trl==1.16.0``) is installed into its own virtual environment (``--trl-venv``, created on
+first use; not a project dependency) and runs ``benchmarks/trl_grpo_worker.py`` there. TRL
+defaults that differ and are set to match: ``gradient_checkpointing`` (True -> False),
+``bf16`` (auto -> True, as llamarl's bf16 compute), ``lr_scheduler_type`` (linear decay ->
+constant), ``learning_rate`` (1e-6 -> 1.5e-5), ``num_generations`` (8 -> 4), ``max_completion_length``
+(512 -> 12), ``temperature`` (1.0 -> 0.8), ``shuffle_dataset`` (True -> False), ``loss_type`` (kept
+at its default "dapo": token-level mean over the batch, which is what llamarl's loss does).
+TRL's chunked (fused) output layer for log-probs is always on in 1.16 and cannot be turned off; it
+computes the same log-probs as a full ``lm_head`` (less memory, similar time at 12 tokens).
+
+Measured per optimizer step (generation + scoring + training, excluding checkpoint saves and
+evaluations): steady-state samples/s and completion tokens/s (median over steps after the first
+``--warmup`` steps). Accuracy: greedy accuracy on the same 100 held-out problems, measured by the
+same code (``llamarl.data.passk.evaluate_policy``) on the policies both sides saved every
+``--eval-every`` steps; time to ``--target`` accuracy is the cumulative step time at the first
+evaluated step that reaches it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import venv
+from pathlib import Path
+
+import torch
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from llamarl.data.arithmetic import ArithmeticTask
+from llamarl.data.passk import evaluate_policy, load_policy
+from llamarl.data.prompts import ARITHMETIC_INSTRUCTION, build_chat_prompt
+from llamarl.models.loading import resolve_model_path
+from llamarl.rewards.arithmetic import score
+
+TRL_REQUIREMENTS = [f"torch=={torch.__version__.split('+')[0]}", "trl==1.16.0", "transformers>=5.16.1,<5.20"]
+MODEL = "smollm2-135m-instruct"
+
+
+def ensure_trl_venv(path: Path) -> Path:
+    """The TRL environment's python, creating the venv and installing TRL on first use."""
+    python = path / "bin" / "python"
+    marker = path / ".llamarl-trl-installed"
+    if not marker.exists():
+        print(f"vs_trl: creating {path} and installing {' '.join(TRL_REQUIREMENTS)}", flush=True)
+        venv.create(path, with_pip=True)
+        subprocess.run([str(python), "-m", "pip", "install", "-q", *TRL_REQUIREMENTS], check=True)
+        marker.touch()
+    return python
+
+
+def run_trl(args, python: Path, out: Path, prompts: Path, model_dir: Path) -> None:
+    spec = {"repo": str(REPO), "model": str(model_dir), "prompts": str(prompts), "out": str(out),
+            "instruction": ARITHMETIC_INSTRUCTION, "steps": args.steps, "eval_every": args.eval_every,
+            "prompts_per_step": args.prompts, "samples_per_prompt": args.samples, "max_new_tokens": args.max_new_tokens,
+            "temperature": args.temperature, "lr": args.lr, "threads": args.threads, "seed": args.seed}
+    (out / "spec.json").write_text(json.dumps(spec, indent=2))
+    env = {**os.environ, "OMP_NUM_THREADS": str(args.threads), "TOKENIZERS_PARALLELISM": "false",
+           "HF_HUB_OFFLINE": "1", "PYTHONPATH": ""}
+    with (out / "log.txt").open("w") as log:
+        subprocess.run([str(python), str(REPO / "benchmarks" / "trl_grpo_worker.py"), "--spec", str(out / "spec.json")],
+                       env=env, stdout=log, stderr=subprocess.STDOUT, check=True)
+
+
+def run_llamarl(args, out: Path) -> None:
+    cmd = [str(REPO / ".venv" / "bin" / "torchrun"), "--standalone", "--nproc-per-node", "1", "-m", "recipes.arithmetic",
+           "--run.schedule", "colocated", "--run.max-steps", str(args.steps), "--run.seed", str(args.seed),
+           "--export.every", str(args.eval_every), "--run.output-dir", str(out),
+           "--run.num-eval-problems", str(args.heldout),
+           "--generator.num-prompts-per-step", str(args.prompts), "--generator.samples-per-prompt", str(args.samples),
+           "--generator.max-new-tokens", str(args.max_new_tokens), "--generator.temperature", str(args.temperature),
+           "--generator.num-threads", str(args.threads), "--generator.dtype", "bfloat16",
+           "--trainer.num-threads", str(args.threads), "--trainer.param-dtype", "bfloat16", "--trainer.lr", str(args.lr),
+           "--reward.num-workers", "0", "--algo.loss", "aipo"]
+    env = {**os.environ, "OMP_NUM_THREADS": str(args.threads), "TOKENIZERS_PARALLELISM": "false"}
+    with (out / "log.txt").open("w") as log:
+        subprocess.run(cmd, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT, check=True)
+
+
+def llamarl_steps(out: Path) -> list[dict]:
+    """Per tick: seconds (the colocated step: generate + score + train + in-place sync), completion tokens."""
+    rows = [json.loads(line) for line in (out / "metrics" / "generator.jsonl").read_text().splitlines()]
+    return [{"step": r["step"] + 1, "seconds": r["step_seconds"] + r.get("channel_seconds", 0.0),
+             "completion_tokens": r["gen_new_tokens"]} for r in rows]
+
+
+def trl_steps(out: Path) -> list[dict]:
+    return [json.loads(line) for line in (out / "steps.jsonl").read_text().splitlines()]
+
+
+def accuracy_curve(args, model_dir: Path, checkpoints: dict[int, tuple[Path, Path | None]]) -> dict[int, float]:
+    """Greedy held-out accuracy of each saved policy, same code for both sides.
+
+    ``checkpoints``: step -> (model directory, weights-only directory loaded over it, or None).
+    """
+    torch.set_num_threads(args.threads)
+    problems = ArithmeticTask(num_digits=2, seed=args.seed).heldout(args.heldout)
+
+    def prompt(tokenizer, question):
+        return build_chat_prompt(tokenizer, question, instruction_suffix=ARITHMETIC_INSTRUCTION)
+
+    curve = {}
+    for step, (directory, weights) in sorted(checkpoints.items()):
+        model, tokenizer = load_policy(str(directory), weights_dir=weights, dtype=torch.bfloat16)
+        result = evaluate_policy(model, tokenizer, problems=problems, prompt_fn=prompt, score=score, ks=[1],
+                                 temperature=1.0, max_new_tokens=args.max_new_tokens, chunk=100)
+        curve[step] = result["greedy_accuracy"]
+    return curve
+
+
+def summarize(name: str, steps: list[dict], curve: dict[int, float], args) -> dict:
+    batch = args.prompts * args.samples
+    steady = [s for s in steps if s["step"] > args.warmup] or steps
+    sps = statistics.median(batch / s["seconds"] for s in steady)
+    tps = statistics.median(s["completion_tokens"] / s["seconds"] for s in steady)
+    elapsed, cumulative = 0.0, {0: 0.0}
+    for s in steps:
+        elapsed += s["seconds"]
+        cumulative[s["step"]] = elapsed
+    reached = [step for step, acc in sorted(curve.items()) if acc >= args.target]
+    return {"system": name, "samples_per_s": sps, "tokens_per_s": tps, "seconds_per_step": statistics.median(
+        s["seconds"] for s in steady), "accuracy": curve, "final_accuracy": curve[max(curve)],
+        "time_to_target_s": cumulative[reached[0]] if reached else None, "cumulative_s": cumulative}
+
+
+def table(results: list[dict], args) -> str:
+    lines = [(f"| system | s/step | samples/s | completion tokens/s | held-out acc. after {args.steps} steps "
+             f"({args.steps * args.prompts * args.samples} samples) | time to {args.target:.2f} |"),
+             "|---|---|---|---|---|---|"]
+    for r in results:
+        to_target = f"{r['time_to_target_s']:.0f} s" if r["time_to_target_s"] is not None else "not reached"
+        lines.append(f"| {r['system']} | {r['seconds_per_step']:.1f} | {r['samples_per_s']:.2f} | "
+                     f"{r['tokens_per_s']:.1f} | {r['accuracy'][0]:.0%} -> {r['final_accuracy']:.0%} | {to_target} |")
+    if len(results) == 2:
+        lines.append(f"\nllamarl / TRL samples/s: {results[0]['samples_per_s'] / results[1]['samples_per_s']:.2f}x")
+    return "\n".join(lines)
+
+
+def plot(results: list[dict], path: Path, *, target: float) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4))
+    for r in results:
+        steps = sorted(r["accuracy"])
+        left.plot([r["cumulative_s"][s] for s in steps], [r["accuracy"][s] for s in steps], "o-", label=r["system"])
+        right.bar(r["system"], r["samples_per_s"])
+    left.set_xlabel("training time (s, evaluations excluded)")
+    left.set_ylabel("held-out greedy accuracy")
+    left.axhline(target, color="grey", ls=":", label=f"target {target:.2f}")
+    left.legend()
+    right.set_ylabel("steady-state samples/s")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", type=Path, default=Path("bench_trl"), help="output directory")
+    parser.add_argument("--trl-venv", type=Path, default=Path.home() / ".cache" / "llamarl" / "trl-venv",
+                        help="virtual environment for TRL (created on first use)")
+    parser.add_argument("--steps", type=int, default=12, help="optimizer steps on each side")
+    parser.add_argument("--eval-every", type=int, default=2, help="save + evaluate the policy every this many steps")
+    parser.add_argument("--prompts", type=int, default=16, help="prompts per step")
+    parser.add_argument("--samples", type=int, default=4, help="samples per prompt")
+    parser.add_argument("--max-new-tokens", type=int, default=12)
+    parser.add_argument("--temperature", type=float, default=0.8)
+    parser.add_argument("--lr", type=float, default=1.5e-5)
+    parser.add_argument("--threads", type=int, default=2, help="torch threads of the single process on each side")
+    parser.add_argument("--heldout", type=int, default=100, help="held-out problems for the accuracy")
+    parser.add_argument("--target", type=float, default=0.65, help="accuracy for the time-to-target column")
+    parser.add_argument("--warmup", type=int, default=1, help="steps left out of the steady-state rates")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--skip", choices=["trl", "llamarl"], action="append", default=[],
+                        help="reuse that side's results already in --out")
+    args = parser.parse_args()
+    if args.steps % args.eval_every:
+        parser.error("--steps must be a multiple of --eval-every")
+    out = args.out.resolve()
+    model_dir = resolve_model_path(MODEL)
+    task = ArithmeticTask(num_digits=2, seed=args.seed)
+    (out / "trl").mkdir(parents=True, exist_ok=True)
+    (out / "llamarl").mkdir(parents=True, exist_ok=True)
+    prompts = out / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps({"question": p.question, "answer": p.answer}) + "\n"
+                               for p in (task.sample(i) for i in range(args.steps * args.prompts))))
+    if "llamarl" not in args.skip:
+        print("vs_trl: running llamarl", flush=True)
+        run_llamarl(args, out / "llamarl")
+    if "trl" not in args.skip:
+        print("vs_trl: running TRL", flush=True)
+        run_trl(args, ensure_trl_venv(args.trl_venv), out / "trl", prompts, model_dir)
+    saved = range(args.eval_every, args.steps + 1, args.eval_every)
+    curves = {
+        # llamarl's exports are complete HF directories; TRL's worker saves weights only.
+        "llamarl": accuracy_curve(args, model_dir, {0: (model_dir, None),
+                                                    **{s: (out / "llamarl" / "hf" / f"step_{s}", None) for s in saved}}),
+        "trl": accuracy_curve(args, model_dir, {0: (model_dir, None),
+                                                **{s: (model_dir, out / "trl" / f"step_{s}") for s in saved}}),
+    }
+    results = [summarize("llamarl (colocated, 1 process)", llamarl_steps(out / "llamarl"), curves["llamarl"], args),
+               summarize("TRL 1.16 GRPOTrainer (1 process)", trl_steps(out / "trl"), curves["trl"], args)]
+    (out / "vs_trl.json").write_text(json.dumps({"args": {k: str(v) for k, v in vars(args).items()},
+                                                 "results": results}, indent=2))
+    plot(results, out / "vs_trl.png", target=args.target)
+    print(table(results, args))
+
+
+if __name__ == "__main__":
+    main()
