@@ -10,9 +10,11 @@ picture of LlamaRL's Figure 2.
 from __future__ import annotations
 
 import json
-import sys
+import logging
 import time
 from pathlib import Path
+
+logger = logging.getLogger("llamarl.metrics")
 
 
 class MetricsLogger:
@@ -51,9 +53,9 @@ class MetricsLogger:
 
 
 def progress_line(step: int, max_steps: int, executor: str, metrics: dict[str, float], keys: list[str]) -> None:
-    """Print ``[step/max] executor k=v ...`` for the keys present (console progress)."""
+    """Log ``[step/max] executor k=v ...`` for the keys present (console progress)."""
     shown = " ".join(f"{k}={metrics[k]:.4g}" for k in keys if k in metrics)
-    print(f"[{step + 1:>3}/{max_steps}] {executor:<9} {shown}", file=sys.stdout, flush=True)
+    logger.info("[%3d/%d] %-9s %s", step + 1, max_steps, executor, shown)
 
 
 def write_chrome_trace(run_dir: Path, spans: list[dict], *, out_name: str = "timeline.json") -> Path:

@@ -19,6 +19,7 @@ before and after training and writes ``summary.json`` into the run directory.
 from __future__ import annotations
 
 import json
+import logging
 import os
 import time
 from collections.abc import Callable
@@ -38,8 +39,11 @@ from llamarl.executors.colocated import ColocatedExecutor
 from llamarl.executors.generator import GeneratorExecutor, PromptFn, Task
 from llamarl.executors.reward import RewardExecutor
 from llamarl.executors.trainer import TrainerExecutor
+from llamarl.log import setup_logging
 from llamarl.metrics import MetricsLogger, progress_line, write_chrome_trace
 from llamarl.world import ExecutorContext, ExecutorSpec
+
+logger = logging.getLogger("llamarl.runner")
 
 PROGRESS_KEYS = {
     "generator": ["gen_tokens_per_s", "gen_emitted_samples", "gen_carried", "gen_version"],
@@ -104,16 +108,17 @@ def run_rl(config: RLConfig, *, recipe: str, task: Task, heldout: list[Problem],
     wall_start = time.time()
     ctx, executor, channels, init_channels, executor_order = _build(config, task=task, scorer=scorer,
                                                                     prompt_fn=prompt_fn)
+    setup_logging(executor=ctx.executor, rank=ctx.rank)
     run_dir = _shared_run_dir(config, recipe, ctx.device)
     run_dir.mkdir(parents=True, exist_ok=True)
     if ctx.rank == 0:
         (run_dir / "config.json").write_text(json.dumps(asdict(config), indent=2))
-        print(f"llamarl: run directory {run_dir}", flush=True)
+        logger.info("run directory %s", run_dir)
 
     resume_dir, start_step = resolve_resume(config.checkpoint.resume, run_dir / "checkpoints") \
         if config.checkpoint.resume else (None, 0)
     if resume_dir is not None and ctx.rank == 0:
-        print(f"llamarl: resuming from {resume_dir} (tick {start_step})", flush=True)
+        logger.info("resuming from %s (tick %d)", resume_dir, start_step)
     leader = ctx.local_rank == 0
     loggers: dict[str, MetricsLogger] = {}
     spans: list[dict] = []
@@ -176,8 +181,8 @@ def run_rl(config: RLConfig, *, recipe: str, task: Task, heldout: list[Problem],
         close()
     (run_dir / "timeline").mkdir(exist_ok=True)
     (run_dir / "timeline" / f"rank{ctx.rank}.json").write_text(json.dumps(spans))
-    for logger in loggers.values():
-        logger.close()
+    for metrics_logger in loggers.values():
+        metrics_logger.close()
     dist.barrier()
     controller.finish()
     result = None
@@ -188,9 +193,9 @@ def run_rl(config: RLConfig, *, recipe: str, task: Task, heldout: list[Problem],
                   "schedule": config.run.schedule, "loss": config.algo.loss,
                   **_throughput(run_dir)}
         (run_dir / "summary.json").write_text(json.dumps(result, indent=2))
-        print(f"llamarl: base accuracy {result['base_accuracy']:.1%} -> final accuracy "
-              f"{result['final_accuracy']:.1%} in {result['num_steps']} steps, {result['wall_seconds']:.0f} s "
-              f"(summary: {run_dir / 'summary.json'})", flush=True)
+        logger.info("base accuracy %.1f%% -> final accuracy %.1f%% in %d steps, %.0f s (summary: %s)",
+                    100 * result["base_accuracy"], 100 * result["final_accuracy"], result["num_steps"],
+                    result["wall_seconds"], run_dir / "summary.json")
     ctx.destroy()
     return result
 

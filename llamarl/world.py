@@ -17,7 +17,6 @@ the whole executor's group.
 
 from __future__ import annotations
 
-import contextlib
 import os
 from dataclasses import dataclass, field
 from datetime import timedelta
@@ -101,8 +100,6 @@ class ExecutorContext:
     group: dist.ProcessGroup | None
     mesh: DeviceMesh | None
     device: torch.device
-    timeout: timedelta
-    _groups: dict[str, dist.ProcessGroup] = field(default_factory=dict, repr=False)
     tp_sizes: dict[str, int] = field(default_factory=dict)
 
     @staticmethod
@@ -157,7 +154,7 @@ class ExecutorContext:
                 # from_group takes this rank's group per mesh dim: no further collective.
                 mesh = DeviceMesh.from_group([dp_group, tp_group], device.type, mesh=grid, mesh_dim_names=("dp", "tp"))
         return ExecutorContext(rank=rank, world_size=world_size, executor=executor, ranks=ranges, group=group,
-                               mesh=mesh, device=device, timeout=timeout, _groups=groups,
+                               mesh=mesh, device=device,
                                tp_sizes={s.name: s.tp for s in specs})
 
     @property
@@ -194,9 +191,6 @@ class ExecutorContext:
         """The 1-D TP sub-mesh of this rank's TP group, or None without tensor parallelism."""
         return self.mesh["tp"] if self.tp_size > 1 else None
 
-    def is_member(self, executor: str) -> bool:
-        return self.rank in self.ranks[executor]
-
     def leader(self, executor: str) -> int:
         """Global rank of ``executor``'s first rank."""
         return self.ranks[executor][0]
@@ -224,19 +218,3 @@ def _grid_groups(grid: list[list[int]], *, rank: int, timeout: timedelta,
         if rank in column:
             mine_dp = group
     return mine_tp, mine_dp
-
-
-@contextlib.contextmanager
-def world_as(group: dist.ProcessGroup):
-    """Temporarily make ``group`` the default group, for third-party code that cannot take one.
-
-    LlamaRL swaps WORLD for its executors; we only do it inside this context manager.
-    """
-    from torch.distributed import distributed_c10d as c10d
-
-    saved = c10d._world.default_pg
-    c10d._world.default_pg = group
-    try:
-        yield
-    finally:
-        c10d._world.default_pg = saved

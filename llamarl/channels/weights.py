@@ -86,7 +86,6 @@ class WeightsChannel:
         self.layout: dict | None = None
         self.plan = None
         self.last_seconds = 0.0
-        self.num_syncs = 0
         self.bytes_sent: dict[tuple[int, int], int] = {}
         self.bytes_received: dict[tuple[int, int], int] = {}
         self._buckets: list[_Bucket] = []
@@ -105,7 +104,6 @@ class WeightsChannel:
             self._ddma_sync(ctx, executor)
         else:
             self._gather_broadcast(ctx, executor)
-        self.num_syncs += 1
         self.last_seconds = time.perf_counter() - start
 
     # ----- ddma -----
