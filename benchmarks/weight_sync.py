@@ -131,7 +131,7 @@ def _timed(fn, *fn_args, repeats: int) -> list[float]:
 
 def _build(ctx, size: str, *, tp: bool, trainer_dtype, gen_dtype) -> _Holder:
     from llamarl.channels.ddma_plan import llama_tp_slices, local_tensor, narrow_to_slices
-    from llamarl.executors.trainer import shard_model
+    from llamarl.models.sharding import shard_model
 
     if ctx.executor == "trainer":
         model = shard_model(meta_llama(size, dtype=trainer_dtype), ctx.mesh)

@@ -154,7 +154,7 @@ class ExecutorController:
                 self.phase = "export"
                 self.executor.export(Path(self.export_dir) / "final")
         except BaseException as exc:  # noqa: BLE001 - any failure must take the world down
-            self._abort(exc)
+            self.abort(exc)
 
     def finish(self) -> None:
         """Mark this rank's clean end for the liveness watch (call last, after any collective)."""
@@ -221,7 +221,8 @@ class ExecutorController:
         record.step_seconds += time.perf_counter() - start
         record.step_spans.append((start_wall, time.time()))
 
-    def _abort(self, exc: BaseException) -> None:
+    def abort(self, exc: BaseException) -> None:
+        """Report ``exc`` in the one-line failure format and end this process (exit code 1)."""
         message = (f"llamarl: executor {self.ctx.executor!r} (rank {self.ctx.rank}, local rank "
                    f"{self.ctx.local_rank}) failed at step {self.step_index} during {self.phase}: "
                    f"{type(exc).__name__}: {exc}")

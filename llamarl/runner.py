@@ -175,7 +175,7 @@ def run_rl(config: RLConfig, *, recipe: str, task: Task, heldout: list[Problem],
                 summary["final_accuracy"] = executor.evaluate(heldout, score,
                                                               samples_path=run_dir / "eval_final.jsonl")
     except BaseException as exc:  # noqa: BLE001 - same failure contract as the loop
-        controller._abort(exc)
+        controller.abort(exc)
     close = getattr(executor, "close", None)
     if close is not None:
         close()

@@ -35,20 +35,14 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
-from torch.distributed.tensor import DTensor
 
 from llamarl.batch import DTYPES, TensorBatch, WireFormatError
 from llamarl.channels.ddma_plan import Piece, box_index, build_plan, describe_local_layout, local_tensor
 from llamarl.channels.p2p import exchange
+from llamarl.models.sharding import full_named_parameters
 
 _DTYPE_NAMES = {v: k for k, v in DTYPES.items()}
 MODES = ("ddma", "gather_broadcast")
-
-
-def full_named_parameters(model: torch.nn.Module) -> dict[str, torch.Tensor]:
-    """Every parameter materialised whole (collective over the FSDP mesh for DTensors)."""
-    return {name: (p.full_tensor() if isinstance(p, DTensor) else p).detach()
-            for name, p in model.named_parameters()}
 
 
 @dataclass

@@ -28,8 +28,8 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
+from llamarl.algorithms.logprobs import completion_logprobs
 from llamarl.algorithms.prox import loglinear_prox_logp
 from llamarl.algorithms.registry import get_advantage, get_policy_loss
 from llamarl.batch import TensorBatch
@@ -39,40 +39,8 @@ from llamarl.data.packing import pack_microbatches
 from llamarl.executors.base import Executor
 from llamarl.models.export import export_hf
 from llamarl.models.loading import load_causal_lm
+from llamarl.models.sharding import shard_model
 from llamarl.sharded_state import load_sharded_state, save_sharded_state
-
-
-def shard_model(model: torch.nn.Module, mesh, *, param_dtype: torch.dtype | None = None) -> torch.nn.Module:
-    """FSDP2 ``fully_shard`` each decoder layer, then the root (HF ``model.model.layers`` layout).
-
-    ``param_dtype`` (e.g. bf16) is the compute dtype of a MixedPrecisionPolicy; gradients are
-    reduced in fp32 and the sharded master weights keep the model's dtype.
-    """
-    mp_policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32) \
-        if param_dtype is not None and param_dtype != next(model.parameters()).dtype else MixedPrecisionPolicy()
-    layers = getattr(getattr(model, "model", None), "layers", None)
-    for layer in layers or []:
-        fully_shard(layer, mesh=mesh, mp_policy=mp_policy)
-    fully_shard(model, mesh=mesh, mp_policy=mp_policy)
-    return model
-
-
-def completion_logprobs(model, input_ids, attention_mask, *, start: int, temperature: float) -> torch.Tensor:
-    """Log-probs [B, L] of ``input_ids[:, t]`` under ``model`` for t >= ``start`` (0 before).
-
-    Only the logits of positions ``start - 1 .. L - 2`` are computed (``logits_to_keep``): the
-    prompt's full-vocabulary logits are the most expensive part of the forward and unused.
-    Logits are divided by ``temperature`` so the ratio with the behaviour log-probs is exact.
-    """
-    length = input_ids.shape[1]
-    start = max(int(start), 1)
-    logits = model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False,
-                   logits_to_keep=length - start + 1).logits[:, :-1].float()
-    if temperature > 0:
-        logits = logits / temperature
-    targets = input_ids[:, start:]
-    token_logp = torch.log_softmax(logits, dim=-1).gather(-1, targets.unsqueeze(-1)).squeeze(-1)
-    return torch.nn.functional.pad(token_logp, (start, 0))
 
 
 class TrainerExecutor(Executor):

@@ -25,14 +25,14 @@ import torch
 from safetensors.torch import save_file
 
 from llamarl.channels.ddma_plan import local_tensor
-from llamarl.channels.weights import WeightsChannel, full_named_parameters
+from llamarl.channels.weights import WeightsChannel
 from llamarl.config import GeneratorConfig, ModelConfig
 from llamarl.data.prompts import Problem
 from llamarl.engines.torch_engine import Request, SamplingParams, TorchEngine
 from llamarl.executors.base import Executor
 from llamarl.executors.generator import GeneratorExecutor
-from llamarl.executors.trainer import shard_model
 from llamarl.models.loading import load_causal_lm
+from llamarl.models.sharding import full_named_parameters, shard_model
 from llamarl.world import ExecutorContext, ExecutorSpec
 
 PROMPTS = ["1+1=", "what is 12 times 7?", "x", "The quick brown fox jumps over"]

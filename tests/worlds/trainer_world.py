@@ -15,9 +15,9 @@ from llamarl.algorithms.losses import aipo_loss
 from llamarl.algorithms.registry import register_policy_loss
 from llamarl.batch import TensorBatch
 from llamarl.channels.base import balanced_group_partition
-from llamarl.channels.weights import full_named_parameters
 from llamarl.config import AlgoConfig, ModelConfig, TrainerConfig
 from llamarl.executors.trainer import TrainerExecutor
+from llamarl.models.sharding import full_named_parameters
 from llamarl.world import ExecutorContext, ExecutorSpec
 
 

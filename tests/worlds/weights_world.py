@@ -25,6 +25,7 @@ Error cases (``ERROR_CASES``) write ``error_<case>_<executor><local rank>.txt``:
 import json
 import os
 import sys
+from datetime import timedelta
 from pathlib import Path
 
 import torch
@@ -34,10 +35,10 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard
 
 from llamarl.channels.ddma_plan import llama_tp_slices, local_tensor, narrow_to_slices
-from llamarl.channels.weights import WeightsChannel, full_named_parameters
+from llamarl.channels.weights import WeightsChannel
 from llamarl.executors.base import Executor
-from llamarl.executors.trainer import shard_model
 from llamarl.models.loading import build_tiny_llama
+from llamarl.models.sharding import full_named_parameters, shard_model
 from llamarl.world import ExecutorContext, ExecutorSpec
 
 # 131 / 40 / 71 / 20 (kv) are divisible by neither 2 nor 3 where it matters: uneven FSDP and TP shards.
@@ -121,12 +122,11 @@ def sub_context(ctx: ExecutorContext, *, generators: int, trainers: int) -> Exec
     """
     ranks = {"generator": ctx.ranks["generator"][:generators], "trainer": ctx.ranks["trainer"][:trainers]}
     ranks["idle"] = [r for r in range(ctx.world_size) if r not in ranks["generator"] + ranks["trainer"]]
-    groups = {name: dist.new_group(rs, timeout=ctx.timeout) for name, rs in ranks.items() if rs}
+    groups = {name: dist.new_group(rs, timeout=timedelta(seconds=120)) for name, rs in ranks.items() if rs}
     executor = next(name for name, rs in ranks.items() if ctx.rank in rs)
     mesh = DeviceMesh.from_group(groups[executor], ctx.device.type, mesh=ranks[executor])
     return ExecutorContext(rank=ctx.rank, world_size=ctx.world_size, executor=executor, ranks=ranks,
-                           group=groups[executor], mesh=mesh, device=ctx.device, timeout=ctx.timeout,
-                           _groups=groups)
+                           group=groups[executor], mesh=mesh, device=ctx.device)
 
 
 def run_case(ctx, out: Path, name: str, case: dict, num_generators: int) -> None:
