@@ -167,3 +167,31 @@ def test_unknown_names_list_the_registered_ones():
         register_policy_loss("aipo", metrics={})(lambda **kw: None)
     with pytest.raises(ValueError, match="reductions must be one of"):
         register_policy_loss("other", metrics={"x": "median"})
+
+
+@pytest.mark.parametrize("nproc", [1, 2])
+def test_max_staleness_drops_rows_counts_them_and_reports_staleness_over_kept_tokens(setup, nproc):
+    """eta = 1 with the trainer at version 3: rows holding a version-1 token are dropped, counted,
+    and the update is the reference's on the other rows (advantages still from whole groups)."""
+    tmp, model_dir, batch = setup
+    out = tmp / f"stale_{nproc}.safetensors"
+    check(run_torchrun("trainer_world.py", nproc=nproc, args=[
+        str(model_dir), str(tmp / "batch.safetensors"), str(out), "4096", "aipo", "1"]))
+    mask = batch["loss_mask"].bool()
+    staleness = (CURRENT_VERSION - batch["versions"]).masked_fill(~mask, 0)
+    stale_rows = (staleness > 1).any(dim=1)
+    assert 0 < int(stale_rows.sum()) < len(stale_rows), "the fixture must have stale and fresh rows"
+    kept = dict(batch, loss_mask=batch["loss_mask"] * (~stale_rows).unsqueeze(1).to(torch.uint8))
+    expected_grads, expected_loss = reference_gradients(model_dir, kept, "aipo")
+    with safe_open(str(out), "pt") as f:
+        metrics = json.loads(f.metadata()["metrics"])
+        grads = {k.removeprefix("grad."): f.get_tensor(k) for k in f.keys() if k.startswith("grad.")}  # noqa: SIM118
+    kept_mask = kept["loss_mask"].bool()
+    assert metrics["dropped_stale_samples"] == float(stale_rows.sum())
+    assert metrics["num_loss_tokens"] == float(kept_mask.sum())
+    assert metrics["staleness_max"] == 1.0
+    assert metrics["staleness_mean"] == pytest.approx(float(staleness[kept_mask].float().mean()))
+    assert metrics["loss"] == pytest.approx(expected_loss, rel=1e-4, abs=1e-6)
+    largest = max(g.abs().max().item() for g in expected_grads.values())
+    for name, grad in expected_grads.items():
+        torch.testing.assert_close(grads[name], grad, rtol=1e-4, atol=1e-5 * largest, msg=name)

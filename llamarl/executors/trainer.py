@@ -106,7 +106,7 @@ class TrainerExecutor(Executor):
         metrics = self.train_on(batch)
         seconds = time.perf_counter() - start
         metrics["train_seconds"] = seconds
-        if len(batch):
+        if len(batch) and not (metrics.get("skipped") or metrics.get("skipped_no_signal")):
             metrics["train_tokens_per_s"] = float(batch["num_tokens"].sum()) / seconds
         self.metrics = metrics
 
@@ -133,6 +133,8 @@ class TrainerExecutor(Executor):
             stale_rows = (staleness > self.algo.max_staleness).any(dim=1)
             batch.fields["loss_mask"] = batch["loss_mask"] * (~stale_rows).unsqueeze(1).to(batch["loss_mask"].dtype)
             stats["dropped_stale_samples"] = float(stale_rows.sum())
+            # Staleness is reported over the tokens actually trained on (it is divided by their count).
+            mask = batch["loss_mask"].bool()
         stats["staleness_sum"] = float(staleness[mask].sum())
         stats["staleness_max"] = float(staleness[mask].max()) if mask.any() else 0.0
         return batch, stats
@@ -145,22 +147,26 @@ class TrainerExecutor(Executor):
             # A zero-advantage sample (its group all scored alike) adds exactly zero loss and
             # gradient in every loss here (each is proportional to A), so it is not forwarded at all.
             # Its tokens still count in the global token mean: the update is bit-for-bit the same.
-            keep = (batch["advantages"] != 0).nonzero().squeeze(1)
-            stats["zero_advantage_samples"] = float(len(batch) - len(keep))
+            signal = batch["advantages"] != 0
+            stats["zero_advantage_samples"] = float((~signal).sum())
+            # Rows the staleness filter masked carry no loss token either: not forwarded, and not
+            # counted as signal (else an AdamW step on a zero gradient could still happen).
+            keep = (signal & batch["loss_mask"].bool().any(dim=1)).nonzero().squeeze(1)
             batch = batch.select(keep)
         lengths = batch["num_tokens"].tolist() if len(batch) else []
         microbatches = pack_microbatches(lengths, max_tokens_per_microbatch=self.config.max_tokens_per_microbatch) \
             if lengths else []
-        total_tokens, staleness_sum, zero_adv, num_signal = self._all_reduce(
+        total_tokens, staleness_sum, zero_adv, num_signal, dropped_stale = self._all_reduce(
             [num_local_tokens, stats.get("staleness_sum", 0.0), stats.get("zero_advantage_samples", 0.0),
-             float(len(batch))])
+             float(len(batch)), stats.get("dropped_stale_samples", 0.0)])
         max_mbs = int(self._all_reduce([float(len(microbatches))], op=dist.ReduceOp.MAX)[0])
         if total_tokens == 0:
-            return {"skipped": 1.0, "version": float(self.version)}
+            return {"skipped": 1.0, "version": float(self.version), "dropped_stale_samples": dropped_stale}
         if num_signal == 0:
             # Every group scored alike: the gradient is exactly zero, and an AdamW step on it would
             # still move the weights along stale momentum. Skip the update (and the version bump).
-            return {"skipped_no_signal": 1.0, "zero_advantage_samples": zero_adv, "version": float(self.version)}
+            return {"skipped_no_signal": 1.0, "zero_advantage_samples": zero_adv, "version": float(self.version),
+                    "dropped_stale_samples": dropped_stale}
         dp_size = self.ctx.local_world_size
         spec = get_policy_loss(self.algo.loss)
         prox_all = self._recompute_prox(batch, microbatches, max_mbs) \
@@ -200,7 +206,7 @@ class TrainerExecutor(Executor):
         reduced_max = self._all_reduce([maxes.get(k, 0.0) for k in max_keys], op=dist.ReduceOp.MAX)
         out = {"loss": reduced[0], "grad_norm": float(grad_norm), "num_loss_tokens": total_tokens,
                "staleness_mean": staleness_sum / total_tokens, "version": float(self.version),
-               "zero_advantage_samples": zero_adv}
+               "zero_advantage_samples": zero_adv, "dropped_stale_samples": dropped_stale}
         metric_tokens = max(reduced[1], 1.0)  # token-weighted means over the samples trained on
         out.update({k: v / metric_tokens if spec.metrics[k] == "mean" else v for k, v in zip(sum_keys, reduced[2:])})
         out.update(dict(zip(max_keys, reduced_max)))
