@@ -1,6 +1,6 @@
 """llamarl vs TRL's GRPOTrainer on the same machine, task, prompts and hyper-parameters.
 
-    .venv/bin/python benchmarks/vs_trl.py --out bench_trl            # table on stdout, bench_trl/vs_trl.{json,png}
+    .venv/bin/python benchmarks/vs_trl.py            # table on stdout; runs/vs_trl/vs_trl.{json,png}
 
 Both sides: SmolLM2-135M-Instruct, two-digit addition in the chat format of ``recipes.arithmetic``,
 the same prompts in the same order (llamarl's ``ArithmeticTask(seed)`` stream, TRL with
@@ -175,7 +175,7 @@ def plot(results: list[dict], path: Path, *, target: float) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--out", type=Path, default=Path("bench_trl"), help="output directory")
+    parser.add_argument("--out", type=Path, default=Path("runs/vs_trl"), help="output directory")
     parser.add_argument("--trl-venv", type=Path, default=Path.home() / ".cache" / "llamarl" / "trl-venv",
                         help="virtual environment for TRL (created on first use)")
     parser.add_argument("--steps", type=int, default=12, help="optimizer steps on each side")

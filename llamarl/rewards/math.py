@@ -33,19 +33,12 @@ thread; elsewhere the reward pool's per-sample timeout is the guard). A timeout 
 from __future__ import annotations
 
 import contextlib
+import functools
 import re
 import signal
 import threading
 from collections import Counter
 from collections.abc import Iterator
-
-import sympy
-from sympy.parsing.sympy_parser import (
-    convert_xor,
-    implicit_multiplication_application,
-    parse_expr,
-    standard_transformations,
-)
 
 DEFAULT_TIMEOUT_S = 2.0
 _MAX_EXPR_CHARS = 300
@@ -245,10 +238,22 @@ def _replace_frac_sqrt(s: str) -> str:
     raise ValueError("expression too deeply nested")
 
 
-_TRANSFORMS = standard_transformations + (implicit_multiplication_application, convert_xor)
+@functools.cache
+def _sympy():
+    """``(sympy, parse_expr, transformations)``, imported on first use: sympy takes ~0.5 s to import,
+    and every process that imports ``llamarl.rewards`` (each reward worker) would pay it otherwise."""
+    import sympy
+    from sympy.parsing.sympy_parser import (
+        convert_xor,
+        implicit_multiplication_application,
+        parse_expr,
+        standard_transformations,
+    )
+
+    return sympy, parse_expr, standard_transformations + (implicit_multiplication_application, convert_xor)
 
 
-def to_sympy(answer: str) -> sympy.Expr:
+def to_sympy(answer: str):
     """The sympy expression of one scalar LaTeX answer (already ``normalize``-d).
 
     Raises ValueError for anything outside the whitelist (unknown commands or multi-letter names,
@@ -264,9 +269,10 @@ def to_sympy(answer: str) -> sympy.Expr:
             raise ValueError(f"unknown name {name!r}")
     if re.search(rf"\d{{{_MAX_LITERAL_DIGITS + 1},}}", text):
         raise ValueError("literal too large")
+    sympy, parse_expr, transformations = _sympy()
     local = {"ln": sympy.log, "e": sympy.E, "pi": sympy.pi, "oo": sympy.oo}
     try:
-        expr = parse_expr(text, local_dict=local, transformations=_TRANSFORMS, evaluate=False)
+        expr = parse_expr(text, local_dict=local, transformations=transformations, evaluate=False)
     except Exception as exc:  # noqa: BLE001 - sympy raises many types for bad syntax
         raise ValueError(f"cannot parse {answer!r}: {type(exc).__name__}") from None
     _check_sizes(expr)
@@ -275,6 +281,7 @@ def to_sympy(answer: str) -> sympy.Expr:
 
 def _check_sizes(expr) -> None:
     """Reject powers whose exponent is not a small number (their evaluation cannot be interrupted)."""
+    sympy = _sympy()[0]
     for node in sympy.preorder_traversal(expr):
         if isinstance(node, sympy.Pow):
             exponent = node.exp
@@ -379,6 +386,7 @@ def _scalar_equiv(a: str, b: str) -> bool:
         return _plain_text(a) == _plain_text(b) and _plain_text(a) != ""
     if x == y:
         return True
+    sympy = _sympy()[0]
     x, y = sympy.simplify(x), sympy.simplify(y)
     if x == y:
         return True
@@ -446,13 +454,14 @@ def is_equiv(prediction: str, reference: str, *, timeout_s: float = DEFAULT_TIME
     """
     if backend not in ("auto", "sympy"):
         raise ValueError(f"backend must be 'auto' or 'sympy', got {backend!r}")
+    sympify_error = _sympy()[0].SympifyError  # imported outside the time limit
     try:
         with _time_limit(timeout_s):
             if backend == "auto" and _math_verify_equiv(prediction, reference):
                 return True
             return _sympy_equiv(prediction, reference)
     except (_Timeout, RecursionError, ValueError, TypeError, ArithmeticError, AttributeError,
-            sympy.SympifyError, NotImplementedError):
+            sympify_error, NotImplementedError):
         return False
 
 
