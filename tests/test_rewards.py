@@ -194,3 +194,10 @@ def test_pool_rejects_bad_arguments_and_use_after_close():
     pool.close()
     with pytest.raises(ValueError, match="closed"):
         pool.score_batch(["1"], ["1"])
+
+
+def test_pool_counters_continue_from_a_checkpoint(tests_importable):
+    with RewardPool("scorers_for_tests:flaky", num_workers=0) as pool:
+        pool.restore_stats({"num_scored": 10, "num_errors": 2, "unknown_key": 7})
+        pool.score_batch(["raise"], ["a"])
+        assert pool.stats() == {"num_scored": 11, "num_errors": 3, "num_timeouts": 0, "num_worker_restarts": 0}

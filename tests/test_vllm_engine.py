@@ -30,6 +30,7 @@ import vllm  # noqa: F401 - a broken install must fail here, loudly
 
 from llamarl.engines.torch_engine import Request, SamplingParams, TorchEngine, filtered_logprobs
 from llamarl.engines.vllm_engine import VLLMEngine
+from llamarl.models.export import export_hf
 from llamarl.models.loading import build_tiny_llama
 
 ATOL = 1e-4
@@ -44,8 +45,10 @@ def hf_model():
 
 @pytest.fixture(scope="module")
 def engine(hf_model, tmp_path_factory):
-    path = tmp_path_factory.mktemp("tiny_vllm")
-    hf_model.save_pretrained(path, safe_serialization=True)
+    # The trainer's HF export (sharded small, with an index) is what vLLM must load as-is.
+    path = tmp_path_factory.mktemp("tiny_vllm") / "export"
+    export_hf(path, model=hf_model, writer=True, max_shard_bytes=20_000)
+    assert len(list(path.glob("model-*.safetensors"))) > 1
     threads = torch.get_num_threads()
     engine = VLLMEngine(path, dtype="float32", eos_token_ids=[EOS], pad_token_id=PAD, seed=0, kv_cache_gib=0.25)
     # Building an engine leaves process-wide state alone (later tests assert no default group exists).

@@ -36,6 +36,7 @@ import torch
 import torch.distributed as dist
 
 from llamarl.batch import TensorBatch
+from llamarl.checkpoint import read_json, write_json
 from llamarl.config import RewardConfig
 from llamarl.data.prompts import Problem
 from llamarl.executors.base import Executor
@@ -140,10 +141,11 @@ class ColocatedExecutor(Executor):
         return self.generator.evaluate(problems, score, samples_path=samples_path)
 
     def save_checkpoint(self, directory: Path) -> None:
-        """The generator's and the trainer's own checkpoints, side by side."""
+        """The generator's and the trainer's own checkpoints, side by side, and the reward counters."""
         for name, part in (("generator", self.generator), ("trainer", self.trainer)):
             (directory / name).mkdir(parents=True, exist_ok=True)
             part.save_checkpoint(directory / name)
+        write_json(directory / f"reward_rank{self.ctx.local_rank}.json", {"counters": self.pool.stats()})
 
     def export(self, directory: Path) -> None:
         self.trainer.export(directory)
@@ -151,6 +153,7 @@ class ColocatedExecutor(Executor):
     def load_checkpoint(self, directory: Path) -> None:
         self.generator.load_checkpoint(directory / "generator")
         self.trainer.load_checkpoint(directory / "trainer")
+        self.pool.restore_stats(read_json(directory / f"reward_rank{self.ctx.local_rank}.json")["counters"])
         self.sync_weights()  # the generation model is not saved: it is the trainer's, cast
 
     def close(self) -> None:

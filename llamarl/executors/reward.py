@@ -8,10 +8,12 @@ metrics (``reward_errors`` / ``reward_timeouts``); it never stops the run.
 from __future__ import annotations
 
 import time
+from pathlib import Path
 
 import torch
 
 from llamarl.batch import TensorBatch
+from llamarl.checkpoint import read_json, write_json
 from llamarl.config import RewardConfig
 from llamarl.executors.base import Executor
 from llamarl.rewards.pool import RewardPool
@@ -52,6 +54,15 @@ class RewardExecutor(Executor):
             self.metrics = {}
             return
         self.outputs[self.output_name], self.metrics = score_rollouts(self.pool, batch)
+
+    def save_checkpoint(self, directory: Path) -> None:
+        """Pending outputs (base class) and the pool's cumulative counters (errors, timeouts, ...)."""
+        super().save_checkpoint(directory)
+        write_json(directory / f"state_rank{self.ctx.local_rank}.json", {"counters": self.pool.stats()})
+
+    def load_checkpoint(self, directory: Path) -> None:
+        super().load_checkpoint(directory)
+        self.pool.restore_stats(read_json(directory / f"state_rank{self.ctx.local_rank}.json")["counters"])
 
     def close(self) -> None:
         if self.pool is not None:

@@ -252,6 +252,10 @@ class RewardPool:
         """Cumulative counters: num_scored, num_errors, num_timeouts, num_worker_restarts."""
         return dict(self._counts)
 
+    def restore_stats(self, counts: dict[str, int]) -> None:
+        """Continue the cumulative counters of a checkpointed pool (unknown keys are ignored)."""
+        self._counts.update({k: int(v) for k, v in counts.items() if k in self._counts})
+
     def close(self) -> None:
         """Stop all workers (politely, then by force); idempotent."""
         if self._closed:
