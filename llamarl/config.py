@@ -173,6 +173,11 @@ class RunConfig:
     after another (on-policy); ``colocated``: every rank generates, scores and trains, then updates its
     own generation model in place (on-policy; the one-GPU / one-process path: ``torchrun
     --nproc-per-node 1``; ``--generator.num-ranks`` / ``--reward.num-ranks`` do not apply)."""
+    async_lag: Literal[1, 2] = 2
+    """Off-policy lag of ``async``: 2 is LlamaRL's Algorithm 1 as written (every channel delivers at
+    the next tick: rollouts are scored one tick and trained on the next); 1 scores rollouts within the
+    tick they were generated, so the trainer trains on data exactly one version old. The default
+    stays 2 until ``make run`` has been re-measured with 1."""
     seed: int = 0
     """Seed for data order, sampling and initialisation."""
     output_dir: str | None = None

@@ -1,16 +1,26 @@
 """ExecutorController: the SPMD event loop of LlamaRL Algorithm 1, run identically on every rank.
 
-Schedules:
+One tick, on every rank (each rank takes part only in what involves its executor):
 
-- ``async`` (default): each tick, every channel is communicated in the given order, then every
-  executor steps concurrently on what arrived. A channel therefore carries what its outbound
-  executor produced at the previous tick: with generator -> reward -> trainer -> generator,
-  rollouts generated at tick t are scored at t+1 and trained on at t+2, while the generator
-  already runs with the weights the trainer sent.
-- ``sync``: within a tick, executors run one after another in data order (the order of the
-  ``executors`` list): before executor E steps, the channels whose inbound is E are
-  communicated (in channel order). Generation at tick t uses the weights from training at
-  t-1 on data generated at t-1, so training is strictly on-policy.
+1. every **next-tick** channel (``same_tick=False``) is communicated, in channel order: it carries
+   what its outbound executor produced at the previous tick;
+2. then, for each executor E in data order (``executor_order``): E's inbound **same-tick**
+   channels (``same_tick=True``) are communicated, so E receives what its producer made earlier
+   in this tick, and E steps.
+
+A same-tick channel must go forward in ``executor_order`` (its outbound steps first). Every rank
+walks the same sequence, so each point-to-point exchange is posted by both ends in the same order.
+The schedules of the generator -> reward -> trainer -> generator pipeline are cases of this rule:
+
+- ``async``, LlamaRL Algorithm 1 as written (every channel next-tick): all executors step
+  concurrently; rollouts of tick t are scored at t+1 and trained on at t+2 (lag 2; the trainer
+  idles for ticks 0-1). Timeline of a tick: [channels] [gen | rew | train, concurrently].
+- ``async`` with lag 1 (rollouts same-tick; scored and weights next-tick): the reward scores right
+  after generation, so the trainer trains at t+1 on data one version old and starts at tick 1.
+  Timeline: [scored, weights] [gen, then rew | train concurrently with both].
+- ``sync`` (rollouts and scored same-tick, weights next-tick): gen, then rew, then train, one after
+  another; generation at tick t uses the weights of training at t-1: strictly on-policy.
+  Timeline: [weights] [gen] [rollouts] [rew] [scored] [train].
 
 A rank whose executor raises prints one line naming the executor, global / local rank, step and
 the exception, then exits the process with code 1 at once; torchrun (or the test harness) then
@@ -37,8 +47,6 @@ from llamarl.executors.base import Executor
 from llamarl.liveness import Heartbeat
 from llamarl.world import ExecutorContext
 
-SCHEDULES = ("async", "sync")
-
 
 @dataclass
 class TickRecord:
@@ -54,7 +62,7 @@ class TickRecord:
 class ExecutorController:
     """Runs ``executor`` (this rank's) under ``channels`` for ``max_steps`` ticks.
 
-    ``executor_order`` is the data order of executor names (used by the sync schedule).
+    ``executor_order`` is the data order of executor names (same-tick channels follow it).
     ``init_channels`` run once after ``init`` (e.g. initial weights). ``on_tick`` is called on
     every rank after each tick with (step, executor, TickRecord) for metrics / progress.
     Checkpoints (``checkpoint_every`` ticks, 0 disables): every executor writes into
@@ -78,7 +86,6 @@ class ExecutorController:
         max_steps: int,
         executor_order: list[str],
         init_channels: list[CommunicationChannel] | None = None,
-        schedule: str = "async",
         start_step: int = 0,
         checkpoint_every: int = 0,
         checkpoint_dir: Path | None = None,
@@ -91,8 +98,6 @@ class ExecutorController:
         before_loop: Callable[[], None] | None = None,
         liveness_timeout_s: float | None = None,
     ) -> None:
-        if schedule not in SCHEDULES:
-            raise ValueError(f"schedule must be one of {SCHEDULES}, got {schedule!r}")
         if max_steps < 0:
             raise ValueError(f"max_steps must be >= 0, got {max_steps}")
         unknown = [c.name for c in channels + (init_channels or [])
@@ -104,7 +109,11 @@ class ExecutorController:
             raise ValueError("checkpoint_every > 0 needs a checkpoint_dir")
         self.ctx, self.executor, self.channels = ctx, executor, channels
         self.init_channels = init_channels or []
-        self.max_steps, self.schedule, self.start_step = max_steps, schedule, start_step
+        backward = [c.name for c in channels if getattr(c, "same_tick", False)
+                    and executor_order.index(c.outbound) >= executor_order.index(c.inbound)]
+        if backward:
+            raise ValueError(f"same-tick channels {backward} must go forward in the executor order {executor_order}")
+        self.max_steps, self.start_step = max_steps, start_step
         self.executor_order = executor_order
         self.checkpoint_every, self.checkpoint_dir = checkpoint_every, checkpoint_dir
         self.on_tick = on_tick
@@ -174,14 +183,12 @@ class ExecutorController:
         record = TickRecord(step=step, channel_seconds=0.0, step_seconds=0.0, start=time.time())
         self.phase = "set_step"
         self.executor.set_step(step)
-        if self.schedule == "async":
-            self._communicate(self.channels, record)
-            self._step(record)
-        else:
-            for name in self.executor_order:
-                self._communicate([c for c in self.channels if c.inbound == name], record)
-                if name == self.ctx.executor:
-                    self._step(record)
+        self._communicate([c for c in self.channels if not getattr(c, "same_tick", False)], record)
+        for name in self.executor_order:
+            self._communicate([c for c in self.channels if getattr(c, "same_tick", False) and c.inbound == name],
+                              record)
+            if name == self.ctx.executor:
+                self._step(record)
         if self.checkpoint_every and (step + 1) % self.checkpoint_every == 0:
             self._checkpoint(step + 1)
         if self.export_every and (step + 1) % self.export_every == 0 and self.export_dir is not None:

@@ -7,8 +7,9 @@ Recipes supply the task (prompts + references), the scorer and the prompt format
 comes from ``RLConfig``. The world is split generator | reward | trainer by
 ``--generator.num-ranks`` / ``--reward.num-ranks`` (the trainer gets the rest). Channels:
 
-- ``rollouts``: generator -> reward, SCATTER (whole prompt groups, balanced by tokens);
-- ``scored``: reward -> trainer, SCATTER (each trainer rank gets whole groups);
+- ``rollouts``: generator -> reward, SCATTER (whole prompt groups, balanced by tokens); same-tick
+  under ``sync`` and ``async`` with ``--run.async-lag 1``;
+- ``scored``: reward -> trainer, SCATTER (each trainer rank gets whole groups); same-tick under ``sync``;
 - ``weights``: trainer -> generator (WeightsChannel), also run once at init so both sides start
   from bit-identical weights, and once after the last tick for the final evaluation.
 
@@ -87,8 +88,10 @@ def _build(config: RLConfig, *, task: Task, scorer: str, prompt_fn: PromptFn):
              ExecutorSpec("reward", config.reward.num_ranks),
              ExecutorSpec("trainer", num_trainer)]
     weights = WeightsChannel("weights", "trainer", "generator", mode=config.weights.mode)
-    channels = [CommunicationChannel("rollouts", "generator", "reward", SCATTER),
-                CommunicationChannel("scored", "reward", "trainer", SCATTER), weights]
+    sync = config.run.schedule == "sync"
+    channels = [CommunicationChannel("rollouts", "generator", "reward", SCATTER,
+                                     same_tick=sync or config.run.async_lag == 1),
+                CommunicationChannel("scored", "reward", "trainer", SCATTER, same_tick=sync), weights]
     ctx = ExecutorContext.create(specs, timeout_s=config.run.collective_timeout_s,
                                  channel_endpoints=[(c.outbound, c.inbound) for c in channels])
     if ctx.executor == "generator":
@@ -157,8 +160,6 @@ def run_rl(config: RLConfig, *, recipe: str, task: Task, heldout: list[Problem],
     export_dir = run_dir / "hf" if config.export.final or config.export.every else None
     controller = ExecutorController(ctx, executor, channels, max_steps=config.run.max_steps,
                                     executor_order=executor_order, init_channels=init_channels,
-                                    # One executor and no channels: both split schedules are the same loop.
-                                    schedule="sync" if config.run.schedule == "colocated" else config.run.schedule,
                                     checkpoint_every=config.checkpoint.every, checkpoint_keep=config.checkpoint.keep,
                                     checkpoint_dir=run_dir / "checkpoints", on_tick=on_tick,
                                     resume_dir=resume_dir, start_step=start_step,

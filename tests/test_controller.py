@@ -54,6 +54,22 @@ def test_a_rank_that_raises_takes_the_world_down_with_a_named_message(tmp_path):
     assert not list(tmp_path.glob("rank*.json")), "no rank should have finished normally"
 
 
-def test_bad_schedule_is_a_value_error():
-    with pytest.raises(ValueError, match="schedule"):
-        ExecutorController(None, None, [], max_steps=1, executor_order=[], schedule="later")
+def test_async_lag_one_scores_within_the_tick_and_trains_one_version_behind(tmp_path):
+    seen = run_schedule(tmp_path, "async1")
+    assert [s["version"] for s in seen[0]] == [0, 1, 2, 3, 4]
+    # Rollouts are scored within the tick they were generated ...
+    assert [s["gen_steps"] for s in seen[1]] == [[0], [1], [2], [3], [4]]
+    # ... and trained on at the next tick: data made with version t-1 while the trainer makes t+1
+    # from version t, i.e. exactly one version old; training starts at tick 1.
+    assert train_seen(seen) == [([], 0, []), ([0], 4, [0]), ([1], 4, [1]), ([2], 4, [2]), ([3], 4, [3])]
+
+
+def test_a_same_tick_channel_against_the_data_order_is_a_value_error():
+    from types import SimpleNamespace
+
+    from llamarl.channels.base import CommunicationChannel
+
+    back = CommunicationChannel("back", "b", "a", same_tick=True)
+    with pytest.raises(ValueError, match=r"same-tick channels \['back'\] must go forward"):
+        ExecutorController(SimpleNamespace(ranks={"a": [0], "b": [1]}), None, [back], max_steps=1,
+                           executor_order=["a", "b"])

@@ -28,6 +28,7 @@ def read_jsonl(path):
 
 @pytest.mark.parametrize(("schedule", "extra"), [
     ("async", ["--algo.loss", "aipo"]),
+    ("async1", ["--algo.loss", "aipo", "--run.async-lag", "1"]),
     ("sync", ["--algo.loss", "decoupled_ppo", "--algo.prox", "recompute", "--generator.token-budget", "5"]),
 ])
 def test_recipe_runs_and_reports(tmp_path, model_dir, schedule, extra):
@@ -35,7 +36,7 @@ def test_recipe_runs_and_reports(tmp_path, model_dir, schedule, extra):
     # A reward a random model earns about half the time, so (almost) every tick really trains.
     env = {"LLAMARL_TEST_SCORER": "scorers_for_tests:first_char_even"}
     check(run_torchrun("e2e_arithmetic.py", nproc=3, timeout_s=300, env=env, args=[
-        "--model.name", str(model_dir), "--run.max-steps", str(MAX_STEPS), "--run.schedule", schedule,
+        "--model.name", str(model_dir), "--run.max-steps", str(MAX_STEPS), "--run.schedule", schedule.removesuffix("1"),
         "--run.num-eval-problems", "8", "--run.output-dir", str(out), "--generator.num-prompts-per-step", "4",
         "--reward.num-workers", "1", "--run.device-guard", *extra]))
     summary = json.loads((out / "summary.json").read_text())
@@ -60,6 +61,12 @@ def test_recipe_runs_and_reports(tmp_path, model_dir, schedule, extra):
         # tokens: the first batch's tokens are all version 0 = the trainer's version.
         assert [r["step"] for r in trainer] == [2, 3, 4]
         assert trainer[0]["staleness_max"] == 0 and all(r["staleness_max"] <= 2 for r in trainer)
+    elif schedule == "async1":
+        # Rollouts are scored within their tick: training starts at tick 1, then every trained
+        # token is exactly one version old (tick 1 trains the base model's own samples).
+        assert [r["step"] for r in trainer] == [1, 2, 3, 4]
+        assert [r["staleness_max"] for r in trainer] == [0, 1, 1, 1]
+        assert [r["staleness_mean"] for r in trainer] == [0, 1, 1, 1]
     else:
         assert len(trainer) == MAX_STEPS - 2  # the pipeline is two ticks deep
         # Warm-up, then the steady lag: data of tick t-2 made with version t-4 vs the trainer's t-2.

@@ -74,6 +74,10 @@ class CommunicationChannel:
     outbound: str
     inbound: str
     kind: ChannelKind = BROADCAST
+    same_tick: bool = False
+    """Delivery: False (next tick) carries what the outbound executor produced at the previous
+    tick; True (same tick) delivers within the tick, the inbound executor stepping after the
+    outbound one (see ``llamarl/controller.py``)."""
 
     def __post_init__(self) -> None:
         if not isinstance(self.kind, ChannelKind):

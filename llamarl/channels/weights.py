@@ -73,6 +73,8 @@ class WeightsChannel:
     outbound: str = "trainer"
     inbound: str = "generator"
     mode: str = "ddma"
+    same_tick: bool = False
+    """Delivery (see CommunicationChannel); the pipelines here always send weights next tick."""
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:

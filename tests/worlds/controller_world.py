@@ -1,6 +1,6 @@
 """Toy gen -> rew -> train -> gen pipeline on 4 ranks (gen 1, rew 1, train 2) through the controller.
 
-usage: controller_world.py OUT_DIR SCHEDULE MAX_STEPS [FAIL_RANK FAIL_STEP]
+usage: controller_world.py OUT_DIR async|async1|sync MAX_STEPS [FAIL_RANK FAIL_STEP]
 Each rank writes ``OUT_DIR/rank<r>.json`` with what its executor saw at every tick.
 """
 
@@ -70,13 +70,15 @@ class Train(Toy):
 def main() -> None:
     out, schedule, max_steps = Path(sys.argv[1]), sys.argv[2], int(sys.argv[3])
     specs = [ExecutorSpec("gen", 1), ExecutorSpec("rew", 1), ExecutorSpec("train", 2)]
-    channels = [CommunicationChannel("rollouts", "gen", "rew", BROADCAST),
-                CommunicationChannel("scored", "rew", "train", SCATTER),
+    # The three schedules differ only in which channels deliver within the tick.
+    same_tick = {"async": (), "async1": ("rollouts",), "sync": ("rollouts", "scored")}[schedule]
+    channels = [CommunicationChannel("rollouts", "gen", "rew", BROADCAST, same_tick="rollouts" in same_tick),
+                CommunicationChannel("scored", "rew", "train", SCATTER, same_tick="scored" in same_tick),
                 CommunicationChannel("weights", "train", "gen", BROADCAST)]
     ctx = ExecutorContext.create(specs, timeout_s=30, channel_endpoints=[(c.outbound, c.inbound) for c in channels])
     executor = {"gen": Gen, "rew": Rew, "train": Train}[ctx.executor](ctx)
     ExecutorController(ctx, executor, channels, max_steps=max_steps, executor_order=["gen", "rew", "train"],
-                       schedule=schedule, checkpoint_every=0).run()
+                       checkpoint_every=0).run()
     (out / f"rank{ctx.rank}.json").write_text(json.dumps(executor.seen))
     ctx.destroy()
 
