@@ -189,6 +189,10 @@ class RunConfig:
     liveness_timeout_s: float = 30.0
     """A rank whose heartbeat (through torchrun's store) is silent this long is dead: the job ends
     with a line naming it, its executor, step and phase."""
+    eval_every: int = 0
+    """Also evaluate greedy held-out accuracy every this many ticks during training (0: only before
+    and after); ``summary.json`` lists every evaluation as ``evals``: step, seconds since the start,
+    accuracy and the generator's weight version (time-to-accuracy is read from it)."""
     num_eval_problems: int = 100
     """Held-out problems for the greedy accuracy evaluated before and after training."""
     device_guard: bool = False
@@ -200,6 +204,7 @@ class RunConfig:
         _check(self.max_steps >= 0, f"--run.max-steps must be >= 0, got {self.max_steps}")
         _check(self.collective_timeout_s > 0, "--run.collective-timeout-s must be > 0")
         _check(self.liveness_timeout_s > 0, "--run.liveness-timeout-s must be > 0")
+        _check(self.eval_every >= 0, f"--run.eval-every must be >= 0, got {self.eval_every}")
 
 
 @dataclass

@@ -127,9 +127,23 @@ def run_rl(config: RLConfig, *, recipe: str, task: Task, heldout: list[Problem],
     spans: list[dict] = []
     summary: dict = {}
 
+    evals: list[dict] = []
+
+    def record_eval(step: int, accuracy: float) -> None:
+        version = getattr(executor, "version", None)
+        evals.append({"step": step, "seconds": time.time() - wall_start, "accuracy": accuracy, "version": version})
+        if ctx.local_rank == 0:
+            logger.info("eval after %d ticks: greedy accuracy %.1f%% (weights version %s, %.0f s into the run)",
+                        step, 100 * accuracy, version, evals[-1]["seconds"])
+
     def on_tick(step, ex, record):
         spans.extend({"executor": ctx.executor, "rank": ctx.rank, "step": step, "start": a, "end": b}
                      for a, b in record.step_spans)
+        every = config.run.eval_every
+        if evaluates and every and (step + 1) % every == 0 and step + 1 < config.run.max_steps:
+            with controller.guard():  # collective over a TP group: every rank of the replica runs it
+                record_eval(step + 1, executor.evaluate(heldout, score,
+                                                        samples_path=run_dir / f"eval_step_{step + 1}.jsonl"))
         if not leader:
             return
         # An executor that hosts several roles (colocated) reports one metric section per role.
@@ -156,6 +170,7 @@ def run_rl(config: RLConfig, *, recipe: str, task: Task, heldout: list[Problem],
             summary["base_accuracy"] = sum(scores) / max(len(scores), 1)
             return
         summary["base_accuracy"] = executor.evaluate(heldout, score, samples_path=run_dir / "eval_base.jsonl")
+        record_eval(0, summary["base_accuracy"])
 
     export_dir = run_dir / "hf" if config.export.final or config.export.every else None
     controller = ExecutorController(ctx, executor, channels, max_steps=config.run.max_steps,
@@ -175,6 +190,8 @@ def run_rl(config: RLConfig, *, recipe: str, task: Task, heldout: list[Problem],
             if evaluates:
                 summary["final_accuracy"] = executor.evaluate(heldout, score,
                                                               samples_path=run_dir / "eval_final.jsonl")
+                record_eval(config.run.max_steps, summary["final_accuracy"])
+                summary["evals"] = evals
     except BaseException as exc:  # noqa: BLE001 - same failure contract as the loop
         controller.abort(exc)
     close = getattr(executor, "close", None)

@@ -3,6 +3,7 @@
 Every run here uses ``--run.device-guard``, so any tensor made on an implicit device on these paths
 (steps, channels, weight syncs, evaluations) fails the test on CPU rather than a user's GPU run."""
 
+import itertools
 import json
 import sys
 from pathlib import Path
@@ -28,7 +29,7 @@ def read_jsonl(path):
 
 @pytest.mark.parametrize(("schedule", "extra"), [
     ("async", ["--algo.loss", "aipo"]),
-    ("async1", ["--algo.loss", "aipo", "--run.async-lag", "1"]),
+    ("async1", ["--algo.loss", "aipo", "--run.async-lag", "1", "--run.eval-every", "2"]),
     ("sync", ["--algo.loss", "decoupled_ppo", "--algo.prox", "recompute", "--generator.token-budget", "5"]),
 ])
 def test_recipe_runs_and_reports(tmp_path, model_dir, schedule, extra):
@@ -67,6 +68,15 @@ def test_recipe_runs_and_reports(tmp_path, model_dir, schedule, extra):
         assert [r["step"] for r in trainer] == [1, 2, 3, 4]
         assert [r["staleness_max"] for r in trainer] == [0, 1, 1, 1]
         assert [r["staleness_mean"] for r in trainer] == [0, 1, 1, 1]
+        # Evaluations before, during (every 2 ticks) and after training, with the generator's version.
+        evals = summary["evals"]
+        assert [e["step"] for e in evals] == [0, 2, 4, 5]
+        # The generator's weights after tick t are the trainer's of tick t-1 (trained from tick 1 on):
+        # versions 0 after tick 2, 2 after tick 4; the final evaluation follows the last sync (4).
+        assert [e["version"] for e in evals] == [0, 0, 2, 4]
+        assert evals[0]["accuracy"] == summary["base_accuracy"] and evals[-1]["accuracy"] == summary["final_accuracy"]
+        assert all(a["seconds"] < b["seconds"] for a, b in itertools.pairwise(evals))
+        assert len(read_jsonl(out / "eval_step_2.jsonl")) == 8
     else:
         assert len(trainer) == MAX_STEPS - 2  # the pipeline is two ticks deep
         # Warm-up, then the steady lag: data of tick t-2 made with version t-4 vs the trainer's t-2.

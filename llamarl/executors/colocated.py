@@ -79,6 +79,11 @@ class ColocatedExecutor(Executor):
         # dtype: start from exactly the trainer's weights, cast, as the split pipeline does.
         self.sync_weights()
 
+    @property
+    def version(self) -> int:
+        """The generation model's weight version (= the trainer's optimizer steps)."""
+        return self.generator.version
+
     def get_model(self) -> torch.nn.Module:
         return self.trainer.get_model()
 
