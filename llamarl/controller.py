@@ -57,6 +57,7 @@ class TickRecord:
     step_seconds: float
     start: float = 0.0
     step_spans: list[tuple[float, float]] = field(default_factory=list)
+    channel_spans: list[tuple[str, float, float]] = field(default_factory=list)  # (channel, start, end), wall
 
 
 class ExecutorController:
@@ -215,10 +216,13 @@ class ExecutorController:
         for channel in channels:
             # The endpoints name the executor at fault when a peer died mid-exchange.
             self.phase = f"channel {channel.name!r} ({channel.outbound} -> {channel.inbound})"
-            start = time.perf_counter()
+            if not channel.involves(self.ctx):
+                continue
+            start, start_wall = time.perf_counter(), time.time()
             with self.guard():
                 channel.communicate(self.ctx, self.executor)
             record.channel_seconds += time.perf_counter() - start
+            record.channel_spans.append((channel.name, start_wall, time.time()))
 
     def _step(self, record: TickRecord) -> None:
         self.phase = "step"

@@ -61,8 +61,43 @@ def progress_line(step: int, max_steps: int, executor: str, metrics: dict[str, f
 def write_chrome_trace(run_dir: Path, spans: list[dict], *, out_name: str = "timeline.json") -> Path:
     """Chrome-trace JSON of busy spans: each ``{"executor", "rank", "step", "start", "end"}``."""
     origin = min((s["start"] for s in spans), default=0.0)
-    events = [{"name": f"{s['executor']} step {s['step']}", "ph": "X", "pid": s["executor"], "tid": s["rank"],
+    events = [{"name": f"{s['executor']} {s.get('kind', 'step')} {s['step']}", "ph": "X", "pid": s["executor"],
+               "tid": s["rank"],
                "ts": (s["start"] - origin) * 1e6, "dur": (s["end"] - s["start"]) * 1e6} for s in spans]
     path = run_dir / out_name
     path.write_text(json.dumps({"traceEvents": events}))
+    return path
+
+
+def write_timeline_png(run_dir: Path, spans: list[dict], *, title: str = "", out_name: str = "timeline.png") -> Path:
+    """The picture of LlamaRL's Figure 2: one row per rank (labelled with its executor); per tick its
+    busy step (solid), its channels (hatched; weight syncs in their own colour) and, as the gaps,
+    the time it waited. ``spans`` as for ``write_chrome_trace`` with ``kind`` = ``step`` or a channel name."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    origin = min((s["start"] for s in spans), default=0.0)
+    rows = sorted({(s["rank"], s["executor"]) for s in spans})
+    fig, ax = plt.subplots(figsize=(12, 0.6 * len(rows) + 1.5))
+    colours = {"step": "tab:blue", "weights": "tab:red"}
+    for y, (rank, executor) in enumerate(rows):
+        for s in (s for s in spans if s["rank"] == rank):
+            kind = s.get("kind", "step")
+            ax.barh(y, s["end"] - s["start"], left=s["start"] - origin, height=0.6,
+                    color=colours.get(kind, "tab:gray"), hatch=None if kind == "step" else "//",
+                    edgecolor="black", linewidth=0.3)
+    ax.set_yticks(range(len(rows)), [f"{executor} (rank {rank})" for rank, executor in rows])
+    ax.invert_yaxis()
+    ax.set_xlabel("seconds since the first span (gaps: waiting)")
+    from matplotlib.patches import Patch
+
+    ax.legend(handles=[Patch(color="tab:blue", label="step (busy)"), Patch(color="tab:red", label="weight sync (incl. waiting for the peer)"),
+                       Patch(color="tab:gray", label="data channel (incl. waiting for the peer)")], loc="upper right", fontsize=8)
+    ax.set_title(title)
+    fig.tight_layout()
+    path = run_dir / out_name
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
     return path

@@ -41,7 +41,7 @@ from llamarl.executors.generator import GeneratorExecutor, PromptFn, Task
 from llamarl.executors.reward import RewardExecutor
 from llamarl.executors.trainer import TrainerExecutor
 from llamarl.log import setup_logging
-from llamarl.metrics import MetricsLogger, progress_line, write_chrome_trace
+from llamarl.metrics import MetricsLogger, progress_line, write_chrome_trace, write_timeline_png
 from llamarl.world import ExecutorContext, ExecutorSpec
 
 logger = logging.getLogger("llamarl.runner")
@@ -137,8 +137,10 @@ def run_rl(config: RLConfig, *, recipe: str, task: Task, heldout: list[Problem],
                         step, 100 * accuracy, version, evals[-1]["seconds"])
 
     def on_tick(step, ex, record):
-        spans.extend({"executor": ctx.executor, "rank": ctx.rank, "step": step, "start": a, "end": b}
+        spans.extend({"executor": ctx.executor, "rank": ctx.rank, "step": step, "start": a, "end": b, "kind": "step"}
                      for a, b in record.step_spans)
+        spans.extend({"executor": ctx.executor, "rank": ctx.rank, "step": step, "start": a, "end": b, "kind": name}
+                     for name, a, b in record.channel_spans)
         every = config.run.eval_every
         if evaluates and every and (step + 1) % every == 0 and step + 1 < config.run.max_steps:
             with controller.guard():  # collective over a TP group: every rank of the replica runs it
@@ -207,6 +209,8 @@ def run_rl(config: RLConfig, *, recipe: str, task: Task, heldout: list[Problem],
     if ctx.rank == 0:
         all_spans = [s for f in sorted((run_dir / "timeline").glob("rank*.json")) for s in json.loads(f.read_text())]
         write_chrome_trace(run_dir, all_spans)
+        lag = f" (lag {config.run.async_lag})" if config.run.schedule == "async" else ""
+        write_timeline_png(run_dir, all_spans, title=f"{recipe}: {config.run.schedule}{lag}")
         result = {**summary, "num_steps": config.run.max_steps, "wall_seconds": time.time() - wall_start,
                   "schedule": config.run.schedule, "loss": config.algo.loss,
                   **_throughput(run_dir)}

@@ -84,6 +84,14 @@ def test_recipe_runs_and_reports(tmp_path, model_dir, schedule, extra):
         assert [r["staleness_mean"] for r in trainer] == [0, 1, 2]
     trace = json.loads((out / "timeline.json").read_text())
     assert {e["pid"] for e in trace["traceEvents"]} == {"generator", "reward", "trainer"}
+    # Per rank, step and channel spans never overlap (one thread does one thing at a time), and
+    # each executor both works (steps) and talks (channels); the weight sync is its own kind.
+    for rank in {e["tid"] for e in trace["traceEvents"]}:
+        events = sorted((e for e in trace["traceEvents"] if e["tid"] == rank), key=lambda e: e["ts"])
+        assert all(a["ts"] + a["dur"] <= b["ts"] + 1e-3 for a, b in itertools.pairwise(events)), rank
+        assert any(" step " in e["name"] for e in events) and any(" step " not in e["name"] for e in events)
+    assert any(e["name"].startswith("trainer weights") for e in trace["traceEvents"])
+    assert (out / "timeline.png").stat().st_size > 10_000
 
 
 def test_resume_continues_exactly_where_the_checkpoint_left_off(tmp_path, model_dir):
