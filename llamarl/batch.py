@@ -12,6 +12,7 @@ Conventions other modules rely on:
 - ``group_ids`` (int64 [N]): rows with the same value are samples of one prompt; SCATTER never
   splits them.
 - ``num_tokens`` (int64 [N]): per-row token count used to balance SCATTER; 1 per row if absent.
+- ``balance_tokens`` (int64 [N], optional): overrides ``num_tokens`` for balancing only.
 - Ragged fields (token sequences, strings) are right-padded 2-D tensors; ``concat`` pads the
   second dimension with zeros to the widest input, so carry a length or mask field alongside.
 
@@ -140,7 +141,10 @@ class TensorBatch:
         return [self.select(list(range(s, s + n))) for s, n in zip(starts, sizes)]
 
     def row_token_counts(self) -> torch.Tensor:
-        """Per-row token counts used for balancing (``num_tokens`` field, else ones)."""
+        """Per-row token counts used for balancing: ``balance_tokens`` (the work a row will cost its
+        consumer, e.g. 0 for a sample the trainer skips) if present, else ``num_tokens``, else ones."""
+        if "balance_tokens" in self.fields:
+            return self.fields["balance_tokens"].to(torch.int64)
         if "num_tokens" in self.fields:
             return self.fields["num_tokens"].to(torch.int64)
         return torch.ones(len(self), dtype=torch.int64, device=self.device)

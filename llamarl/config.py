@@ -254,5 +254,12 @@ class RLConfig:
     export: ExportConfig = field(default_factory=ExportConfig)
 
     def __post_init__(self) -> None:
+        # The behaviour log-probs are those of the truncated, renormalised distribution, while the
+        # trainer's are of the full one: every ratio would be biased below 1, and a sampled token
+        # can fall outside the trainer's own nucleus (log-prob -inf). Refused until the trainer
+        # reproduces the truncation.
+        _check(self.generator.top_p == 1.0 and self.generator.top_k == 0,
+               f"--generator.top-p {self.generator.top_p} / --generator.top-k {self.generator.top_k}: training "
+               "needs the untruncated distribution (top-p 1, top-k 0); the trainer cannot reproduce the filter")
         _check(self.checkpoint.resume != "latest" or self.run.output_dir is not None,
                "--checkpoint.resume latest needs --run.output-dir (the run whose checkpoints to continue)")

@@ -75,3 +75,14 @@ def test_balanced_group_partition_hand_example():
     assert balanced_group_partition(batch, 5)[4] == []
     with pytest.raises(ValueError):
         balanced_group_partition(batch, 0)
+
+
+def test_balance_tokens_override_num_tokens_for_balancing_only():
+    # Groups 0 and 1 carry no training signal (balance 0): the two groups that do are split apart.
+    batch = TensorBatch({"group_ids": torch.tensor([0, 0, 1, 1, 2, 2, 3, 3]),
+                         "num_tokens": torch.tensor([9, 9, 9, 9, 3, 3, 3, 3]),
+                         "balance_tokens": torch.tensor([0, 0, 0, 0, 3, 3, 3, 3])})
+    parts = balanced_group_partition(batch, 2)
+    assert parts == [[0, 1, 2, 3, 4, 5], [6, 7]]
+    loads = [sum(int(batch["balance_tokens"][r]) for r in part) for part in parts]
+    assert loads == [6, 6]

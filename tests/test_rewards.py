@@ -201,3 +201,20 @@ def test_pool_counters_continue_from_a_checkpoint(tests_importable):
         pool.restore_stats({"num_scored": 10, "num_errors": 2, "unknown_key": 7})
         pool.score_batch(["raise"], ["a"])
         assert pool.stats() == {"num_scored": 11, "num_errors": 3, "num_timeouts": 0, "num_worker_restarts": 0}
+
+
+def test_score_rollouts_marks_groups_without_signal_for_balancing(tests_importable):
+    import torch
+
+    from llamarl.batch import TensorBatch
+    from llamarl.executors.reward import score_rollouts
+
+    batch = TensorBatch({"group_ids": torch.tensor([4, 4, 7, 7]), "num_tokens": torch.tensor([5, 6, 7, 8]),
+                         "completion_len": torch.tensor([1, 2, 3, 4])})
+    batch.set_strings("completion", ["a", "b", "a", "a"])
+    batch.set_strings("reference", ["a", "a", "a", "a"])
+    with RewardPool("scorers_for_tests:flaky", num_workers=0) as pool:
+        scored, metrics = score_rollouts(pool, batch)
+    assert scored["rewards"].tolist() == [1.0, 0.0, 1.0, 1.0]
+    assert scored["balance_tokens"].tolist() == [5, 6, 0, 0]  # group 7 scored alike: no signal
+    assert metrics["reward_mean"] == 0.75 and metrics["accuracy"] == 0.75

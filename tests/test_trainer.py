@@ -195,3 +195,12 @@ def test_max_staleness_drops_rows_counts_them_and_reports_staleness_over_kept_to
     largest = max(g.abs().max().item() for g in expected_grads.values())
     for name, grad in expected_grads.items():
         torch.testing.assert_close(grads[name], grad, rtol=1e-4, atol=1e-5 * largest, msg=name)
+
+
+def test_top_p_and_top_k_are_refused_for_training():
+    from llamarl.config import GeneratorConfig, RLConfig
+
+    with pytest.raises(ValueError, match="--generator.top-p 0.9 / --generator.top-k 0: training needs"):
+        RLConfig(generator=GeneratorConfig(top_p=0.9))
+    with pytest.raises(ValueError, match="top-k 5"):
+        RLConfig(generator=GeneratorConfig(top_k=5))

@@ -25,6 +25,15 @@ def score_rollouts(pool: RewardPool, batch: TensorBatch) -> tuple[TensorBatch, d
     start = time.perf_counter()
     rewards = pool.score_batch(batch.get_strings("completion"), batch.get_strings("reference"))
     batch.fields["rewards"] = torch.tensor(rewards, dtype=torch.float32, device=batch.device)
+    # A group whose samples all scored alike has zero advantage: the trainer does not forward it.
+    # SCATTER then balances trainer ranks by the tokens that will actually be trained on.
+    group_ids = batch["group_ids"]
+    same = torch.ones_like(group_ids, dtype=torch.bool)
+    for gid in group_ids.unique().tolist():
+        rows = group_ids == gid
+        group = batch["rewards"][rows]
+        same[rows] = bool((group == group[0]).all())
+    batch.fields["balance_tokens"] = torch.where(same, torch.zeros_like(batch["num_tokens"]), batch["num_tokens"])
     stats = pool.stats()
     metrics = {"reward_mean": float(sum(rewards) / len(rewards)),
                "accuracy": float(sum(r >= 1.0 for r in rewards) / len(rewards)),
