@@ -55,7 +55,7 @@ def reference_logp(model, input_ids, lengths):
     return torch.nn.functional.pad(logp, (1, 0))
 
 
-def reference_gradients(model_dir, batch, loss_name):
+def reference_gradients(model_dir, batch, loss_name, *, normalize_batch=False):
     """Clipped gradients of the paper-formula loss on the whole batch, and the loss."""
     model, _ = load_causal_lm(str(model_dir))
     model.train()
@@ -67,6 +67,8 @@ def reference_gradients(model_dir, batch, loss_name):
         idx = (batch["group_ids"] == g).nonzero().squeeze(1)
         r = rewards[idx]
         adv[idx] = (r - r.mean()) / (r.std(unbiased=False) + 1e-6)
+    if normalize_batch:
+        adv = (adv - adv.mean()) / (adv.std(unbiased=False) + 1e-6)
     logp = reference_logp(model, batch["input_ids"], batch["num_tokens"])
     behav = batch["behav_logp"]
     A = adv[:, None]
@@ -204,3 +206,21 @@ def test_top_p_and_top_k_are_refused_for_training():
         RLConfig(generator=GeneratorConfig(top_p=0.9))
     with pytest.raises(ValueError, match="top-k 5"):
         RLConfig(generator=GeneratorConfig(top_k=5))
+
+
+@pytest.mark.parametrize(("nproc", "budget"), [(1, 4096), (2, 12)])
+def test_normalize_batch_uses_the_whole_batch_on_any_number_of_ranks(setup, nproc, budget):
+    """Batch-normalised advantages come from the statistics of the whole batch (one all-reduce),
+    so 1 and 2 trainer ranks give the reference's update."""
+    tmp, model_dir, batch = setup
+    out = tmp / f"norm_{nproc}_{budget}.safetensors"
+    check(run_torchrun("trainer_world.py", nproc=nproc, args=[
+        str(model_dir), str(tmp / "batch.safetensors"), str(out), str(budget), "aipo", "none", "normalize"]))
+    expected_grads, expected_loss = reference_gradients(model_dir, batch, "aipo", normalize_batch=True)
+    with safe_open(str(out), "pt") as f:
+        metrics = json.loads(f.metadata()["metrics"])
+        grads = {k.removeprefix("grad."): f.get_tensor(k) for k in f.keys() if k.startswith("grad.")}  # noqa: SIM118
+    assert metrics["loss"] == pytest.approx(expected_loss, rel=1e-4, abs=1e-6)
+    largest = max(g.abs().max().item() for g in expected_grads.values())
+    for name, grad in expected_grads.items():
+        torch.testing.assert_close(grads[name], grad, rtol=1e-4, atol=1e-5 * largest, msg=name)

@@ -119,13 +119,21 @@ class TrainerExecutor(Executor):
         """Advantages, staleness and the max-staleness filter on this rank's rows."""
         stats: dict[str, float] = {}
         if not len(batch):
+            if self.algo.normalize_batch:
+                self._all_reduce([0.0, 0.0, 0.0])  # the batch statistics are collective
             return batch, stats
         group_size = int(batch.metadata.get("group_size", 1))
         order = torch.argsort(batch["group_ids"], stable=True)
         batch = batch.select(order)
         advantages = get_advantage(self.algo.advantage)(batch["rewards"].float(), group_size)
-        if self.algo.normalize_batch and advantages.numel() > 0:
-            advantages = (advantages - advantages.mean()) / (advantages.std(unbiased=False) + 1e-6)
+        if self.algo.normalize_batch:
+            # Statistics of the whole batch over every trainer rank, so the update does not depend
+            # on how many ranks the batch was split over.
+            count, total, squares = self._all_reduce([float(advantages.numel()), float(advantages.sum()),
+                                                      float((advantages.double() ** 2).sum())])
+            mean = total / count
+            std = max(squares / count - mean * mean, 0.0) ** 0.5
+            advantages = (advantages - mean) / (std + 1e-6)
         batch.fields["advantages"] = advantages
         mask = batch["loss_mask"].bool()
         staleness = (self.version - batch["versions"]).masked_fill(~mask, 0)

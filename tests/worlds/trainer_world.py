@@ -1,6 +1,6 @@
 """One TrainerExecutor step on N ranks (the whole world is the trainer).
 
-usage: trainer_world.py MODEL_DIR BATCH.safetensors OUT.safetensors MAX_TOKENS_PER_MICROBATCH LOSS [MAX_STALENESS]
+usage: trainer_world.py MODEL_DIR BATCH.safetensors OUT.safetensors MAX_TOKENS_PER_MICROBATCH LOSS [MAX_STALENESS|none] [normalize]
 Rank 0 writes the full updated parameters, their gradients (``grad.<name>``, after clipping) and
 the step's metrics (as a JSON string in metadata).
 """
@@ -30,11 +30,13 @@ def aipo_x2(*, logp, behav_logp, prox_logp, advantages, mask, algo, num_loss_tok
 
 def main() -> None:
     model_dir, batch_path, out_path, budget, loss = sys.argv[1:6]
-    max_staleness = int(sys.argv[6]) if len(sys.argv) > 6 else None
+    max_staleness = int(sys.argv[6]) if len(sys.argv) > 6 and sys.argv[6] != "none" else None
+    normalize_batch = len(sys.argv) > 7 and sys.argv[7] == "normalize"
     ctx = ExecutorContext.create([ExecutorSpec("trainer", int(__import__("os").environ["WORLD_SIZE"]))], timeout_s=60)
     trainer = TrainerExecutor(ctx, model_config=ModelConfig(name=model_dir),
                               config=TrainerConfig(lr=1e-2, grad_clip=0.5, max_tokens_per_microbatch=int(budget)),
-                              algo=AlgoConfig(loss=loss, prox="loglinear", max_staleness=max_staleness), temperature=0.8)
+                              algo=AlgoConfig(loss=loss, prox="loglinear", max_staleness=max_staleness,
+                                             normalize_batch=normalize_batch), temperature=0.8)
     trainer.init()
     trainer.version = 3  # versions in the batch are 1..3: exercises staleness and log-linear prox
     full = TensorBatch(load_file(batch_path), {"group_size": 2})
