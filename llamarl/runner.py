@@ -156,6 +156,7 @@ def run_rl(config: RLConfig, *, recipe: str, task: Task, heldout: list[Problem],
             metrics = {**values, "channel_seconds": record.channel_seconds, "step_seconds": record.step_seconds}
             if section == "generator" and init_channels:
                 metrics["weight_sync_seconds"] = init_channels[0].last_seconds
+                metrics["weight_sync_skipped"] = float(init_channels[0].last_skipped)
             if section not in loggers:
                 loggers[section] = MetricsLogger(run_dir, section, start_step=start_step)
             loggers[section].log(step, metrics)

@@ -62,6 +62,10 @@ def test_recipe_runs_and_reports(tmp_path, model_dir, schedule, extra):
         # tokens: the first batch's tokens are all version 0 = the trainer's version.
         assert [r["step"] for r in trainer] == [2, 3, 4]
         assert trainer[0]["staleness_max"] == 0 and all(r["staleness_max"] <= 2 for r in trainer)
+        # No weight moves while the trainer has not stepped: ticks 0-2 skip the sync (the version is
+        # the one sent at start-up); from tick 3 every tick follows an update and sends.
+        generator = read_jsonl(out / "metrics" / "generator.jsonl")
+        assert [r["weight_sync_skipped"] for r in generator] == [1, 1, 1, 0, 0]
     elif schedule == "async1":
         # Rollouts are scored within their tick: training starts at tick 1, then every trained
         # token is exactly one version old (tick 1 trains the base model's own samples).

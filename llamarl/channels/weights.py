@@ -25,6 +25,8 @@ generator's ``set_weights_version(version)`` is called with the trainer's versio
 optimizer-step count, sent by the trainer's first rank); ``last_seconds`` holds the sync time on
 this rank, ``bytes_sent`` / ``bytes_received`` the weight bytes of the last sync per
 (source global rank, destination global rank) on this rank (the 8-byte version is not counted).
+Each communicate first announces the trainer's version; when it equals the version last synced (no
+optimizer step since), nothing else moves and ``last_skipped`` is True.
 """
 
 from __future__ import annotations
@@ -85,6 +87,8 @@ class WeightsChannel:
         self.bytes_sent: dict[tuple[int, int], int] = {}
         self.bytes_received: dict[tuple[int, int], int] = {}
         self._buckets: list[_Bucket] = []
+        self._synced_version: int | None = None
+        self.last_skipped = False
 
     def involves(self, ctx) -> bool:
         return ctx.executor in (self.outbound, self.inbound)
@@ -94,13 +98,31 @@ class WeightsChannel:
         if not self.involves(ctx):
             return
         start = time.perf_counter()
-        if self.mode == "ddma":
-            if self.plan is None:
-                self._ddma_handshake(ctx, executor)
-            self._ddma_sync(ctx, executor)
-        else:
-            self._gather_broadcast(ctx, executor)
+        # The trainer's version first (8 bytes to each generator rank): when it is the version
+        # already synced (a tick without an optimizer step), no weight moves at all.
+        version = self._announce_version(ctx, executor)
+        self.last_skipped = version == self._synced_version
+        if not self.last_skipped:
+            if self.mode == "ddma":
+                if self.plan is None:
+                    self._ddma_handshake(ctx, executor)
+                self._ddma_sync(ctx, executor)
+            else:
+                self._gather_broadcast(ctx, executor)
+            self._synced_version = version
         self.last_seconds = time.perf_counter() - start
+
+    def _announce_version(self, ctx, executor) -> int:
+        """The trainer's version on every rank of both executors (trainer ranks agree already)."""
+        if ctx.executor == self.outbound:
+            version = int(executor.version)
+            if ctx.rank == ctx.leader(self.outbound):
+                message = torch.tensor([version], dtype=torch.int64, device=ctx.device)
+                _wait([dist.P2POp(dist.isend, message, g) for g in ctx.ranks[self.inbound]])
+            return version
+        message = torch.zeros(1, dtype=torch.int64, device=ctx.device)
+        _wait([dist.P2POp(dist.irecv, message, ctx.leader(self.outbound))])
+        return int(message.item())
 
     # ----- ddma -----
     def _exchange_layouts(self, ctx, executor) -> dict[int, dict]:
