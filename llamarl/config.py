@@ -144,6 +144,9 @@ class TrainerConfig:
     micro-batch holds more tokens than this."""
     num_threads: int = 1
     """torch intra-op threads on each trainer rank."""
+    max_nonfinite_steps: int = 3
+    """A non-finite loss or gradient norm skips that update (counted as ``nonfinite_steps``); this
+    many in a row end the run with an error naming the values."""
     param_dtype: Literal["float32", "bfloat16"] = "float32"
     """Compute dtype of forward / backward (FSDP2 MixedPrecisionPolicy): master weights and
     AdamW state stay in ``--model.dtype`` and gradients are reduced in fp32. bf16 is ~1.7x faster
@@ -153,6 +156,7 @@ class TrainerConfig:
         _check(self.lr > 0, f"--trainer.lr must be > 0, got {self.lr}")
         _check(self.grad_clip >= 0, "--trainer.grad-clip must be >= 0")
         _check(self.max_tokens_per_microbatch >= 1, "--trainer.max-tokens-per-microbatch must be >= 1")
+        _check(self.max_nonfinite_steps >= 1, f"--trainer.max-nonfinite-steps must be >= 1, got {self.max_nonfinite_steps}")
 
 
 @dataclass

@@ -23,6 +23,8 @@ average back into the sum that a global token mean needs.
 
 from __future__ import annotations
 
+import logging
+import math
 import time
 from pathlib import Path
 
@@ -42,6 +44,8 @@ from llamarl.models.loading import load_causal_lm
 from llamarl.models.sharding import shard_model
 from llamarl.sharded_state import load_sharded_state, save_sharded_state
 
+logger = logging.getLogger("llamarl.trainer")
+
 
 class TrainerExecutor(Executor):
     """Policy optimisation on the trainer's ranks. ``version`` counts optimizer steps."""
@@ -55,6 +59,7 @@ class TrainerExecutor(Executor):
         self.temperature, self.input_name, self.seed = temperature, input_name, seed
         self.version = 0
         self.model = None
+        self.nonfinite_streak = self.nonfinite_total = 0
 
     def init(self) -> None:
         torch.set_num_threads(self.config.num_threads)
@@ -80,7 +85,8 @@ class TrainerExecutor(Executor):
                            rank=self.ctx.local_rank, world_size=self.ctx.local_world_size)
         save_rng(directory / f"rng_rank{self.ctx.local_rank}.safetensors", torch.default_generator)
         if self.ctx.local_rank == 0:
-            write_json(directory / "state.json", {"version": self.version})
+            write_json(directory / "state.json", {"version": self.version, "nonfinite_total": self.nonfinite_total,
+                                                  "nonfinite_streak": self.nonfinite_streak})
 
     def load_checkpoint(self, directory: Path) -> None:
         """Restore ``save_checkpoint``'s state, onto any number of trainer ranks."""
@@ -92,7 +98,10 @@ class TrainerExecutor(Executor):
         rng = directory / f"rng_rank{self.ctx.local_rank}.safetensors"
         if rng.is_file():  # a resharded resume has no file for a new rank: its RNG keeps the seed
             load_rng(rng, torch.default_generator)
-        self.version = int(read_json(directory / "state.json")["version"])
+        state = read_json(directory / "state.json")
+        self.version = int(state["version"])
+        self.nonfinite_total = int(state.get("nonfinite_total", 0))
+        self.nonfinite_streak = int(state.get("nonfinite_streak", 0))
 
     def export(self, directory: Path) -> None:
         """The policy as an HF directory (``from_pretrained`` / vLLM load it as-is), written by the
@@ -106,7 +115,7 @@ class TrainerExecutor(Executor):
         metrics = self.train_on(batch)
         seconds = time.perf_counter() - start
         metrics["train_seconds"] = seconds
-        if len(batch) and not (metrics.get("skipped") or metrics.get("skipped_no_signal")):
+        if len(batch) and not any(metrics.get(k) for k in ("skipped", "skipped_no_signal", "skipped_nonfinite")):
             metrics["train_tokens_per_s"] = float(batch["num_tokens"].sum()) / seconds
         self.metrics = metrics
 
@@ -203,16 +212,21 @@ class TrainerExecutor(Executor):
                                                    self.config.grad_clip if self.config.grad_clip > 0 else float("inf"))
         if isinstance(grad_norm, torch.distributed.tensor.DTensor):
             grad_norm = grad_norm.full_tensor()
-        self.optimizer.step()
-        self.version += 1
         # Every rank reduces the same (declared) keys, even one that only ran dummy micro-batches.
+        # Reduced before the step: the non-finite decision below must be the same on every rank.
         keys = sorted(spec.metrics)
         sum_keys = [k for k in keys if spec.metrics[k] != "max"]
         max_keys = [k for k in keys if spec.metrics[k] == "max"]
         reduced = self._all_reduce([sums.get("loss", 0.0), sums.get("metric_tokens", 0.0)]
                                    + [sums.get(k, 0.0) for k in sum_keys])
         reduced_max = self._all_reduce([maxes.get(k, 0.0) for k in max_keys], op=dist.ReduceOp.MAX)
+        if not (math.isfinite(reduced[0]) and math.isfinite(float(grad_norm))):
+            return self._skip_nonfinite(loss=reduced[0], grad_norm=float(grad_norm))
+        self.nonfinite_streak = 0
+        self.optimizer.step()
+        self.version += 1
         out = {"loss": reduced[0], "grad_norm": float(grad_norm), "num_loss_tokens": total_tokens,
+               "nonfinite_steps": float(self.nonfinite_total),
                "staleness_mean": staleness_sum / total_tokens, "version": float(self.version),
                "zero_advantage_samples": zero_adv, "dropped_stale_samples": dropped_stale}
         metric_tokens = max(reduced[1], 1.0)  # token-weighted means over the samples trained on
@@ -220,6 +234,21 @@ class TrainerExecutor(Executor):
         out.update(dict(zip(max_keys, reduced_max)))
         out["staleness_max"] = self._all_reduce([stats.get("staleness_max", 0.0)], op=dist.ReduceOp.MAX)[0]
         return out
+
+    def _skip_nonfinite(self, *, loss: float, grad_norm: float) -> dict[str, float]:
+        """No optimizer step on a non-finite loss or gradient (identical decision on every rank,
+        from all-reduced values); ``--trainer.max-nonfinite-steps`` in a row end the run."""
+        self.optimizer.zero_grad(set_to_none=True)
+        self.nonfinite_streak += 1
+        self.nonfinite_total += 1
+        if self.nonfinite_streak >= self.config.max_nonfinite_steps:
+            raise RuntimeError(f"{self.nonfinite_streak} consecutive non-finite training steps (last: loss {loss}, "
+                               f"grad norm {grad_norm}) at trainer version {self.version}; "
+                               f"--trainer.max-nonfinite-steps is {self.config.max_nonfinite_steps}")
+        logger.warning("non-finite loss %s / grad norm %s at trainer version %d: update skipped (%d in a row)",
+                       loss, grad_norm, self.version, self.nonfinite_streak)
+        return {"skipped_nonfinite": 1.0, "nonfinite_steps": float(self.nonfinite_total),
+                "version": float(self.version)}
 
     def _inputs(self, batch: TensorBatch, rows: list[int] | None):
         """Trimmed micro-batch tensors; ``rows=None`` is a 2-token dummy (zero loss weight)."""

@@ -1,0 +1,41 @@
+"""A non-finite loss skips the update on every trainer rank, is counted, and K in a row end the run."""
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).parent))
+from launch import check, run_torchrun
+from test_trainer import setup  # noqa: F401 - a fixture: tiny model + batch
+
+
+@pytest.mark.parametrize("nproc", [1, 2])
+def test_a_nan_step_is_skipped_everywhere_and_counted(setup, tmp_path, nproc):  # noqa: F811
+    tmp, model_dir, _ = setup
+    out = tmp_path / "records.json"
+    check(run_torchrun("nonfinite_world.py", nproc=nproc,
+                       args=[str(model_dir), str(tmp / "batch.safetensors"), str(out), "fnf", "3"]))
+    first, poisoned, last = json.loads(out.read_text())
+    assert first["changed"] and first["metrics"]["version"] == 1 and first["metrics"]["nonfinite_steps"] == 0
+    # Only one rank held the NaN row, yet no rank stepped: the decision uses all-reduced values.
+    assert not poisoned["changed"]
+    assert poisoned["metrics"] == {"skipped_nonfinite": 1.0, "nonfinite_steps": 1.0, "version": 1.0}
+    assert last["changed"] and last["metrics"]["version"] == 2 and last["metrics"]["nonfinite_steps"] == 1
+
+
+def test_consecutive_nonfinite_steps_end_the_run_with_a_clear_message(setup, tmp_path):  # noqa: F811
+    tmp, model_dir, _ = setup
+    proc = run_torchrun("nonfinite_world.py", nproc=2,
+                        args=[str(model_dir), str(tmp / "batch.safetensors"), str(tmp_path / "r.json"), "nnn", "2"])
+    assert proc.returncode != 0
+    assert "2 consecutive non-finite training steps (last: loss nan, grad norm nan) at trainer version 0; " \
+           "--trainer.max-nonfinite-steps is 2" in proc.stderr
+
+
+def test_max_nonfinite_steps_must_be_positive():
+    from llamarl.config import TrainerConfig
+
+    with pytest.raises(ValueError, match="--trainer.max-nonfinite-steps must be >= 1, got 0"):
+        TrainerConfig(max_nonfinite_steps=0)
