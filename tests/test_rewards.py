@@ -167,7 +167,8 @@ def test_pool_worker_errors_timeouts_and_recovery(tests_importable):
         # A scorer that kills its own process is an error, and the pool carries on.
         assert pool.score_batch(["die", "z"], ["z", "z"]) == [0.0, 1.0]
         stats = pool.stats()
-    assert stats == {"num_scored": 11, "num_errors": 2, "num_timeouts": 1, "num_worker_restarts": 2}
+    assert stats == {"num_scored": 11, "num_errors": 2, "num_timeouts": 1, "num_worker_restarts": 2,
+                     "num_worker_start_failures": 0}
 
 
 def test_pool_two_workers_builtin_scorer():
@@ -200,7 +201,8 @@ def test_pool_counters_continue_from_a_checkpoint(tests_importable):
     with RewardPool("scorers_for_tests:flaky", num_workers=0) as pool:
         pool.restore_stats({"num_scored": 10, "num_errors": 2, "unknown_key": 7})
         pool.score_batch(["raise"], ["a"])
-        assert pool.stats() == {"num_scored": 11, "num_errors": 3, "num_timeouts": 0, "num_worker_restarts": 0}
+        assert pool.stats() == {"num_scored": 11, "num_errors": 3, "num_timeouts": 0, "num_worker_restarts": 0,
+                                "num_worker_start_failures": 0}
 
 
 def test_score_rollouts_marks_groups_without_signal_for_balancing(tests_importable):
@@ -218,3 +220,29 @@ def test_score_rollouts_marks_groups_without_signal_for_balancing(tests_importab
     assert scored["rewards"].tolist() == [1.0, 0.0, 1.0, 1.0]
     assert scored["balance_tokens"].tolist() == [5, 6, 0, 0]  # group 7 scored alike: no signal
     assert metrics["reward_mean"] == 0.75 and metrics["accuracy"] == 0.75
+
+
+def test_inline_scoring_has_a_timeout_too(tests_importable):
+    with RewardPool("scorers_for_tests:flaky", num_workers=0, timeout_s=0.5) as pool:
+        assert pool.score_batch(["x", "sleep", "y"], ["x", "x", "y"]) == [1.0, 0.0, 1.0]
+        assert pool.stats()["num_timeouts"] == 1 and pool.stats()["num_errors"] == 0
+
+
+def test_a_replacement_worker_that_fails_to_start_is_retried(tests_importable, tmp_path, monkeypatch):
+    counter = tmp_path / "fails"
+    monkeypatch.setenv("LLAMARL_TEST_START_FAILS", str(counter))
+    with RewardPool("scorers_start_fail:score", num_workers=1, timeout_s=5.0) as pool:
+        assert pool.score_batch(["a"], ["a"]) == [1.0]
+        counter.write_text("2")  # the next two worker starts fail
+        assert pool.score_batch(["die", "b", "c"], ["z", "b", "x"]) == [0.0, 1.0, 0.0]
+        assert pool.stats()["num_worker_start_failures"] == 2 and counter.read_text() == "0"
+
+
+def test_a_replacement_that_never_starts_is_an_error_after_the_retries(tests_importable, tmp_path, monkeypatch):
+    counter = tmp_path / "fails"
+    monkeypatch.setenv("LLAMARL_TEST_START_FAILS", str(counter))
+    with RewardPool("scorers_start_fail:score", num_workers=1, timeout_s=5.0) as pool:
+        assert pool.score_batch(["a"], ["a"]) == [1.0]
+        counter.write_text("100")
+        with pytest.raises(RuntimeError, match="failed to load scorer .* after 4 attempts"):
+            pool.score_batch(["die", "b"], ["z", "b"])

@@ -16,7 +16,11 @@ torch has started its threads in the parent. Worker start-up (importing the scor
 to any sample's timeout. Messages are JSON over pipes, so completions must be plain strings.
 
 ``num_workers=0`` scores inline in the calling process: no process overhead (what unit tests of other
-modules use), errors still give 0.0, but timeouts cannot be enforced there: a hanging scorer hangs.
+modules use), errors still give 0.0, and a per-call timeout is enforced with SIGALRM (main thread).
+
+A replacement worker that fails to start (it exits, cannot load the scorer, or does not answer in
+``startup_timeout_s``) is retried ``MAX_START_RETRIES`` times with a short backoff and counted in
+``num_worker_start_failures``; only a pool whose very first workers cannot start raises at once.
 """
 
 from __future__ import annotations
@@ -27,6 +31,7 @@ import logging
 import math
 import multiprocessing
 import signal
+import threading
 import time
 from collections import deque
 from multiprocessing.connection import Connection, wait
@@ -39,6 +44,17 @@ from llamarl.rewards import Scorer, resolve_scorer
 logger = logging.getLogger(__name__)
 
 _START_METHODS = ("spawn", "forkserver")
+
+
+MAX_START_RETRIES = 3
+
+
+class _InlineTimeout(Exception):
+    """Raised by SIGALRM inside an inline scorer call that ran past its timeout."""
+
+
+def _raise_timeout(signum, frame) -> None:
+    raise _InlineTimeout
 
 
 def _call_scorer(scorer: Scorer, completion: str, reference: str) -> float:
@@ -84,6 +100,7 @@ class _Worker:
     started_at: float = dataclasses.field(default_factory=time.monotonic)
     task: int = -1
     deadline: float = math.inf
+    failed_starts: int = 0  # consecutive failed starts of this slot (reset once a worker is ready)
 
 
 class RewardPool:
@@ -116,7 +133,9 @@ class RewardPool:
         self._timeout_s = timeout_s
         self._startup_timeout_s = startup_timeout_s
         self._ctx = multiprocessing.get_context(start_method)
-        self._counts = {"num_scored": 0, "num_errors": 0, "num_timeouts": 0, "num_worker_restarts": 0}
+        self._counts = {"num_scored": 0, "num_errors": 0, "num_timeouts": 0, "num_worker_restarts": 0,
+                        "num_worker_start_failures": 0}
+        self._ever_ready = False
         self._closed = False
         self._workers = [self._start_worker() for _ in range(num_workers)]
 
@@ -131,14 +150,29 @@ class RewardPool:
         child_conn.close()
         return _Worker(process=process, conn=parent_conn)
 
-    def _replace_worker(self, position: int) -> None:
+    def _replace_worker(self, position: int, *, failed_starts: int = 0) -> None:
         """Kill the worker at ``position`` (it may be hung) and start a fresh one in its place."""
         worker = self._workers[position]
         worker.process.kill()
         worker.process.join(timeout=5.0)
         worker.conn.close()
         self._workers[position] = self._start_worker()
+        self._workers[position].failed_starts = failed_starts
         self._counts["num_worker_restarts"] += 1
+
+    def _start_failed(self, position: int, reason: str) -> None:
+        """A worker died or failed during start-up. At pool creation that is a configuration error
+        (raise at once); for a replacement of a worker that once ran, retry with a short backoff,
+        ``MAX_START_RETRIES`` times in a row, before giving up (a transient failure, e.g. memory
+        pressure, must not end a multi-hour run)."""
+        worker = self._workers[position]
+        if not self._ever_ready or worker.failed_starts >= MAX_START_RETRIES:
+            attempts = f" after {worker.failed_starts + 1} attempts" if self._ever_ready else ""
+            raise RuntimeError(f"reward worker {reason}{attempts}")
+        self._counts["num_worker_start_failures"] += 1
+        logger.warning("reward worker %s; retrying (%d/%d)", reason, worker.failed_starts + 1, MAX_START_RETRIES)
+        time.sleep(min(0.5 * 2**worker.failed_starts, 4.0))
+        self._replace_worker(position, failed_starts=worker.failed_starts + 1)
 
     def _record_error(self, message: str) -> None:
         """Count a scorer failure; log the first one loudly and the rest quietly."""
@@ -165,12 +199,27 @@ class RewardPool:
         return rewards
 
     def _score_inline(self, completion: str, reference: str) -> float:
-        """Score one pair in this process (num_workers=0): errors give 0.0, no timeout."""
+        """Score one pair in this process (num_workers=0): errors give 0.0; a call longer than
+        ``timeout_s`` is interrupted by SIGALRM (main thread only; elsewhere it is not timed) and
+        gives 0.0, counted as a timeout. Pure-Python scorers are interruptible; a C call that never
+        returns to the interpreter is not (use workers for such scorers)."""
+        timed = threading.current_thread() is threading.main_thread() and hasattr(signal, "setitimer")
+        previous = signal.signal(signal.SIGALRM, _raise_timeout) if timed else None
         try:
+            if timed:
+                signal.setitimer(signal.ITIMER_REAL, self._timeout_s)
             return _call_scorer(self._scorer, completion, reference)
+        except _InlineTimeout:
+            self._counts["num_timeouts"] += 1
+            logger.debug("inline reward timed out after %.1fs", self._timeout_s)
+            return 0.0
         except Exception as exc:  # noqa: BLE001 - a scorer failure must never stop the run
             self._record_error(f"{type(exc).__name__}: {exc}")
             return 0.0
+        finally:
+            if timed:
+                signal.setitimer(signal.ITIMER_REAL, 0)
+                signal.signal(signal.SIGALRM, previous)
 
     def _score_in_workers(self, completions: list[str], references: list[str]) -> list[float]:
         """Dispatch samples to idle workers one at a time and collect replies until all are done."""
@@ -198,7 +247,7 @@ class RewardPool:
                     remaining -= 1
                     self._replace_worker(position)
                 elif worker.state == "starting" and now >= worker.started_at + self._startup_timeout_s:
-                    raise RuntimeError(f"reward worker did not start within {self._startup_timeout_s}s")
+                    self._start_failed(position, f"did not start within {self._startup_timeout_s}s")
         return rewards
 
     def _dispatch(
@@ -223,20 +272,20 @@ class RewardPool:
             message = json.loads(worker.conn.recv_bytes())
         except (EOFError, OSError):
             if worker.state == "starting":
-                raise RuntimeError(
-                    f"reward worker exited during start-up (exit code {worker.process.exitcode})"
-                )
+                worker.process.join(timeout=5.0)
+                self._start_failed(position, f"exited during start-up (exit code {worker.process.exitcode})")
+                return 0
             # The scorer crashed its whole process (e.g. a segfault or os._exit): a scorer error.
             self._record_error(f"worker process died while scoring sample {worker.task}")
             rewards[worker.task] = 0.0
             self._replace_worker(position)
             return 1
         if "init_error" in message:
-            raise RuntimeError(
-                f"reward worker failed to load scorer {self._scorer_name!r}: {message['init_error']}"
-            )
+            self._start_failed(position, f"failed to load scorer {self._scorer_name!r}: {message['init_error']}")
+            return 0
         if message.get("ready"):
-            worker.state = "idle"
+            worker.state, worker.failed_starts = "idle", 0
+            self._ever_ready = True
             return 0
         if message["index"] != worker.task:
             raise RuntimeError(f"reward worker answered sample {message['index']}, expected {worker.task}")
@@ -249,7 +298,8 @@ class RewardPool:
         return 1
 
     def stats(self) -> dict[str, int]:
-        """Cumulative counters: num_scored, num_errors, num_timeouts, num_worker_restarts."""
+        """Cumulative counters: num_scored, num_errors, num_timeouts, num_worker_restarts,
+        num_worker_start_failures."""
         return dict(self._counts)
 
     def restore_stats(self, counts: dict[str, int]) -> None:
