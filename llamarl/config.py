@@ -80,6 +80,8 @@ class GeneratorConfig:
         _check(self.max_new_tokens >= 1, "--generator.max-new-tokens must be >= 1")
         _check(self.token_budget is None or self.token_budget >= 1, "--generator.token-budget must be >= 1")
         _check(self.engine == "torch" or self.tp == 1, "--generator.engine vllm runs with --generator.tp 1")
+        _check(self.num_threads >= 1, f"--generator.num-threads must be >= 1, got {self.num_threads}")
+        _check(self.kv_cache_gib > 0, f"--generator.kv-cache-gib must be > 0, got {self.kv_cache_gib}")
         _check(0 < self.gpu_memory_utilization <= 1,
                f"--generator.gpu-memory-utilization must be in (0, 1], got {self.gpu_memory_utilization}")
 
@@ -155,6 +157,8 @@ class TrainerConfig:
     def __post_init__(self) -> None:
         _check(self.lr > 0, f"--trainer.lr must be > 0, got {self.lr}")
         _check(self.grad_clip >= 0, "--trainer.grad-clip must be >= 0")
+        _check(self.weight_decay >= 0, f"--trainer.weight-decay must be >= 0, got {self.weight_decay}")
+        _check(self.num_threads >= 1, f"--trainer.num-threads must be >= 1, got {self.num_threads}")
         _check(self.max_tokens_per_microbatch >= 1, "--trainer.max-tokens-per-microbatch must be >= 1")
         _check(self.max_nonfinite_steps >= 1, f"--trainer.max-nonfinite-steps must be >= 1, got {self.max_nonfinite_steps}")
 
@@ -209,6 +213,7 @@ class RunConfig:
         _check(self.collective_timeout_s > 0, "--run.collective-timeout-s must be > 0")
         _check(self.liveness_timeout_s > 0, "--run.liveness-timeout-s must be > 0")
         _check(self.eval_every >= 0, f"--run.eval-every must be >= 0, got {self.eval_every}")
+        _check(self.num_eval_problems >= 0, f"--run.num-eval-problems must be >= 0, got {self.num_eval_problems}")
 
 
 @dataclass

@@ -42,6 +42,7 @@ from llamarl.executors.reward import RewardExecutor
 from llamarl.executors.trainer import TrainerExecutor
 from llamarl.log import setup_logging
 from llamarl.metrics import MetricsLogger, progress_line, write_chrome_trace, write_timeline_png
+from llamarl.validate import model_context_length, validate_config
 from llamarl.world import ExecutorContext, ExecutorSpec
 
 logger = logging.getLogger("llamarl.runner")
@@ -72,13 +73,15 @@ def _build(config: RLConfig, *, task: Task, scorer: str, prompt_fn: PromptFn):
     Returns ``(ctx, executor, channels, init_channels, executor_order)``.
     """
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    context = model_context_length(config.model.name)
+    max_tokens = min(config.trainer.max_tokens_per_microbatch, context or config.trainer.max_tokens_per_microbatch)
     if config.run.schedule == "colocated":
         if config.generator.tp != 1:
             raise ValueError(f"--run.schedule colocated needs --generator.tp 1, got {config.generator.tp}")
         ctx = ExecutorContext.create([ExecutorSpec("colocated", world_size)],
                                      timeout_s=config.run.collective_timeout_s)
         generator = GeneratorExecutor(ctx, model_config=config.model, config=config.generator, task=task,
-                                      prompt_fn=prompt_fn, seed=config.run.seed)
+                                      prompt_fn=prompt_fn, seed=config.run.seed, max_sequence_tokens=max_tokens)
         trainer = TrainerExecutor(ctx, model_config=config.model, config=config.trainer, algo=config.algo,
                                   temperature=config.generator.temperature, seed=config.run.seed)
         executor = ColocatedExecutor(ctx, generator=generator, trainer=trainer, reward=config.reward, scorer=scorer)
@@ -96,7 +99,7 @@ def _build(config: RLConfig, *, task: Task, scorer: str, prompt_fn: PromptFn):
                                  channel_endpoints=[(c.outbound, c.inbound) for c in channels])
     if ctx.executor == "generator":
         executor = GeneratorExecutor(ctx, model_config=config.model, config=config.generator, task=task,
-                                     prompt_fn=prompt_fn, seed=config.run.seed)
+                                     prompt_fn=prompt_fn, seed=config.run.seed, max_sequence_tokens=max_tokens)
     elif ctx.executor == "reward":
         executor = RewardExecutor(ctx, config=config.reward, scorer=scorer)
     else:
@@ -109,6 +112,8 @@ def run_rl(config: RLConfig, *, recipe: str, task: Task, heldout: list[Problem],
            score: Callable[[str, str], float], scorer: str, prompt_fn: PromptFn) -> dict | None:
     """Run the RL loop on this rank; returns the summary dict on global rank 0, else None."""
     wall_start = time.time()
+    # Every rank, before any process group: bad input costs one line, not a half-started world.
+    validate_config(config, world_size=int(os.environ.get("WORLD_SIZE", "1")))
     ctx, executor, channels, init_channels, executor_order = _build(config, task=task, scorer=scorer,
                                                                     prompt_fn=prompt_fn)
     setup_logging(executor=ctx.executor, rank=ctx.rank)

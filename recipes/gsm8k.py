@@ -44,7 +44,7 @@ from llamarl.config import (
     RunConfig,
     TrainerConfig,
 )
-from llamarl.data.gsm8k import load_gsm8k_jsonl
+from llamarl.data.gsm8k import Problems, load_gsm8k_jsonl
 from llamarl.data.hub import load_hub_problems
 from llamarl.data.problem_list import ListTask
 from llamarl.data.prompts import Problem, build_chat_prompt
@@ -93,7 +93,11 @@ def load_split(data: GSM8KDataConfig, split: str) -> list[Problem]:
     else:
         problems = load_hub_problems(data.hub_dataset, config=data.hub_config, split=split,
                                      to_problem=lambda row: Problem(question=row["question"], answer=row["answer"]))
-    return problems[: data.max_train_problems] if split == "train" and data.max_train_problems else problems
+    if split == "train" and data.max_train_problems:
+        skipped = getattr(problems, "num_skipped_rows", 0)
+        problems = Problems(problems[: data.max_train_problems])
+        problems.num_skipped_rows = skipped
+    return problems
 
 
 def prompt_fn(tokenizer, question: str) -> list[int]:

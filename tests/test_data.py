@@ -70,15 +70,18 @@ def test_load_gsm8k_jsonl(tmp_path):
 
 @pytest.mark.parametrize(
     ("bad_line", "message"),
-    [("{not json", "invalid JSON"), ('{"question": "Q"}', "'question' and 'answer'"), ("[1, 2]", "'answer'")],
+    [(b"{not json", "invalid JSON"), (b'{"question": "Q"}', "missing or non-string 'answer'"),
+     (b"[1, 2]", "not a JSON object"), (b'{"question": " ", "answer": "#### 1"}', "empty 'question'"),
+     (b'{"question": "Q\xff", "answer": "#### 1"}', "invalid UTF-8")],
 )
-def test_load_gsm8k_jsonl_bad_line(tmp_path, bad_line, message):
+def test_a_broken_gsm8k_row_is_skipped_named_and_counted(tmp_path, caplog, bad_line, message):
     path = tmp_path / "bad.jsonl"
-    path.write_text(
-        json.dumps({"question": "Q", "answer": "#### 1"}) + "\n" + bad_line + "\n", encoding="utf-8"
-    )
-    with pytest.raises(ValueError, match=f"bad.jsonl:2: .*{message}"):
-        load_gsm8k_jsonl(path)
+    good = json.dumps({"question": "Q", "answer": "#### 1"}).encode()
+    path.write_bytes(good + b"\n" + bad_line + b"\n" + good + b"\n")
+    with caplog.at_level("WARNING", logger="llamarl.data"):
+        problems = load_gsm8k_jsonl(path)
+    assert problems == [Problem("Q", "#### 1")] * 2 and problems.num_skipped_rows == 1
+    assert f"bad.jsonl:2: row skipped ({message}" in caplog.text
 
 
 def test_load_gsm8k_jsonl_missing_file(tmp_path):

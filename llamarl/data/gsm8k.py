@@ -3,32 +3,61 @@
 from __future__ import annotations
 
 import json
+import logging
 from pathlib import Path
 
 from llamarl.data.prompts import Problem
 
+logger = logging.getLogger("llamarl.data")
 
-def load_gsm8k_jsonl(path: str | Path) -> list[Problem]:
+
+class Problems(list):
+    """A list of problems that also says how many rows of its source were skipped."""
+
+    num_skipped_rows: int = 0
+
+
+def load_gsm8k_jsonl(path: str | Path) -> Problems:
     """Load GSM8K problems; ``Problem.answer`` is the full answer field (reasoning + ``#### N``).
 
-    Blank lines are skipped. A missing file, a line that is not a JSON object, or a line without
-    string ``question`` / ``answer`` fields raises ValueError naming the file and 1-based line number.
+    A missing file raises ValueError. Blank lines are ignored. A broken row (invalid UTF-8, not a
+    JSON object, a missing / non-string / empty ``question`` or ``answer``) is skipped with a warning
+    naming the file and 1-based line, and counted in ``num_skipped_rows`` of the result (the
+    generator reports it as ``data_skipped_rows``): one bad line never costs a run.
     """
     path = Path(path)
     if not path.is_file():
         raise ValueError(f"GSM8K file not found: {path}")
-    problems = []
-    with path.open(encoding="utf-8") as lines:
-        for number, line in enumerate(lines, start=1):
-            if not line.strip():
+    problems = Problems()
+    with path.open("rb") as lines:
+        for number, raw in enumerate(lines, start=1):
+            problem, reason = _parse(raw)
+            if reason == "blank":
                 continue
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError as exc:
-                raise ValueError(f"{path}:{number}: invalid JSON ({exc.msg})") from None
-            if not isinstance(row, dict) or not all(
-                isinstance(row.get(k), str) for k in ("question", "answer")
-            ):
-                raise ValueError(f"{path}:{number}: expected an object with string 'question' and 'answer'")
-            problems.append(Problem(question=row["question"], answer=row["answer"]))
+            if problem is None:
+                problems.num_skipped_rows += 1
+                logger.warning("%s:%d: row skipped (%s)", path, number, reason)
+                continue
+            problems.append(problem)
     return problems
+
+
+def _parse(raw: bytes) -> tuple[Problem | None, str]:
+    try:
+        line = raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        return None, f"invalid UTF-8 at byte {exc.start}"
+    if not line.strip():
+        return None, "blank"
+    try:
+        row = json.loads(line)
+    except json.JSONDecodeError as exc:
+        return None, f"invalid JSON: {exc.msg}"
+    if not isinstance(row, dict):
+        return None, "not a JSON object"
+    for key in ("question", "answer"):
+        if not isinstance(row.get(key), str):
+            return None, f"missing or non-string {key!r}"
+        if not row[key].strip():
+            return None, f"empty {key!r}"
+    return Problem(question=row["question"], answer=row["answer"]), ""

@@ -21,6 +21,8 @@ class ListTask:
         if not problems:
             raise ValueError("ListTask needs at least one problem")
         self.problems, self.seed = list(problems), seed
+        # Rows the loader skipped (broken JSON, missing fields, ...), reported by the generator.
+        self.num_skipped_rows = int(getattr(problems, "num_skipped_rows", 0))
         self._perms: dict[int, list[int]] = {}
 
     def __len__(self) -> int:

@@ -26,6 +26,7 @@ its shard (the ``gather_broadcast`` weight mode supports replicas only).
 from __future__ import annotations
 
 import json
+import logging
 import time
 from collections.abc import Callable
 from dataclasses import asdict
@@ -42,6 +43,8 @@ from llamarl.engines.torch_engine import Completion, Request, SamplingParams, To
 from llamarl.executors.base import Executor
 from llamarl.models.loading import load_causal_lm
 from llamarl.models.tensor_parallel import apply_tensor_parallel
+
+logger = logging.getLogger("llamarl.generator")
 
 
 class Task(Protocol):
@@ -91,7 +94,8 @@ class GeneratorExecutor(Executor):
     name = "generator"
 
     def __init__(self, ctx, *, model_config: ModelConfig, config: GeneratorConfig, task: Task,
-                 prompt_fn: PromptFn, output_name: str = "rollouts", seed: int = 0) -> None:
+                 prompt_fn: PromptFn, output_name: str = "rollouts", seed: int = 0,
+                 max_sequence_tokens: int | None = None) -> None:
         super().__init__(ctx)
         self.model_config, self.config, self.task, self.prompt_fn = model_config, config, task, prompt_fn
         self.output_name, self.seed = output_name, seed
@@ -100,6 +104,10 @@ class GeneratorExecutor(Executor):
         self.carried: list[Request] = []
         self.finished: dict[int, list[Completion]] = {}
         self.problems: dict[int, Problem] = {}
+        # Prompt + max_new_tokens must fit this (the trainer's micro-batch budget, the model's
+        # context); a longer prompt is skipped with a warning and counted, never a mid-run crash.
+        self.max_sequence_tokens = max_sequence_tokens
+        self.skipped_prompts = 0
 
     def init(self) -> None:
         if self.config.tp != self.ctx.tp_size:
@@ -138,7 +146,7 @@ class GeneratorExecutor(Executor):
         super().save_checkpoint(directory)
         rank = self.ctx.local_rank
         write_json(directory / f"state_rank{rank}.json", {
-            "data_position": self.data_position, "version": self.version,
+            "data_position": self.data_position, "version": self.version, "skipped_prompts": self.skipped_prompts,
             "carried": [asdict(r) for r in self.carried],
             "finished": {str(g): [asdict(c) for c in outs] for g, outs in self.finished.items()},
             "problems": {str(g): asdict(p) for g, p in self.problems.items()},
@@ -150,6 +158,7 @@ class GeneratorExecutor(Executor):
         rank = self.ctx.local_rank
         state = read_json(directory / f"state_rank{rank}.json")
         self.data_position, self.version = int(state["data_position"]), int(state["version"])
+        self.skipped_prompts = int(state.get("skipped_prompts", 0))
         self.carried = [Request(**r) for r in state["carried"]]
         self.finished = {int(g): [Completion(**c) for c in outs] for g, outs in state["finished"].items()}
         self.problems = {int(g): Problem(**p) for g, p in state["problems"].items()}
@@ -183,6 +192,13 @@ class GeneratorExecutor(Executor):
             problem = self.task.sample(index)
             self.problems[index] = problem
             prompt_ids = self.prompt_fn(self.tokenizer, problem.question)
+            if self.max_sequence_tokens is not None and len(prompt_ids) + c.max_new_tokens > self.max_sequence_tokens:
+                self.skipped_prompts += 1
+                del self.problems[index]
+                logger.warning("prompt %d skipped: %d tokens + --generator.max-new-tokens %d > %d (the trainer's "
+                               "micro-batch budget or the model's context)", index, len(prompt_ids),
+                               c.max_new_tokens, self.max_sequence_tokens)
+                continue
             requests += [Request(sample_id=index * c.samples_per_prompt + j, prompt_ids=list(prompt_ids))
                          for j in range(c.samples_per_prompt)]
         return requests
@@ -224,7 +240,9 @@ class GeneratorExecutor(Executor):
                         "gen_carried": float(len(self.carried)), "gen_version": float(self.version),
                         "gen_emitted_samples": float(len(completions) if emits else 0),
                         # Prompts consumed so far by every replica: resumes must neither skip nor repeat one.
-                        "gen_data_position": float(self.data_position)}
+                        "gen_data_position": float(self.data_position),
+                        "gen_skipped_prompts": float(self.skipped_prompts),
+                        "data_skipped_rows": float(getattr(self.task, "num_skipped_rows", 0))}
 
     @torch.no_grad()
     def evaluate(self, problems: list[Problem], score: Callable[[str, str], float], *, chunk: int = 64,

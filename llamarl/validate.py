@@ -1,0 +1,68 @@
+"""Checks of a whole run's configuration that need more than one field, run on every rank before
+any process group exists, so that bad input costs a one-line error and nothing else.
+
+Per-field checks live in each config's ``__post_init__`` (``llamarl/config.py``); the rank split is
+checked by ``world.plan_ranks``, also before any group is made. What only the data can tell (a
+prompt too long for the budget, a broken row) is skipped with a warning and counted where it is read.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+from llamarl.config import RLConfig
+from llamarl.models.loading import KNOWN_ALIASES
+
+
+def model_context_length(name: str) -> int | None:
+    """``max_position_embeddings`` of a local HF directory's ``config.json`` (None when unknown:
+    an alias not yet converted, or a hub id)."""
+    config = Path(name).expanduser() / "config.json"
+    if not config.is_file():
+        return None
+    try:
+        value = json.loads(config.read_text()).get("max_position_embeddings")
+    except (OSError, json.JSONDecodeError) as exc:
+        raise ValueError(f"--model.name {name}: cannot read {config}: {exc}") from None
+    return int(value) if isinstance(value, int) else None
+
+
+def _writable(path: Path) -> bool:
+    """Whether ``path`` can be created or written: its nearest existing ancestor is a writable dir."""
+    for candidate in [path, *path.parents]:
+        if candidate.exists():
+            return candidate.is_dir() and os.access(candidate, os.W_OK | os.X_OK)
+    return False
+
+
+def validate_config(config: RLConfig, *, world_size: int) -> None:
+    """Raise ValueError (one line, naming the flag and the value) for a configuration that cannot run."""
+    name = config.model.name
+    if name not in KNOWN_ALIASES:
+        path = Path(name).expanduser()
+        looks_local = name.startswith((".", "/", "~")) or name.count("/") > 1 or path.exists()
+        if looks_local and not path.is_dir():
+            raise ValueError(f"--model.name {name}: no such model directory (nor a built-in alias: "
+                             f"{', '.join(KNOWN_ALIASES)})")
+    output = Path(config.run.output_dir or "runs")
+    if not _writable(output):
+        raise ValueError(f"--run.output-dir {output}: not writable")
+    generator, trainer = config.generator, config.trainer
+    if generator.max_new_tokens >= trainer.max_tokens_per_microbatch:
+        raise ValueError(f"--generator.max-new-tokens {generator.max_new_tokens} leaves no room for a prompt in "
+                         f"--trainer.max-tokens-per-microbatch {trainer.max_tokens_per_microbatch}")
+    context = model_context_length(name)
+    if context is not None and generator.max_new_tokens >= context:
+        raise ValueError(f"--generator.max-new-tokens {generator.max_new_tokens} does not fit the model's "
+                         f"context of {context} tokens ({name})")
+    if config.algo.advantage == "rloo" and generator.samples_per_prompt < 2:
+        raise ValueError("--algo.advantage rloo needs --generator.samples-per-prompt >= 2, "
+                         f"got {generator.samples_per_prompt}")
+    if config.run.schedule != "colocated":
+        needed = generator.num_ranks + config.reward.num_ranks + 1
+        if world_size < needed:
+            raise ValueError(f"--generator.num-ranks {generator.num_ranks} + --reward.num-ranks "
+                             f"{config.reward.num_ranks} + at least 1 trainer rank = {needed} > the world size "
+                             f"{world_size} (torchrun --nproc-per-node); or use --run.schedule colocated")
