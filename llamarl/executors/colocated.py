@@ -49,7 +49,7 @@ from llamarl.rewards.pool import RewardPool
 # Reward metrics that are per-sample means (re-weighted by the sample count when reduced) and
 # counters (summed over ranks).
 _REWARD_MEANS = ("reward_mean", "accuracy", "completion_len_mean")
-_REWARD_SUMS = ("reward_errors", "reward_timeouts", "reward_samples")
+_REWARD_SUMS = ("reward_errors", "reward_timeouts", "reward_worker_start_failures", "reward_samples")
 
 
 class ColocatedExecutor(Executor):

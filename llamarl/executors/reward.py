@@ -39,6 +39,7 @@ def score_rollouts(pool: RewardPool, batch: TensorBatch) -> tuple[TensorBatch, d
                "accuracy": float(sum(r >= 1.0 for r in rewards) / len(rewards)),
                "completion_len_mean": float(batch["completion_len"].float().mean()),
                "reward_errors": float(stats["num_errors"]), "reward_timeouts": float(stats["num_timeouts"]),
+               "reward_worker_start_failures": float(stats["num_worker_start_failures"]),
                "reward_seconds": time.perf_counter() - start, "reward_samples": float(len(rewards))}
     return batch, metrics
 
