@@ -31,7 +31,9 @@ from __future__ import annotations
 
 import contextlib
 import os
+import signal
 import sys
+import threading
 import time
 import traceback
 from collections.abc import Callable
@@ -142,6 +144,8 @@ class ExecutorController:
     # ----- the loop -----
     def run(self) -> None:
         """Run init, init channels and every tick; on any exception report and exit(1)."""
+        if threading.current_thread() is threading.main_thread():
+            signal.signal(signal.SIGTERM, self._on_sigterm)
         try:
             if self.heartbeat is not None:
                 self.heartbeat.start()
@@ -165,6 +169,16 @@ class ExecutorController:
                 self.executor.export(Path(self.export_dir) / "final")
         except BaseException as exc:  # noqa: BLE001 - any failure must take the world down
             self.abort(exc)
+
+    def _on_sigterm(self, signum, frame) -> None:
+        """torchrun stops the other ranks as soon as one ends, often before they notice the dead peer
+        themselves: say where this rank was and which executor owns which ranks, so torchrun's
+        "root cause: rank r" line can be read as an executor."""
+        owners = ", ".join(f"{name} {ranks}" for name, ranks in self.ctx.ranks.items())
+        print(f"llamarl: executor {self.ctx.executor!r} (rank {self.ctx.rank}, local rank {self.ctx.local_rank}) "
+              f"stopped at step {self.step_index} during {self.phase}: terminated by torchrun after another rank "
+              f"ended; executors by rank: {owners}", file=sys.stderr, flush=True)
+        os._exit(128 + signum)
 
     def finish(self) -> None:
         """Mark this rank's clean end for the liveness watch (call last, after any collective)."""

@@ -17,8 +17,12 @@ from launch import REPO, check, run_torchrun
 from tiny_model import save_tiny_model
 
 STEPS = 24
+# Whichever notices first: the heartbeat naming the dead rank, a peer whose exchange with it failed,
+# or a peer that torchrun stopped (its line maps torchrun's "root cause: rank 0" to the generator).
 NAMED_LINE = re.compile(r"llamarl: (rank 0 \(executor 'generator'\) stopped responding at step \d+"
-                        r"|executor '\w+' \(rank \d, local rank \d\) failed at step \d+ during [^\n]*generator)")
+                        r"|executor '\w+' \(rank \d, local rank \d\) failed at step \d+ during [^\n]*generator"
+                        r"|executor '\w+' \(rank \d, local rank \d\) stopped at step \d+ during [^\n]*"
+                        r"executors by rank: generator \[0\])")
 
 
 def args(model_dir, out):

@@ -3,6 +3,7 @@ through the heartbeat, with a line naming its rank, executor and step; the colle
 (an hour here) plays no part."""
 
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -15,12 +16,34 @@ sys.path.insert(0, str(Path(__file__).parent))
 from launch import REPO
 
 
-def test_a_stopped_rank_ends_the_job_with_a_named_line(tmp_path):
+def start_world(tmp_path):
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": f"{REPO}{os.pathsep}{REPO / 'tests'}"}
-    proc = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
+    return subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
                              "--monitor-interval=0.5", str(REPO / "tests" / "worlds" / "liveness_world.py"),
                              str(tmp_path), "3"], cwd=REPO, env=env, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True)
+
+
+def test_a_rank_terminated_by_torchrun_says_where_it_was_and_who_owns_which_rank(tmp_path):
+    proc = start_world(tmp_path)
+    try:
+        while not (tmp_path / "rank1.pid").is_file():
+            if proc.poll() is not None:
+                pytest.fail(proc.stderr.read()[-4000:])
+            time.sleep(0.05)
+        time.sleep(0.2)
+        os.kill(int((tmp_path / "rank1.pid").read_text()), signal.SIGTERM)
+        _, stderr = proc.communicate(timeout=120)
+    finally:
+        proc.kill()
+    assert proc.returncode != 0
+    assert re.search(r"llamarl: executor 'b' \(rank 1, local rank 0\) stopped at step \d+ during step: "
+                     r"terminated by torchrun after another rank ended; executors by rank: a \[0\], b \[1\]",
+                     stderr), stderr[-3000:]
+
+
+def test_a_stopped_rank_ends_the_job_with_a_named_line(tmp_path):
+    proc = start_world(tmp_path)
     pid = None
     try:
         while not (tmp_path / "rank1.pid").is_file():
