@@ -17,7 +17,7 @@ RUN_ARGS ?=
 	$(PY) -m pip uninstall -y -q torchvision torchaudio torchcodec triton
 	touch $@
 
-.PHONY: run test test-vllm test-gpu lint
+.PHONY: run test test-vllm test-gpu gsm8k-smoke lint
 run: .venv/.installed
 	OMP_NUM_THREADS=1 .venv/bin/torchrun --standalone --nproc-per-node $(NPROC) -m recipes.arithmetic $(RUN_ARGS)
 
@@ -34,3 +34,8 @@ test-vllm: .venv/.vllm-installed
 # Every test there skips with a reason naming CUDA on a machine without one.
 test-gpu: .venv/.installed
 	OMP_NUM_THREADS=1 $(PY) -m pytest -q -s tests/gpu
+
+# GSM8K on SmolLM2-135M-Instruct, 3 CPU ranks, a few ticks (data: ../shared/data/gsm8k); writes
+# runs/gsm8k-*/summary.json with the base and final test accuracy (and pass@1 / pass@4 on 8 problems).
+gsm8k-smoke: .venv/.installed
+	OMP_NUM_THREADS=1 .venv/bin/torchrun --standalone --nproc-per-node 3 -m recipes.gsm8k cpu-smoke
