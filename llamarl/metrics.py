@@ -1,4 +1,4 @@
-"""Per-executor metrics: JSONL + TensorBoard, a one-line console progress, and a timeline trace.
+"""Per-executor metrics: JSONL + TensorBoard, and the timeline trace and picture.
 
 Each executor's first rank owns one ``MetricsLogger`` writing ``<run>/metrics/<executor>.jsonl``
 and TensorBoard scalars under ``<run>/tensorboard/<executor>``. Every rank appends its busy spans
@@ -50,12 +50,6 @@ class MetricsLogger:
         self.jsonl.close()
         if self.writer is not None:
             self.writer.close()
-
-
-def progress_line(step: int, max_steps: int, executor: str, metrics: dict[str, float], keys: list[str]) -> None:
-    """Log ``[step/max] executor k=v ...`` for the keys present (console progress)."""
-    shown = " ".join(f"{k}={metrics[k]:.4g}" for k in keys if k in metrics)
-    logger.info("[%3d/%d] %-9s %s", step + 1, max_steps, executor, shown)
 
 
 def write_chrome_trace(run_dir: Path, spans: list[dict], *, out_name: str = "timeline.json") -> Path:

@@ -1,20 +1,21 @@
-"""run_rl: wires the standard generator -> reward -> trainer -> generator pipeline and runs it.
+"""run_pipeline: one entry point that runs any pipeline (llamarl/pipeline.py) on this rank.
 
-``--run.schedule colocated`` instead puts generator, scorer and trainer on every rank
-(``executors/colocated.py``); everything below about ranks and channels is for the split schedules.
+It makes the world from the pipeline's stages (consecutive rank ranges, groups and meshes in
+``llamarl/world.py``), builds this rank's executor with its stage's ``build``, builds the channels,
+and runs the controller with checkpoints, exports, liveness, the device guard, metrics (JSONL +
+TensorBoard per executor, rank 0's progress bar), evaluations and the run's artefacts: the
+Chrome trace and the timeline PNG of every rank's busy / channel spans, and ``summary.json``.
 
-Recipes supply the task (prompts + references), the scorer and the prompt format; everything else
-comes from ``RLConfig``. The world is split generator | reward | trainer by
-``--generator.num-ranks`` / ``--reward.num-ranks`` (the trainer gets the rest). Channels:
+The runner knows nothing about what an executor does. Executors report their metrics in
+``executor.metrics`` after each step (an executor hosting several roles may report one section per
+role in ``executor.metric_sections``); the inbound end of a ``weights`` channel also reports the
+sync's ``weight_sync_seconds`` / ``weight_sync_skipped``. The pipeline's ``evaluator`` stage
+evaluates greedy accuracy on the held-out problems before training, every ``--run.eval-every``
+ticks and after the last tick (with the final weights), on every rank of its first data-parallel
+replica (collective over a TP group); its first rank writes ``summary.json``.
 
-- ``rollouts``: generator -> reward, SCATTER (whole prompt groups, balanced by tokens); same-tick
-  under ``sync`` and ``async`` with ``--run.async-lag 1``;
-- ``scored``: reward -> trainer, SCATTER (each trainer rank gets whole groups); same-tick under ``sync``;
-- ``weights``: trainer -> generator (WeightsChannel), also run once at init so both sides start
-  from bit-identical weights, and once after the last tick for the final evaluation.
-
-The generator's first rank (global rank 0) evaluates greedy accuracy on the held-out problems
-before and after training and writes ``summary.json`` into the run directory.
+``config`` is any dataclass with the ``run``, ``checkpoint`` and ``export`` sections of ``RLConfig``
+(it is also written to ``config.json``).
 """
 
 from __future__ import annotations
@@ -30,114 +31,72 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from llamarl.channels.base import SCATTER, CommunicationChannel
 from llamarl.channels.weights import WeightsChannel
 from llamarl.checkpoint import resolve_resume
-from llamarl.config import RLConfig
 from llamarl.controller import ExecutorController
 from llamarl.data.prompts import Problem
-from llamarl.executors.colocated import ColocatedExecutor
-from llamarl.executors.generator import GeneratorExecutor, PromptFn, Task
-from llamarl.executors.reward import RewardExecutor
-from llamarl.executors.trainer import TrainerExecutor
 from llamarl.log import setup_logging
-from llamarl.metrics import MetricsLogger, progress_line, write_chrome_trace, write_timeline_png
-from llamarl.validate import model_context_length, validate_config
-from llamarl.world import ExecutorContext, ExecutorSpec
+from llamarl.metrics import MetricsLogger, write_chrome_trace, write_timeline_png
+from llamarl.pipeline import Pipeline
+from llamarl.progress import Progress
+from llamarl.world import ExecutorContext
 
 logger = logging.getLogger("llamarl.runner")
 
-PROGRESS_KEYS = {
-    "generator": ["gen_tokens_per_s", "gen_emitted_samples", "gen_carried", "gen_version"],
-    "reward": ["reward_mean", "accuracy", "completion_len_mean"],
-    "trainer": ["loss", "grad_norm", "staleness_mean", "clip_fraction", "importance_weight_max",
-                "train_tokens_per_s"],
-}
 
-
-def _shared_run_dir(config: RLConfig, recipe: str, device: torch.device) -> Path:
+def _shared_run_dir(output_dir: str | None, recipe: str, device: torch.device) -> Path:
     """The same run directory on every rank: rank 0's timestamp is broadcast (a tensor, no pickle)."""
-    if config.run.output_dir:
-        return Path(config.run.output_dir)
+    if output_dir:
+        return Path(output_dir)
     stamp = torch.tensor([int(time.time())], dtype=torch.int64, device=device)
     dist.broadcast(stamp, src=0)
     return Path("runs") / f"{recipe}-{time.strftime('%Y%m%d-%H%M%S', time.localtime(int(stamp.item())))}"
 
 
-def _build(config: RLConfig, *, task: Task, scorer: str, prompt_fn: PromptFn):
-    """The world, this rank's executor and the channels for ``config.run.schedule``.
+def run_pipeline(pipeline: Pipeline, config, *, recipe: str, heldout: list[Problem] | None = None,
+                 score: Callable[[str, str], float] | None = None) -> dict | None:
+    """Run ``pipeline`` on this rank (every rank of the torchrun world calls it).
 
-    Split schedules (``async`` / ``sync``): generator | reward | trainer ranks with the ``rollouts``,
-    ``scored`` and ``weights`` channels. ``colocated``: one executor on every rank, no channels
-    (the weights are updated in place inside the executor).
-    Returns ``(ctx, executor, channels, init_channels, executor_order)``.
+    Returns the summary dict on the evaluator's first rank (global rank 0 when there is no
+    evaluator), None elsewhere. Any failure on any rank ends the job with one line naming the
+    executor, rank, step and phase (llamarl/controller.py).
     """
-    world_size = int(os.environ.get("WORLD_SIZE", "1"))
-    context = model_context_length(config.model.name)
-    max_tokens = min(config.trainer.max_tokens_per_microbatch, context or config.trainer.max_tokens_per_microbatch)
-    if config.run.schedule == "colocated":
-        if config.generator.tp != 1:
-            raise ValueError(f"--run.schedule colocated needs --generator.tp 1, got {config.generator.tp}")
-        ctx = ExecutorContext.create([ExecutorSpec("colocated", world_size)],
-                                     timeout_s=config.run.collective_timeout_s)
-        generator = GeneratorExecutor(ctx, model_config=config.model, config=config.generator, task=task,
-                                      prompt_fn=prompt_fn, seed=config.run.seed, max_sequence_tokens=max_tokens)
-        trainer = TrainerExecutor(ctx, model_config=config.model, config=config.trainer, algo=config.algo,
-                                  temperature=config.generator.temperature, seed=config.run.seed)
-        executor = ColocatedExecutor(ctx, generator=generator, trainer=trainer, reward=config.reward, scorer=scorer)
-        return ctx, executor, [], [], ["colocated"]
-    num_trainer = world_size - config.generator.num_ranks - config.reward.num_ranks
-    specs = [ExecutorSpec("generator", config.generator.num_ranks, tp=config.generator.tp),
-             ExecutorSpec("reward", config.reward.num_ranks),
-             ExecutorSpec("trainer", num_trainer)]
-    weights = WeightsChannel("weights", "trainer", "generator", mode=config.weights.mode)
-    sync = config.run.schedule == "sync"
-    channels = [CommunicationChannel("rollouts", "generator", "reward", SCATTER,
-                                     same_tick=sync or config.run.async_lag == 1),
-                CommunicationChannel("scored", "reward", "trainer", SCATTER, same_tick=sync), weights]
-    ctx = ExecutorContext.create(specs, timeout_s=config.run.collective_timeout_s,
-                                 channel_endpoints=[(c.outbound, c.inbound) for c in channels])
-    if ctx.executor == "generator":
-        executor = GeneratorExecutor(ctx, model_config=config.model, config=config.generator, task=task,
-                                     prompt_fn=prompt_fn, seed=config.run.seed, max_sequence_tokens=max_tokens)
-    elif ctx.executor == "reward":
-        executor = RewardExecutor(ctx, config=config.reward, scorer=scorer)
-    else:
-        executor = TrainerExecutor(ctx, model_config=config.model, config=config.trainer, algo=config.algo,
-                                   temperature=config.generator.temperature, seed=config.run.seed)
-    return ctx, executor, channels, [weights], ["generator", "reward", "trainer"]
-
-
-def run_rl(config: RLConfig, *, recipe: str, task: Task, heldout: list[Problem],
-           score: Callable[[str, str], float], scorer: str, prompt_fn: PromptFn) -> dict | None:
-    """Run the RL loop on this rank; returns the summary dict on global rank 0, else None."""
     wall_start = time.time()
-    # Every rank, before any process group: bad input costs one line, not a half-started world.
-    validate_config(config, world_size=int(os.environ.get("WORLD_SIZE", "1")))
-    ctx, executor, channels, init_channels, executor_order = _build(config, task=task, scorer=scorer,
-                                                                    prompt_fn=prompt_fn)
+    world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    run = config.run
+    channels = [spec.build() for spec in pipeline.channels]
+    ctx = ExecutorContext.create(pipeline.specs(world_size), timeout_s=run.collective_timeout_s,
+                                 channel_endpoints=[(c.outbound, c.inbound) for c in channels])
     setup_logging(executor=ctx.executor, rank=ctx.rank)
-    run_dir = _shared_run_dir(config, recipe, ctx.device)
+    executor = pipeline.stage(ctx.executor).build(ctx)
+    init_channels = [c for c in channels if isinstance(c, WeightsChannel)]
+    run_dir = _shared_run_dir(run.output_dir, recipe, ctx.device)
     run_dir.mkdir(parents=True, exist_ok=True)
     if ctx.rank == 0:
         (run_dir / "config.json").write_text(json.dumps(asdict(config), indent=2))
-        logger.info("run directory %s", run_dir)
+        logger.info("run directory %s; stages %s", run_dir,
+                    ", ".join(f"{name} ranks {ranks}" for name, ranks in ctx.ranks.items()))
 
     resume_dir, start_step = resolve_resume(config.checkpoint.resume, run_dir / "checkpoints") \
         if config.checkpoint.resume else (None, 0)
     if resume_dir is not None and ctx.rank == 0:
         logger.info("resuming from %s (tick %d)", resume_dir, start_step)
     leader = ctx.local_rank == 0
+    # Evaluation is collective over a TP group, so every rank of the evaluator's first replica runs it.
+    evaluates = ctx.executor == pipeline.evaluator and ctx.dp_rank == 0
+    reporter = ctx.rank == (ctx.ranks[pipeline.evaluator][0] if pipeline.evaluator else 0)
     loggers: dict[str, MetricsLogger] = {}
     spans: list[dict] = []
     summary: dict = {}
-
     evals: list[dict] = []
+    progress = Progress(keys=pipeline.headline_keys(), max_steps=run.max_steps, start_step=start_step,
+                        rank=ctx.rank, device=ctx.device)
+    weight_inbound = [c for c in init_channels if c.inbound == ctx.executor]
 
     def record_eval(step: int, accuracy: float) -> None:
         version = getattr(executor, "version", None)
         evals.append({"step": step, "seconds": time.time() - wall_start, "accuracy": accuracy, "version": version})
-        if ctx.local_rank == 0:
+        if leader:
             logger.info("eval after %d ticks: greedy accuracy %.1f%% (weights version %s, %.0f s into the run)",
                         step, 100 * accuracy, version, evals[-1]["seconds"])
 
@@ -146,29 +105,27 @@ def run_rl(config: RLConfig, *, recipe: str, task: Task, heldout: list[Problem],
                      for a, b in record.step_spans)
         spans.extend({"executor": ctx.executor, "rank": ctx.rank, "step": step, "start": a, "end": b, "kind": name}
                      for name, a, b in record.channel_spans)
-        every = config.run.eval_every
-        if evaluates and every and (step + 1) % every == 0 and step + 1 < config.run.max_steps:
+        # An executor that hosts several roles (colocated) reports one metric section per role.
+        sections = getattr(ex, "metric_sections", None) or {ctx.executor: ex.metrics}
+        flat = {key: value for values in sections.values() for key, value in (values or {}).items()}
+        progress.update(step, executor=ctx.executor, metrics=flat, reports=leader)
+        every = run.eval_every
+        if evaluates and every and (step + 1) % every == 0 and step + 1 < run.max_steps:
             with controller.guard():  # collective over a TP group: every rank of the replica runs it
                 record_eval(step + 1, executor.evaluate(heldout, score,
                                                         samples_path=run_dir / f"eval_step_{step + 1}.jsonl"))
         if not leader:
             return
-        # An executor that hosts several roles (colocated) reports one metric section per role.
-        sections = getattr(ex, "metric_sections", None) or {ctx.executor: ex.metrics}
-        for section, values in sections.items():
+        for index, (section, values) in enumerate(sections.items()):
             if not values:
                 continue
             metrics = {**values, "channel_seconds": record.channel_seconds, "step_seconds": record.step_seconds}
-            if section == "generator" and init_channels:
-                metrics["weight_sync_seconds"] = init_channels[0].last_seconds
-                metrics["weight_sync_skipped"] = float(init_channels[0].last_skipped)
+            if weight_inbound and index == 0:
+                metrics["weight_sync_seconds"] = sum(c.last_seconds for c in weight_inbound)
+                metrics["weight_sync_skipped"] = float(all(c.last_skipped for c in weight_inbound))
             if section not in loggers:
                 loggers[section] = MetricsLogger(run_dir, section, start_step=start_step)
             loggers[section].log(step, metrics)
-            progress_line(step, config.run.max_steps, section, metrics, PROGRESS_KEYS.get(section, []))
-
-    # Evaluation is collective over a TP group, so every rank of the first replica runs it.
-    evaluates = hasattr(executor, "evaluate") and ctx.dp_rank == 0
 
     def base_evaluation():
         # A resumed run's weights are not the base model's: reuse the first run's base evaluation.
@@ -181,16 +138,17 @@ def run_rl(config: RLConfig, *, recipe: str, task: Task, heldout: list[Problem],
         record_eval(0, summary["base_accuracy"])
 
     export_dir = run_dir / "hf" if config.export.final or config.export.every else None
-    controller = ExecutorController(ctx, executor, channels, max_steps=config.run.max_steps,
-                                    executor_order=executor_order, init_channels=init_channels,
+    controller = ExecutorController(ctx, executor, channels, max_steps=run.max_steps,
+                                    executor_order=pipeline.order, init_channels=init_channels,
                                     checkpoint_every=config.checkpoint.every, checkpoint_keep=config.checkpoint.keep,
                                     checkpoint_dir=run_dir / "checkpoints", on_tick=on_tick,
                                     resume_dir=resume_dir, start_step=start_step,
                                     export_every=config.export.every, export_dir=export_dir,
                                     before_loop=base_evaluation if evaluates else None,
-                                    device_guard=config.run.device_guard,
-                                    liveness_timeout_s=config.run.liveness_timeout_s)
+                                    device_guard=run.device_guard,
+                                    liveness_timeout_s=run.liveness_timeout_s)
     controller.run()
+    progress.close()
     try:
         with controller.guard():
             for channel in init_channels:  # the final policy, for the final evaluation
@@ -198,7 +156,7 @@ def run_rl(config: RLConfig, *, recipe: str, task: Task, heldout: list[Problem],
             if evaluates:
                 summary["final_accuracy"] = executor.evaluate(heldout, score,
                                                               samples_path=run_dir / "eval_final.jsonl")
-                record_eval(config.run.max_steps, summary["final_accuracy"])
+                record_eval(run.max_steps, summary["final_accuracy"])
                 summary["evals"] = evals
     except BaseException as exc:  # noqa: BLE001 - same failure contract as the loop
         controller.abort(exc)
@@ -212,29 +170,28 @@ def run_rl(config: RLConfig, *, recipe: str, task: Task, heldout: list[Problem],
     dist.barrier()
     controller.finish()
     result = None
-    if ctx.rank == 0:
+    if reporter:
         all_spans = [s for f in sorted((run_dir / "timeline").glob("rank*.json")) for s in json.loads(f.read_text())]
         write_chrome_trace(run_dir, all_spans)
-        lag = f" (lag {config.run.async_lag})" if config.run.schedule == "async" else ""
-        write_timeline_png(run_dir, all_spans, title=f"{recipe}: {config.run.schedule}{lag}")
-        result = {**summary, "num_steps": config.run.max_steps, "wall_seconds": time.time() - wall_start,
-                  "schedule": config.run.schedule, "loss": config.algo.loss,
-                  **_throughput(run_dir)}
+        write_timeline_png(run_dir, all_spans, title=f"{recipe}: {pipeline.title}" if pipeline.title else recipe)
+        result = {**summary, "num_steps": run.max_steps, "wall_seconds": time.time() - wall_start,
+                  **pipeline.summary, **_throughput(run_dir)}
         (run_dir / "summary.json").write_text(json.dumps(result, indent=2))
-        logger.info("base accuracy %.1f%% -> final accuracy %.1f%% in %d steps, %.0f s (summary: %s)",
-                    100 * result["base_accuracy"], 100 * result["final_accuracy"], result["num_steps"],
-                    result["wall_seconds"], run_dir / "summary.json")
+        if "final_accuracy" in result:
+            logger.info("base accuracy %.1f%% -> final accuracy %.1f%% in %d steps, %.0f s (summary: %s)",
+                        100 * result.get("base_accuracy", float("nan")), 100 * result["final_accuracy"],
+                        result["num_steps"], result["wall_seconds"], run_dir / "summary.json")
     ctx.destroy()
     return result
 
 
 def _throughput(run_dir: Path) -> dict[str, float]:
-    """Mean generation / training tokens per second from the executors' JSONL metrics."""
-    out = {}
-    for executor, key in (("generator", "gen_tokens_per_s"), ("trainer", "train_tokens_per_s")):
-        path = run_dir / "metrics" / f"{executor}.jsonl"
-        if path.exists():
-            values = [r[key] for r in map(json.loads, path.read_text().splitlines()) if key in r]
-            if values:
-                out[f"{key}_mean"] = sum(values) / len(values)
-    return out
+    """The mean of every ``*_tokens_per_s`` metric any executor reported (``<key>_mean``), over the
+    ticks that reported it (executors report throughput only for steps that did work)."""
+    values: dict[str, list[float]] = {}
+    for path in sorted((run_dir / "metrics").glob("*.jsonl")):
+        for record in map(json.loads, path.read_text().splitlines()):
+            for key, value in record.items():
+                if key.endswith("_tokens_per_s"):
+                    values.setdefault(key, []).append(value)
+    return {f"{key}_mean": sum(v) / len(v) for key, v in sorted(values.items())}

@@ -15,8 +15,8 @@ import tyro
 from llamarl.config import GeneratorConfig, RLConfig, RunConfig, TrainerConfig
 from llamarl.data.arithmetic import ArithmeticTask
 from llamarl.data.prompts import ARITHMETIC_INSTRUCTION, build_chat_prompt
+from llamarl.executors.pipelines import run_rl
 from llamarl.rewards.arithmetic import score
-from llamarl.runner import run_rl
 
 
 @dataclass

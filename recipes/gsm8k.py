@@ -5,7 +5,7 @@
     torchrun --standalone --nproc-per-node 8 -m recipes.gsm8k qwen2.5-1.5b-8gpu   # one 8-GPU node, split
     torchrun ... -m recipes.gsm8k <preset> --help                                 # every flag
 
-Pipeline (``llamarl.runner.run_rl``): generator (native engine, or vLLM with ``--generator.engine
+Pipeline (``llamarl.executors.pipelines.run_rl``): generator (native engine, or vLLM with ``--generator.engine
 vllm``) -> ``rollouts`` SCATTER -> reward (``llamarl.rewards.gsm8k``: ``#### N`` / ``\\boxed{N}`` /
 "the answer is N" / last number, compared exactly) -> ``scored`` SCATTER -> trainer (FSDP2; AIPO or
 ``--algo.loss decoupled_ppo``) -> ``weights`` (DDMA) -> generator. ``--run.schedule colocated`` runs
@@ -48,8 +48,8 @@ from llamarl.data.gsm8k import Problems, load_gsm8k_jsonl
 from llamarl.data.hub import load_hub_problems
 from llamarl.data.problem_list import ListTask
 from llamarl.data.prompts import Problem, build_chat_prompt
+from llamarl.executors.pipelines import run_rl
 from llamarl.rewards.gsm8k import score
-from llamarl.runner import run_rl
 from recipes.common import EvalConfig, prepare_pass_k, run_pass_k
 
 # verl's GSM8K instruction; the scorer reads "#### N" first (then \boxed, "the answer is", last number).

@@ -34,8 +34,8 @@ from llamarl.data.hub import load_hub_problems
 from llamarl.data.math import load_math_jsonl, row_to_problem
 from llamarl.data.problem_list import ListTask
 from llamarl.data.prompts import Problem, build_chat_prompt
+from llamarl.executors.pipelines import run_rl
 from llamarl.rewards.math import score
-from llamarl.runner import run_rl
 from recipes.common import EvalConfig, prepare_pass_k, run_pass_k
 
 # The Qwen2.5-Math / DeepSeek instruction; the scorer reads the last \boxed{} first.

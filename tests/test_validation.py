@@ -19,7 +19,7 @@ from llamarl.config import (
     RunConfig,
     TrainerConfig,
 )
-from llamarl.validate import validate_config
+from llamarl.executors.validate import validate_config
 
 
 @pytest.fixture(scope="module")

@@ -71,9 +71,9 @@ def _wait(ops: list[dist.P2POp]) -> None:
 class WeightsChannel:
     """Trainer -> generator weight sync. See the module docstring for both modes."""
 
-    name: str = "weights"
-    outbound: str = "trainer"
-    inbound: str = "generator"
+    name: str
+    outbound: str
+    inbound: str
     mode: str = "ddma"
     same_tick: bool = False
     """Delivery (see CommunicationChannel); the pipelines here always send weights next tick."""

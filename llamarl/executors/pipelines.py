@@ -1,0 +1,120 @@
+"""The standard RL pipeline, as data: generator -> reward -> trainer -> (weights) -> generator.
+
+``rl_pipeline(config, ...)`` describes it for ``--run.schedule``; ``run_rl`` validates the config
+and hands the description to ``llamarl.runner.run_pipeline``. The stage builders
+(``generator_stage``, ``reward_stage``, ``trainer_stage``) are public so that a recipe can describe
+a different pipeline from the same pieces, e.g. with a reference-policy stage between the reward
+and the trainer (``recipes/ref_kl.py``) or an LLM judge instead of the rule-based reward
+(``recipes/llm_judge.py``).
+
+Schedules (channel delivery, see llamarl/controller.py for each tick's timeline):
+
+- ``async`` (default ``--run.async-lag 2``, LlamaRL Algorithm 1 as written): every channel next
+  tick; the trainer trains at t+2 on rollouts generated at t. ``--run.async-lag 1``: rollouts
+  same-tick (scored right after generation), scored and weights next tick: data one version old.
+- ``sync``: rollouts and scored same-tick, weights next tick: strictly on-policy, one executor
+  busy at a time.
+- ``colocated``: one stage on every rank that generates, scores and trains, with the weights
+  updated in place (llamarl/executors/colocated.py); no channels. Strictly on-policy.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+
+from llamarl.config import RLConfig
+from llamarl.data.prompts import Problem
+from llamarl.executors.colocated import ColocatedExecutor
+from llamarl.executors.generator import GeneratorExecutor, PromptFn, Task
+from llamarl.executors.reward import RewardExecutor
+from llamarl.executors.trainer import TrainerExecutor
+from llamarl.executors.validate import model_context_length, validate_config
+from llamarl.pipeline import ChannelSpec, Pipeline, Stage
+from llamarl.runner import run_pipeline
+
+GENERATOR_HEADLINE = ("gen_tokens_per_s",)
+REWARD_HEADLINE = ("reward_mean", "accuracy")
+TRAINER_HEADLINE = ("loss", "staleness_mean", "train_tokens_per_s")
+
+
+def _max_sequence_tokens(config: RLConfig) -> int:
+    """Longest prompt + completion a sample may have: the trainer's micro-batch and the model's context."""
+    context = model_context_length(config.model.name)
+    return min(config.trainer.max_tokens_per_microbatch, context or config.trainer.max_tokens_per_microbatch)
+
+
+def _generator(config: RLConfig, *, task: Task, prompt_fn: PromptFn, output: str = "rollouts"):
+    def build(ctx) -> GeneratorExecutor:
+        return GeneratorExecutor(ctx, model_config=config.model, config=config.generator, task=task,
+                                 prompt_fn=prompt_fn, output_name=output, seed=config.run.seed,
+                                 max_sequence_tokens=_max_sequence_tokens(config))
+    return build
+
+
+def _trainer(config: RLConfig, *, input_name: str = "scored"):
+    def build(ctx) -> TrainerExecutor:
+        return TrainerExecutor(ctx, model_config=config.model, config=config.trainer, algo=config.algo,
+                               temperature=config.generator.temperature, input_name=input_name,
+                               seed=config.run.seed)
+    return build
+
+
+def generator_stage(config: RLConfig, *, task: Task, prompt_fn: PromptFn, name: str = "generator",
+                    output: str = "rollouts") -> Stage:
+    """The policy's sampler on ``--generator.num-ranks`` ranks (``--generator.tp`` per replica),
+    emitting whole prompt groups on channel ``output``; it evaluates greedy accuracy."""
+    return Stage(name, build=_generator(config, task=task, prompt_fn=prompt_fn, output=output),
+                 num_ranks=config.generator.num_ranks, tp=config.generator.tp, headline=GENERATOR_HEADLINE)
+
+
+def reward_stage(config: RLConfig, *, scorer: str, name: str = "reward", input_name: str = "rollouts",
+                 output: str = "scored") -> Stage:
+    """The rule-based scorer (``scorer`` by registry name) on ``--reward.num-ranks`` ranks: reads
+    ``input_name``, adds ``rewards``, sends on ``output``."""
+    def build(ctx) -> RewardExecutor:
+        return RewardExecutor(ctx, config=config.reward, scorer=scorer, input_name=input_name, output_name=output)
+    return Stage(name, build=build, num_ranks=config.reward.num_ranks, headline=REWARD_HEADLINE)
+
+
+def trainer_stage(config: RLConfig, *, name: str = "trainer", input_name: str = "scored") -> Stage:
+    """The policy under FSDP2 on the ranks the other stages leave, training on ``input_name``."""
+    return Stage(name, build=_trainer(config, input_name=input_name), num_ranks=None, headline=TRAINER_HEADLINE)
+
+
+def schedule_title(config: RLConfig) -> str:
+    """``async (lag 1)``, ``sync`` or ``colocated``: the timeline picture's title."""
+    return f"async (lag {config.run.async_lag})" if config.run.schedule == "async" else config.run.schedule
+
+
+def rl_pipeline(config: RLConfig, *, task: Task, scorer: str, prompt_fn: PromptFn) -> Pipeline:
+    """The generator -> reward -> trainer pipeline of ``config.run.schedule`` (module docstring)."""
+    summary = {"schedule": config.run.schedule, "loss": config.algo.loss}
+    if config.run.schedule == "colocated":
+        if config.generator.tp != 1:
+            raise ValueError(f"--run.schedule colocated needs --generator.tp 1, got {config.generator.tp}")
+        generator, trainer = _generator(config, task=task, prompt_fn=prompt_fn), _trainer(config)
+
+        def build(ctx) -> ColocatedExecutor:
+            return ColocatedExecutor(ctx, generator=generator(ctx), trainer=trainer(ctx), reward=config.reward,
+                                     scorer=scorer)
+        stage = Stage("colocated", build=build, num_ranks=None,
+                      headline=GENERATOR_HEADLINE + REWARD_HEADLINE + TRAINER_HEADLINE)
+        return Pipeline([stage], [], evaluator="colocated", title="colocated", summary=summary)
+    sync = config.run.schedule == "sync"
+    return Pipeline(
+        stages=[generator_stage(config, task=task, prompt_fn=prompt_fn), reward_stage(config, scorer=scorer),
+                trainer_stage(config)],
+        channels=[ChannelSpec("rollouts", "generator", "reward", "scatter", same_tick=sync or config.run.async_lag == 1),
+                  ChannelSpec("scored", "reward", "trainer", "scatter", same_tick=sync),
+                  ChannelSpec("weights", "trainer", "generator", "weights", weights_mode=config.weights.mode)],
+        evaluator="generator", title=schedule_title(config), summary=summary)
+
+
+def run_rl(config: RLConfig, *, recipe: str, task: Task, heldout: list[Problem],
+           score: Callable[[str, str], float], scorer: str, prompt_fn: PromptFn) -> dict | None:
+    """Validate ``config`` (every rank, before any process group) and run ``rl_pipeline``; returns
+    the summary dict on global rank 0, else None."""
+    validate_config(config, world_size=int(os.environ.get("WORLD_SIZE", "1")))
+    return run_pipeline(rl_pipeline(config, task=task, scorer=scorer, prompt_fn=prompt_fn), config,
+                        recipe=recipe, heldout=heldout, score=score)

@@ -1,0 +1,167 @@
+"""A pipeline is data: its stages (executors on their ranks) and the channels between them.
+
+A recipe describes its pipeline and hands it to ``llamarl.runner.run_pipeline``, which makes the
+world, builds this rank's executor from its stage, wires the channels and the controller, and runs
+metrics, evaluation, checkpoints and the summary. The runner never asks what an executor *is*:
+everything it needs is in the description.
+
+    Pipeline(
+        stages=[Stage("generator", build=gen_config.build, num_ranks=1, headline=("gen_tokens_per_s",)),
+                Stage("reward", build=reward_config.build, num_ranks=1),
+                Stage("trainer", build=trainer_config.build, num_ranks=None)],   # None: the other ranks
+        channels=[ChannelSpec("rollouts", "generator", "reward", "scatter", same_tick=True),
+                  ChannelSpec("scored", "reward", "trainer", "scatter"),
+                  ChannelSpec("weights", "trainer", "generator", "weights")],
+        evaluator="generator")
+
+Stages take consecutive global ranks in the order listed, which is also the data order the
+controller walks each tick (a same-tick channel must go forward in it, see llamarl/controller.py).
+A ``weights`` channel is a ``WeightsChannel`` (DDMA by default): it also runs once after ``init``,
+so both ends start from bit-identical weights, and once after the last tick, before the final
+evaluation. Every other kind is a ``CommunicationChannel``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from llamarl.channels.base import BROADCAST, GATHER, SCATTER, CommunicationChannel
+from llamarl.channels.weights import MODES, WeightsChannel
+from llamarl.world import ExecutorSpec
+
+if TYPE_CHECKING:
+    from llamarl.executors.base import Executor
+    from llamarl.world import ExecutorContext
+
+KINDS = {"broadcast": BROADCAST, "scatter": SCATTER, "gather": GATHER}
+"""Data channel kinds by name; ``weights`` is the fourth kind (a WeightsChannel)."""
+
+
+@dataclass
+class Stage:
+    """One executor of a pipeline: its name, how to build it, its ranks and its parallelism."""
+
+    name: str
+    """The executor's name: unique, used by channels, metrics files, checkpoints and logs."""
+    build: Callable[[ExecutorContext], Executor]
+    """Makes this rank's executor once the world exists (typically a config's ``build`` method);
+    called only on the stage's own ranks, with their ``ExecutorContext``."""
+    num_ranks: int | None = 1
+    """Ranks the stage owns; ``None`` for the ranks the other stages leave (at most one stage)."""
+    tp: int = 1
+    """Tensor-parallel degree: the stage's mesh is 2-D ``(dp, tp)`` when > 1."""
+    headline: tuple[str, ...] = ()
+    """Metric keys of this executor shown on rank 0's progress bar (those it reports each tick)."""
+
+    def __post_init__(self) -> None:
+        if not self.name or "/" in self.name:
+            raise ValueError(f"a stage needs a non-empty name without '/', got {self.name!r}")
+        if self.num_ranks is not None and self.num_ranks < 1:
+            raise ValueError(f"stage {self.name!r}: num_ranks must be >= 1 (or None for the rest), got {self.num_ranks}")
+        if self.tp < 1:
+            raise ValueError(f"stage {self.name!r}: tp must be >= 1, got {self.tp}")
+
+
+@dataclass
+class ChannelSpec:
+    """A channel between two stages: what moves, from whom to whom, and when it arrives."""
+
+    name: str
+    """The channel's name: the outbound executor's ``get_output(name)`` feeds the inbound's
+    ``set_input(name, batch)`` (weights: ``get_model()`` on both ends)."""
+    outbound: str
+    """The sending stage."""
+    inbound: str
+    """The receiving stage."""
+    kind: str
+    """``broadcast``, ``scatter``, ``gather`` (see llamarl/channels/base.py) or ``weights``."""
+    same_tick: bool = False
+    """True: delivered within the tick, right before the inbound executor steps (its outbound must
+    come earlier in the stage order). False: what was produced at tick t arrives at tick t + 1."""
+    weights_mode: str = "ddma"
+    """``weights`` channels only: ``ddma`` (each shard straight to the ranks that need it) or
+    ``gather_broadcast``."""
+
+    def __post_init__(self) -> None:
+        if self.kind not in (*KINDS, "weights"):
+            raise ValueError(f"channel {self.name!r}: kind must be one of {sorted((*KINDS, 'weights'))}, "
+                             f"got {self.kind!r}")
+        if self.weights_mode not in MODES:
+            raise ValueError(f"channel {self.name!r}: weights_mode must be one of {MODES}, got {self.weights_mode!r}")
+        if self.outbound == self.inbound:
+            raise ValueError(f"channel {self.name!r} goes from {self.outbound!r} to itself")
+
+    def build(self) -> CommunicationChannel | WeightsChannel:
+        """The channel object the controller runs."""
+        if self.kind == "weights":
+            return WeightsChannel(self.name, self.outbound, self.inbound, mode=self.weights_mode,
+                                  same_tick=self.same_tick)
+        return CommunicationChannel(self.name, self.outbound, self.inbound, KINDS[self.kind], same_tick=self.same_tick)
+
+
+@dataclass
+class Pipeline:
+    """Stages (in rank and data order), channels, and which stage evaluates."""
+
+    stages: list[Stage]
+    """The executors, in the order they take ranks and step within a tick."""
+    channels: list[ChannelSpec]
+    """Data and weight channels between stages."""
+    evaluator: str | None = None
+    """The stage whose executor has ``evaluate(problems, score, *, samples_path) -> accuracy``:
+    it evaluates before training, every ``--run.eval-every`` ticks and after the last one, and its
+    first rank writes ``summary.json``. None: no evaluation."""
+    title: str = ""
+    """A short description for the timeline picture (e.g. ``async (lag 1)``)."""
+    summary: dict = field(default_factory=dict)
+    """Extra entries of ``summary.json`` (e.g. the schedule and the loss)."""
+
+    def __post_init__(self) -> None:
+        names = [s.name for s in self.stages]
+        if not names:
+            raise ValueError("a pipeline needs at least one stage")
+        if len(set(names)) != len(names):
+            raise ValueError(f"stage names must be unique, got {names}")
+        if sum(s.num_ranks is None for s in self.stages) > 1:
+            raise ValueError("at most one stage may take the remaining ranks (num_ranks=None)")
+        channel_names = [c.name for c in self.channels]
+        if len(set(channel_names)) != len(channel_names):
+            raise ValueError(f"channel names must be unique, got {channel_names}")
+        for channel in self.channels:
+            for end in (channel.outbound, channel.inbound):
+                if end not in names:
+                    raise ValueError(f"channel {channel.name!r} names stage {end!r}, which is not one of {names}")
+            if channel.same_tick and names.index(channel.outbound) >= names.index(channel.inbound):
+                raise ValueError(f"same-tick channel {channel.name!r} must go forward in the stage order {names}")
+        if self.evaluator is not None and self.evaluator not in names:
+            raise ValueError(f"evaluator {self.evaluator!r} is not one of the stages {names}")
+
+    @property
+    def order(self) -> list[str]:
+        """Stage names in data order."""
+        return [s.name for s in self.stages]
+
+    def stage(self, name: str) -> Stage:
+        """The stage called ``name``."""
+        for stage in self.stages:
+            if stage.name == name:
+                return stage
+        raise KeyError(f"no stage {name!r} in {self.order}")
+
+    def specs(self, world_size: int) -> list[ExecutorSpec]:
+        """Rank counts for ``world_size`` ranks (the ``None`` stage gets what the others leave).
+
+        Raises ValueError naming the stages when the split does not fit the world."""
+        fixed = sum(s.num_ranks for s in self.stages if s.num_ranks is not None)
+        rest = world_size - fixed
+        if any(s.num_ranks is None for s in self.stages) and rest < 1:
+            split = ", ".join(f"{s.name} {s.num_ranks}" for s in self.stages if s.num_ranks is not None)
+            raise ValueError(f"{world_size} ranks leave none for stage "
+                             f"{next(s.name for s in self.stages if s.num_ranks is None)!r} ({split})")
+        return [ExecutorSpec(s.name, rest if s.num_ranks is None else s.num_ranks, tp=s.tp) for s in self.stages]
+
+    def headline_keys(self) -> list[tuple[str, str]]:
+        """``(stage, metric)`` pairs on the progress bar, in stage order."""
+        return [(s.name, key) for s in self.stages for key in s.headline]

@@ -1,0 +1,68 @@
+"""Rank 0's progress bar: ticks, ETA and every executor's headline numbers, once per tick.
+
+Each executor's metrics live on its own ranks, so the headline numbers are brought to rank 0 by
+one small all-reduce over WORLD per tick (a float64 vector with a slot per ``(stage, metric)``
+pair the pipeline declares, plus a "reported" flag per slot: each stage's first rank fills its
+own slots, every other rank contributes zeros). Every rank runs it at the end of every tick,
+after its executor's step. It adds no wait that the channels do not already impose: the next
+tick's channels pair every executor with its producer and consumer anyway.
+
+On a terminal, rank 0 draws a tqdm bar (ETA, rate) with the headline numbers as its postfix;
+elsewhere (a log file, CI) it logs one line per tick instead. Other ranks print nothing per tick:
+their full metrics are in ``<run>/metrics/<executor>.jsonl`` and TensorBoard.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+
+import torch
+import torch.distributed as dist
+
+logger = logging.getLogger("llamarl.progress")
+
+
+class Progress:
+    """Collects the headline numbers of every stage on global rank 0 and shows them."""
+
+    def __init__(self, *, keys: list[tuple[str, str]], max_steps: int, start_step: int, rank: int,
+                 device: torch.device, use_bar: bool | None = None) -> None:
+        """``keys``: ``(stage, metric)`` pairs in display order (the same list on every rank)."""
+        self.keys, self.max_steps, self.rank, self.device = keys, max_steps, rank, device
+        self.latest: dict[str, float] = {}
+        self.bar = None
+        if rank == 0 and (sys.stderr.isatty() if use_bar is None else use_bar):
+            from tqdm import tqdm
+
+            self.bar = tqdm(total=max_steps, initial=start_step, desc="llamarl", unit="tick", dynamic_ncols=True)
+
+    def update(self, step: int, *, executor: str, metrics: dict[str, float], reports: bool) -> dict[str, float]:
+        """Collective over WORLD: every rank calls it once per tick. ``reports``: this rank is its
+        executor's reporter (first rank). Returns the gathered ``stage/metric`` values on rank 0
+        (only those reported this tick), an empty dict elsewhere."""
+        values = torch.zeros(2 * len(self.keys), dtype=torch.float64, device=self.device)
+        if reports:
+            for index, (stage, key) in enumerate(self.keys):
+                if stage == executor and key in metrics:
+                    values[index] = float(metrics[key])
+                    values[len(self.keys) + index] = 1.0
+        if self.keys:
+            dist.all_reduce(values)
+        if self.rank != 0:
+            return {}
+        gathered = values.tolist()
+        shown = {f"{stage}/{key}": gathered[i] for i, (stage, key) in enumerate(self.keys)
+                 if gathered[len(self.keys) + i] > 0}
+        self.latest.update(shown)
+        text = " ".join(f"{name}={value:.4g}" for name, value in shown.items())
+        if self.bar is not None:
+            self.bar.set_postfix_str(text, refresh=False)
+            self.bar.update(1)
+        else:
+            logger.info("[%3d/%d] %s", step + 1, self.max_steps, text)
+        return shown
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
