@@ -12,7 +12,8 @@ Each step:
    token mean however the samples are split into micro-batches and ranks;
 3. dynamic micro-batches (first-fit decreasing by token count, ``max_tokens_per_microbatch``);
    every rank runs the same number of micro-batches (padding with zero-weight dummies) because
-   each FSDP2 forward / backward is collective;
+   each FSDP2 forward / backward is collective (``llamarl/models/microbatch.py``, which any
+   executor holding a sharded model can use);
 4. the loss registered as ``--algo.loss`` (``llamarl/algorithms/registry.py``: AIPO, decoupled
    PPO, PPO built in), backward, gradient clipping, AdamW; version += 1. Its metrics are reduced
    over micro-batches and ranks as the loss declared them (token-weighted mean, max or sum).
@@ -37,10 +38,10 @@ from llamarl.algorithms.registry import get_advantage, get_policy_loss
 from llamarl.batch import TensorBatch
 from llamarl.checkpoint import load_rng, read_json, save_rng, write_json
 from llamarl.config import AlgoConfig, ModelConfig, TrainerConfig
-from llamarl.data.packing import pack_microbatches
 from llamarl.executors.base import Executor
 from llamarl.models.export import export_hf
 from llamarl.models.loading import load_causal_lm
+from llamarl.models.microbatch import microbatch_inputs, plan_microbatches, sequence_logprobs
 from llamarl.models.sharding import shard_model
 from llamarl.sharded_state import load_sharded_state, save_sharded_state
 
@@ -170,13 +171,11 @@ class TrainerExecutor(Executor):
             # counted as signal (else an AdamW step on a zero gradient could still happen).
             keep = (signal & batch["loss_mask"].bool().any(dim=1)).nonzero().squeeze(1)
             batch = batch.select(keep)
-        lengths = batch["num_tokens"].tolist() if len(batch) else []
-        microbatches = pack_microbatches(lengths, max_tokens_per_microbatch=self.config.max_tokens_per_microbatch) \
-            if lengths else []
         total_tokens, staleness_sum, zero_adv, num_signal, dropped_stale = self._all_reduce(
             [num_local_tokens, stats.get("staleness_sum", 0.0), stats.get("zero_advantage_samples", 0.0),
              float(len(batch)), stats.get("dropped_stale_samples", 0.0)])
-        max_mbs = int(self._all_reduce([float(len(microbatches))], op=dist.ReduceOp.MAX)[0])
+        microbatches, max_mbs = plan_microbatches(batch, max_tokens_per_microbatch=self.config.max_tokens_per_microbatch,
+                                                  group=self.ctx.group)
         if total_tokens == 0:
             return {"skipped": 1.0, "version": float(self.version), "dropped_stale_samples": dropped_stale}
         if num_signal == 0:
@@ -186,14 +185,18 @@ class TrainerExecutor(Executor):
                     "dropped_stale_samples": dropped_stale}
         dp_size = self.ctx.local_world_size
         spec = get_policy_loss(self.algo.loss)
-        prox_all = self._recompute_prox(batch, microbatches, max_mbs) \
-            if spec.needs_prox and self.algo.prox == "recompute" else None
+        if spec.needs_prox and self.algo.prox == "recompute":
+            # No-grad log-probs with the weights before this step's update (the same packing as the
+            # loop below, so each row's values are those its training micro-batch would compute).
+            batch.fields["prox_logp"] = sequence_logprobs(
+                self.model, batch, temperature=self.temperature, group=self.ctx.group, device=self.ctx.device,
+                max_tokens_per_microbatch=self.config.max_tokens_per_microbatch)
         sums: dict[str, float] = {}
         maxes: dict[str, float] = {}
         self.optimizer.zero_grad(set_to_none=True)
         for index in range(max_mbs):
             rows = microbatches[index] if index < len(microbatches) else None
-            loss, metrics, num_tokens = self._microbatch_loss(batch, index, rows, total_tokens, prox_all)
+            loss, metrics, num_tokens = self._microbatch_loss(batch, rows, total_tokens)
             (loss * dp_size).backward()
             for key, value in metrics.items():
                 reduction = spec.metrics.get(key)
@@ -250,31 +253,8 @@ class TrainerExecutor(Executor):
         return {"skipped_nonfinite": 1.0, "nonfinite_steps": float(self.nonfinite_total),
                 "version": float(self.version)}
 
-    def _inputs(self, batch: TensorBatch, rows: list[int] | None):
-        """Trimmed micro-batch tensors; ``rows=None`` is a 2-token dummy (zero loss weight)."""
-        if rows is None:
-            ids = torch.zeros(1, 2, dtype=torch.long, device=self.ctx.device)
-            return ids, torch.ones_like(ids), torch.zeros(1, 2, device=self.ctx.device), 1, None
-        sub = batch.select(rows)
-        length = int(sub["num_tokens"].max())
-        start = int(sub["loss_mask"][:, :length].float().argmax(dim=1).min())
-        ids = sub["input_ids"][:, :length].long()
-        attention = (torch.arange(length, device=ids.device).unsqueeze(0) < sub["num_tokens"].unsqueeze(1)).long()
-        return ids, attention, sub["loss_mask"][:, :length].float(), start, sub
-
-    def _recompute_prox(self, batch, microbatches, max_mbs) -> dict[int, torch.Tensor]:
-        """No-grad log-probs with the weights before this step's update, per micro-batch."""
-        prox = {}
-        with torch.no_grad():
-            for index in range(max_mbs):
-                rows = microbatches[index] if index < len(microbatches) else None
-                ids, attention, _, start, _ = self._inputs(batch, rows)
-                prox[index] = completion_logprobs(self.model, ids, attention, start=start,
-                                                  temperature=self.temperature)
-        return prox
-
-    def _microbatch_loss(self, batch, index, rows, total_tokens, prox_all):
-        ids, attention, mask, start, sub = self._inputs(batch, rows)
+    def _microbatch_loss(self, batch, rows, total_tokens):
+        ids, attention, mask, start, sub = microbatch_inputs(batch, rows, device=self.ctx.device)
         logp = completion_logprobs(self.model, ids, attention, start=start, temperature=self.temperature)
         if sub is None:
             return logp.sum() * 0.0, {}, 0.0
@@ -283,7 +263,7 @@ class TrainerExecutor(Executor):
         spec = get_policy_loss(self.algo.loss)
         prox = None
         if spec.needs_prox:
-            prox = prox_all[index] if prox_all is not None else loglinear_prox_logp(
+            prox = sub["prox_logp"][:, :length] if "prox_logp" in sub else loglinear_prox_logp(
                 behav, logp, sub["versions"][:, :length], self.version, mask=mask)
         loss, metrics = spec.fn(logp=logp, behav_logp=behav, prox_logp=prox, advantages=sub["advantages"], mask=mask,
                                 algo=self.algo, num_loss_tokens=total_tokens)

@@ -1,0 +1,119 @@
+"""Collective-safe micro-batch loops over a sharded (FSDP2) causal LM.
+
+Under FSDP2 every forward (and backward) is a collective over the model's mesh: each rank must run
+the same number of them, even a rank whose share of the batch is smaller or empty. These helpers
+are what any executor holding such a model uses (the trainer for its update and its recomputed
+proximal log-probs; a reference-policy executor for the log-probs of samples):
+
+* ``plan_microbatches`` packs this rank's rows into micro-batches under a token budget (first-fit
+  decreasing, ``llamarl/data/packing.py``) and agrees with the other ranks (one MAX all-reduce) on
+  how many forwards everyone runs;
+* ``microbatch_inputs`` turns one micro-batch's rows into trimmed model inputs, or into a 2-token
+  dummy with zero loss weight for a rank that has run out of rows;
+* ``sequence_logprobs`` runs both for a no-grad pass: the per-token completion log-probs of every
+  row of a batch.
+
+Batch layout (the trainer's input, see llamarl/executors/trainer.py): right-padded
+``input_ids`` [N, L] (prompt then completion), ``loss_mask`` [N, L] (1 on completion tokens) and
+``num_tokens`` [N] (prompt + completion length of each row).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from llamarl.algorithms.logprobs import completion_logprobs
+from llamarl.batch import TensorBatch
+from llamarl.data.packing import pack_microbatches
+
+__all__ = ["microbatch_inputs", "plan_microbatches", "sequence_logprobs"]
+
+
+def microbatch_inputs(batch: TensorBatch, rows: list[int] | None, *, device: torch.device | str):
+    """Model inputs of the micro-batch ``rows`` of ``batch``.
+
+    Returns ``(input_ids, attention_mask, loss_mask, start, sub_batch)``: ``input_ids`` (int64) and
+    ``attention_mask`` (1 on each row's first ``num_tokens``) are ``[b, length]`` with ``length``
+    the longest row of the micro-batch (padding columns beyond it are cut); ``loss_mask`` is the
+    rows' loss mask over the same columns, as float; ``start`` is the first column holding a loss
+    token in any row (the log-probs before it need not be computed); ``sub_batch`` is
+    ``batch.select(rows)`` (every field, untrimmed).
+
+    ``rows=None`` is the dummy micro-batch of a rank with nothing left to forward: one row of two
+    zero tokens on ``device``, an all-zero loss mask, ``start=1`` and ``sub_batch=None``. A loss on
+    it must be multiplied by zero, not skipped, so that its backward still takes part in the
+    collectives. ``device`` is used only for the dummy; real rows stay on ``batch``'s device.
+    """
+    if rows is None:
+        ids = torch.zeros(1, 2, dtype=torch.long, device=device)
+        return ids, torch.ones_like(ids), torch.zeros(1, 2, device=device), 1, None
+    sub = batch.select(rows)
+    length = int(sub["num_tokens"].max())
+    start = int(sub["loss_mask"][:, :length].float().argmax(dim=1).min())
+    ids = sub["input_ids"][:, :length].long()
+    attention = (torch.arange(length, device=ids.device).unsqueeze(0) < sub["num_tokens"].unsqueeze(1)).long()
+    return ids, attention, sub["loss_mask"][:, :length].float(), start, sub
+
+
+def plan_microbatches(batch: TensorBatch, *, max_tokens_per_microbatch: int,
+                      group: dist.ProcessGroup | None) -> tuple[list[list[int]], int]:
+    """Pack this rank's rows; agree with the other ranks of ``group`` on the number of forwards.
+
+    Returns ``(microbatches, num_microbatches_all_ranks)``: ``microbatches`` are lists of row
+    indices of ``batch`` (``pack_microbatches`` on ``num_tokens``: none holds more than
+    ``max_tokens_per_microbatch`` tokens; ``[]`` for an empty batch) and
+    ``num_microbatches_all_ranks`` is their largest count over ``group``. A caller runs exactly that
+    many forwards, index ``i`` on ``microbatches[i]`` or, past the end of its own list, on a dummy
+    (``microbatch_inputs(batch, None, ...)``).
+
+    Collective over ``group`` (one all-reduce; every rank of it must call this, in the same order
+    relative to its other collectives), which the caller's model must be sharded over. Without an
+    initialised process group it is local. Raises ValueError if one row exceeds the budget.
+    """
+    lengths = batch["num_tokens"].tolist() if len(batch) else []
+    microbatches = pack_microbatches(lengths, max_tokens_per_microbatch=max_tokens_per_microbatch) \
+        if lengths else []
+    count = len(microbatches)
+    if dist.is_available() and dist.is_initialized():
+        tensor = torch.tensor([float(count)], dtype=torch.float64, device=_group_device(group))
+        dist.all_reduce(tensor, op=dist.ReduceOp.MAX, group=group)
+        count = int(tensor.item())
+    return microbatches, count
+
+
+def _group_device(group: dist.ProcessGroup | None) -> torch.device:
+    """The device a collective over ``group`` runs on: the current CUDA device under NCCL."""
+    backend = dist.get_backend(group)
+    if backend == "nccl" and torch.cuda.is_available():
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+@torch.no_grad()
+def sequence_logprobs(model: torch.nn.Module, batch: TensorBatch, *, temperature: float,
+                      max_tokens_per_microbatch: int, group: dist.ProcessGroup | None,
+                      device: torch.device | str) -> torch.Tensor:
+    """No-grad per-token log-probs ``[N, L]`` (float32) of every row's completion under ``model``.
+
+    ``out[r, t] = log p(input_ids[r, t] | input_ids[r, :t])`` with logits divided by
+    ``temperature`` (``completion_logprobs``), on every ``loss_mask`` position of row ``r``; 0 on
+    every other position. Rows are packed into micro-batches of at most
+    ``max_tokens_per_microbatch`` tokens; collective over ``group`` like ``plan_microbatches``:
+    every rank of the group must call it (a rank with an empty batch runs dummy forwards and gets
+    an empty ``[0, L]`` tensor). Each value is exactly what the same micro-batch's forward gives
+    inside a training loop with the same packing. The model is used in whatever train / eval mode
+    it is in. ``device``: where the result (and a dummy's inputs) live; the batch should be there.
+    """
+    microbatches, count = plan_microbatches(batch, max_tokens_per_microbatch=max_tokens_per_microbatch,
+                                            group=group)
+    width = batch["input_ids"].shape[1] if "input_ids" in batch else 0
+    out = torch.zeros(len(batch), width, dtype=torch.float32, device=device)
+    for index in range(count):
+        rows = microbatches[index] if index < len(microbatches) else None
+        ids, attention, mask, start, _ = microbatch_inputs(batch, rows, device=device)
+        logp = completion_logprobs(model, ids, attention, start=start, temperature=temperature)
+        if rows is not None:
+            index_rows = torch.tensor(rows, dtype=torch.long, device=out.device)
+            out[index_rows, : ids.shape[1]] = torch.where(mask.bool(), logp.float(), 0.0).to(out.device)
+    return out
