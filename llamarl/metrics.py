@@ -12,18 +12,89 @@ from __future__ import annotations
 import json
 import logging
 import time
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Literal
+
+import torch
+import torch.distributed as dist
 
 logger = logging.getLogger("llamarl.metrics")
+
+
+REDUCTIONS = ("sum", "mean", "max")
+
+
+@dataclass(frozen=True)
+class MetricSpec:
+    """How an executor's metric is named and reduced over the executor's ranks, declared where it is
+    produced (an executor's ``metric_specs``). Its TensorBoard tag is ``<executor>/<section>/<key>``."""
+
+    section: str
+    """Group of related metrics (``throughput``, ``rollouts``, ``loss``, ...)."""
+    reduction: Literal["sum", "mean", "max"] = "mean"
+    """Over the executor's ranks: ``sum`` (counts, throughput), ``mean`` (rates, averages) or ``max``."""
+    weight: str | None = None
+    """``mean`` only: the key of another metric weighting each rank's value (e.g. its sample count);
+    None weighs every reporting rank equally."""
+
+    def __post_init__(self) -> None:
+        if self.reduction not in REDUCTIONS:
+            raise ValueError(f"metric reduction must be one of {REDUCTIONS}, got {self.reduction!r}")
+
+
+def reduce_metrics(metrics: dict[str, float], specs: dict[str, MetricSpec], *, group, device: torch.device,
+                   size: int) -> dict[str, float]:
+    """The executor-wide value of every declared metric that any of its ``size`` ranks reported.
+
+    Collective over ``group`` (two small all-reduces, skipped when ``size`` is 1): every rank of the
+    executor calls it each tick with its own ``metrics`` and the same ``specs``. A rank that did
+    not report a key does not count in its reduction. Undeclared keys pass through with this rank's
+    value (a user executor that declares nothing is logged from its first rank, as before).
+    """
+    keys = sorted(specs)
+    if size > 1 and keys:
+        sums = torch.zeros(3 * len(keys), dtype=torch.float64, device=device)  # value·weight, weight, present
+        maxes = torch.full((len(keys),), float("-inf"), dtype=torch.float64, device=device)
+        for i, key in enumerate(keys):
+            if key not in metrics:
+                continue
+            spec, value = specs[key], float(metrics[key])
+            weight = float(metrics.get(spec.weight, 0.0)) if spec.weight else 1.0
+            sums[i] = value * weight if spec.reduction == "mean" else value
+            sums[len(keys) + i] = weight
+            sums[2 * len(keys) + i] = 1.0
+            maxes[i] = value
+        dist.all_reduce(sums, group=group)
+        dist.all_reduce(maxes, op=dist.ReduceOp.MAX, group=group)
+        totals = sums.tolist()
+        present = totals[2 * len(keys):]
+        reduced = {}
+        for i, key in enumerate(keys):
+            if present[i] == 0:
+                continue
+            reduction = specs[key].reduction
+            if reduction == "max":
+                reduced[key] = float(maxes[i])
+            elif reduction == "sum":
+                reduced[key] = totals[i]
+            else:
+                weight = totals[len(keys) + i]
+                reduced[key] = totals[i] / weight if weight > 0 else 0.0
+    else:
+        reduced = {k: float(v) for k, v in metrics.items() if k in specs}
+    return {**reduced, **{k: float(v) for k, v in metrics.items() if k not in specs}}
 
 
 class MetricsLogger:
     """Writes one JSON object per step (and TensorBoard scalars) for one executor."""
 
-    def __init__(self, run_dir: Path, executor: str, *, tensorboard: bool = True, start_step: int = 0) -> None:
+    def __init__(self, run_dir: Path, executor: str, *, tensorboard: bool = True, start_step: int = 0,
+                 specs: dict[str, MetricSpec] | None = None) -> None:
         """``start_step`` > 0 (a resumed run) drops the records of ticks >= it that an interrupted run
-        already wrote, so each tick appears once, as the resumed run computes it."""
-        self.executor = executor
+        already wrote, so each tick appears once, as the resumed run computes it. ``specs`` give the
+        TensorBoard sections (``<executor>/<section>/<key>``; ``misc`` for undeclared keys)."""
+        self.executor, self.specs = executor, specs or {}
         (run_dir / "metrics").mkdir(parents=True, exist_ok=True)
         path = run_dir / "metrics" / f"{executor}.jsonl"
         if start_step > 0 and path.exists():
@@ -44,7 +115,8 @@ class MetricsLogger:
         self.jsonl.flush()
         if self.writer is not None:
             for key, value in metrics.items():
-                self.writer.add_scalar(f"{self.executor}/{key}", float(value), step)
+                section = self.specs[key].section if key in self.specs else "misc"
+                self.writer.add_scalar(f"{self.executor}/{section}/{key}", float(value), step)
 
     def close(self) -> None:
         self.jsonl.close()

@@ -8,7 +8,9 @@ Chrome trace and the timeline PNG of every rank's busy / channel spans, and ``su
 
 The runner knows nothing about what an executor does. Executors report their metrics in
 ``executor.metrics`` after each step (an executor hosting several roles may report one section per
-role in ``executor.metric_sections``); the inbound end of a ``weights`` channel also reports the
+role in ``executor.metric_sections``) and declare how each is reduced over their ranks in
+``executor.metric_specs`` (``llamarl.metrics.MetricSpec``: section, sum / mean / max); the runner
+reduces them over the executor's group every tick and its first rank logs them. The inbound end of a ``weights`` channel also reports the
 sync's ``weight_sync_seconds`` / ``weight_sync_skipped``. The pipeline's ``evaluator`` stage
 evaluates greedy accuracy on the held-out problems before training, every ``--run.eval-every``
 ticks and after the last tick (with the final weights), on every rank of its first data-parallel
@@ -36,7 +38,7 @@ from llamarl.checkpoint import resolve_resume
 from llamarl.controller import ExecutorController
 from llamarl.data.prompts import Problem
 from llamarl.log import setup_logging
-from llamarl.metrics import MetricsLogger, write_chrome_trace, write_timeline_png
+from llamarl.metrics import MetricsLogger, reduce_metrics, write_chrome_trace, write_timeline_png
 from llamarl.pipeline import Pipeline
 from llamarl.progress import Progress
 from llamarl.world import ExecutorContext
@@ -106,8 +108,12 @@ def run_pipeline(pipeline: Pipeline, config, *, recipe: str, heldout: list[Probl
         spans.extend({"executor": ctx.executor, "rank": ctx.rank, "step": step, "start": a, "end": b, "kind": name}
                      for name, a, b in record.channel_spans)
         # An executor that hosts several roles (colocated) reports one metric section per role.
-        sections = getattr(ex, "metric_sections", None) or {ctx.executor: ex.metrics}
-        flat = {key: value for values in sections.values() for key, value in (values or {}).items()}
+        # Each is reduced over the executor's ranks as its metrics declare (collective over the group).
+        specs = getattr(ex, "metric_specs", {})
+        sections = {section: reduce_metrics(values or {}, specs, group=ctx.group, device=ctx.device,
+                                            size=ctx.local_world_size)
+                    for section, values in (getattr(ex, "metric_sections", None) or {ctx.executor: ex.metrics}).items()}
+        flat = {key: value for values in sections.values() for key, value in values.items()}
         progress.update(step, executor=ctx.executor, metrics=flat, reports=leader)
         every = run.eval_every
         if evaluates and every and (step + 1) % every == 0 and step + 1 < run.max_steps:
@@ -124,7 +130,7 @@ def run_pipeline(pipeline: Pipeline, config, *, recipe: str, heldout: list[Probl
                 metrics["weight_sync_seconds"] = sum(c.last_seconds for c in weight_inbound)
                 metrics["weight_sync_skipped"] = float(all(c.last_skipped for c in weight_inbound))
             if section not in loggers:
-                loggers[section] = MetricsLogger(run_dir, section, start_step=start_step)
+                loggers[section] = MetricsLogger(run_dir, section, start_step=start_step, specs=specs)
             loggers[section].log(step, metrics)
 
     def base_evaluation():

@@ -59,10 +59,15 @@ def test_four_stage_toy_pipeline_runs_through_the_library_entry_point(tmp_path):
     # The fourth executor's metrics are logged like any other's.
     audit = [json.loads(line) for line in (run_dir / "metrics" / "audit.jsonl").read_text().splitlines()]
     assert [r["audited_total"] for r in audit] == [12, 12 + 92, 12 + 92 + 172]
+    # Sink's declared reductions over its two ranks: rows summed, the rank maxed, the mean weighted
+    # by each rank's rows (an empty rank does not count).
+    sink = [json.loads(line) for line in (run_dir / "metrics" / "sink.jsonl").read_text().splitlines()]
+    assert [r["received"] for r in sink] == [0, 4, 4] and [r["sink_rank"] for r in sink] == [4, 4, 4]
+    assert "value_mean" not in sink[0] and [r["value_mean"] for r in sink[1:]] == [3.0, 23.0]
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["pipeline"] == "toy" and summary["base_accuracy"] == summary["final_accuracy"] == 0.5
     # Rank 0's one progress line per tick carries every stage's headline numbers.
     lines = [line for line in proc.stdout.splitlines() if "[  3/3]" in line]
     assert lines and "source/emitted=4" in lines[0] and "audit/audited_total=276" in lines[0] \
-        and "sink/received=" in lines[0], proc.stdout[-2000:]
+        and "sink/received=4" in lines[0], proc.stdout[-2000:]
     assert (run_dir / "timeline.png").is_file()

@@ -8,7 +8,7 @@ use. An executor only ever sees its own process group / mesh (``self.ctx.group``
 from __future__ import annotations
 
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, ClassVar
 
 import torch
 from safetensors import SafetensorError
@@ -24,6 +24,10 @@ class Executor:
     """Base class with the paper's surface. ``name`` must match an ExecutorSpec name."""
 
     name: str = "executor"
+    metric_specs: ClassVar[dict] = {}
+    """``{metric key: llamarl.metrics.MetricSpec}``: the section and the reduction over this
+    executor's ranks of each metric it reports in ``self.metrics`` (undeclared keys are logged with
+    the first rank's value)."""
 
     def __init__(self, ctx: ExecutorContext) -> None:
         self.ctx = ctx

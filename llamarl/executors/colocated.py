@@ -33,7 +33,6 @@ from collections.abc import Callable
 from pathlib import Path
 
 import torch
-import torch.distributed as dist
 
 from llamarl.batch import TensorBatch
 from llamarl.checkpoint import read_json, write_json
@@ -41,21 +40,22 @@ from llamarl.config import RewardConfig
 from llamarl.data.prompts import Problem
 from llamarl.executors.base import Executor
 from llamarl.executors.generator import GeneratorExecutor
-from llamarl.executors.reward import score_rollouts
+from llamarl.executors.reward import REWARD_METRICS, score_rollouts
 from llamarl.executors.trainer import TrainerExecutor
 from llamarl.models.weight_copy import copy_weights_in_place
 from llamarl.rewards.pool import RewardPool
-
-# Reward metrics that are per-sample means (re-weighted by the sample count when reduced) and
-# counters (summed over ranks).
-_REWARD_MEANS = ("reward_mean", "accuracy", "completion_len_mean")
-_REWARD_SUMS = ("reward_errors", "reward_timeouts", "reward_worker_start_failures", "reward_samples")
 
 
 class ColocatedExecutor(Executor):
     """One rank's generator + scorer + trainer; see the module docstring for the tick."""
 
     name = "colocated"
+
+    @property
+    def metric_specs(self):
+        """The declared metrics of the three roles (their keys are distinct)."""
+        return {**getattr(self.generator, "metric_specs", {}), **REWARD_METRICS,
+                **getattr(self.trainer, "metric_specs", {})}
 
     def __init__(self, ctx, *, generator: GeneratorExecutor, trainer: TrainerExecutor, reward: RewardConfig,
                  scorer: str) -> None:
@@ -106,9 +106,8 @@ class ColocatedExecutor(Executor):
 
         torch.set_num_threads(1)  # scoring runs in the pool's processes (or inline, pure Python)
         reward_metrics: dict[str, float] = {}
-        if len(rollouts):
+        if len(rollouts):  # reduced over the ranks by the runner, as REWARD_METRICS declares
             rollouts, reward_metrics = score_rollouts(self.pool, rollouts)
-        reward_metrics = self._reduce_reward_metrics(reward_metrics)
 
         torch.set_num_threads(self.num_threads)
         self.trainer.set_step(self.current_step)
@@ -120,24 +119,6 @@ class ColocatedExecutor(Executor):
         self.metric_sections = {"generator": {**self.generator.metrics, "weight_sync_seconds": self.weight_sync_seconds},
                                 "reward": reward_metrics, "trainer": self.trainer.metrics}
         self.metrics = {k: v for section in self.metric_sections.values() for k, v in section.items()}
-
-    def _reduce_reward_metrics(self, metrics: dict[str, float]) -> dict[str, float]:
-        """Sample-weighted means and summed counters over every rank (empty when no rank scored)."""
-        count = metrics.get("reward_samples", 0.0)
-        values = [count] + [metrics.get(k, 0.0) * count for k in _REWARD_MEANS] \
-            + [metrics.get(k, 0.0) for k in _REWARD_SUMS[:-1]]
-        tensor = torch.tensor(values, dtype=torch.float64, device=self.ctx.device)
-        if self.ctx.local_world_size > 1:
-            dist.all_reduce(tensor, group=self.ctx.group)
-        total, *rest = tensor.tolist()
-        if total == 0:
-            return {}
-        out = {k: v / total for k, v in zip(_REWARD_MEANS, rest[: len(_REWARD_MEANS)])}
-        out.update(zip(_REWARD_SUMS[:-1], rest[len(_REWARD_MEANS):]))
-        out["reward_samples"] = total
-        if "reward_seconds" in metrics:
-            out["reward_seconds"] = metrics["reward_seconds"]
-        return out
 
     def evaluate(self, problems: list[Problem], score: Callable[[str, str], float], *,
                  samples_path: Path | None = None) -> float:

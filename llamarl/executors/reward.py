@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import time
 from pathlib import Path
+from typing import ClassVar
 
 import torch
 
@@ -16,7 +17,21 @@ from llamarl.batch import TensorBatch
 from llamarl.checkpoint import read_json, write_json
 from llamarl.config import RewardConfig
 from llamarl.executors.base import Executor
+from llamarl.metrics import MetricSpec
 from llamarl.rewards.pool import RewardPool
+
+REWARD_METRICS = {
+    "reward_mean": MetricSpec("reward", "mean", weight="reward_samples"),
+    "accuracy": MetricSpec("reward", "mean", weight="reward_samples"),
+    "reward_samples": MetricSpec("reward", "sum"),
+    "completion_len_mean": MetricSpec("rollouts", "mean", weight="reward_samples"),
+    "reward_errors": MetricSpec("errors", "sum"),
+    "reward_timeouts": MetricSpec("errors", "sum"),
+    "reward_worker_start_failures": MetricSpec("errors", "sum"),
+    "reward_seconds": MetricSpec("time", "max"),
+}
+"""What ``score_rollouts`` reports, and how each is reduced over the scoring ranks (the error
+counters are each rank's running totals, so their sum is the run's)."""
 
 
 def score_rollouts(pool: RewardPool, batch: TensorBatch) -> tuple[TensorBatch, dict[str, float]]:
@@ -46,6 +61,7 @@ def score_rollouts(pool: RewardPool, batch: TensorBatch) -> tuple[TensorBatch, d
 
 class RewardExecutor(Executor):
     name = "reward"
+    metric_specs: ClassVar[dict] = REWARD_METRICS
 
     def __init__(self, ctx, *, config: RewardConfig, scorer: str, input_name: str = "rollouts",
                  output_name: str = "scored") -> None:

@@ -3,6 +3,7 @@
 source (1 rank) --numbers, same tick, BROADCAST--> double (1 rank) --doubled, next tick, SCATTER-->
 sink (the other ranks) and double --audit, same tick, GATHER--> audit (1 rank): a user-written
 fourth executor, with its own metrics and headline, that the runner must host without knowing it.
+Sink declares how its metrics reduce over its two ranks (sum, max, and a weighted mean).
 Each sink rank writes what it received per tick to ``<run>/sink_rank<r>.json``.
 """
 
@@ -10,12 +11,14 @@ import json
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import ClassVar
 
 import torch
 
 from llamarl.batch import TensorBatch
 from llamarl.config import CheckpointConfig, ExportConfig, RunConfig
 from llamarl.executors.base import Executor
+from llamarl.metrics import MetricSpec
 from llamarl.pipeline import ChannelSpec, Pipeline, Stage
 from llamarl.runner import run_pipeline
 
@@ -53,6 +56,9 @@ class Audit(Executor):
 
 
 class Sink(Executor):
+    metric_specs: ClassVar[dict] = {"received": MetricSpec("rows", "sum"), "sink_rank": MetricSpec("rows", "max"),
+                                    "value_mean": MetricSpec("values", "mean", weight="received")}
+
     def __init__(self, ctx, run_dir):
         super().__init__(ctx)
         self.run_dir, self.seen = run_dir, []
@@ -60,7 +66,9 @@ class Sink(Executor):
     def step(self):
         batch = self.inputs.pop("doubled", TensorBatch())
         self.seen.append(sorted(batch["value"].tolist()) if len(batch) else [])
-        self.metrics = {"received": float(len(batch))}
+        self.metrics = {"received": float(len(batch)), "sink_rank": float(self.ctx.rank)}
+        if len(batch):
+            self.metrics["value_mean"] = float(batch["value"].double().mean())
         (self.run_dir / f"sink_rank{self.ctx.rank}.json").write_text(json.dumps(self.seen))
 
 
