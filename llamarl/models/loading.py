@@ -17,7 +17,6 @@ import os
 import shutil
 import tempfile
 from pathlib import Path
-from unittest import mock
 
 import torch
 from safetensors.torch import save_file
@@ -157,11 +156,14 @@ def _memoised_gguf():
         return readers[key]
 
     name_map = functools.lru_cache(maxsize=None)(gguf.get_tensor_name_map)
-    with (
-        mock.patch.object(gguf, "GGUFReader", shared_reader),
-        mock.patch.object(gguf, "get_tensor_name_map", name_map),
-    ):
+    originals = {"GGUFReader": make_reader, "get_tensor_name_map": gguf.get_tensor_name_map}
+    # Module attributes swapped for the conversion only, and restored whatever happens in it.
+    gguf.GGUFReader, gguf.get_tensor_name_map = shared_reader, name_map
+    try:
         yield
+    finally:
+        for name, value in originals.items():
+            setattr(gguf, name, value)
 
 
 def _convert_gguf(gguf_dir: Path, out_dir: Path) -> None:
