@@ -1,0 +1,67 @@
+"""docs/: the generated configuration reference is current, every config field is documented, and
+the hand-written pages name only files that exist."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+
+from llamarl import config_reference
+
+REPO = Path(__file__).resolve().parents[1]
+DOCS = REPO / "docs"
+PAGES = ("architecture.md", "write_your_own_executor.md")
+
+# The two worked extensions of docs/write_your_own_executor.md are written by another change; until
+# they land, the pages may name them. Only these two paths, by name, are let through while absent.
+PENDING = {"recipes/ref_kl.py", "recipes/llm_judge.py"}
+
+# A path in backticks, as the pages write them: `llamarl/world.py`, `tests/worlds/`, `docs/x.png`.
+PATH = re.compile(r"`((?:llamarl|recipes|tests|docs|benchmarks|torchrun)/[\w./-]*)")
+# A relative markdown link or image target: ](architecture.png).
+LINK = re.compile(r"\]\((?!https?://|#)([^)\s#]+)")
+
+
+def test_configuration_reference_is_current():
+    current = (DOCS / "configuration.md").read_text(encoding="utf-8")
+    assert current == config_reference.render_reference(), (
+        f"docs/configuration.md is stale: run `.venv/bin/{config_reference.COMMAND}` and commit it")
+
+
+def test_every_config_field_has_a_docstring():
+    missing = config_reference.all_missing_docstrings()
+    assert not missing, ("config fields without a docstring (add one right after the field, tyro shows it in "
+                         f"--help and docs/configuration.md is generated from it): {missing}")
+
+
+def test_attribute_docstrings_are_inherited_and_sections_nest():
+    from llamarl.config import RLConfig
+    from recipes.arithmetic import ArithmeticConfig
+
+    base = {row.flag: row for s in config_reference.config_sections(RLConfig()) for row in s.rows}
+    recipe = {row.flag: row for s in config_reference.config_sections(ArithmeticConfig()) for row in s.rows}
+    # ArithmeticConfig redeclares `run` with another default_factory: the docs stay, the default changes.
+    assert recipe["--run.max-steps"].doc == base["--run.max-steps"].doc != ""
+    assert (base["--run.max-steps"].default, recipe["--run.max-steps"].default) == ("20", "40")
+    assert recipe["--task.num-digits"].type == "int" and "--task.num-digits" not in base
+    assert base["--run.async-lag"].type == "{1, 2}" and base["--generator.token-budget"].type == "int | None"
+
+
+@pytest.mark.parametrize("page", PAGES)
+def test_pages_name_only_existing_files(page):
+    text = (DOCS / page).read_text(encoding="utf-8")
+    named = {m.rstrip(".") for m in PATH.findall(text)}
+    assert named, f"docs/{page} names no repository file"
+    missing = sorted(p for p in named if not (REPO / p).exists() and p not in PENDING)
+    assert not missing, f"docs/{page} names files that do not exist: {missing}"
+    links = [t for t in LINK.findall(text) if not (DOCS / t).exists()]
+    assert not links, f"docs/{page} links to missing files: {links}"
+
+
+@pytest.mark.parametrize("picture", ["architecture.png", "schedules.png"])
+def test_diagrams_are_committed_and_small(picture):
+    path = DOCS / picture
+    assert path.is_file(), f"docs/{picture} is missing: run `.venv/bin/python docs/draw_architecture.py`"
+    assert path.stat().st_size < 300_000
