@@ -153,6 +153,11 @@ class TrainerConfig:
     """Compute dtype of forward / backward (FSDP2 MixedPrecisionPolicy): master weights and
     AdamW state stay in ``--model.dtype`` and gradients are reduced in fp32. bf16 is ~1.7x faster
     on CPUs with AVX512-BF16 / AMX and on every recent GPU."""
+    num_minibatches: int = 1
+    """Optimizer steps per received batch: its prompt groups (whole, in group-id order, over every
+    trainer rank) are cut into this many minibatches, one AdamW step each, each a global token mean
+    of its own. The version counts optimizer steps, so it advances by this much per batch; the
+    recomputed proximal policy (``--algo.prox recompute``) is the weights before the first one."""
 
     def __post_init__(self) -> None:
         _check(self.lr > 0, f"--trainer.lr must be > 0, got {self.lr}")
@@ -161,6 +166,7 @@ class TrainerConfig:
         _check(self.num_threads >= 1, f"--trainer.num-threads must be >= 1, got {self.num_threads}")
         _check(self.max_tokens_per_microbatch >= 1, "--trainer.max-tokens-per-microbatch must be >= 1")
         _check(self.max_nonfinite_steps >= 1, f"--trainer.max-nonfinite-steps must be >= 1, got {self.max_nonfinite_steps}")
+        _check(self.num_minibatches >= 1, f"--trainer.num-minibatches must be >= 1, got {self.num_minibatches}")
 
 
 @dataclass

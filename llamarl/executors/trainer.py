@@ -1,22 +1,42 @@
-"""TrainerExecutor: the policy under FSDP2 on the trainer mesh, one optimizer step per tick.
+"""TrainerExecutor: the policy under FSDP2 on the trainer mesh, ``--trainer.num-minibatches`` k
+optimizer steps per received batch (one per tick when k = 1).
 
 Input (channel ``scored``, SCATTERed so prompt groups are whole on each rank): right-padded
 ``input_ids`` [N, L] (prompt then completion), ``loss_mask`` [N, L] (1 on completion tokens),
 ``behav_logp`` [N, L] and ``versions`` [N, L] (-1 off the completion) at the same positions,
 ``rewards`` [N], ``group_ids`` [N], ``num_tokens`` [N]; metadata ``group_size``.
 
-Each step:
-1. advantages from the group baseline (``--algo.advantage``); staleness measured per token
-   against the trainer's version; rows older than ``--algo.max-staleness`` are dropped;
-2. the global count of loss tokens over all DP ranks (one all-reduce), so the loss is a global
-   token mean however the samples are split into micro-batches and ranks;
-3. dynamic micro-batches (first-fit decreasing by token count, ``max_tokens_per_microbatch``);
-   every rank runs the same number of micro-batches (padding with zero-weight dummies) because
-   each FSDP2 forward / backward is collective (``llamarl/models/microbatch.py``, which any
-   executor holding a sharded model can use);
-4. the loss registered as ``--algo.loss`` (``llamarl/algorithms/registry.py``: AIPO, decoupled
-   PPO, PPO built in), backward, gradient clipping, AdamW; version += 1. Its metrics are reduced
-   over micro-batches and ranks as the loss declared them (token-weighted mean, max or sum).
+Each batch:
+1. advantages from the group baseline (``--algo.advantage``), over whole groups;
+2. with ``--algo.prox recompute``, the proximal log-probs of every row the loss will forward, ONCE,
+   with the weights before the first minibatch (no-grad, ``sequence_logprobs``); A-3PO's
+   ``loglinear`` prox is computed inside each micro-batch from the behaviour log-probs, the current
+   log-probs and the token's staleness at that optimizer step;
+3. the prompt groups of the whole batch (every rank's) are cut into k minibatches in group-id order
+   (``minibatches``: the split does not depend on the number of ranks), and each is one optimizer
+   step (``train_minibatch``), every rank taking part in each, with or without rows of it:
+   a. staleness measured per token against the trainer's version at that step; rows holding a
+      token older than ``--algo.max-staleness`` lose their loss mask (``dropped_stale_samples``);
+   b. the global count of the minibatch's loss tokens over all DP ranks (one all-reduce), so its
+      loss is a global token mean however its samples are split into micro-batches and ranks;
+   c. dynamic micro-batches (first-fit decreasing by token count, ``max_tokens_per_microbatch``);
+      every rank runs the same number of micro-batches (padding with zero-weight dummies) because
+      each FSDP2 forward / backward is collective (``llamarl/models/microbatch.py``, which any
+      executor holding a sharded model can use);
+   d. the loss registered as ``--algo.loss`` (``llamarl/algorithms/registry.py``: AIPO, decoupled
+      PPO, PPO built in), backward, gradient clipping, AdamW; version += 1. Its metrics are reduced
+      over micro-batches and ranks as the loss declared them (token-weighted mean, max or sum).
+   A minibatch without loss tokens, without a sample carrying signal or with a non-finite loss or
+   gradient makes no step (the same decision on every rank, from all-reduced values).
+4. per-batch metrics (``combine_metrics``: sums of counts, maxima, means over the minibatches that
+   stepped, ``staleness_mean`` over every trained token); ``step`` adds ``num_minibatches`` and
+   ``optimizer_steps``.
+
+Versions: ``version`` counts optimizer steps, so a batch advances it by up to k. A token's
+staleness is the trainer's version at the optimizer step that trains it minus the version of the
+weights that generated it: with k minibatches, the tokens of minibatch j of a batch are j versions
+staler than those of minibatch 0, and the generator's weights (synced once per tick) trail by k
+versions per tick of pipeline lag. ``--algo.max-staleness`` counts in the same versions.
 
 FSDP2 averages gradients over the mesh; the loss is multiplied by the DP size to turn that
 average back into the sum that a global token mean needs.
@@ -113,10 +133,13 @@ class TrainerExecutor(Executor):
     def step(self) -> None:
         batch = self.inputs.pop(self.input_name, TensorBatch())
         start = time.perf_counter()
+        version_before = self.version
         metrics = self.train_on(batch)
         seconds = time.perf_counter() - start
         metrics["train_seconds"] = seconds
-        if len(batch) and not any(metrics.get(k) for k in ("skipped", "skipped_no_signal", "skipped_nonfinite")):
+        metrics["num_minibatches"] = float(self.config.num_minibatches)
+        metrics["optimizer_steps"] = float(self.version - version_before)
+        if len(batch) and self.version != version_before:  # no tokens/s for a batch without an update
             metrics["train_tokens_per_s"] = float(batch["num_tokens"].sum()) / seconds
         self.metrics = metrics
 
@@ -125,13 +148,13 @@ class TrainerExecutor(Executor):
         dist.all_reduce(tensor, op=op, group=self.ctx.group)
         return tensor.tolist()
 
-    def prepare(self, batch: TensorBatch) -> tuple[TensorBatch, dict[str, float]]:
-        """Advantages, staleness and the max-staleness filter on this rank's rows."""
-        stats: dict[str, float] = {}
+    def prepare(self, batch: TensorBatch) -> TensorBatch:
+        """Rows sorted by group, with ``advantages`` from whole groups (collective with
+        ``--algo.normalize-batch``: the statistics are those of the batch over every trainer rank)."""
         if not len(batch):
             if self.algo.normalize_batch:
                 self._all_reduce([0.0, 0.0, 0.0])  # the batch statistics are collective
-            return batch, stats
+            return batch
         group_size = int(batch.metadata.get("group_size", 1))
         order = torch.argsort(batch["group_ids"], stable=True)
         batch = batch.select(order)
@@ -145,32 +168,125 @@ class TrainerExecutor(Executor):
             std = max(squares / count - mean * mean, 0.0) ** 0.5
             advantages = (advantages - mean) / (std + 1e-6)
         batch.fields["advantages"] = advantages
+        return batch
+
+    def filter_stale(self, batch: TensorBatch) -> tuple[TensorBatch, dict[str, float]]:
+        """Staleness of every loss token against the current version; ``--algo.max-staleness``.
+
+        Rows holding a token more than eta versions behind ``self.version`` lose their loss mask
+        (``dropped_stale_samples``). ``staleness_sum`` / ``staleness_max`` are over the loss tokens
+        left, the ones this optimizer step averages over.
+        """
+        stats: dict[str, float] = {}
+        if not len(batch):
+            return batch, stats
         mask = batch["loss_mask"].bool()
         staleness = (self.version - batch["versions"]).masked_fill(~mask, 0)
         if self.algo.max_staleness is not None:
             stale_rows = (staleness > self.algo.max_staleness).any(dim=1)
+            batch = TensorBatch(dict(batch.fields), batch.metadata)
             batch.fields["loss_mask"] = batch["loss_mask"] * (~stale_rows).unsqueeze(1).to(batch["loss_mask"].dtype)
             stats["dropped_stale_samples"] = float(stale_rows.sum())
-            # Staleness is reported over the tokens actually trained on (it is divided by their count).
             mask = batch["loss_mask"].bool()
         stats["staleness_sum"] = float(staleness[mask].sum())
         stats["staleness_max"] = float(staleness[mask].max()) if mask.any() else 0.0
+        if self.algo.max_staleness is not None and stats["staleness_max"] > self.algo.max_staleness:
+            raise RuntimeError(f"a token {stats['staleness_max']:.0f} versions old survived --algo.max-staleness "
+                               f"{self.algo.max_staleness}")
         return batch, stats
 
+    def minibatches(self, batch: TensorBatch) -> list[TensorBatch]:
+        """This rank's rows of each of the ``--trainer.num-minibatches`` k minibatches, in order.
+
+        Prompt groups stay whole. The groups of the whole batch (every trainer rank's, gathered:
+        collective when k > 1) are sorted by group id and cut into k consecutive runs whose sizes
+        differ by at most one; minibatch j holds the rows of run j that are on this rank (possibly
+        none). So the split, and the update, do not depend on how many ranks the batch is spread over.
+        """
+        k = self.config.num_minibatches
+        if k == 1:
+            return [batch]
+        local = torch.unique(batch["group_ids"]) if len(batch) else torch.zeros(0, dtype=torch.int64)
+        local = local.to(device=self.ctx.device, dtype=torch.int64)
+        width = int(self._all_reduce([float(local.numel())], op=dist.ReduceOp.MAX)[0])
+        row = torch.zeros(width + 1, dtype=torch.int64, device=self.ctx.device)
+        row[0], row[1 : local.numel() + 1] = local.numel(), local
+        rows = [torch.empty_like(row) for _ in range(self.ctx.local_world_size)]
+        dist.all_gather(rows, row, group=self.ctx.group)
+        every = sorted({g for r in rows for g in r[1 : int(r[0]) + 1].tolist()})
+        which = {g: i * k // len(every) for i, g in enumerate(every)}
+        if not len(batch):
+            return [batch] * k
+        assigned = torch.tensor([which[g] for g in batch["group_ids"].tolist()], device=batch.device)
+        return [batch.select((assigned == j).nonzero().squeeze(1)) for j in range(k)]
+
     def train_on(self, batch: TensorBatch) -> dict[str, float]:
-        """One optimizer step on this rank's part of the batch (collective over the trainer)."""
-        batch, stats = self.prepare(batch.to(self.ctx.device))
+        """``--trainer.num-minibatches`` optimizer steps on this rank's part of the batch (collective
+        over the trainer); per-batch metrics (``combine_metrics``)."""
+        batch = self.prepare(batch.to(self.ctx.device))
+        spec = get_policy_loss(self.algo.loss)
+        if spec.needs_prox and self.algo.prox == "recompute":
+            # Once, with the weights before the first minibatch's update. Rows the loop can forward:
+            # those with signal that the staleness filter keeps at this version (later minibatches,
+            # at later versions, keep a subset).
+            fresh, _ = self.filter_stale(batch)
+            rows = (self._forwarded(fresh) if len(batch) else torch.zeros(0, dtype=torch.long)).to(self.ctx.device)
+            logp = sequence_logprobs(self.model, fresh.select(rows) if len(batch) else batch,
+                                     temperature=self.temperature, group=self.ctx.group, device=self.ctx.device,
+                                     max_tokens_per_microbatch=self.config.max_tokens_per_microbatch)
+            if len(batch):
+                prox = torch.zeros(batch["input_ids"].shape, dtype=torch.float32, device=self.ctx.device)
+                prox[rows] = logp
+                batch.fields["prox_logp"] = prox
+        results = [self.train_minibatch(part) for part in self.minibatches(batch)]
+        return results[0] if len(results) == 1 else self.combine_metrics(results)
+
+    @staticmethod
+    def _forwarded(batch: TensorBatch) -> torch.Tensor:
+        """Rows the loss needs a forward for: some loss token and a non-zero advantage."""
+        return ((batch["advantages"] != 0) & batch["loss_mask"].bool().any(dim=1)).nonzero().squeeze(1)
+
+    def combine_metrics(self, results: list[dict[str, float]]) -> dict[str, float]:
+        """Per-batch metrics from the minibatches' (in order): counts (tokens, dropped, zero-advantage
+        and skipped samples or steps, ``sum`` metrics) are summed; ``max`` metrics and
+        ``staleness_max`` are maxima; ``staleness_mean`` is over every trained token; ``version`` and
+        ``nonfinite_steps`` are the last; the rest (loss, grad norm, ``mean`` metrics) are means over
+        the minibatches that report them (those with an optimizer step)."""
+        spec = get_policy_loss(self.algo.loss)
+        summed = {"num_loss_tokens", "dropped_stale_samples", "zero_advantage_samples", "skipped",
+                  "skipped_no_signal", "skipped_nonfinite"} | {k for k, v in spec.metrics.items() if v == "sum"}
+        maxed = {"staleness_max"} | {k for k, v in spec.metrics.items() if v == "max"}
+        last = {"version", "nonfinite_steps"}
+        out: dict[str, float] = {}
+        keys = sorted({k for r in results for k in r})
+        for key in keys:
+            values = [r[key] for r in results if key in r]
+            if key in summed:
+                out[key] = float(sum(values))
+            elif key in maxed:
+                out[key] = float(max(values))
+            elif key in last:
+                out[key] = values[-1]
+            elif key == "staleness_mean":
+                tokens = [r["num_loss_tokens"] for r in results if key in r]
+                out[key] = sum(v * t for v, t in zip(values, tokens)) / max(sum(tokens), 1.0)
+            else:
+                out[key] = sum(values) / len(values)
+        return out
+
+    def train_minibatch(self, batch: TensorBatch) -> dict[str, float]:
+        """One optimizer step on this rank's rows of one minibatch (collective over the trainer):
+        every rank calls it, an empty part included, and all take the same skip decisions."""
+        batch, stats = self.filter_stale(batch)
         num_local_tokens = float(batch["loss_mask"].sum()) if len(batch) else 0.0
         if len(batch):
             # A zero-advantage sample (its group all scored alike) adds exactly zero loss and
             # gradient in every loss here (each is proportional to A), so it is not forwarded at all.
             # Its tokens still count in the global token mean: the update is bit-for-bit the same.
-            signal = batch["advantages"] != 0
-            stats["zero_advantage_samples"] = float((~signal).sum())
+            stats["zero_advantage_samples"] = float((batch["advantages"] == 0).sum())
             # Rows the staleness filter masked carry no loss token either: not forwarded, and not
             # counted as signal (else an AdamW step on a zero gradient could still happen).
-            keep = (signal & batch["loss_mask"].bool().any(dim=1)).nonzero().squeeze(1)
-            batch = batch.select(keep)
+            batch = batch.select(self._forwarded(batch))
         total_tokens, staleness_sum, zero_adv, num_signal, dropped_stale = self._all_reduce(
             [num_local_tokens, stats.get("staleness_sum", 0.0), stats.get("zero_advantage_samples", 0.0),
              float(len(batch)), stats.get("dropped_stale_samples", 0.0)])
@@ -185,12 +301,6 @@ class TrainerExecutor(Executor):
                     "dropped_stale_samples": dropped_stale}
         dp_size = self.ctx.local_world_size
         spec = get_policy_loss(self.algo.loss)
-        if spec.needs_prox and self.algo.prox == "recompute":
-            # No-grad log-probs with the weights before this step's update (the same packing as the
-            # loop below, so each row's values are those its training micro-batch would compute).
-            batch.fields["prox_logp"] = sequence_logprobs(
-                self.model, batch, temperature=self.temperature, group=self.ctx.group, device=self.ctx.device,
-                max_tokens_per_microbatch=self.config.max_tokens_per_microbatch)
         sums: dict[str, float] = {}
         maxes: dict[str, float] = {}
         self.optimizer.zero_grad(set_to_none=True)
