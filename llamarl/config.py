@@ -121,8 +121,16 @@ class AlgoConfig:
     normalize_batch: bool = False
     """Normalise advantages over the whole batch after the group baseline."""
     max_staleness: int | None = None
-    """eta (AReaL): drop samples whose oldest token is more than this many versions behind the
-    trainer. None keeps everything (the async pipeline already bounds the lag)."""
+    """eta (AReaL): the most versions (trainer optimizer steps) a trained token may be behind the
+    trainer's version at the step that trains it; ``--algo.stale-policy`` says how older ones are
+    kept out. None keeps everything (the async pipeline already bounds the lag)."""
+    stale_policy: Literal["drop", "wait"] = "drop"
+    """With ``--algo.max-staleness``: ``drop`` generates as usual and the trainer masks every sample
+    holding a token older than eta (``dropped_stale_samples``); ``wait`` also makes the generator
+    restart from its prompt, instead of resuming, every partial rollout whose group would be older
+    than eta when trained (``gen_restarted_stale``; its lag estimate is the pipeline's), so the
+    trainer has (almost) nothing left to drop. Under ``wait`` a completion needing more generator
+    steps than eta allows can never finish: size ``--generator.token-budget`` accordingly."""
 
     def __post_init__(self) -> None:
         _check(self.loss in POLICY_LOSSES, f"--algo.loss {self.loss!r} is not registered; known: {sorted(POLICY_LOSSES)}")
@@ -131,6 +139,10 @@ class AlgoConfig:
         _check(self.rho > 0, f"--algo.rho must be > 0, got {self.rho}")
         _check(0 < self.eps_clip < 1, f"--algo.eps-clip must be in (0, 1), got {self.eps_clip}")
         _check(self.max_staleness is None or self.max_staleness >= 0, "--algo.max-staleness must be >= 0")
+        _check(self.stale_policy in ("drop", "wait"),
+               f"--algo.stale-policy must be 'drop' or 'wait', got {self.stale_policy!r}")
+        _check(self.stale_policy == "drop" or self.max_staleness is not None,
+               "--algo.stale-policy wait needs --algo.max-staleness (the bound to wait for)")
 
 
 @dataclass

@@ -12,6 +12,15 @@ elsewhere), ``num_tokens``, ``prompt_len``, ``completion_len``, ``group_ids`` (t
 index), ``finish_stop`` (1 when the sample ended on EOS), strings ``completion`` / ``reference``;
 metadata ``group_size``.
 
+Staleness (``--algo.max-staleness`` eta with ``--algo.stale-policy wait``): a group emitted now
+is trained at a trainer version of at most ``version + expected_lag`` (the pipeline's lag, given by
+whoever builds the executor; ``version`` is the one of the weights the channel last wrote here).
+So at the start of each step, every group with a carried (unfinished) sample whose oldest token
+would then be more than eta versions old is restarted from its prompt, all its samples at once
+(finished ones included: they are as old, and restarting the group together keeps its samples in
+step), and counted as ``gen_restarted_stale``; a new sample is never too old (eta >= the lag is
+checked). With ``drop`` (or no eta) samples are always resumed and the trainer drops stale ones.
+
 With several generator ranks, data-parallel replica d (``ctx.dp_rank``) takes prompts
 ``position + d * num_prompts_per_step + i``. With ``--generator.tp N`` the ranks form a
 ``(dp, tp)`` mesh (``ctx.mesh``, see llamarl/world.py): the model is sharded over each TP group
@@ -27,6 +36,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import time
 from collections.abc import Callable
 from dataclasses import asdict
@@ -37,7 +47,7 @@ import torch
 
 from llamarl.batch import TensorBatch
 from llamarl.checkpoint import load_rng, read_json, save_rng, write_json
-from llamarl.config import GeneratorConfig, ModelConfig
+from llamarl.config import AlgoConfig, GeneratorConfig, ModelConfig
 from llamarl.data.prompts import Problem
 from llamarl.engines.torch_engine import Completion, Request, SamplingParams, TorchEngine
 from llamarl.executors.base import Executor
@@ -95,8 +105,30 @@ class GeneratorExecutor(Executor):
 
     def __init__(self, ctx, *, model_config: ModelConfig, config: GeneratorConfig, task: Task,
                  prompt_fn: PromptFn, output_name: str = "rollouts", seed: int = 0,
-                 max_sequence_tokens: int | None = None) -> None:
+                 max_sequence_tokens: int | None = None, algo: AlgoConfig | None = None,
+                 expected_lag: int = 1) -> None:
+        """``algo``: its ``max_staleness`` / ``stale_policy`` (None: no staleness control here).
+        ``expected_lag``: trainer versions between the weights a sample is generated with and the
+        optimizer step that trains it, at most: the schedule's lag in ticks (async 2 or 1, sync and
+        colocated 0) with ``--trainer.num-minibatches`` 1; with k minibatches, lag * k + k - 1
+        (the last minibatch of the batch). An under-estimate leaves the trainer stale samples to
+        drop (counted there); ValueError when ``wait``'s eta is below it (no sample could be kept)."""
         super().__init__(ctx)
+        if expected_lag < 0:
+            raise ValueError(f"expected_lag must be >= 0, got {expected_lag}")
+        self.algo, self.expected_lag = algo, expected_lag
+        self.wait = algo is not None and algo.stale_policy == "wait" and algo.max_staleness is not None
+        if self.wait and algo.max_staleness < expected_lag:
+            raise ValueError(f"--algo.max-staleness {algo.max_staleness} is below the pipeline's lag ({expected_lag} "
+                             "versions): with --algo.stale-policy wait no sample could ever be trained")
+        if self.wait and config.token_budget is not None:
+            steps = math.ceil(config.max_new_tokens / config.token_budget)
+            if steps - 1 + expected_lag > algo.max_staleness:
+                logger.warning("--algo.stale-policy wait: a completion of more than %d tokens spans more generator "
+                               "steps than --algo.max-staleness %d allows once the trainer steps every tick; such "
+                               "groups are restarted until they finish sooner (a bias toward short completions)",
+                               (algo.max_staleness - expected_lag + 1) * config.token_budget, algo.max_staleness)
+        self.restarted_stale = 0
         self.model_config, self.config, self.task, self.prompt_fn = model_config, config, task, prompt_fn
         self.output_name, self.seed = output_name, seed
         self.version = 0
@@ -147,6 +179,7 @@ class GeneratorExecutor(Executor):
         rank = self.ctx.local_rank
         write_json(directory / f"state_rank{rank}.json", {
             "data_position": self.data_position, "version": self.version, "skipped_prompts": self.skipped_prompts,
+            "restarted_stale": self.restarted_stale,
             "carried": [asdict(r) for r in self.carried],
             "finished": {str(g): [asdict(c) for c in outs] for g, outs in self.finished.items()},
             "problems": {str(g): asdict(p) for g, p in self.problems.items()},
@@ -159,6 +192,7 @@ class GeneratorExecutor(Executor):
         state = read_json(directory / f"state_rank{rank}.json")
         self.data_position, self.version = int(state["data_position"]), int(state["version"])
         self.skipped_prompts = int(state.get("skipped_prompts", 0))
+        self.restarted_stale = int(state.get("restarted_stale", 0))
         self.carried = [Request(**r) for r in state["carried"]]
         self.finished = {int(g): [Completion(**c) for c in outs] for g, outs in state["finished"].items()}
         self.problems = {int(g): Problem(**p) for g, p in state["problems"].items()}
@@ -203,8 +237,33 @@ class GeneratorExecutor(Executor):
                          for j in range(c.samples_per_prompt)]
         return requests
 
+    def _restart_stale_groups(self) -> None:
+        """``--algo.stale-policy wait``: restart (from the prompt, every sample of it) each group with
+        an unfinished sample whose oldest token would be more than eta versions behind the trainer
+        when the group is trained, were it emitted now (see the module docstring)."""
+        if not self.wait:
+            return
+        oldest_allowed = self.version + self.expected_lag - self.algo.max_staleness
+        n = self.config.samples_per_prompt
+        prompts: dict[int, list[int]] = {}
+        for sample in self.carried + [c for outs in self.finished.values() for c in outs]:
+            if sample.versions and min(sample.versions) < oldest_allowed:
+                prompts[sample.sample_id // n] = list(sample.prompt_ids)
+        stale = {g for g in prompts if any(r.sample_id // n == g for r in self.carried)}
+        if not stale:
+            return
+        self.carried = [r for r in self.carried if r.sample_id // n not in stale]
+        for g in sorted(stale):
+            self.finished.pop(g, None)
+            self.carried += [Request(sample_id=g * n + j, prompt_ids=list(prompts[g])) for j in range(n)]
+        self.restarted_stale += n * len(stale)
+        logger.info("%d groups restarted from their prompt: a token older than version %d would be more than "
+                    "--algo.max-staleness %d versions behind when trained", len(stale), oldest_allowed,
+                    self.algo.max_staleness)
+
     def step(self) -> None:
         start = time.perf_counter()
+        self._restart_stale_groups()
         requests = self.carried + self._new_requests()
         outputs = self.engine.generate(requests, sampling=self.sampling(), version=self.version,
                                        generator=self.rng, token_budget=self.config.token_budget)
@@ -242,6 +301,7 @@ class GeneratorExecutor(Executor):
                         # Prompts consumed so far by every replica: resumes must neither skip nor repeat one.
                         "gen_data_position": float(self.data_position),
                         "gen_skipped_prompts": float(self.skipped_prompts),
+                        "gen_restarted_stale": float(self.restarted_stale),
                         "data_skipped_rows": float(getattr(self.task, "num_skipped_rows", 0))}
 
     @torch.no_grad()

@@ -174,8 +174,11 @@ class TrainerExecutor(Executor):
         """Staleness of every loss token against the current version; ``--algo.max-staleness``.
 
         Rows holding a token more than eta versions behind ``self.version`` lose their loss mask
-        (``dropped_stale_samples``). ``staleness_sum`` / ``staleness_max`` are over the loss tokens
-        left, the ones this optimizer step averages over.
+        (``dropped_stale_samples``), under either ``--algo.stale-policy`` (with ``wait`` the
+        generator should have left none: this is the guarantee, and a drop is warned about).
+        ``staleness_sum`` / ``staleness_max`` are over the loss tokens left, the ones this optimizer
+        step's token mean is over (zero-advantage samples' included); the step divides the sum by
+        their global count.
         """
         stats: dict[str, float] = {}
         if not len(batch):
@@ -292,6 +295,12 @@ class TrainerExecutor(Executor):
              float(len(batch)), stats.get("dropped_stale_samples", 0.0)])
         microbatches, max_mbs = plan_microbatches(batch, max_tokens_per_microbatch=self.config.max_tokens_per_microbatch,
                                                   group=self.ctx.group)
+        if dropped_stale and self.ctx.local_rank == 0:
+            wait = self.algo.stale_policy == "wait"
+            (logger.warning if wait else logger.info)(
+                "%d samples dropped at trainer version %d: a token more than --algo.max-staleness %d versions old%s",
+                dropped_stale, self.version, self.algo.max_staleness,
+                " (--algo.stale-policy wait: the generator's expected lag was too short)" if wait else "")
         if total_tokens == 0:
             return {"skipped": 1.0, "version": float(self.version), "dropped_stale_samples": dropped_stale}
         if num_signal == 0:
