@@ -31,13 +31,16 @@ def read_jsonl(path):
     ("async", ["--algo.loss", "aipo"]),
     ("async1", ["--algo.loss", "aipo", "--run.async-lag", "1", "--run.eval-every", "2"]),
     ("sync", ["--algo.loss", "decoupled_ppo", "--algo.prox", "recompute", "--generator.token-budget", "5"]),
+    # Two optimizer steps per tick; wait mode plans with the pipeline's lag (1 tick x 2 steps + 1 = 3).
+    ("async1-minibatches", ["--run.async-lag", "1", "--trainer.num-minibatches", "2", "--algo.loss", "decoupled_ppo",
+                            "--algo.prox", "recompute", "--algo.max-staleness", "3", "--algo.stale-policy", "wait"]),
 ])
 def test_recipe_runs_and_reports(tmp_path, model_dir, schedule, extra):
     out = tmp_path / "run"
     # A reward a random model earns about half the time, so (almost) every tick really trains.
     env = {"LLAMARL_TEST_SCORER": "scorers_for_tests:first_char_even"}
     check(run_torchrun("e2e_arithmetic.py", nproc=3, timeout_s=300, env=env, args=[
-        "--model.name", str(model_dir), "--run.max-steps", str(MAX_STEPS), "--run.schedule", schedule.removesuffix("1"),
+        "--model.name", str(model_dir), "--run.max-steps", str(MAX_STEPS), "--run.schedule", schedule.split("-")[0].removesuffix("1"),
         "--run.num-eval-problems", "8", "--run.output-dir", str(out), "--generator.num-prompts-per-step", "4",
         "--reward.num-workers", "1", "--run.device-guard", *extra]))
     summary = json.loads((out / "summary.json").read_text())
@@ -66,6 +69,10 @@ def test_recipe_runs_and_reports(tmp_path, model_dir, schedule, extra):
         # the one sent at start-up); from tick 3 every tick follows an update and sends.
         generator = read_jsonl(out / "metrics" / "generator.jsonl")
         assert [r["weight_sync_skipped"] for r in generator] == [1, 1, 1, 0, 0]
+    elif schedule == "async1-minibatches":
+        assert all(r["optimizer_steps"] == 2 and r["num_minibatches"] == 2 for r in trainer)
+        assert all(r["staleness_max"] <= 3 and r["dropped_stale_samples"] == 0 for r in trainer)
+        assert max(r["staleness_max"] for r in trainer) >= 2  # the second minibatch trains a version later
     elif schedule == "async1":
         # Rollouts are scored within their tick: training starts at tick 1, then every trained
         # token is exactly one version old (tick 1 trains the base model's own samples).

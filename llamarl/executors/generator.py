@@ -41,7 +41,7 @@ import time
 from collections.abc import Callable
 from dataclasses import asdict
 from pathlib import Path
-from typing import Protocol
+from typing import ClassVar, Protocol
 
 import torch
 
@@ -51,6 +51,7 @@ from llamarl.config import AlgoConfig, GeneratorConfig, ModelConfig
 from llamarl.data.prompts import Problem
 from llamarl.engines.torch_engine import Completion, Request, SamplingParams, TorchEngine
 from llamarl.executors.base import Executor
+from llamarl.metrics import MetricSpec
 from llamarl.models.loading import load_causal_lm
 from llamarl.models.tensor_parallel import apply_tensor_parallel
 
@@ -98,10 +99,29 @@ def completions_to_batch(completions: list[Completion], *, group_ids: list[int],
     return batch
 
 
+GENERATOR_METRICS = {
+    "gen_seconds": MetricSpec("throughput", "max"),
+    "gen_new_tokens": MetricSpec("throughput", "sum"),
+    "gen_tokens_per_s": MetricSpec("throughput", "sum"),
+    "gen_emitted_samples": MetricSpec("rollouts", "sum"),
+    "gen_carried": MetricSpec("rollouts", "sum"),
+    "gen_restarted_stale": MetricSpec("rollouts", "sum"),
+    "gen_version": MetricSpec("rollouts", "max"),
+    "gen_data_position": MetricSpec("data", "max"),
+    "gen_skipped_prompts": MetricSpec("data", "sum"),
+    "data_skipped_rows": MetricSpec("data", "max"),
+}
+"""The generator's metrics and their reduction over its ranks: work and counters add up over the
+data-parallel replicas (TP peers do not report them, see ``_PER_REPLICA``); the data position and
+the version are shared."""
+_PER_REPLICA = ("gen_new_tokens", "gen_tokens_per_s", "gen_carried", "gen_restarted_stale", "gen_skipped_prompts")
+
+
 class GeneratorExecutor(Executor):
     """Rollout generation with the native engine; weights arrive through a WeightsChannel."""
 
     name = "generator"
+    metric_specs: ClassVar[dict] = GENERATOR_METRICS
 
     def __init__(self, ctx, *, model_config: ModelConfig, config: GeneratorConfig, task: Task,
                  prompt_fn: PromptFn, output_name: str = "rollouts", seed: int = 0,
@@ -303,6 +323,9 @@ class GeneratorExecutor(Executor):
                         "gen_skipped_prompts": float(self.skipped_prompts),
                         "gen_restarted_stale": float(self.restarted_stale),
                         "data_skipped_rows": float(getattr(self.task, "num_skipped_rows", 0))}
+        if not emits:  # a TP peer repeats its group's first rank's work: counted there only
+            for key in _PER_REPLICA:
+                self.metrics.pop(key)
 
     @torch.no_grad()
     def evaluate(self, problems: list[Problem], score: Callable[[str, str], float], *, chunk: int = 64,

@@ -29,7 +29,7 @@ from llamarl.executors.colocated import ColocatedExecutor
 from llamarl.executors.generator import GeneratorExecutor, PromptFn, Task
 from llamarl.executors.reward import RewardExecutor
 from llamarl.executors.trainer import TrainerExecutor
-from llamarl.executors.validate import model_context_length, validate_config
+from llamarl.executors.validate import expected_lag, model_context_length, validate_config
 from llamarl.pipeline import ChannelSpec, Pipeline, Stage
 from llamarl.runner import run_pipeline
 
@@ -48,7 +48,8 @@ def _generator(config: RLConfig, *, task: Task, prompt_fn: PromptFn, output: str
     def build(ctx) -> GeneratorExecutor:
         return GeneratorExecutor(ctx, model_config=config.model, config=config.generator, task=task,
                                  prompt_fn=prompt_fn, output_name=output, seed=config.run.seed,
-                                 max_sequence_tokens=_max_sequence_tokens(config))
+                                 max_sequence_tokens=_max_sequence_tokens(config), algo=config.algo,
+                                 expected_lag=expected_lag(config))
     return build
 
 

@@ -59,6 +59,7 @@ from llamarl.batch import TensorBatch
 from llamarl.checkpoint import load_rng, read_json, save_rng, write_json
 from llamarl.config import AlgoConfig, ModelConfig, TrainerConfig
 from llamarl.executors.base import Executor
+from llamarl.metrics import MetricSpec
 from llamarl.models.export import export_hf
 from llamarl.models.loading import load_causal_lm
 from llamarl.models.microbatch import microbatch_inputs, plan_microbatches, sequence_logprobs
@@ -68,10 +69,30 @@ from llamarl.sharded_state import load_sharded_state, save_sharded_state
 logger = logging.getLogger("llamarl.trainer")
 
 
+# The step reduces these over the trainer's ranks itself (identical on every rank: "max" keeps them),
+# except this rank's throughput, which the runner sums.
+_TRAINER_METRICS = {
+    **{key: MetricSpec("optim", "max") for key in ("grad_norm", "version", "optimizer_steps", "num_minibatches",
+                                                   "nonfinite_steps", "skipped", "skipped_no_signal",
+                                                   "skipped_nonfinite")},
+    **{key: MetricSpec("data", "max") for key in ("num_loss_tokens", "zero_advantage_samples",
+                                                  "dropped_stale_samples")},
+    "staleness_mean": MetricSpec("staleness", "max"), "staleness_max": MetricSpec("staleness", "max"),
+    "loss": MetricSpec("loss", "max"),
+    "train_seconds": MetricSpec("throughput", "max"), "train_tokens_per_s": MetricSpec("throughput", "sum"),
+}
+
+
 class TrainerExecutor(Executor):
     """Policy optimisation on the trainer's ranks. ``version`` counts optimizer steps."""
 
     name = "trainer"
+
+    @property
+    def metric_specs(self) -> dict[str, MetricSpec]:
+        """The step's metrics and those the registered loss declares (section ``loss``)."""
+        declared = get_policy_loss(self.algo.loss).metrics
+        return {**{key: MetricSpec("loss", "max") for key in declared}, **_TRAINER_METRICS}
 
     def __init__(self, ctx, *, model_config: ModelConfig, config: TrainerConfig, algo: AlgoConfig,
                  temperature: float, input_name: str = "scored", seed: int = 0) -> None:
@@ -209,7 +230,8 @@ class TrainerExecutor(Executor):
         k = self.config.num_minibatches
         if k == 1:
             return [batch]
-        local = torch.unique(batch["group_ids"]) if len(batch) else torch.zeros(0, dtype=torch.int64)
+        local = torch.unique(batch["group_ids"]) if len(batch) \
+            else torch.zeros(0, dtype=torch.int64, device=self.ctx.device)
         local = local.to(device=self.ctx.device, dtype=torch.int64)
         width = int(self._all_reduce([float(local.numel())], op=dist.ReduceOp.MAX)[0])
         row = torch.zeros(width + 1, dtype=torch.int64, device=self.ctx.device)
@@ -233,7 +255,8 @@ class TrainerExecutor(Executor):
             # those with signal that the staleness filter keeps at this version (later minibatches,
             # at later versions, keep a subset).
             fresh, _ = self.filter_stale(batch)
-            rows = (self._forwarded(fresh) if len(batch) else torch.zeros(0, dtype=torch.long)).to(self.ctx.device)
+            rows = self._forwarded(fresh).to(self.ctx.device) if len(batch) \
+                else torch.zeros(0, dtype=torch.long, device=self.ctx.device)
             logp = sequence_logprobs(self.model, fresh.select(rows) if len(batch) else batch,
                                      temperature=self.temperature, group=self.ctx.group, device=self.ctx.device,
                                      max_tokens_per_microbatch=self.config.max_tokens_per_microbatch)

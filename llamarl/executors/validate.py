@@ -37,6 +37,16 @@ def _writable(path: Path) -> bool:
     return False
 
 
+def expected_lag(config: RLConfig) -> int:
+    """Trainer versions between the weights a sample is generated with and the last optimizer step
+    that trains it: the schedule's lag in ticks L (async: ``--run.async-lag``; sync and colocated: 0)
+    times the k = ``--trainer.num-minibatches`` steps per tick, plus the k - 1 steps before the
+    batch's last minibatch. ``--algo.stale-policy wait`` plans with it."""
+    lag = config.run.async_lag if config.run.schedule == "async" else 0
+    k = config.trainer.num_minibatches
+    return lag * k + k - 1
+
+
 def validate_config(config: RLConfig, *, world_size: int) -> None:
     """Raise ValueError (one line, naming the flag and the value) for a configuration that cannot run."""
     name = config.model.name
@@ -60,6 +70,12 @@ def validate_config(config: RLConfig, *, world_size: int) -> None:
     if config.algo.advantage == "rloo" and generator.samples_per_prompt < 2:
         raise ValueError("--algo.advantage rloo needs --generator.samples-per-prompt >= 2, "
                          f"got {generator.samples_per_prompt}")
+    algo = config.algo
+    if algo.stale_policy == "wait" and algo.max_staleness is not None and algo.max_staleness < expected_lag(config):
+        raise ValueError(f"--algo.max-staleness {algo.max_staleness} is below what this schedule's lag makes every "
+                         f"sample ({expected_lag(config)} versions: --run.schedule {config.run.schedule}, "
+                         f"--run.async-lag {config.run.async_lag}, --trainer.num-minibatches "
+                         f"{config.trainer.num_minibatches}): --algo.stale-policy wait could never train one")
     if config.run.schedule != "colocated":
         needed = generator.num_ranks + config.reward.num_ranks + 1
         if world_size < needed:
