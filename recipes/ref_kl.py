@@ -1,0 +1,307 @@
+"""Arithmetic RL with a KL penalty to the initial policy, applied by a reference-policy executor.
+
+    torchrun --standalone --nproc-per-node 4 -m recipes.ref_kl \
+        [--ref.kl-coef 0.05 --ref.kl-estimator k1 --ref.num-ranks 1 --run.max-steps 40 ...]
+
+A worked extension of the RL pipeline built from the library's public pieces only (``Stage``,
+``ChannelSpec``, the stage builders of ``llamarl/executors/pipelines.py``, ``shard_model``,
+``sequence_logprobs`` and ``kl_penalty``). Four executors, in rank order::
+
+    generator --rollouts--> reward --scored--> ref --shaped--> trainer
+        ^                                                         |
+        +------------------------- weights -----------------------+
+
+The reference executor (``RefPolicyExecutor``, ``--ref.num-ranks`` ranks, default 1) holds the
+frozen initial policy, sharded with FSDP2 over its ranks and never updated (no optimizer, no
+weight channel). For every scored sample it computes the reference log-probs of the completion
+tokens and shapes the reward::
+
+    reward_i <- reward_i - beta * sum_t kl_t          (t over the completion tokens of sample i)
+
+with ``beta = --ref.kl-coef`` and ``kl_t`` the ``--ref.kl-estimator`` of KL(pi || pi_ref) on the
+sampled token (``llamarl.algorithms.advantages.kl_penalty``): ``k1 = behav_logp - ref_logp``
+(unbiased, can be negative), ``k2 = (ref - behav)^2 / 2`` or ``k3 = exp(ref - behav) - (ref - behav)
+- 1`` (unbiased, >= 0). The behaviour log-probs the generator recorded stand in for the current
+policy's (as verl's ``use_kl_in_reward`` uses the old log-probs): the KL is that of the policy that
+*sampled* the tokens, which under the async schedule is a version or two behind the trainer. Both
+sides use the generator's ``--generator.temperature``, so the KL is between the tempered
+distributions the trainer's ratios also use, and is ~0 while the weights still equal the reference
+(|kl_mean| ~1e-8 with ``--generator.dtype float32`` and ``--ref.param-dtype float32``: the
+generator's KV-cached decoding and the reference's full forward round differently; in bf16 it is
+bf16 noise).
+
+Schedules: ``async`` (default) and ``sync`` deliver as ``rl_pipeline`` does, with the extra hop
+``scored`` (reward -> ref) always same-tick, so the lag of every trained token is the standard
+pipeline's (``--run.async-lag``) and ``--algo.stale-policy wait`` plans with the right one.
+``colocated`` is refused: the reference is its own executor on its own ranks.
+
+With ``--algo.advantage grpo`` (the default) the group's std divides the shaped rewards: in a
+group whose raw rewards tie, the advantage comes from the KL alone and is rescaled to unit size,
+so ``--ref.kl-coef`` acts relative to the reward's spread; ``--algo.advantage mean`` keeps beta's
+absolute scale.
+
+Metrics (``metrics/ref.jsonl``): ``kl_mean`` (per completion token), ``kl_penalty_mean`` (beta
+times the per-sample KL sum, per sample), ``reward_raw_mean`` / ``reward_shaped_mean`` (per
+sample), ``ref_samples``, ``ref_tokens``, ``ref_seconds``. Each shaped batch also carries
+``reward_raw`` and ``kl_sum`` [N] so that whatever comes after can audit the shaping.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import ClassVar, Literal
+
+import torch
+import tyro
+
+from llamarl.algorithms.advantages import KL_KINDS, kl_penalty
+from llamarl.batch import TensorBatch
+from llamarl.config import ModelConfig
+from llamarl.data.arithmetic import ArithmeticTask
+from llamarl.data.prompts import Problem
+from llamarl.executors.base import Executor
+from llamarl.executors.generator import PromptFn, Task
+from llamarl.executors.pipelines import generator_stage, reward_stage, schedule_title, trainer_stage
+from llamarl.executors.validate import validate_config
+from llamarl.metrics import MetricSpec
+from llamarl.models.loading import load_causal_lm
+from llamarl.models.microbatch import sequence_logprobs
+from llamarl.models.sharding import shard_model
+from llamarl.pipeline import ChannelSpec, Pipeline, Stage
+from llamarl.rewards.arithmetic import score as arithmetic_score
+from llamarl.runner import run_pipeline
+from recipes.arithmetic import ArithmeticConfig, prompt_fn
+
+logger = logging.getLogger("llamarl.ref_kl")
+
+REF_HEADLINE = ("kl_mean", "reward_shaped_mean")
+
+
+@dataclass
+class RefConfig:
+    """The reference-policy executor: its ranks, the KL estimator and its coefficient."""
+
+    num_ranks: int = 1
+    """Ranks given to the reference policy (after the reward's); its frozen copy of the initial
+    policy is sharded with FSDP2 over them."""
+    kl_coef: float = 0.05
+    """beta: each sample's reward becomes ``reward - beta * sum over its completion tokens of kl_t``
+    (0 reports the KL without shaping)."""
+    kl_estimator: Literal["k1", "k2", "k3"] = "k1"
+    """Per-token estimator of KL(pi || pi_ref) on the sampled token, with pi the behaviour policy:
+    ``k1`` = log pi - log pi_ref (unbiased, can be negative), ``k2`` = (log ratio)^2 / 2,
+    ``k3`` = exp(log pi_ref - log pi) - (log pi_ref - log pi) - 1 (unbiased, >= 0)."""
+    param_dtype: Literal["float32", "bfloat16"] = "float32"
+    """Compute dtype of the reference forward (FSDP2 MixedPrecisionPolicy); the frozen weights are
+    kept in ``--model.dtype``. With float32 (and ``--generator.dtype float32``) the KL is ~0 (about
+    1e-8 per token) while the policy still equals the reference."""
+    max_tokens_per_microbatch: int | None = None
+    """Token budget of one reference forward (first-fit decreasing packing); None: the trainer's
+    ``--trainer.max-tokens-per-microbatch`` (the longest sample the generator admits)."""
+    num_threads: int = 1
+    """torch intra-op threads on each reference rank."""
+
+    def __post_init__(self) -> None:
+        if self.num_ranks < 1:
+            raise ValueError(f"--ref.num-ranks must be >= 1, got {self.num_ranks}")
+        if not self.kl_coef >= 0:  # also refuses NaN
+            raise ValueError(f"--ref.kl-coef must be >= 0, got {self.kl_coef}")
+        if self.kl_estimator not in KL_KINDS:
+            raise ValueError(f"--ref.kl-estimator must be one of {KL_KINDS}, got {self.kl_estimator!r}")
+        if self.param_dtype not in ("float32", "bfloat16"):
+            raise ValueError(f"--ref.param-dtype must be float32 or bfloat16, got {self.param_dtype!r}")
+        if self.max_tokens_per_microbatch is not None and self.max_tokens_per_microbatch < 1:
+            raise ValueError(f"--ref.max-tokens-per-microbatch must be >= 1, got {self.max_tokens_per_microbatch}")
+        if self.num_threads < 1:
+            raise ValueError(f"--ref.num-threads must be >= 1, got {self.num_threads}")
+
+
+@dataclass
+class RefKLConfig(ArithmeticConfig):
+    """Arithmetic RL with a KL-to-reference reward penalty from a reference-policy executor."""
+
+    ref: RefConfig = field(default_factory=RefConfig)
+
+
+REF_METRICS = {
+    "kl_mean": MetricSpec("kl", "mean", weight="ref_tokens"),
+    "kl_penalty_mean": MetricSpec("kl", "mean", weight="ref_samples"),
+    "reward_raw_mean": MetricSpec("reward", "mean", weight="ref_samples"),
+    "reward_shaped_mean": MetricSpec("reward", "mean", weight="ref_samples"),
+    "ref_samples": MetricSpec("data", "sum"),
+    "ref_tokens": MetricSpec("data", "sum"),
+    "ref_seconds": MetricSpec("time", "max"),
+}
+"""The reference executor's metrics and their reduction over its ranks (token- or sample-weighted)."""
+
+
+def shape_rewards(batch: TensorBatch, ref_logp: torch.Tensor, *, kl_coef: float,
+                  kl_estimator: str) -> tuple[TensorBatch, dict[str, float]]:
+    """Apply the KL penalty to a non-empty scored batch; return it and its metrics.
+
+    ``batch`` holds ``rewards`` [N], ``behav_logp`` / ``loss_mask`` [N, L] and ``group_ids`` [N];
+    ``ref_logp`` [N, L] the reference log-probs at the same positions (any value off the loss
+    mask). Sets ``rewards`` to ``reward_raw - kl_coef * kl_sum`` (float32; exactly ``reward_raw``
+    when ``kl_coef`` is 0), adds ``reward_raw`` and ``kl_sum`` (the per-sample sum of the per-token
+    estimates over the completion tokens) and recomputes ``balance_tokens`` (0 for the rows of a
+    group whose shaped rewards all tie: the trainer forwards nothing for them, see
+    llamarl/executors/reward.py). Raises RuntimeError on a non-finite KL (it would poison the
+    rewards silently).
+    """
+    mask = batch["loss_mask"].bool()
+    kl = kl_penalty(batch["behav_logp"].float(), ref_logp.float(), mask, kind=kl_estimator)
+    kl_sum = kl.sum(dim=1)
+    if not bool(torch.isfinite(kl_sum).all()):
+        rows = (~torch.isfinite(kl_sum)).nonzero().squeeze(1).tolist()
+        raise RuntimeError(f"non-finite KL to the reference policy in rows {rows} (group ids "
+                           f"{batch['group_ids'][rows].tolist()})")
+    raw = batch["rewards"].float()
+    shaped = raw.clone() if kl_coef == 0 else raw - kl_coef * kl_sum
+    batch.fields["reward_raw"] = raw
+    batch.fields["kl_sum"] = kl_sum
+    batch.fields["rewards"] = shaped
+    group_ids = batch["group_ids"]
+    same = torch.ones_like(group_ids, dtype=torch.bool)
+    for gid in group_ids.unique().tolist():
+        rows = group_ids == gid
+        same[rows] = bool((shaped[rows] == shaped[rows][0]).all())
+    batch.fields["balance_tokens"] = torch.where(same, torch.zeros_like(batch["num_tokens"]), batch["num_tokens"])
+    tokens = float(mask.sum())
+    samples = float(len(batch))
+    metrics = {"kl_mean": float(kl.sum()) / max(tokens, 1.0),
+               "kl_penalty_mean": float((kl_coef * kl_sum).sum()) / samples,
+               "reward_raw_mean": float(raw.sum()) / samples, "reward_shaped_mean": float(shaped.sum()) / samples,
+               "ref_samples": samples, "ref_tokens": tokens}
+    return batch, metrics
+
+
+class RefPolicyExecutor(Executor):
+    """The frozen initial policy on its own ranks; shapes each scored sample's reward by its KL.
+
+    Input ``input_name`` (SCATTERed, so prompt groups arrive whole; the shaping is per sample
+    anyway): a scored rollout batch (``input_ids``, ``loss_mask``, ``behav_logp``, ``num_tokens``,
+    ``rewards``, ``group_ids``, ...). Output ``output_name``: the same batch with ``rewards``
+    shaped, plus ``reward_raw`` and ``kl_sum`` (``shape_rewards``). Every step is collective over
+    the executor's ranks (FSDP2 forwards): each rank runs the same number of forwards, a rank with
+    fewer or no rows running 2-token dummies (``llamarl.models.microbatch.sequence_logprobs``).
+    The model is loaded from ``--model.name``, i.e. the weights the trainer starts from; it has no
+    optimizer and no weight channel, and its state is the file itself (nothing to checkpoint
+    beyond the pending outputs the base class saves).
+    """
+
+    name = "ref"
+    metric_specs: ClassVar[dict] = REF_METRICS
+
+    def __init__(self, ctx, *, model_config: ModelConfig, config: RefConfig, temperature: float,
+                 max_tokens_per_microbatch: int, input_name: str = "scored", output_name: str = "shaped") -> None:
+        super().__init__(ctx)
+        self.model_config, self.config, self.temperature = model_config, config, temperature
+        self.max_tokens_per_microbatch = max_tokens_per_microbatch
+        self.input_name, self.output_name = input_name, output_name
+        self.model = None
+
+    def init(self) -> None:
+        torch.set_num_threads(self.config.num_threads)
+        # On the host, then fully_shard moves each rank's shards to the mesh's device (as the trainer).
+        model, _ = load_causal_lm(self.model_config.name, dtype=getattr(torch, self.model_config.dtype), device="cpu")
+        model.requires_grad_(False)
+        self.model = shard_model(model, self.ctx.mesh, param_dtype=getattr(torch, self.config.param_dtype))
+        self.model.eval()
+        if self.ctx.local_rank == 0:
+            logger.info("reference policy %s frozen on %d rank(s) (%s compute); KL %s, beta %g",
+                        self.model_config.name, self.ctx.local_world_size, self.config.param_dtype,
+                        self.config.kl_estimator, self.config.kl_coef)
+
+    def step(self) -> None:
+        batch = self.inputs.pop(self.input_name, TensorBatch())
+        start = time.perf_counter()
+        if len(batch):
+            batch = batch.to(self.ctx.device)
+        # Collective: every reference rank calls it, an empty one included (dummy forwards).
+        ref_logp = sequence_logprobs(self.model, batch, temperature=self.temperature,
+                                     max_tokens_per_microbatch=self.max_tokens_per_microbatch,
+                                     group=self.ctx.group, device=self.ctx.device)
+        if not len(batch):
+            self.metrics = {}
+            return
+        self.outputs[self.output_name], metrics = shape_rewards(batch, ref_logp, kl_coef=self.config.kl_coef,
+                                                                kl_estimator=self.config.kl_estimator)
+        self.metrics = {**metrics, "ref_seconds": time.perf_counter() - start}
+
+
+def ref_stage(config: RefKLConfig, *, name: str = "ref", input_name: str = "scored", output: str = "shaped") -> Stage:
+    """The reference policy on ``--ref.num-ranks`` ranks: reads ``input_name``, sends ``output``."""
+    budget = config.ref.max_tokens_per_microbatch or config.trainer.max_tokens_per_microbatch
+
+    def build(ctx) -> RefPolicyExecutor:
+        return RefPolicyExecutor(ctx, model_config=config.model, config=config.ref,
+                                 temperature=config.generator.temperature, max_tokens_per_microbatch=budget,
+                                 input_name=input_name, output_name=output)
+    return Stage(name, build=build, num_ranks=config.ref.num_ranks, headline=REF_HEADLINE)
+
+
+def ref_kl_pipeline(config: RefKLConfig, *, task: Task, scorer: str, prompt_fn: PromptFn) -> Pipeline:
+    """generator -> reward ("scored") -> ref ("shaped") -> trainer, weights trainer -> generator.
+
+    Delivery follows ``--run.schedule`` like ``rl_pipeline``: ``rollouts`` same-tick under sync or
+    ``--run.async-lag 1``, ``shaped`` same-tick under sync, ``scored`` always same-tick (the
+    reference adds no lag). Raises ValueError for ``--run.schedule colocated``.
+    """
+    schedule = config.run.schedule
+    if schedule == "colocated":
+        raise ValueError("--run.schedule colocated is not supported by recipes.ref_kl: the reference policy is an "
+                         "executor on its own ranks; use --run.schedule async or sync")
+    sync = schedule == "sync"
+    return Pipeline(
+        stages=[generator_stage(config, task=task, prompt_fn=prompt_fn),
+                reward_stage(config, scorer=scorer, output="scored"),
+                ref_stage(config, input_name="scored", output="shaped"),
+                trainer_stage(config, input_name="shaped")],
+        channels=[ChannelSpec("rollouts", "generator", "reward", "scatter", same_tick=sync or config.run.async_lag == 1),
+                  ChannelSpec("scored", "reward", "ref", "scatter", same_tick=True),
+                  ChannelSpec("shaped", "ref", "trainer", "scatter", same_tick=sync),
+                  ChannelSpec("weights", "trainer", "generator", "weights", weights_mode=config.weights.mode)],
+        evaluator="generator", title=f"{schedule_title(config)}, KL to reference",
+        summary={"schedule": schedule, "loss": config.algo.loss, "kl_coef": config.ref.kl_coef,
+                 "kl_estimator": config.ref.kl_estimator})
+
+
+def validate_ref_kl(config: RefKLConfig, *, world_size: int) -> None:
+    """``validate_config`` plus the checks of the reference stage: one line naming the flag."""
+    validate_config(config, world_size=world_size)
+    if config.run.schedule == "colocated":
+        raise ValueError("--run.schedule colocated is not supported by recipes.ref_kl: the reference policy is an "
+                         "executor on its own ranks; use --run.schedule async or sync")
+    needed = config.generator.num_ranks + config.reward.num_ranks + config.ref.num_ranks + 1
+    if world_size < needed:
+        raise ValueError(f"--generator.num-ranks {config.generator.num_ranks} + --reward.num-ranks "
+                         f"{config.reward.num_ranks} + --ref.num-ranks {config.ref.num_ranks} + at least 1 trainer "
+                         f"rank = {needed} > the world size {world_size} (torchrun --nproc-per-node)")
+    budget = config.ref.max_tokens_per_microbatch
+    if budget is not None and budget < config.trainer.max_tokens_per_microbatch:
+        raise ValueError(f"--ref.max-tokens-per-microbatch {budget} is below --trainer.max-tokens-per-microbatch "
+                         f"{config.trainer.max_tokens_per_microbatch}: a sample the trainer admits would not fit")
+
+
+def run(config: RefKLConfig, *, task: Task, heldout: list[Problem], score: Callable[[str, str], float],
+        scorer: str, prompt_fn: PromptFn = prompt_fn, recipe: str = "ref_kl") -> dict | None:
+    """Validate (every rank, before any process group) and run the pipeline on this rank; returns
+    the summary dict on global rank 0, else None."""
+    validate_ref_kl(config, world_size=int(os.environ.get("WORLD_SIZE", "1")))
+    return run_pipeline(ref_kl_pipeline(config, task=task, scorer=scorer, prompt_fn=prompt_fn), config,
+                        recipe=recipe, heldout=heldout, score=score)
+
+
+def main(config: RefKLConfig) -> None:
+    """The arithmetic task with the rule-based scorer and the KL penalty."""
+    task = ArithmeticTask(num_digits=config.task.num_digits, seed=config.run.seed)
+    run(config, task=task, heldout=task.heldout(config.run.num_eval_problems), score=arithmetic_score,
+        scorer="arithmetic")
+
+
+if __name__ == "__main__":
+    main(tyro.cli(RefKLConfig))
