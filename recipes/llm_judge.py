@@ -70,6 +70,7 @@ from llamarl.data.prompts import Problem, build_chat_prompt
 from llamarl.executors.base import Executor
 from llamarl.executors.generator import PromptFn, Task
 from llamarl.executors.pipelines import generator_stage, reward_stage, schedule_title, trainer_stage
+from llamarl.executors.reward import set_balance_tokens
 from llamarl.executors.validate import validate_config
 from llamarl.metrics import MetricSpec
 from llamarl.models.loading import KNOWN_ALIASES, load_causal_lm
@@ -354,12 +355,7 @@ class JudgeExecutor(Executor):
             metrics["judge_agreement"] = float((verdict == (rule >= 0.5)).float().sum()) / samples
         batch.fields["judge_yes_prob"] = p_yes
         batch.fields["rewards"] = rewards
-        ids = batch["group_ids"]
-        same = torch.ones_like(ids, dtype=torch.bool)
-        for gid in ids.unique().tolist():
-            rows = ids == gid
-            same[rows] = bool((rewards[rows] == rewards[rows][0]).all())
-        batch.fields["balance_tokens"] = torch.where(same, torch.zeros_like(batch["num_tokens"]), batch["num_tokens"])
+        set_balance_tokens(batch)
         self.outputs[self.output_name] = batch
         self.metrics = {**metrics, "judge_seconds": time.perf_counter() - start}
 

@@ -66,6 +66,7 @@ from llamarl.data.prompts import Problem
 from llamarl.executors.base import Executor
 from llamarl.executors.generator import PromptFn, Task
 from llamarl.executors.pipelines import generator_stage, reward_stage, schedule_title, trainer_stage
+from llamarl.executors.reward import set_balance_tokens
 from llamarl.executors.validate import validate_config
 from llamarl.metrics import MetricSpec
 from llamarl.models.loading import load_causal_lm
@@ -164,12 +165,7 @@ def shape_rewards(batch: TensorBatch, ref_logp: torch.Tensor, *, kl_coef: float,
     batch.fields["reward_raw"] = raw
     batch.fields["kl_sum"] = kl_sum
     batch.fields["rewards"] = shaped
-    group_ids = batch["group_ids"]
-    same = torch.ones_like(group_ids, dtype=torch.bool)
-    for gid in group_ids.unique().tolist():
-        rows = group_ids == gid
-        same[rows] = bool((shaped[rows] == shaped[rows][0]).all())
-    batch.fields["balance_tokens"] = torch.where(same, torch.zeros_like(batch["num_tokens"]), batch["num_tokens"])
+    set_balance_tokens(batch)
     tokens = float(mask.sum())
     samples = float(len(batch))
     metrics = {"kl_mean": float(kl.sum()) / max(tokens, 1.0),

@@ -14,9 +14,6 @@ REPO = Path(__file__).resolve().parents[1]
 DOCS = REPO / "docs"
 PAGES = ("architecture.md", "write_your_own_executor.md")
 
-# The two worked extensions of docs/write_your_own_executor.md are written by another change; until
-# they land, the pages may name them. Only these two paths, by name, are let through while absent.
-PENDING = {"recipes/ref_kl.py", "recipes/llm_judge.py"}
 
 # A path in backticks, as the pages write them: `llamarl/world.py`, `tests/worlds/`, `docs/x.png`.
 PATH = re.compile(r"`((?:llamarl|recipes|tests|docs|benchmarks|torchrun)/[\w./-]*)")
@@ -54,7 +51,7 @@ def test_pages_name_only_existing_files(page):
     text = (DOCS / page).read_text(encoding="utf-8")
     named = {m.rstrip(".") for m in PATH.findall(text)}
     assert named, f"docs/{page} names no repository file"
-    missing = sorted(p for p in named if not (REPO / p).exists() and p not in PENDING)
+    missing = sorted(p for p in named if not (REPO / p).exists())
     assert not missing, f"docs/{page} names files that do not exist: {missing}"
     links = [t for t in LINK.findall(text) if not (DOCS / t).exists()]
     assert not links, f"docs/{page} links to missing files: {links}"

@@ -34,21 +34,26 @@ REWARD_METRICS = {
 counters are each rank's running totals, so their sum is the run's)."""
 
 
+def set_balance_tokens(batch: TensorBatch) -> None:
+    """Set ``balance_tokens`` from ``rewards``: 0 for every row of a prompt group whose samples all
+    scored alike, else ``num_tokens``. Such a group has zero advantage, so the trainer does not
+    forward it, and SCATTER balances trainer ranks by the tokens that will really be trained on.
+    Any executor that sets or changes ``rewards`` calls it."""
+    group_ids, rewards = batch["group_ids"], batch["rewards"]
+    same = torch.ones_like(group_ids, dtype=torch.bool)
+    for gid in group_ids.unique().tolist():
+        rows = group_ids == gid
+        same[rows] = bool((rewards[rows] == rewards[rows][0]).all())
+    batch.fields["balance_tokens"] = torch.where(same, torch.zeros_like(batch["num_tokens"]), batch["num_tokens"])
+
+
 def score_rollouts(pool: RewardPool, batch: TensorBatch) -> tuple[TensorBatch, dict[str, float]]:
     """Add ``rewards`` (float32 [N], on the batch's device) to a non-empty rollout batch; return it
     and the reward metrics. Shared by the reward executor and the colocated schedule."""
     start = time.perf_counter()
     rewards = pool.score_batch(batch.get_strings("completion"), batch.get_strings("reference"))
     batch.fields["rewards"] = torch.tensor(rewards, dtype=torch.float32, device=batch.device)
-    # A group whose samples all scored alike has zero advantage: the trainer does not forward it.
-    # SCATTER then balances trainer ranks by the tokens that will actually be trained on.
-    group_ids = batch["group_ids"]
-    same = torch.ones_like(group_ids, dtype=torch.bool)
-    for gid in group_ids.unique().tolist():
-        rows = group_ids == gid
-        group = batch["rewards"][rows]
-        same[rows] = bool((group == group[0]).all())
-    batch.fields["balance_tokens"] = torch.where(same, torch.zeros_like(batch["num_tokens"]), batch["num_tokens"])
+    set_balance_tokens(batch)
     stats = pool.stats()
     metrics = {"reward_mean": float(sum(rewards) / len(rewards)),
                "accuracy": float(sum(r >= 1.0 for r in rewards) / len(rewards)),
