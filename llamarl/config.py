@@ -25,6 +25,8 @@ def _check(condition: bool, message: str) -> None:
 
 @dataclass
 class ModelConfig:
+    """The policy model: where it is loaded from and the trainer's parameter dtype."""
+
     name: str = "smollm2-135m-instruct"
     """HF causal-LM directory, or the built-in alias ``smollm2-135m-instruct``."""
     dtype: Literal["float32", "bfloat16"] = "float32"
@@ -33,6 +35,9 @@ class ModelConfig:
 
 @dataclass
 class GeneratorConfig:
+    """The generator executor: its ranks and engine, prompts and samples a step, sampling, partial
+    rollouts, threads and tensor parallelism."""
+
     num_ranks: int = 1
     """Ranks given to the generator (the first ranks of the world)."""
     engine: Literal["torch", "vllm"] = "torch"
@@ -88,6 +93,8 @@ class GeneratorConfig:
 
 @dataclass
 class RewardConfig:
+    """The reward executor: its ranks and the scoring process pool (workers, per-sample timeout)."""
+
     num_ranks: int = 1
     """Ranks given to the reward executor (after the generator's)."""
     num_workers: int = 1
@@ -103,6 +110,9 @@ class RewardConfig:
 
 @dataclass
 class AlgoConfig:
+    """The RL algorithm: the registered policy loss and advantage estimator, their coefficients, the
+    proximal policy and staleness control."""
+
     loss: str = "aipo"
     """Policy loss, by registered name (``llamarl.algorithms.registry.register_policy_loss``): built in
     ``aipo`` (LlamaRL), ``decoupled_ppo`` (AReaL) and ``ppo`` (coupled PPO/GRPO, on-policy baseline)."""
@@ -147,6 +157,8 @@ class AlgoConfig:
 
 @dataclass
 class TrainerConfig:
+    """The trainer executor: optimizer, precision, micro-batching, minibatches, threads and the non-finite guard."""
+
     lr: float = 1e-5
     """AdamW learning rate."""
     weight_decay: float = 0.0
@@ -183,6 +195,8 @@ class TrainerConfig:
 
 @dataclass
 class WeightsConfig:
+    """The trainer -> generator weight channel."""
+
     mode: Literal["ddma", "gather_broadcast"] = "ddma"
     """How trainer weights reach the generator: ``ddma`` (each trainer shard goes straight to the
     generator ranks that hold its slice; no rank assembles the full model) or
@@ -192,6 +206,8 @@ class WeightsConfig:
 
 @dataclass
 class RunConfig:
+    """The run: ticks, schedule and lag, seed, output directory, timeouts, evaluation and the device guard."""
+
     max_steps: int = 20
     """Controller ticks to run."""
     schedule: Literal["async", "sync", "colocated"] = "async"
@@ -236,6 +252,8 @@ class RunConfig:
 
 @dataclass
 class CheckpointConfig:
+    """Atomic checkpoints: how often, how many are kept, and resuming."""
+
     every: int = 0
     """Save every executor's state every this many ticks (0: never) into
     ``<run>/checkpoints/step_<n>``, atomically (complete once ``COMPLETE.json`` is in it)."""
@@ -256,6 +274,8 @@ class CheckpointConfig:
 
 @dataclass
 class ExportConfig:
+    """Hugging Face exports of the policy during and after the run."""
+
     every: int = 0
     """Also export the policy as an HF directory every this many ticks (``<run>/hf/step_<n>``);
     0: only the final one."""
