@@ -19,7 +19,7 @@ RUN_ARGS ?=
 
 .PHONY: run test test-vllm test-gpu gsm8k-smoke lint
 run: .venv/.installed
-	OMP_NUM_THREADS=1 .venv/bin/torchrun --standalone --nproc-per-node $(NPROC) -m recipes.arithmetic $(RUN_ARGS)
+	OMP_NUM_THREADS=1 .venv/bin/torchrun --standalone --nproc-per-node $(NPROC) -m recipes.arithmetic --run.eval-every 10 $(RUN_ARGS)
 
 test: .venv/.installed
 	OMP_NUM_THREADS=1 $(PY) -m pytest -q tests --ignore=tests/test_vllm_engine.py --ignore=tests/gpu
