@@ -1,0 +1,157 @@
+"""benchmarks/async_speedup.py and async_quality.py without running a model: argument parsing, the
+commands they would launch, reading a (synthetic) run directory, the LlamaRL §7 model, the tables,
+and the uncorrected policy loss of async_quality."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+BENCH = Path(__file__).resolve().parents[1] / "benchmarks"
+
+
+def _load(name: str):
+    if str(BENCH) not in sys.path:
+        sys.path.insert(0, str(BENCH))  # async_quality imports async_speedup by name
+    spec = importlib.util.spec_from_file_location(name, BENCH / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules.setdefault(name, module)
+    spec.loader.exec_module(module)
+    return sys.modules[name]
+
+
+speedup = _load("async_speedup")
+quality = _load("async_quality")
+
+
+def test_parse_and_commands():
+    args = speedup.build_parser().parse_args(["--ticks", "3", "--workloads", "arithmetic",
+                                              "--schedules", "colocated,async-lag1-partial", "--async-threads", "1,1"])
+    assert args.workloads == ["arithmetic"] and args.schedules == ["colocated", "async-lag1-partial"]
+    with pytest.raises(SystemExit):
+        speedup.build_parser().parse_args(["--schedules", "colocated,bogus"])
+    with pytest.raises(SystemExit):
+        speedup.build_parser().parse_args(["--async-threads", "0,1"])
+    colocated = speedup.run_spec("colocated", "arithmetic", args)
+    assert (colocated.nproc, colocated.gen_threads, colocated.train_threads) == (1, 2, 2)
+    partial = speedup.run_spec("async-lag1-partial", "gsm8k", args)
+    assert partial.nproc == 3 and partial.flags[-2:] == ["--generator.token-budget", "128"]
+    cmd = speedup.command(partial, Path("/tmp/x"), args, ticks=3)
+    assert cmd[cmd.index("--nproc-per-node") + 1] == "3"
+    assert cmd[cmd.index("-m", 3) + 1:][:4] == ["recipes.gsm8k", "cpu-smoke", "--data.path", speedup.GSM8K_DATA]
+    assert "--export.no-final" in cmd and cmd[cmd.index("--run.async-lag") + 1] == "1"
+    variant = speedup.run_spec("async-lag1+dppo-loglinear-mb4", "arithmetic", args)
+    assert "--trainer.num-minibatches" in variant.flags and "loglinear" in variant.flags
+    qargs = quality.build_parser().parse_args(["--seeds", "1", "--ticks", "3"])
+    assert qargs.configs == list(quality.DEFAULT_CONFIGS)
+    qcmd, threads = quality.command("async-uncorrected", 0, Path("/tmp/y"), qargs)
+    assert qcmd[qcmd.index("--nproc-per-node") + 2:][:2] == [str(BENCH / "async_quality.py"), "--recipe-worker"]
+    assert qcmd[qcmd.index("--algo.loss") + 1] == "pg_uncorrected" and threads == 1
+    scmd, threads = quality.command("sync", 1, Path("/tmp/y"), qargs)
+    assert "recipes.arithmetic" in scmd and threads == 2 and scmd[scmd.index("--run.seed") + 1] == "1"
+
+
+def _fake_run(root: Path, *, ticks: list[float], phases: dict[str, float], executors: dict[str, int]) -> Path:
+    """A run directory with generator / trainer metrics and timeline spans of the given durations."""
+    (root / "metrics").mkdir(parents=True)
+    (root / "timeline").mkdir()
+    t, gen, trainer, spans = 1000.0, [], [], {rank: [] for rank in executors.values()}
+    for step, seconds in enumerate(ticks):
+        t += seconds
+        gen.append({"step": step, "time": t, "gen_emitted_samples": 64.0, "gen_new_tokens": 640.0,
+                    "step_seconds": seconds - 0.5, "channel_seconds": 0.5})
+        trainer.append({"step": step, "time": t, **({"skipped": 1.0} if step == 0 else {"staleness_mean": 1.0})})
+        for executor, rank in executors.items():
+            spans[rank].append({"executor": executor, "rank": rank, "step": step, "start": t - seconds,
+                                "end": t - seconds + phases[executor], "kind": "step"})
+            spans[rank].append({"executor": executor, "rank": rank, "step": step, "start": t - 0.1, "end": t,
+                                "kind": "weights"})
+    (root / "metrics" / "generator.jsonl").write_text("".join(json.dumps(r) + "\n" for r in gen))
+    (root / "metrics" / "trainer.jsonl").write_text("".join(json.dumps(r) + "\n" for r in trainer))
+    for rank, rank_spans in spans.items():
+        (root / "timeline" / f"rank{rank}.json").write_text(json.dumps(rank_spans))
+    return root
+
+
+def test_measure_speed_section7_and_table(tmp_path):
+    sync_dir = _fake_run(tmp_path / "sync", ticks=[30, 12, 10, 10, 10],
+                         phases={"generator": 4.0, "reward": 0.5, "trainer": 5.0},
+                         executors={"generator": 0, "reward": 1, "trainer": 2})
+    async_dir = _fake_run(tmp_path / "async", ticks=[30, 9, 8, 8, 8],
+                          phases={"generator": 7.5, "reward": 0.5, "trainer": 7.0},
+                          executors={"generator": 0, "reward": 1, "trainer": 2})
+    sync, asy = speedup.measure_speed(sync_dir, warmup=2), speedup.measure_speed(async_dir, warmup=2)
+    assert sync["steady_ticks"] == [2, 3, 4] and sync["tick_median_s"] == pytest.approx(10.0)
+    assert sync["samples_per_s"] == pytest.approx(6.4) and sync["gen_tokens_per_s"] == pytest.approx(64.0)
+    assert sync["phases_median_s"] == pytest.approx({"gen": 4.0, "reward": 0.5, "train": 5.0})
+    assert sync["trained_ticks"] == 3 and sync["staleness_mean"] == 1.0
+    model = speedup.section7(sync["phases_median_s"], asy["phases_median_s"])
+    assert model["S_model"] == pytest.approx(9.5 / 5.0) and model["S_split"] == pytest.approx(9.5 / 7.5)
+    assert speedup.section7({"gen": 0.0, "reward": 0.0, "train": 0.0})["S_model"] is None
+    results = [{"name": "sync", "workload": "arithmetic", "schedule": "sync", "nproc": 3, "gen_threads": 2,
+                "train_threads": 2, "speed": sync},
+               {"name": "async-lag1", "workload": "arithmetic", "schedule": "async", "nproc": 3, "gen_threads": 1,
+                "train_threads": 1, "speed": asy},
+               {"name": "async-lag1+dppo-recompute-mb4", "workload": "gsm8k", "schedule": "async", "nproc": 3,
+                "gen_threads": 1, "train_threads": 1, "skipped": "skipped: flag not available"}]
+    speedup.add_ratios(results)
+    assert results[1]["vs_sync"] == pytest.approx(10 / 8) and results[1]["vs_colocated"] is None
+    assert results[1]["section7"]["S_measured"] == pytest.approx(10 / 8)
+    text = speedup.table(results)
+    assert "| arithmetic | async-lag1 | 3 | 1/1 | 8.0 | 8.00 |" in text and "skipped: flag not available" in text
+    # tick 0 from its first span (30 s), tick 1 (12 s); with an evaluation after 3 ticks, ticks 2 and 3
+    # are replaced by the median of the untouched ones (30, 12, 10) = 12
+    assert speedup.training_seconds(sync_dir, [])[2] == pytest.approx(42.0)
+    assert speedup.training_seconds(sync_dir, [3])[5] == pytest.approx(30 + 12 + 12 + 12 + 10)
+    evals = [{"step": 0, "accuracy": 0.1, "train_seconds": 0.0}, {"step": 5, "accuracy": 0.72, "train_seconds": 50.0}]
+    assert speedup.time_to_target(evals, 0.7)["time_to_target_s"] == 50.0
+    assert speedup.time_to_target(evals, 0.9)["steps_to_target"] is None
+    accuracy = {"evals": evals, "base_accuracy": 0.1, "final_accuracy": 0.72, **speedup.time_to_target(evals, 0.7)}
+    text = speedup.table([{"name": "sync", "workload": "arithmetic-accuracy", "accuracy": accuracy},
+                          {"name": "async-lag2", "workload": "arithmetic-accuracy", "returncode": 1}], target=0.7)
+    assert "| sync | 0.10 -> 0.72 | 0: 0.10, 5: 0.72 | 5 | 50 | - |" in text and "| async-lag2 | failed (exit 1) |" in text
+
+
+def test_colocated_phases_from_metrics(tmp_path):
+    run = _fake_run(tmp_path / "c", ticks=[5, 5, 5], phases={"colocated": 4.0}, executors={"colocated": 0})
+    (run / "metrics" / "reward.jsonl").write_text("".join(
+        json.dumps({"step": k, "time": 0, "reward_seconds": 0.1}) + "\n" for k in range(3)))
+    lines = [json.loads(x) for x in (run / "metrics" / "generator.jsonl").read_text().splitlines()]
+    (run / "metrics" / "generator.jsonl").write_text("".join(json.dumps({**r, "gen_seconds": 2.0}) + "\n" for r in lines))
+    assert speedup.phase_seconds(run, [1, 2]) == pytest.approx({"gen": 2.0, "reward": 0.1, "train": 0.0})
+
+
+def test_quality_aggregate_and_table():
+    def run(final, curve):
+        return {"final_accuracy": final, "wall_seconds": 100.0, "evals": [{"step": s, "accuracy": a} for s, a in curve],
+                "diagnostics": {"staleness_mean": 2.0, "importance_weight_mean": 1.0}}
+    a = quality.aggregate([run(0.6, [(0, 0.1), (40, 0.6)]), run(0.8, [(0, 0.1), (40, 0.8)]), {"returncode": 1}])
+    assert a["n"] == 2 and a["mean"] == pytest.approx(0.7) and a["std"] == pytest.approx(0.1414, abs=1e-3)
+    assert a["curve"] == pytest.approx({0: 0.1, 40: 0.7}) and a["staleness_mean"] == 2.0
+    text = quality.table({"async-aipo": a, "sync": quality.aggregate([])}, ticks=40)
+    assert "| async-aipo | 2 | 0.700 ± 0.141 | 0.60..0.80 |" in text and "| sync | 0 | failed |" in text
+
+
+def test_uncorrected_loss_is_aipo_without_the_weight():
+    torch.manual_seed(0)
+    logp = torch.randn(3, 5).clamp(max=0).requires_grad_()
+    behav = logp.detach() + 0.3 * torch.randn(3, 5)  # off-policy: ratios far from 1
+    adv, mask = torch.tensor([1.0, -0.5, 2.0]), torch.tensor([[1, 1, 1, 0, 0], [1, 1, 1, 1, 1], [1, 0, 0, 0, 0]])
+    algo = SimpleNamespace(rho=4.0)
+    loss, metrics = quality.pg_uncorrected_loss(logp=logp, behav_logp=behav, prox_logp=None, advantages=adv,
+                                                mask=mask, algo=algo, num_loss_tokens=20)
+    loss.backward()
+    expected = (-(adv[:, None] * mask) / 20.0)
+    assert torch.allclose(logp.grad, expected)
+    assert {"importance_weight_mean", "approx_kl", "clip_fraction"} <= set(metrics)
+    from llamarl.algorithms.losses import aipo_loss
+    on_policy, _ = aipo_loss(logp.detach(), logp.detach(), adv, mask, num_loss_tokens=20)
+    mine, _ = quality.pg_uncorrected_loss(logp=logp.detach(), behav_logp=logp.detach(), prox_logp=None,
+                                          advantages=adv, mask=mask, algo=algo, num_loss_tokens=20)
+    assert torch.allclose(on_policy, mine)
