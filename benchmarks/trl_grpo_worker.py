@@ -7,7 +7,10 @@ in the exact order llamarl draws them), out directory, and the matched hyper-par
 ``trl.GRPOTrainer`` in order (no shuffling), 16 prompts x 4 samples an optimizer step, and writes:
 
 - ``<out>/steps.jsonl``: per optimizer step, its wall seconds (``on_step_begin`` -> ``on_step_end``:
-  generation + scoring + training), the completion tokens and TRL's logged metrics;
+  generation + scoring + training), where they went (``gen_seconds``: ``GRPOTrainer._generate``,
+  HF ``generate``; ``reward_seconds``: ``_calculate_rewards``; ``prepare_seconds``: all of
+  ``_generate_and_score_completions``, i.e. both of those plus advantages; the rest of the step is
+  the loss forward / backward and the optimizer step), the completion tokens and TRL's logged metrics;
 - ``<out>/step_<n>/model.safetensors``: the policy after step n, every ``eval_every`` steps (saved
   outside the timed spans; vs_trl.py evaluates them with the same code as llamarl's checkpoints).
 """
@@ -57,6 +60,7 @@ def main() -> None:
         # Matched optimizer: AdamW, constant lr, no warmup / decay, same clip and weight decay.
         learning_rate=spec["lr"], lr_scheduler_type="constant", warmup_steps=0, weight_decay=0.0,
         max_grad_norm=1.0, adam_beta1=0.9, adam_beta2=0.999, adam_epsilon=1e-8,
+        optim="adamw_torch",  # TRL's default is the fused AdamW; llamarl's is torch.optim.AdamW (foreach)
         # TRL defaults that differ from llamarl's run, set to match: gradient checkpointing on by
         # default (off here), bf16 autocast (llamarl: bf16 compute, fp32 master weights: the same).
         gradient_checkpointing=False, bf16=True,
@@ -75,13 +79,25 @@ def main() -> None:
     class Timing(TrainerCallback):
         def __init__(self):
             self.start, self.records, self.logs = 0.0, [], {}
+            self.phases = {"gen_seconds": 0.0, "reward_seconds": 0.0, "prepare_seconds": 0.0}
+
+        def timed(self, key, method):
+            def wrapper(*a, **kw):
+                start = time.perf_counter()
+                try:
+                    return method(*a, **kw)
+                finally:
+                    self.phases[key] += time.perf_counter() - start
+            return wrapper
 
         def on_step_begin(self, args, state, control, **kwargs):
+            self.phases = dict.fromkeys(self.phases, 0.0)
             self.start = time.perf_counter()
 
         def on_step_end(self, args, state, control, **kwargs):
             seconds = time.perf_counter() - self.start
-            self.records.append({"step": state.global_step, "seconds": seconds})
+            self.records.append({"step": state.global_step, "seconds": seconds, **self.phases,
+                                 "train_seconds": seconds - self.phases["prepare_seconds"]})
             if state.global_step % spec["eval_every"] == 0 or state.global_step == spec["steps"]:
                 target = out / f"step_{state.global_step}"
                 target.mkdir(exist_ok=True)
@@ -105,6 +121,10 @@ def main() -> None:
     timing = Timing()
     trainer = GRPOTrainer(model=model, reward_funcs=[reward], args=args, train_dataset=dataset,
                           processing_class=tokenizer, callbacks=[timing])
+    # Where a step's time goes (instance attributes shadow the methods; TRL calls them via self).
+    trainer._generate = timing.timed("gen_seconds", trainer._generate)
+    trainer._calculate_rewards = timing.timed("reward_seconds", trainer._calculate_rewards)
+    trainer._generate_and_score_completions = timing.timed("prepare_seconds", trainer._generate_and_score_completions)
     print(f"trl_grpo_worker: torch threads {torch.get_num_threads()}, OMP_NUM_THREADS "
           f"{os.environ.get('OMP_NUM_THREADS')}", flush=True)
     (out / "steps.jsonl").unlink(missing_ok=True)

@@ -1,6 +1,6 @@
 """llamarl vs TRL's GRPOTrainer on the same machine, task, prompts and hyper-parameters.
 
-    .venv/bin/python benchmarks/vs_trl.py            # table on stdout; runs/vs_trl/vs_trl.{json,png}
+    .venv/bin/python benchmarks/vs_trl.py --trl-venv /work/trl-venv   # table on stdout; runs/vs_trl/vs_trl.{json,png}
 
 Both sides: SmolLM2-135M-Instruct, two-digit addition in the chat format of ``recipes.arithmetic``,
 the same prompts in the same order (llamarl's ``ArithmeticTask(seed)`` stream, TRL with
@@ -10,13 +10,20 @@ token-mean loss, one update per generation (on-policy), bf16 compute with fp32 m
 one process with ``--threads`` torch threads each (llamarl: ``--run.schedule colocated``, so
 generation, scoring and training share the process as in TRL).
 
-TRL (``trl==1.16.0``) is installed into its own virtual environment (``--trl-venv``, created on
-first use; not a project dependency) and runs ``benchmarks/trl_grpo_worker.py`` there. TRL
+TRL (``trl==1.16.0``) lives in its own virtual environment (``--trl-venv``, or ``$LLAMARL_TRL_VENV``;
+an existing one with trl 1.16.0 importable is used as is, otherwise it is created and TRL installed
+on first use; never a project dependency) and runs ``benchmarks/trl_grpo_worker.py`` there. TRL
 defaults that differ and are set to match: ``gradient_checkpointing`` (True -> False),
 ``bf16`` (auto -> True, as llamarl's bf16 compute), ``lr_scheduler_type`` (linear decay ->
-constant), ``learning_rate`` (1e-6 -> 1.5e-5), ``num_generations`` (8 -> 4), ``max_completion_length``
-(512 -> 12), ``temperature`` (1.0 -> 0.8), ``shuffle_dataset`` (True -> False), ``loss_type`` (kept
-at its default "dapo": token-level mean over the batch, which is what llamarl's loss does).
+constant), ``learning_rate`` (1e-6 -> 1.5e-5), ``optim`` (fused AdamW -> ``adamw_torch``, llamarl's
+``torch.optim.AdamW``), ``per_device_train_batch_size`` (8 -> 64 = 16 prompts x 4),
+``num_generations`` (8 -> 4), ``max_completion_length`` (512 -> 12), ``temperature`` (1.0 -> 0.8),
+``shuffle_dataset`` (True -> False), ``disable_dropout`` (False -> True; SmolLM2 has no dropout
+anyway), ``loss_type`` (kept at its default "dapo": token-level mean over the batch, which is what
+llamarl's loss does); ``beta`` 0 (no KL), ``scale_rewards="group"``, ``num_iterations`` 1 are TRL's
+defaults already. llamarl runs its default loss, AIPO (rho 4): on-policy its ratio is 1 up to the
+bf16 generator's rounding, so its gradient is TRL's. TRL generates with HF ``generate`` on the
+training model (no vLLM on CPU); llamarl with its own KV-cached engine on a bf16 copy updated in place.
 TRL's chunked (fused) output layer for log-probs is always on in 1.16 and cannot be turned off; it
 computes the same log-probs as a full ``lm_head`` (less memory, similar time at 12 tokens).
 
@@ -25,7 +32,9 @@ evaluations): steady-state samples/s and completion tokens/s (median over steps 
 ``--warmup`` steps). Accuracy: greedy accuracy on the same 100 held-out problems, measured by the
 same code (``llamarl.data.passk.evaluate_policy``) on the policies both sides saved every
 ``--eval-every`` steps; time to ``--target`` accuracy is the cumulative step time at the first
-evaluated step that reaches it.
+evaluated step that reaches it. The JSON also records ``uptime`` before and after (the machine may
+be shared), the wall time of each side, the exact llamarl command, and where a step's time goes
+(generation, scoring, training, weight sync) on both sides.
 """
 
 from __future__ import annotations
@@ -33,9 +42,11 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shlex
 import statistics
 import subprocess
 import sys
+import time
 import venv
 from pathlib import Path
 
@@ -55,9 +66,15 @@ MODEL = "smollm2-135m-instruct"
 
 
 def ensure_trl_venv(path: Path) -> Path:
-    """The TRL environment's python, creating the venv and installing TRL on first use."""
+    """The TRL environment's python: an existing venv where trl 1.16.0 imports is used as is; else the
+    venv is created and TRL installed (once; a marker file records it)."""
     python = path / "bin" / "python"
     marker = path / ".llamarl-trl-installed"
+    if python.exists() and not marker.exists():
+        check = subprocess.run([str(python), "-c", "import trl, sys; sys.exit(trl.__version__ != '1.16.0')"],
+                               capture_output=True, env={**os.environ, "PYTHONPATH": ""}, check=False)
+        if check.returncode == 0:
+            return python
     if not marker.exists():
         print(f"vs_trl: creating {path} and installing {' '.join(TRL_REQUIREMENTS)}", flush=True)
         venv.create(path, with_pip=True)
@@ -79,8 +96,8 @@ def run_trl(args, python: Path, out: Path, prompts: Path, model_dir: Path) -> No
                        env=env, stdout=log, stderr=subprocess.STDOUT, check=True)
 
 
-def run_llamarl(args, out: Path) -> None:
-    cmd = [str(REPO / ".venv" / "bin" / "torchrun"), "--standalone", "--nproc-per-node", "1", "-m", "recipes.arithmetic",
+def llamarl_command(args, out: Path) -> list[str]:
+    return [str(REPO / ".venv" / "bin" / "torchrun"), "--standalone", "--nproc-per-node", "1", "-m", "recipes.arithmetic",
            "--run.schedule", "colocated", "--run.max-steps", str(args.steps), "--run.seed", str(args.seed),
            "--export.every", str(args.eval_every), "--run.output-dir", str(out),
            "--run.num-eval-problems", str(args.heldout),
@@ -89,23 +106,38 @@ def run_llamarl(args, out: Path) -> None:
            "--generator.num-threads", str(args.threads), "--generator.dtype", "bfloat16",
            "--trainer.num-threads", str(args.threads), "--trainer.param-dtype", "bfloat16", "--trainer.lr", str(args.lr),
            "--reward.num-workers", "0", "--algo.loss", "aipo"]
+
+
+def run_llamarl(args, out: Path) -> None:
+    cmd = llamarl_command(args, out)
     env = {**os.environ, "OMP_NUM_THREADS": str(args.threads), "TOKENIZERS_PARALLELISM": "false"}
     with (out / "log.txt").open("w") as log:
         subprocess.run(cmd, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT, check=True)
 
 
 def llamarl_steps(out: Path) -> list[dict]:
-    """Per tick: seconds (the colocated step: generate + score + train + in-place sync), completion tokens."""
-    rows = [json.loads(line) for line in (out / "metrics" / "generator.jsonl").read_text().splitlines()]
-    return [{"step": r["step"] + 1, "seconds": r["step_seconds"] + r.get("channel_seconds", 0.0),
-             "completion_tokens": r["gen_new_tokens"]} for r in rows]
+    """Per tick: seconds (the colocated step: generate + score + train + in-place sync), completion
+    tokens, and the phases (from the generator / reward / trainer metric sections of the same tick)."""
+    def read(section):
+        path = out / "metrics" / f"{section}.jsonl"
+        return {r["step"]: r for r in map(json.loads, path.read_text().splitlines())} if path.exists() else {}
+
+    generator, reward, trainer = read("generator"), read("reward"), read("trainer")
+    return [{"step": step + 1, "seconds": r["step_seconds"] + r.get("channel_seconds", 0.0),
+             "completion_tokens": r["gen_new_tokens"], "gen_seconds": r.get("gen_seconds", 0.0),
+             "reward_seconds": reward.get(step, {}).get("reward_seconds", 0.0),
+             "train_seconds": trainer.get(step, {}).get("train_seconds", 0.0),
+             # samples whose group scored alike carry no gradient: llamarl does not forward them
+             "zero_advantage_samples": trainer.get(step, {}).get("zero_advantage_samples", 0.0),
+             "weight_sync_seconds": r.get("weight_sync_seconds", 0.0)}
+            for step, r in sorted(generator.items())]
 
 
 def trl_steps(out: Path) -> list[dict]:
     return [json.loads(line) for line in (out / "steps.jsonl").read_text().splitlines()]
 
 
-def accuracy_curve(args, model_dir: Path, checkpoints: dict[int, tuple[Path, Path | None]]) -> dict[int, float]:
+def accuracy_curve(args, checkpoints: dict[int, tuple[Path, Path | None]]) -> dict[int, float]:
     """Greedy held-out accuracy of each saved policy, same code for both sides.
 
     ``checkpoints``: step -> (model directory, weights-only directory loaded over it, or None).
@@ -122,6 +154,7 @@ def accuracy_curve(args, model_dir: Path, checkpoints: dict[int, tuple[Path, Pat
         result = evaluate_policy(model, tokenizer, problems=problems, prompt_fn=prompt, score=score, ks=[1],
                                  temperature=1.0, max_new_tokens=args.max_new_tokens, chunk=100)
         curve[step] = result["greedy_accuracy"]
+        print(f"vs_trl: step {step} ({weights or directory}): greedy accuracy {curve[step]:.2f}", flush=True)
     return curve
 
 
@@ -135,21 +168,44 @@ def summarize(name: str, steps: list[dict], curve: dict[int, float], args) -> di
         elapsed += s["seconds"]
         cumulative[s["step"]] = elapsed
     reached = [step for step, acc in sorted(curve.items()) if acc >= args.target]
+    phases = {key: statistics.median(s[key] for s in steady)
+              for key in ("gen_seconds", "reward_seconds", "train_seconds", "weight_sync_seconds")
+              if all(key in s for s in steady)}
+    # On a shared machine the fastest steady step is the best estimate of the idle machine's speed.
+    fastest = min(steady, key=lambda s: s["seconds"])
     return {"system": name, "samples_per_s": sps, "tokens_per_s": tps, "seconds_per_step": statistics.median(
-        s["seconds"] for s in steady), "accuracy": curve, "final_accuracy": curve[max(curve)],
-        "time_to_target_s": cumulative[reached[0]] if reached else None, "cumulative_s": cumulative}
+        s["seconds"] for s in steady), "fastest_step": fastest, "fastest_samples_per_s": batch / fastest["seconds"],
+        "phase_seconds_median": phases, "accuracy": curve,
+        "final_accuracy": curve[max(curve)], "time_to_target_s": cumulative[reached[0]] if reached else None,
+        "steps_to_target": reached[0] if reached else None, "cumulative_s": cumulative, "steps": steps}
 
 
 def table(results: list[dict], args) -> str:
-    lines = [(f"| system | s/step | samples/s | completion tokens/s | held-out acc. after {args.steps} steps "
-             f"({args.steps * args.prompts * args.samples} samples) | time to {args.target:.2f} |"),
-             "|---|---|---|---|---|---|"]
+    lines = [(f"| system | s/step | samples/s | completion tokens/s | fastest step: s (samples/s) "
+              f"| held-out acc. after {args.steps} steps ({args.steps * args.prompts * args.samples} samples) "
+              f"| time to {args.target:.2f} |"),
+             "|---|---|---|---|---|---|---|"]
     for r in results:
         to_target = f"{r['time_to_target_s']:.0f} s" if r["time_to_target_s"] is not None else "not reached"
+        if r["steps_to_target"] is not None:
+            to_target += f" ({r['steps_to_target']} steps)"
         lines.append(f"| {r['system']} | {r['seconds_per_step']:.1f} | {r['samples_per_s']:.2f} | "
-                     f"{r['tokens_per_s']:.1f} | {r['accuracy'][0]:.0%} -> {r['final_accuracy']:.0%} | {to_target} |")
+                     f"{r['tokens_per_s']:.1f} | {r['fastest_step']['seconds']:.1f} ({r['fastest_samples_per_s']:.2f}) | "
+                     f"{r['accuracy'][0]:.0%} -> {r['final_accuracy']:.0%} | {to_target} |")
+    lines += ["", "Median seconds per step, by phase:", "",
+              "| system | generation | scoring | training (fwd/bwd + AdamW) | weight sync | step |",
+              "|---|---|---|---|---|---|"]
+    for r in results:
+        ph = r["phase_seconds_median"]
+        cells = [f"{ph[key]:.2f}" if key in ph else "-"
+                 for key in ("gen_seconds", "reward_seconds", "train_seconds", "weight_sync_seconds")]
+        lines.append(f"| {r['system']} | {' | '.join(cells)} | {r['seconds_per_step']:.2f} |")
     if len(results) == 2:
-        lines.append(f"\nllamarl / TRL samples/s: {results[0]['samples_per_s'] / results[1]['samples_per_s']:.2f}x")
+        a, b = results
+        lines.append(f"\nllamarl / TRL steady-state samples/s: {a['samples_per_s'] / b['samples_per_s']:.2f}x (median "
+                     f"steps), {a['fastest_samples_per_s'] / b['fastest_samples_per_s']:.2f}x (fastest steps)")
+        if a["time_to_target_s"] and b["time_to_target_s"]:
+            lines.append(f"TRL / llamarl time to {args.target:.2f}: {b['time_to_target_s'] / a['time_to_target_s']:.2f}x")
     return "\n".join(lines)
 
 
@@ -176,8 +232,9 @@ def plot(results: list[dict], path: Path, *, target: float) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", type=Path, default=Path("runs/vs_trl"), help="output directory")
-    parser.add_argument("--trl-venv", type=Path, default=Path.home() / ".cache" / "llamarl" / "trl-venv",
-                        help="virtual environment for TRL (created on first use)")
+    parser.add_argument("--trl-venv", type=Path,
+                        default=Path(os.environ.get("LLAMARL_TRL_VENV", Path.home() / ".cache" / "llamarl" / "trl-venv")),
+                        help="virtual environment for TRL (used as is if trl 1.16.0 imports there; else created)")
     parser.add_argument("--steps", type=int, default=12, help="optimizer steps on each side")
     parser.add_argument("--eval-every", type=int, default=2, help="save + evaluate the policy every this many steps")
     parser.add_argument("--prompts", type=int, default=16, help="prompts per step")
@@ -192,10 +249,22 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--skip", choices=["trl", "llamarl"], action="append", default=[],
                         help="reuse that side's results already in --out")
+    parser.add_argument("--report-only", action="store_true",
+                        help="rebuild the table, JSON and PNG from --out (its runs and vs_trl.json's accuracies); run nothing")
     args = parser.parse_args()
     if args.steps % args.eval_every:
         parser.error("--steps must be a multiple of --eval-every")
+    start = time.time()
     out = args.out.resolve()
+    if args.report_only:
+        report(args, out, json.loads((out / "vs_trl.json").read_text()))
+        return
+
+    def uptime() -> str:
+        return subprocess.run(["uptime"], capture_output=True, text=True, check=False).stdout.strip()
+
+    uptime_start = uptime()
+    print(f"vs_trl: uptime at start: {uptime_start}", flush=True)
     model_dir = resolve_model_path(MODEL)
     task = ArithmeticTask(num_digits=2, seed=args.seed)
     (out / "trl").mkdir(parents=True, exist_ok=True)
@@ -203,26 +272,60 @@ def main() -> None:
     prompts = out / "prompts.jsonl"
     prompts.write_text("".join(json.dumps({"question": p.question, "answer": p.answer}) + "\n"
                                for p in (task.sample(i) for i in range(args.steps * args.prompts))))
+    walls, uptimes = {}, {}
     if "llamarl" not in args.skip:
-        print("vs_trl: running llamarl", flush=True)
+        print("vs_trl: running llamarl:", shlex.join(llamarl_command(args, out / "llamarl")), flush=True)
+        t0 = time.time()
         run_llamarl(args, out / "llamarl")
+        walls["llamarl"] = time.time() - t0
+        uptimes["after_llamarl"] = uptime()
     if "trl" not in args.skip:
         print("vs_trl: running TRL", flush=True)
+        t0 = time.time()
         run_trl(args, ensure_trl_venv(args.trl_venv), out / "trl", prompts, model_dir)
+        walls["trl"] = time.time() - t0
+        uptimes["after_trl"] = uptime()
+    print("vs_trl: evaluating the saved policies", flush=True)
+    t0 = time.time()
     saved = range(args.eval_every, args.steps + 1, args.eval_every)
+    # The base model is the same on both sides: evaluated once. llamarl's exports are complete HF
+    # directories; TRL's worker saves weights only, loaded over the base model.
+    base = accuracy_curve(args, {0: (model_dir, None)})
     curves = {
-        # llamarl's exports are complete HF directories; TRL's worker saves weights only.
-        "llamarl": accuracy_curve(args, model_dir, {0: (model_dir, None),
-                                                    **{s: (out / "llamarl" / "hf" / f"step_{s}", None) for s in saved}}),
-        "trl": accuracy_curve(args, model_dir, {0: (model_dir, None),
-                                                **{s: (model_dir, out / "trl" / f"step_{s}") for s in saved}}),
+        "llamarl": {**base, **accuracy_curve(args, {s: (out / "llamarl" / "hf" / f"step_{s}", None) for s in saved})},
+        "trl": {**base, **accuracy_curve(args, {s: (model_dir, out / "trl" / f"step_{s}") for s in saved})},
     }
+    walls["evaluation"] = time.time() - t0
+    summary_path = out / "llamarl" / "summary.json"
+    llamarl_summary = json.loads(summary_path.read_text()) if summary_path.exists() else {}
+    uptime_end = uptime()
+    print(f"vs_trl: uptime at end: {uptime_end}", flush=True)
+    walls["total"] = time.time() - start
+    report(args, out, {
+        "args": {k: str(v) for k, v in vars(args).items()},
+        "command": shlex.join([sys.executable, *sys.argv]),
+        "llamarl_command": shlex.join(llamarl_command(args, out / "llamarl")),
+        "uptime_start": uptime_start, "uptime_end": uptime_end, "uptime_between": uptimes, "cpu_count": os.cpu_count(),
+        "wall_seconds": walls,
+        # llamarl's own in-run evaluations (its generation model, same problems): a cross-check.
+        "llamarl_own_evals": llamarl_summary.get("evals"),
+        "curves": curves})
+
+
+def report(args, out: Path, record: dict) -> None:
+    """Summaries from the runs in ``out`` and the accuracy curves in ``record``; writes vs_trl.json / .png,
+    prints the table. ``record`` is the measurement's metadata (a previous vs_trl.json for --report-only)."""
+    curves = record.get("curves") or {key: r["accuracy"] for key, r in zip(("llamarl", "trl"), record["results"])}
+    curves = {side: {int(step): acc for step, acc in curve.items()} for side, curve in curves.items()}
     results = [summarize("llamarl (colocated, 1 process)", llamarl_steps(out / "llamarl"), curves["llamarl"], args),
                summarize("TRL 1.16 GRPOTrainer (1 process)", trl_steps(out / "trl"), curves["trl"], args)]
-    (out / "vs_trl.json").write_text(json.dumps({"args": {k: str(v) for k, v in vars(args).items()},
-                                                 "results": results}, indent=2))
+    record = {k: v for k, v in record.items() if k not in ("curves", "results")}
+    (out / "vs_trl.json").write_text(json.dumps({**record, "results": results}, indent=2))
     plot(results, out / "vs_trl.png", target=args.target)
     print(table(results, args))
+    walls = record.get("wall_seconds", {})
+    print(f"\nwall: {', '.join(f'{k} {v:.0f} s' for k, v in walls.items())}; load: {record.get('uptime_start')} "
+          f"-> {record.get('uptime_end')}; json + png in {out}")
 
 
 if __name__ == "__main__":
