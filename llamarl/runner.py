@@ -173,6 +173,7 @@ def run_pipeline(pipeline: Pipeline, config, *, recipe: str, heldout: list[Probl
     (run_dir / "timeline" / f"rank{ctx.rank}.json").write_text(json.dumps(spans))
     for metrics_logger in loggers.values():
         metrics_logger.close()
+    peak_gib = _peak_device_memory_gib(ctx)
     dist.barrier()
     controller.finish()
     result = None
@@ -182,6 +183,8 @@ def run_pipeline(pipeline: Pipeline, config, *, recipe: str, heldout: list[Probl
         write_timeline_png(run_dir, all_spans, title=f"{recipe}: {pipeline.title}" if pipeline.title else recipe)
         result = {**summary, "num_steps": run.max_steps, "wall_seconds": time.time() - wall_start,
                   **pipeline.summary, **_throughput(run_dir)}
+        if peak_gib is not None:
+            result["peak_gpu_memory_gib"] = peak_gib
         (run_dir / "summary.json").write_text(json.dumps(result, indent=2))
         if "final_accuracy" in result:
             logger.info("base accuracy %.1f%% -> final accuracy %.1f%% in %d steps, %.0f s (summary: %s)",
@@ -189,6 +192,17 @@ def run_pipeline(pipeline: Pipeline, config, *, recipe: str, heldout: list[Probl
                         result["num_steps"], result["wall_seconds"], run_dir / "summary.json")
     ctx.destroy()
     return result
+
+
+def _peak_device_memory_gib(ctx: ExecutorContext) -> float | None:
+    """The largest ``torch.cuda.max_memory_allocated`` of any rank, in GiB (a WORLD all-reduce on
+    every rank); None off CUDA, where no allocator statistics exist. The device type is the same on
+    every rank of a world, so either all ranks take part or none does."""
+    if ctx.device.type != "cuda":
+        return None
+    peak = torch.tensor([torch.cuda.max_memory_allocated(ctx.device) / 2**30], device=ctx.device)
+    dist.all_reduce(peak, op=dist.ReduceOp.MAX)
+    return round(peak.item(), 3)
 
 
 def _throughput(run_dir: Path) -> dict[str, float]:

@@ -127,9 +127,13 @@ class ExecutorContext:
         backend = backend or default_backend()
         timeout = timedelta(seconds=timeout_s)
         if not dist.is_initialized():
+            device_id = None
             if backend == "nccl":
-                torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-            dist.init_process_group(backend=backend, timeout=timeout)
+                # The rank's own GPU, set before the group exists and bound to it (device_id), so
+                # barriers and collectives never guess the device from the current context.
+                device_id = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+                torch.cuda.set_device(device_id)
+            dist.init_process_group(backend=backend, timeout=timeout, device_id=device_id)
         rank = dist.get_rank()
         device = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")
         # NCCL: the device was set before the group was made (above), and one WORLD-wide collective

@@ -13,7 +13,9 @@ REPO = Path(__file__).resolve().parents[1]
 def run_torchrun(script: str, *, nproc: int, args: list[str] = (), timeout_s: float = 300,
                  env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
     """Run ``tests/worlds/<script>`` under ``torchrun --standalone`` with ``nproc`` CPU ranks."""
-    full_env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": f"{REPO}{os.pathsep}{REPO / 'tests'}", "HF_HUB_OFFLINE": "1",
+    # The caller's PYTHONPATH is kept after ours (e.g. packages installed with pip --target).
+    python_path = os.pathsep.join(filter(None, [str(REPO), str(REPO / "tests"), os.environ.get("PYTHONPATH")]))
+    full_env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": python_path, "HF_HUB_OFFLINE": "1",
                 "TOKENIZERS_PARALLELISM": "false", **(env or {})}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
            "--monitor-interval=0.5", str(REPO / "tests" / "worlds" / script), *args]
