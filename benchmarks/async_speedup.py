@@ -280,7 +280,10 @@ def measure_speed(run_dir: Path, warmup: int) -> dict:
     tokens = sum(gen[k].get("gen_new_tokens", 0.0) for k in steps)
     trained = [k for k in steps if k in trainer and not trainer[k].get("skipped") and not trainer[k].get("skipped_no_signal")]
     staleness = [trainer[k]["staleness_mean"] for k in trained if "staleness_mean" in trainer[k]]
-    return {"steady_ticks": steps, "tick_seconds": [durations[k] for k in steps],
+    # Proximal-policy time (decoupled PPO: the recompute forward or A-3PO's interpolation).
+    prox = [trainer[k]["prox_seconds"] for k in trained if "prox_seconds" in trainer[k]]
+    return {"prox_median_s": statistics.median(prox) if prox else None,
+            "steady_ticks": steps, "tick_seconds": [durations[k] for k in steps],
             "tick_median_s": statistics.median(durations[k] for k in steps),
             "samples_per_s": samples / seconds, "gen_tokens_per_s": tokens / seconds,
             "phases_median_s": phase_seconds(run_dir, steps),
@@ -390,6 +393,10 @@ def table(results: list[dict], *, target: float | None = None) -> str:
             f"{_fmt(r.get('vs_colocated'))} | {_fmt(r.get('vs_sync'))} | "
             f"{ph['gen']:.1f} / {ph['reward']:.2f} / {ph['train']:.1f} | {_fmt(m.get('S_model'))} | "
             f"{_fmt(m.get('S_split'))} | {_fmt(m.get('S_measured'))} | {s['trained_ticks']}/{len(s['steady_ticks'])} |")
+    prox = [r for r in results if (r.get("speed") or {}).get("prox_median_s") is not None]
+    if prox:
+        lines += ["", "Proximal-policy seconds per trained tick (median; decoupled PPO):", ""]
+        lines += [f"- {r['workload']} {r['name']}: {r['speed']['prox_median_s']:.3g} s" for r in prox]
     acc = [r for r in results if r.get("workload") == "arithmetic-accuracy"]
     if acc:
         lines += ["", (f"Time to {target:.2f} held-out greedy accuracy (arithmetic; training s = evaluations and load "

@@ -218,8 +218,9 @@ class RunConfig:
     async_lag: Literal[1, 2] = 2
     """Off-policy lag of ``async``: 2 is LlamaRL's Algorithm 1 as written (every channel delivers at
     the next tick: rollouts are scored one tick and trained on the next); 1 scores rollouts within the
-    tick they were generated, so the trainer trains on data exactly one version old. The default
-    stays 2 until ``make run`` has been re-measured with 1."""
+    tick they were generated, so the trainer trains on data exactly one version old. ``make run``
+    passes 1 (measured faster per tick and to 0.70 held-out accuracy on 2 cores, README); the
+    library default stays 2 (Algorithm 1) so existing recipes keep their semantics."""
     seed: int = 0
     """Seed for data order, sampling and initialisation."""
     output_dir: str | None = None

@@ -195,6 +195,7 @@ def test_minibatch_updates_match_the_sequential_reference_on_1_and_2_ranks(setup
     assert metrics["num_loss_tokens"] == tokens  # summed over the minibatches that stepped
     assert metrics["zero_advantage_samples"] == 4
     assert metrics.get("skipped_no_signal", 0.0) == float(k - steps)
+    assert metrics["prox_seconds"] > 0  # the recompute forward, or A-3PO's interpolation, was timed
 
 
 def test_recomputed_prox_is_the_policy_before_the_first_minibatch(setup):

@@ -80,6 +80,9 @@ _TRAINER_METRICS = {
     "staleness_mean": MetricSpec("staleness", "max"), "staleness_max": MetricSpec("staleness", "max"),
     "loss": MetricSpec("loss", "max"),
     "train_seconds": MetricSpec("throughput", "max"), "train_tokens_per_s": MetricSpec("throughput", "sum"),
+    # Time this rank spent producing proximal log-probs (recompute: the extra forward; loglinear:
+    # A-3PO's interpolation inside each micro-batch). Only for losses that use a proximal policy.
+    "prox_seconds": MetricSpec("throughput", "max"),
 }
 
 
@@ -102,6 +105,7 @@ class TrainerExecutor(Executor):
         self.version = 0
         self.model = None
         self.nonfinite_streak = self.nonfinite_total = 0
+        self._prox_timings: list = []  # this batch's proximal-policy timings (``prox_seconds``)
 
     def init(self) -> None:
         torch.set_num_threads(self.config.num_threads)
@@ -250,7 +254,9 @@ class TrainerExecutor(Executor):
         over the trainer); per-batch metrics (``combine_metrics``)."""
         batch = self.prepare(batch.to(self.ctx.device))
         spec = get_policy_loss(self.algo.loss)
+        self._prox_timings = []
         if spec.needs_prox and self.algo.prox == "recompute":
+            timer = self._timer()
             # Once, with the weights before the first minibatch's update. Rows the loop can forward:
             # those with signal that the staleness filter keeps at this version (later minibatches,
             # at later versions, keep a subset).
@@ -264,8 +270,31 @@ class TrainerExecutor(Executor):
                 prox = torch.zeros(batch["input_ids"].shape, dtype=torch.float32, device=self.ctx.device)
                 prox[rows] = logp
                 batch.fields["prox_logp"] = prox
+            self._prox_timings.append(timer())
         results = [self.train_minibatch(part) for part in self.minibatches(batch)]
-        return results[0] if len(results) == 1 else self.combine_metrics(results)
+        metrics = results[0] if len(results) == 1 else self.combine_metrics(results)
+        if spec.needs_prox:
+            metrics["prox_seconds"] = sum(t() if callable(t) else t for t in self._prox_timings)
+        return metrics
+
+    def _timer(self):
+        """Start timing device work; the returned ``stop()`` gives a float (CPU) or, on CUDA, a
+        callable read after the step (CUDA events: no host sync in the middle of the step)."""
+        if self.ctx.device.type != "cuda":
+            start = time.perf_counter()
+            return lambda: time.perf_counter() - start
+        begin = torch.cuda.Event(enable_timing=True)
+        begin.record()
+
+        def stop():
+            end = torch.cuda.Event(enable_timing=True)
+            end.record()
+
+            def seconds() -> float:
+                end.synchronize()
+                return begin.elapsed_time(end) / 1000
+            return seconds
+        return stop
 
     @staticmethod
     def _forwarded(batch: TensorBatch) -> torch.Tensor:
@@ -405,8 +434,12 @@ class TrainerExecutor(Executor):
         spec = get_policy_loss(self.algo.loss)
         prox = None
         if spec.needs_prox:
-            prox = sub["prox_logp"][:, :length] if "prox_logp" in sub else loglinear_prox_logp(
-                behav, logp, sub["versions"][:, :length], self.version, mask=mask)
+            if "prox_logp" in sub:
+                prox = sub["prox_logp"][:, :length]
+            else:
+                timer = self._timer()
+                prox = loglinear_prox_logp(behav, logp, sub["versions"][:, :length], self.version, mask=mask)
+                self._prox_timings.append(timer())
         loss, metrics = spec.fn(logp=logp, behav_logp=behav, prox_logp=prox, advantages=sub["advantages"], mask=mask,
                                 algo=self.algo, num_loss_tokens=total_tokens)
         return loss, metrics, float(mask.sum())
