@@ -278,7 +278,11 @@ def measure_speed(run_dir: Path, warmup: int) -> dict:
     seconds = sum(durations[k] for k in steps)
     samples = sum(gen[k].get("gen_emitted_samples", 0.0) for k in steps)
     tokens = sum(gen[k].get("gen_new_tokens", 0.0) for k in steps)
-    trained = [k for k in steps if k in trainer and not trainer[k].get("skipped") and not trainer[k].get("skipped_no_signal")]
+    # A tick trained when it made an optimizer step (with k minibatches, ``skipped_no_signal`` counts
+    # the minibatches without signal, so it may be > 0 on a tick that did train).
+    trained = [k for k in steps if k in trainer and (
+        trainer[k]["optimizer_steps"] > 0 if "optimizer_steps" in trainer[k]
+        else not trainer[k].get("skipped") and not trainer[k].get("skipped_no_signal"))]
     staleness = [trainer[k]["staleness_mean"] for k in trained if "staleness_mean" in trainer[k]]
     # Proximal-policy time (decoupled PPO: the recompute forward or A-3PO's interpolation).
     prox = [trainer[k]["prox_seconds"] for k in trained if "prox_seconds" in trainer[k]]
