@@ -168,6 +168,12 @@ class TrainerConfig:
     max_tokens_per_microbatch: int = 2048
     """Dynamic micro-batching budget: samples are packed (first-fit decreasing) so that no
     micro-batch holds more tokens than this."""
+    share_prompts: bool = True
+    """Forward each distinct prompt once per micro-batch, its group's completions packed after it
+    behind a tree attention mask (``llamarl/models/shared_prefix.py``), instead of once per sample:
+    the same log-probs and gradients up to summation order, ~2.4x fewer tokens on the default
+    recipe's 45-token prompts x 4 samples x 12 new tokens. The micro-batch budget then counts packed
+    tokens. Models whose attention is not ``sdpa`` fall back to per-row forwards."""
     num_threads: int = 1
     """torch intra-op threads on each trainer rank."""
     max_nonfinite_steps: int = 3

@@ -260,3 +260,35 @@ def test_validation_errors(model):
             engine.generate([req], sampling=sampling, version=0)
     with pytest.raises(ValueError):
         engine.generate([Request(0, [3])], sampling=sampling, version=0, token_budget=0)
+
+
+def test_shared_prompts_are_prefilled_once_and_sample_independently(model):
+    """A GRPO group submits its prompt once per sample: the engine prefills each distinct context once
+    (the first forward's batch is the distinct contexts) yet every row samples on its own, with
+    behaviour log-probs equal to a fresh full forward, and greedy rows equal a lone generation."""
+    prompts = _prompts([7, 4, 11], seed=5)
+    carried = Completion(sample_id=99, prompt_ids=prompts[0], completion_ids=[9, 8], logprobs=[-1.0, -2.0],
+                         versions=[0, 0], finish_reason="carried").to_request()
+    reqs = [Request(sample_id=g * 4 + j, prompt_ids=p) for g, p in enumerate(prompts) for j in range(4)]
+    reqs.append(carried)  # same prompt as group 0 but a different context: prefilled on its own row
+    forward_batches = []
+    handle = model.register_forward_pre_hook(
+        lambda _module, _args, kwargs: forward_batches.append(kwargs["input_ids"].shape[0]), with_kwargs=True)
+    try:
+        engine = TorchEngine(model, eos_token_ids=[], pad_token_id=0)
+        sampled = engine.generate(reqs, sampling=SamplingParams(temperature=1.0, max_new_tokens=6), version=1,
+                                  generator=torch.Generator().manual_seed(0))
+    finally:
+        handle.remove()
+    assert forward_batches[0] == len(prompts) + 1 and forward_batches[1] == len(reqs)
+    assert [c.sample_id for c in sampled] == [r.sample_id for r in reqs]
+    for comp in sampled:
+        num_new = len(comp.completion_ids) - (2 if comp.sample_id == 99 else 0)
+        ref = _reference_logprobs(model, comp, 1.0)
+        assert (ref[-num_new:] - torch.tensor(comp.logprobs[-num_new:])).abs().max().item() < 1e-4
+    group0 = {tuple(c.completion_ids) for c in sampled[:4]}
+    assert len(group0) > 1, "the rows of one group must not share their draws"
+    greedy = SamplingParams(temperature=0.0, max_new_tokens=6)
+    together = engine.generate(reqs[:4], sampling=greedy, version=0)
+    alone = engine.generate([Request(sample_id=0, prompt_ids=prompts[0])], sampling=greedy, version=0)
+    assert all(c.completion_ids == alone[0].completion_ids for c in together)

@@ -37,6 +37,8 @@ def make_batch(model) -> dict[str, torch.Tensor]:
     for r in range(rows):
         n = int(prompt_len[r] + completion_len[r])
         input_ids[r, :n] = torch.randint(3, 100, (n,), generator=gen)
+        if r % 2:  # a GRPO group: both samples answer the same prompt (the trainer forwards it once)
+            input_ids[r, :prompt_len[r]] = input_ids[r - 1, :prompt_len[r]]
         loss_mask[r, prompt_len[r]:n] = 1
         versions[r, prompt_len[r]:n] = torch.randint(1, CURRENT_VERSION + 1, (int(completion_len[r]),), generator=gen)
     with torch.no_grad():

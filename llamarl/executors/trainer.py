@@ -52,7 +52,6 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from llamarl.algorithms.logprobs import completion_logprobs
 from llamarl.algorithms.prox import loglinear_prox_logp
 from llamarl.algorithms.registry import get_advantage, get_policy_loss
 from llamarl.batch import TensorBatch
@@ -62,7 +61,12 @@ from llamarl.executors.base import Executor
 from llamarl.metrics import MetricSpec
 from llamarl.models.export import export_hf
 from llamarl.models.loading import load_causal_lm
-from llamarl.models.microbatch import microbatch_inputs, plan_microbatches, sequence_logprobs
+from llamarl.models.microbatch import (
+    microbatch_inputs,
+    microbatch_logprobs,
+    plan_microbatches,
+    sequence_logprobs,
+)
 from llamarl.models.sharding import shard_model
 from llamarl.sharded_state import load_sharded_state, save_sharded_state
 
@@ -265,7 +269,8 @@ class TrainerExecutor(Executor):
                 else torch.zeros(0, dtype=torch.long, device=self.ctx.device)
             logp = sequence_logprobs(self.model, fresh.select(rows) if len(batch) else batch,
                                      temperature=self.temperature, group=self.ctx.group, device=self.ctx.device,
-                                     max_tokens_per_microbatch=self.config.max_tokens_per_microbatch)
+                                     max_tokens_per_microbatch=self.config.max_tokens_per_microbatch,
+                                     share_prompts=self.config.share_prompts)
             if len(batch):
                 prox = torch.zeros(batch["input_ids"].shape, dtype=torch.float32, device=self.ctx.device)
                 prox[rows] = logp
@@ -274,15 +279,20 @@ class TrainerExecutor(Executor):
         results = [self.train_minibatch(part) for part in self.minibatches(batch)]
         metrics = results[0] if len(results) == 1 else self.combine_metrics(results)
         if spec.needs_prox:
-            metrics["prox_seconds"] = sum(t() if callable(t) else t for t in self._prox_timings)
+            metrics["prox_seconds"] = sum(seconds() for seconds in self._prox_timings)
         return metrics
 
     def _timer(self):
-        """Start timing device work; the returned ``stop()`` gives a float (CPU) or, on CUDA, a
-        callable read after the step (CUDA events: no host sync in the middle of the step)."""
+        """Start timing device work; calling the returned ``stop()`` ends the span and returns a
+        zero-argument callable giving its seconds, read after the step (on CUDA from events, so
+        no host sync in the middle of the step)."""
         if self.ctx.device.type != "cuda":
             start = time.perf_counter()
-            return lambda: time.perf_counter() - start
+
+            def stop_host():
+                elapsed = time.perf_counter() - start
+                return lambda: elapsed
+            return stop_host
         begin = torch.cuda.Event(enable_timing=True)
         begin.record()
 
@@ -346,7 +356,7 @@ class TrainerExecutor(Executor):
             [num_local_tokens, stats.get("staleness_sum", 0.0), stats.get("zero_advantage_samples", 0.0),
              float(len(batch)), stats.get("dropped_stale_samples", 0.0)])
         microbatches, max_mbs = plan_microbatches(batch, max_tokens_per_microbatch=self.config.max_tokens_per_microbatch,
-                                                  group=self.ctx.group)
+                                                  group=self.ctx.group, share_prompts=self.config.share_prompts)
         if dropped_stale and self.ctx.local_rank == 0:
             wait = self.algo.stale_policy == "wait"
             (logger.warning if wait else logger.info)(
@@ -426,7 +436,8 @@ class TrainerExecutor(Executor):
 
     def _microbatch_loss(self, batch, rows, total_tokens):
         ids, attention, mask, start, sub = microbatch_inputs(batch, rows, device=self.ctx.device)
-        logp = completion_logprobs(self.model, ids, attention, start=start, temperature=self.temperature)
+        logp = microbatch_logprobs(self.model, ids, attention, mask, start=start, temperature=self.temperature,
+                                   share_prompts=self.config.share_prompts)
         if sub is None:
             return logp.sum() * 0.0, {}, 0.0
         length = ids.shape[1]

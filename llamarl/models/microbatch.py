@@ -10,8 +10,13 @@ proximal log-probs; a reference-policy executor for the log-probs of samples):
   how many forwards everyone runs;
 * ``microbatch_inputs`` turns one micro-batch's rows into trimmed model inputs, or into a 2-token
   dummy with zero loss weight for a rank that has run out of rows;
-* ``sequence_logprobs`` runs both for a no-grad pass: the per-token completion log-probs of every
+* ``microbatch_logprobs`` is the forward of one micro-batch: per-row, or with each shared prompt
+  forwarded once (``llamarl/models/shared_prefix.py``) when ``share_prompts`` is on;
+* ``sequence_logprobs`` runs them for a no-grad pass: the per-token completion log-probs of every
   row of a batch.
+
+With ``share_prompts`` the planner packs whole context groups (a group costs its prompt once plus
+its completions) so that a micro-batch holds a group's rows together.
 
 Batch layout (the trainer's input, see llamarl/executors/trainer.py): right-padded
 ``input_ids`` [N, L] (prompt then completion), ``loss_mask`` [N, L] (1 on completion tokens) and
@@ -26,8 +31,9 @@ import torch.distributed as dist
 from llamarl.algorithms.logprobs import completion_logprobs
 from llamarl.batch import TensorBatch
 from llamarl.data.packing import pack_microbatches
+from llamarl.models import shared_prefix
 
-__all__ = ["microbatch_inputs", "plan_microbatches", "sequence_logprobs"]
+__all__ = ["microbatch_inputs", "microbatch_logprobs", "plan_microbatches", "sequence_logprobs"]
 
 
 def microbatch_inputs(batch: TensorBatch, rows: list[int] | None, *, device: torch.device | str):
@@ -56,8 +62,21 @@ def microbatch_inputs(batch: TensorBatch, rows: list[int] | None, *, device: tor
     return ids, attention, sub["loss_mask"][:, :length].float(), start, sub
 
 
-def plan_microbatches(batch: TensorBatch, *, max_tokens_per_microbatch: int,
-                      group: dist.ProcessGroup | None) -> tuple[list[list[int]], int]:
+def microbatch_logprobs(model: torch.nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor,
+                        loss_mask: torch.Tensor, *, start: int, temperature: float,
+                        share_prompts: bool) -> torch.Tensor:
+    """Per-token completion log-probs ``[b, length]`` of one micro-batch (``microbatch_inputs``'s
+    first four outputs), differentiable. ``share_prompts`` forwards each distinct context once when
+    the model supports it (``shared_prefix.supports``), else the rows as they are; the values agree
+    on every loss position up to summation order."""
+    if share_prompts and shared_prefix.supports(model):
+        return shared_prefix.shared_prefix_logprobs(model, input_ids, attention_mask, loss_mask,
+                                                    temperature=temperature)
+    return completion_logprobs(model, input_ids, attention_mask, start=start, temperature=temperature)
+
+
+def plan_microbatches(batch: TensorBatch, *, max_tokens_per_microbatch: int, group: dist.ProcessGroup | None,
+                      share_prompts: bool = False) -> tuple[list[list[int]], int]:
     """Pack this rank's rows; agree with the other ranks of ``group`` on the number of forwards.
 
     Returns ``(microbatches, num_microbatches_all_ranks)``: ``microbatches`` are lists of row
@@ -70,10 +89,19 @@ def plan_microbatches(batch: TensorBatch, *, max_tokens_per_microbatch: int,
     Collective over ``group`` (one all-reduce; every rank of it must call this, in the same order
     relative to its other collectives), which the caller's model must be sharded over. Without an
     initialised process group it is local. Raises ValueError if one row exceeds the budget.
+
+    ``share_prompts``: the budget counts packed tokens (each context once, then its rows'
+    completions) and rows of one context stay in one micro-batch unless together they exceed it.
     """
     lengths = batch["num_tokens"].tolist() if len(batch) else []
     microbatches = pack_microbatches(lengths, max_tokens_per_microbatch=max_tokens_per_microbatch) \
         if lengths else []
+    if share_prompts and lengths:
+        groups, context_lengths = shared_prefix.context_groups(batch["input_ids"], lengths, batch["loss_mask"])
+        items = shared_prefix.pack_groups(groups, context_lengths, lengths, max_tokens=max_tokens_per_microbatch)
+        bins = pack_microbatches([cost for _, cost in items], max_tokens_per_microbatch=max_tokens_per_microbatch)
+        microbatches = sorted((sorted(row for item in chosen for row in items[item][0]) for chosen in bins),
+                              key=lambda rows: rows[0])
     count = len(microbatches)
     if dist.is_available() and dist.is_initialized():
         tensor = torch.tensor([float(count)], dtype=torch.float64, device=_group_device(group))
@@ -93,7 +121,7 @@ def _group_device(group: dist.ProcessGroup | None) -> torch.device:
 @torch.no_grad()
 def sequence_logprobs(model: torch.nn.Module, batch: TensorBatch, *, temperature: float,
                       max_tokens_per_microbatch: int, group: dist.ProcessGroup | None,
-                      device: torch.device | str) -> torch.Tensor:
+                      device: torch.device | str, share_prompts: bool = False) -> torch.Tensor:
     """No-grad per-token log-probs ``[N, L]`` (float32) of every row's completion under ``model``.
 
     ``out[r, t] = log p(input_ids[r, t] | input_ids[r, :t])`` with logits divided by
@@ -104,15 +132,17 @@ def sequence_logprobs(model: torch.nn.Module, batch: TensorBatch, *, temperature
     an empty ``[0, L]`` tensor). Each value is exactly what the same micro-batch's forward gives
     inside a training loop with the same packing. The model is used in whatever train / eval mode
     it is in. ``device``: where the result (and a dummy's inputs) live; the batch should be there.
+    ``share_prompts``: forward each distinct context once (``microbatch_logprobs``).
     """
     microbatches, count = plan_microbatches(batch, max_tokens_per_microbatch=max_tokens_per_microbatch,
-                                            group=group)
+                                            group=group, share_prompts=share_prompts)
     width = batch["input_ids"].shape[1] if "input_ids" in batch else 0
     out = torch.zeros(len(batch), width, dtype=torch.float32, device=device)
     for index in range(count):
         rows = microbatches[index] if index < len(microbatches) else None
         ids, attention, mask, start, _ = microbatch_inputs(batch, rows, device=device)
-        logp = completion_logprobs(model, ids, attention, start=start, temperature=temperature)
+        logp = microbatch_logprobs(model, ids, attention, mask, start=start, temperature=temperature,
+                                   share_prompts=share_prompts)
         if rows is not None:
             index_rows = torch.tensor(rows, dtype=torch.long, device=out.device)
             out[index_rows, : ids.shape[1]] = torch.where(mask.bool(), logp.float(), 0.0).to(out.device)
