@@ -18,11 +18,11 @@ RUN_ARGS ?=
 	touch $@
 
 .PHONY: run test test-vllm test-gpu gsm8k-smoke lint
-# Async lag 1 with one thread per busy executor: the fastest async arrangement measured on 2 cores,
+# Async (lag 1, the default) with one thread per busy executor: the fastest async arrangement measured on 2 cores,
 # and the fastest to 0.70 held-out accuracy (README, "Asynchrony on this machine").
 run: .venv/.installed
 	OMP_NUM_THREADS=1 .venv/bin/torchrun --standalone --nproc-per-node $(NPROC) -m recipes.arithmetic \
-		--run.async-lag 1 --trainer.num-threads 1 --run.eval-every 10 $(RUN_ARGS)
+		--trainer.num-threads 1 --run.eval-every 10 $(RUN_ARGS)
 
 test: .venv/.installed
 	OMP_NUM_THREADS=1 $(PY) -m pytest -q tests --ignore=tests/test_vllm_engine.py --ignore=tests/gpu

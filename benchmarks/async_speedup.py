@@ -22,8 +22,10 @@ subprocess on the same model (``smollm2-135m-instruct``), data, batch, seed and 
 
 The reward rank scores in ``--reward.num-workers 1`` process (the recipes' default) everywhere.
 ``--variants`` adds ``async-lag1`` runs with ``--algo.loss decoupled_ppo --trainer.num-minibatches 4``
-and ``--algo.prox recompute`` vs ``loglinear`` (A-3PO); skipped, with a line saying so, when the
-recipe has no ``--trainer.num-minibatches``.
+and ``--algo.prox recompute`` vs ``loglinear`` (A-3PO); with fixed micro-batches of 8 rows
+(``--trainer.microbatch-rows 8``) vs the default dynamic micro-batching; and with
+``--trainer.no-share-prompts`` (each sample's prompt forwarded on its own); skipped, with a line saying
+so, when the recipe has no ``--trainer.num-minibatches``.
 
 Workloads (``--workloads``): ``arithmetic`` = ``recipes.arithmetic`` defaults (``make run``'s task:
 16 prompts x 4 samples, 12 new tokens, short answers, train-heavy); ``gsm8k`` = ``recipes.gsm8k
@@ -89,6 +91,11 @@ VARIANTS = {  # name -> extra flags, run on the async-lag1 schedule
                                       "--trainer.num-minibatches", "4"],
     "async-lag1+dppo-loglinear-mb4": ["--algo.loss", "decoupled_ppo", "--algo.prox", "loglinear",
                                       "--trainer.num-minibatches", "4"],
+    # Fixed micro-batches of 8 rows (verl's ppo_micro_batch_size_per_gpu) vs the default dynamic
+    # micro-batching under a token budget (verl's use_dynamic_bsz).
+    "async-lag1+fixed-mb8": ["--trainer.microbatch-rows", "8"],
+    # Every sample forwarded with its own copy of the prompt (the trainer's share-prompts off).
+    "async-lag1+per-row": ["--trainer.no-share-prompts"],
 }
 PHASES = ("gen", "reward", "train")
 

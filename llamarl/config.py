@@ -168,6 +168,11 @@ class TrainerConfig:
     max_tokens_per_microbatch: int = 2048
     """Dynamic micro-batching budget: samples are packed (first-fit decreasing) so that no
     micro-batch holds more tokens than this."""
+    microbatch_rows: int = 0
+    """Fixed micro-batches instead: this many rows each, in batch order, padded to their longest
+    (verl's ``ppo_micro_batch_size_per_gpu``; the token budget is then not used). 0 (default):
+    dynamic micro-batching under ``--trainer.max-tokens-per-microbatch`` (verl's
+    ``use_dynamic_bsz``), measured against this in ``benchmarks/async_speedup.py --variants``."""
     share_prompts: bool = True
     """Forward each distinct prompt once per micro-batch, its group's completions packed after it
     behind a tree attention mask (``llamarl/models/shared_prefix.py``), instead of once per sample:
@@ -195,6 +200,7 @@ class TrainerConfig:
         _check(self.weight_decay >= 0, f"--trainer.weight-decay must be >= 0, got {self.weight_decay}")
         _check(self.num_threads >= 1, f"--trainer.num-threads must be >= 1, got {self.num_threads}")
         _check(self.max_tokens_per_microbatch >= 1, "--trainer.max-tokens-per-microbatch must be >= 1")
+        _check(self.microbatch_rows >= 0, f"--trainer.microbatch-rows must be >= 0 (0: dynamic), got {self.microbatch_rows}")
         _check(self.max_nonfinite_steps >= 1, f"--trainer.max-nonfinite-steps must be >= 1, got {self.max_nonfinite_steps}")
         _check(self.num_minibatches >= 1, f"--trainer.num-minibatches must be >= 1, got {self.num_minibatches}")
 
@@ -221,12 +227,14 @@ class RunConfig:
     after another (on-policy); ``colocated``: every rank generates, scores and trains, then updates its
     own generation model in place (on-policy; the one-GPU / one-process path: ``torchrun
     --nproc-per-node 1``; ``--generator.num-ranks`` / ``--reward.num-ranks`` do not apply)."""
-    async_lag: Literal[1, 2] = 2
-    """Off-policy lag of ``async``: 2 is LlamaRL's Algorithm 1 as written (every channel delivers at
-    the next tick: rollouts are scored one tick and trained on the next); 1 scores rollouts within the
-    tick they were generated, so the trainer trains on data exactly one version old. ``make run``
-    passes 1 (measured faster per tick and to 0.70 held-out accuracy on 2 cores, README); the
-    library default stays 2 (Algorithm 1) so existing recipes keep their semantics."""
+    async_lag: Literal[1, 2] = 1
+    """Off-policy lag of ``async``. 1 (default): rollouts are scored within the tick they were
+    generated (the reward step is milliseconds) and trained at the next, so the trainer starts at
+    tick 1 and trains on data exactly one version old — measured faster per tick and to 0.70 held-out
+    accuracy than 2 on this project's benchmark (README, "Asynchrony on this machine"). 2: LlamaRL's
+    Algorithm 1 as written (every channel delivers at the next tick: scored one tick, trained the
+    next); worth it only when scoring is as slow as generating (a judge model), so that it too
+    overlaps."""
     seed: int = 0
     """Seed for data order, sampling and initialisation."""
     output_dir: str | None = None

@@ -28,8 +28,8 @@ def read_jsonl(path):
 
 
 @pytest.mark.parametrize(("schedule", "extra"), [
-    ("async", ["--algo.loss", "aipo"]),
-    ("async1", ["--algo.loss", "aipo", "--run.async-lag", "1", "--run.eval-every", "2"]),
+    ("async2", ["--algo.loss", "aipo", "--run.async-lag", "2"]),
+    ("async1", ["--algo.loss", "aipo", "--run.eval-every", "2"]),  # lag 1 is the default
     ("sync", ["--algo.loss", "decoupled_ppo", "--algo.prox", "recompute", "--generator.token-budget", "5"]),
     # Two optimizer steps per tick; wait mode plans with the pipeline's lag (1 tick x 2 steps + 1 = 3).
     ("async1-minibatches", ["--run.async-lag", "1", "--trainer.num-minibatches", "2", "--algo.loss", "decoupled_ppo",
@@ -40,7 +40,7 @@ def test_recipe_runs_and_reports(tmp_path, model_dir, schedule, extra):
     # A reward a random model earns about half the time, so (almost) every tick really trains.
     env = {"LLAMARL_TEST_SCORER": "scorers_for_tests:first_char_even"}
     check(run_torchrun("e2e_arithmetic.py", nproc=3, timeout_s=300, env=env, args=[
-        "--model.name", str(model_dir), "--run.max-steps", str(MAX_STEPS), "--run.schedule", schedule.split("-")[0].removesuffix("1"),
+        "--model.name", str(model_dir), "--run.max-steps", str(MAX_STEPS), "--run.schedule", schedule.split("-")[0].rstrip("12"),
         "--run.num-eval-problems", "8", "--run.output-dir", str(out), "--generator.num-prompts-per-step", "4",
         "--reward.num-workers", "1", "--run.device-guard", *extra]))
     summary = json.loads((out / "summary.json").read_text())
@@ -117,7 +117,8 @@ def test_resume_continues_exactly_where_the_checkpoint_left_off(tmp_path, model_
     common = ["--model.name", str(model_dir), "--run.num-eval-problems", "4", "--generator.num-prompts-per-step", "2",
               "--reward.num-workers", "0", "--checkpoint.every", "3", "--run.max-steps", "6", "--export.every", "3",
               "--generator.token-budget", "5", "--trainer.lr", "1e-3", "--run.device-guard",
-              "--generator.dtype", "float32"]  # fp32 both sides: the export's greedy text must match
+              "--generator.dtype", "float32",  # fp32 both sides: the export's greedy text must match
+              "--run.async-lag", "2"]  # lag 2 keeps rollouts in flight across the checkpoint too
     straight, resumed = tmp_path / "straight", tmp_path / "resumed"
     env = {"LLAMARL_TEST_SCORER": "scorers_for_tests:first_char_even"}
     check(run_torchrun("e2e_arithmetic.py", nproc=3, env=env, args=[*common, "--run.output-dir", str(straight)]))

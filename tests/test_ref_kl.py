@@ -69,7 +69,8 @@ def reference_kl_sums(model, batch, kind):
 def test_shaped_rewards_are_rule_reward_minus_beta_kl_async_k3_two_ref_ranks(tmp_path, model_dir):
     beta = 0.5
     out, taps = run_world(tmp_path, model_dir, "async", nproc=5, args=[
-        "--run.max-steps", "6", "--run.schedule", "async", "--ref.num-ranks", "2", "--ref.kl-coef", str(beta),
+        "--run.max-steps", "6", "--run.schedule", "async", "--run.async-lag", "2", "--ref.num-ranks", "2",
+        "--ref.kl-coef", str(beta),
         "--ref.kl-estimator", "k3", "--trainer.lr", "1e-2"])
     ref = read_jsonl(out / "metrics" / "ref.jsonl")
     # async lag 2: rollouts of tick t are scored and shaped at t + 1 (same-tick hop), trained at t + 2.

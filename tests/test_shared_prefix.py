@@ -125,3 +125,10 @@ def test_eager_attention_falls_back_to_per_row_forwards():
     got = microbatch_logprobs(model, ids, attention, mask, start=start, temperature=TEMPERATURE, share_prompts=True)
     expected = completion_logprobs(model, ids, attention, start=start, temperature=TEMPERATURE)
     torch.testing.assert_close(got, expected, rtol=0, atol=0)
+
+
+def test_fixed_microbatches_take_consecutive_rows_and_ignore_the_budget():
+    batch = _batch()
+    microbatches, count = plan_microbatches(batch, max_tokens_per_microbatch=16, group=None, microbatch_rows=3,
+                                            share_prompts=True)
+    assert microbatches == [[0, 1, 2], [3, 4, 5], [6]] and count == 3

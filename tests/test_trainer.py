@@ -111,7 +111,7 @@ def setup(tmp_path_factory):
 
 
 @pytest.mark.parametrize("loss_name", ["aipo", "decoupled_ppo"])
-@pytest.mark.parametrize(("nproc", "budget"), [(1, 4096), (2, 4096), (2, 12)])
+@pytest.mark.parametrize(("nproc", "budget"), [(1, 4096), (2, 4096), (2, 12), (1, "rows3")])
 def test_fsdp_update_matches_single_process_reference(setup, nproc, budget, loss_name):
     tmp, model_dir, batch = setup
     out = tmp / f"out_{nproc}_{budget}_{loss_name}.safetensors"

@@ -93,8 +93,9 @@ def test_wait_needs_a_staleness_bound_the_schedule_can_meet(model_dir, tmp_path)
     wait = AlgoConfig(max_staleness=1, stale_policy="wait")
     with pytest.raises(ValueError, match="--algo.max-staleness 1 is below what this schedule's lag makes every "
                                          "sample \\(2 versions: --run.schedule async, --run.async-lag 2"):
-        validate_config(config(model_dir, tmp_path, algo=wait), world_size=3)
-    validate_config(config(model_dir, tmp_path, algo=wait, run=RunConfig(async_lag=1, output_dir=str(tmp_path))), world_size=3)
+        validate_config(config(model_dir, tmp_path, algo=wait, run=RunConfig(async_lag=2, output_dir=str(tmp_path))),
+                        world_size=3)
+    validate_config(config(model_dir, tmp_path, algo=wait), world_size=3)  # the default lag 1 meets eta 1
     with pytest.raises(ValueError, match="\\(3 versions: .* --trainer.num-minibatches 2\\)"):
         validate_config(config(model_dir, tmp_path, algo=wait, run=RunConfig(async_lag=1, output_dir=str(tmp_path)),
                                trainer=TrainerConfig(num_minibatches=2)), world_size=3)

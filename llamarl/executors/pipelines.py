@@ -9,8 +9,8 @@ and the trainer (``recipes/ref_kl.py``) or an LLM judge instead of the rule-base
 
 Schedules (channel delivery, see llamarl/controller.py for each tick's timeline):
 
-- ``async`` (default ``--run.async-lag 2``, LlamaRL Algorithm 1 as written): every channel next
-  tick; the trainer trains at t+2 on rollouts generated at t. ``--run.async-lag 1``: rollouts
+- ``async`` with ``--run.async-lag 2`` (LlamaRL Algorithm 1 as written): every channel next
+  tick; the trainer trains at t+2 on rollouts generated at t. ``--run.async-lag 1`` (default): rollouts
   same-tick (scored right after generation), scored and weights next tick: data one version old.
 - ``sync``: rollouts and scored same-tick, weights next tick: strictly on-policy, one executor
   busy at a time.

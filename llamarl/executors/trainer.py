@@ -270,7 +270,8 @@ class TrainerExecutor(Executor):
             logp = sequence_logprobs(self.model, fresh.select(rows) if len(batch) else batch,
                                      temperature=self.temperature, group=self.ctx.group, device=self.ctx.device,
                                      max_tokens_per_microbatch=self.config.max_tokens_per_microbatch,
-                                     share_prompts=self.config.share_prompts)
+                                     share_prompts=self.config.share_prompts,
+                                     microbatch_rows=self.config.microbatch_rows)
             if len(batch):
                 prox = torch.zeros(batch["input_ids"].shape, dtype=torch.float32, device=self.ctx.device)
                 prox[rows] = logp
@@ -356,7 +357,8 @@ class TrainerExecutor(Executor):
             [num_local_tokens, stats.get("staleness_sum", 0.0), stats.get("zero_advantage_samples", 0.0),
              float(len(batch)), stats.get("dropped_stale_samples", 0.0)])
         microbatches, max_mbs = plan_microbatches(batch, max_tokens_per_microbatch=self.config.max_tokens_per_microbatch,
-                                                  group=self.ctx.group, share_prompts=self.config.share_prompts)
+                                                  group=self.ctx.group, share_prompts=self.config.share_prompts,
+                                                  microbatch_rows=self.config.microbatch_rows)
         if dropped_stale and self.ctx.local_rank == 0:
             wait = self.algo.stale_policy == "wait"
             (logger.warning if wait else logger.info)(

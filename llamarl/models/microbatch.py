@@ -76,7 +76,7 @@ def microbatch_logprobs(model: torch.nn.Module, input_ids: torch.Tensor, attenti
 
 
 def plan_microbatches(batch: TensorBatch, *, max_tokens_per_microbatch: int, group: dist.ProcessGroup | None,
-                      share_prompts: bool = False) -> tuple[list[list[int]], int]:
+                      share_prompts: bool = False, microbatch_rows: int = 0) -> tuple[list[list[int]], int]:
     """Pack this rank's rows; agree with the other ranks of ``group`` on the number of forwards.
 
     Returns ``(microbatches, num_microbatches_all_ranks)``: ``microbatches`` are lists of row
@@ -92,11 +92,15 @@ def plan_microbatches(batch: TensorBatch, *, max_tokens_per_microbatch: int, gro
 
     ``share_prompts``: the budget counts packed tokens (each context once, then its rows'
     completions) and rows of one context stay in one micro-batch unless together they exceed it.
+    ``microbatch_rows > 0``: fixed micro-batches of that many consecutive rows instead (no budget).
     """
     lengths = batch["num_tokens"].tolist() if len(batch) else []
     microbatches = pack_microbatches(lengths, max_tokens_per_microbatch=max_tokens_per_microbatch) \
         if lengths else []
-    if share_prompts and lengths:
+    if microbatch_rows > 0:
+        microbatches = [list(range(i, min(i + microbatch_rows, len(lengths))))
+                        for i in range(0, len(lengths), microbatch_rows)]
+    elif share_prompts and lengths:
         groups, context_lengths = shared_prefix.context_groups(batch["input_ids"], lengths, batch["loss_mask"])
         items = shared_prefix.pack_groups(groups, context_lengths, lengths, max_tokens=max_tokens_per_microbatch)
         bins = pack_microbatches([cost for _, cost in items], max_tokens_per_microbatch=max_tokens_per_microbatch)
@@ -121,7 +125,8 @@ def _group_device(group: dist.ProcessGroup | None) -> torch.device:
 @torch.no_grad()
 def sequence_logprobs(model: torch.nn.Module, batch: TensorBatch, *, temperature: float,
                       max_tokens_per_microbatch: int, group: dist.ProcessGroup | None,
-                      device: torch.device | str, share_prompts: bool = False) -> torch.Tensor:
+                      device: torch.device | str, share_prompts: bool = False,
+                      microbatch_rows: int = 0) -> torch.Tensor:
     """No-grad per-token log-probs ``[N, L]`` (float32) of every row's completion under ``model``.
 
     ``out[r, t] = log p(input_ids[r, t] | input_ids[r, :t])`` with logits divided by
@@ -132,10 +137,11 @@ def sequence_logprobs(model: torch.nn.Module, batch: TensorBatch, *, temperature
     an empty ``[0, L]`` tensor). Each value is exactly what the same micro-batch's forward gives
     inside a training loop with the same packing. The model is used in whatever train / eval mode
     it is in. ``device``: where the result (and a dummy's inputs) live; the batch should be there.
-    ``share_prompts``: forward each distinct context once (``microbatch_logprobs``).
+    ``share_prompts``: forward each distinct context once (``microbatch_logprobs``);
+    ``microbatch_rows``: fixed micro-batches (``plan_microbatches``).
     """
     microbatches, count = plan_microbatches(batch, max_tokens_per_microbatch=max_tokens_per_microbatch,
-                                            group=group, share_prompts=share_prompts)
+                                            group=group, share_prompts=share_prompts, microbatch_rows=microbatch_rows)
     width = batch["input_ids"].shape[1] if "input_ids" in batch else 0
     out = torch.zeros(len(batch), width, dtype=torch.float32, device=device)
     for index in range(count):

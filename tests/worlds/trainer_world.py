@@ -28,13 +28,20 @@ def aipo_x2(*, logp, behav_logp, prox_logp, advantages, mask, algo, num_loss_tok
     return 2 * loss, {"rows": float(logp.shape[0]), "clip_fraction": metrics["clip_fraction"]}
 
 
+def budget_config(budget: str) -> dict:
+    """``"12"``: dynamic micro-batches of at most 12 tokens; ``"rows3"``: fixed micro-batches of 3 rows."""
+    if budget.startswith("rows"):
+        return {"microbatch_rows": int(budget.removeprefix("rows"))}
+    return {"max_tokens_per_microbatch": int(budget)}
+
+
 def main() -> None:
     model_dir, batch_path, out_path, budget, loss = sys.argv[1:6]
     max_staleness = int(sys.argv[6]) if len(sys.argv) > 6 and sys.argv[6] != "none" else None
     normalize_batch = len(sys.argv) > 7 and sys.argv[7] == "normalize"
     ctx = ExecutorContext.create([ExecutorSpec("trainer", int(__import__("os").environ["WORLD_SIZE"]))], timeout_s=60)
     trainer = TrainerExecutor(ctx, model_config=ModelConfig(name=model_dir),
-                              config=TrainerConfig(lr=1e-2, grad_clip=0.5, max_tokens_per_microbatch=int(budget)),
+                              config=TrainerConfig(lr=1e-2, grad_clip=0.5, **budget_config(budget)),
                               algo=AlgoConfig(loss=loss, prox="loglinear", max_staleness=max_staleness,
                                              normalize_batch=normalize_batch), temperature=0.8)
     trainer.init()
