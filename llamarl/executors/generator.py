@@ -117,6 +117,22 @@ the version are shared."""
 _PER_REPLICA = ("gen_new_tokens", "gen_tokens_per_s", "gen_carried", "gen_restarted_stale", "gen_skipped_prompts")
 
 
+AUTO_PARTIAL_MIN_NEW_TOKENS = 256
+"""``--generator.partial-rollouts auto`` applies from this ``max_new_tokens`` on (long-tail lengths)."""
+
+
+def auto_token_budget(config: GeneratorConfig, *, schedule: str, device: torch.device) -> int | None:
+    """The partial-rollout budget a generator runs with: ``config.token_budget`` when set; else, with
+    ``partial_rollouts == "auto"``, ``max_new_tokens // 2`` for an ``async`` schedule on a CUDA
+    device with ``max_new_tokens >= AUTO_PARTIAL_MIN_NEW_TOKENS``; else None (whole completions)."""
+    if config.token_budget is not None:
+        return config.token_budget
+    if (config.partial_rollouts == "auto" and schedule == "async" and device.type == "cuda"
+            and config.max_new_tokens >= AUTO_PARTIAL_MIN_NEW_TOKENS):
+        return config.max_new_tokens // 2
+    return None
+
+
 class GeneratorExecutor(Executor):
     """Rollout generation with the native engine; weights arrive through a WeightsChannel."""
 

@@ -20,18 +20,22 @@ Schedules (channel delivery, see llamarl/controller.py for each tick's timeline)
 
 from __future__ import annotations
 
+import dataclasses
+import logging
 import os
 from collections.abc import Callable
 
 from llamarl.config import RLConfig
 from llamarl.data.prompts import Problem
 from llamarl.executors.colocated import ColocatedExecutor
-from llamarl.executors.generator import GeneratorExecutor, PromptFn, Task
+from llamarl.executors.generator import GeneratorExecutor, PromptFn, Task, auto_token_budget
 from llamarl.executors.reward import RewardExecutor
 from llamarl.executors.trainer import TrainerExecutor
 from llamarl.executors.validate import expected_lag, model_context_length, validate_config
 from llamarl.pipeline import ChannelSpec, Pipeline, Stage
 from llamarl.runner import run_pipeline
+
+logger = logging.getLogger(__name__)
 
 GENERATOR_HEADLINE = ("gen_tokens_per_s",)
 REWARD_HEADLINE = ("reward_mean", "accuracy")
@@ -46,7 +50,15 @@ def _max_sequence_tokens(config: RLConfig) -> int:
 
 def _generator(config: RLConfig, *, task: Task, prompt_fn: PromptFn, output: str = "rollouts"):
     def build(ctx) -> GeneratorExecutor:
-        return GeneratorExecutor(ctx, model_config=config.model, config=config.generator, task=task,
+        budget = auto_token_budget(config.generator, schedule=config.run.schedule, device=ctx.device)
+        generator_config = config.generator
+        if budget != generator_config.token_budget:
+            generator_config = dataclasses.replace(generator_config, token_budget=budget)
+            if ctx.local_rank == 0:
+                logger.info("partial rollouts on (--generator.partial-rollouts auto: async on %s, up to %d new "
+                            "tokens): --generator.token-budget %d", ctx.device, generator_config.max_new_tokens,
+                            budget)
+        return GeneratorExecutor(ctx, model_config=config.model, config=generator_config, task=task,
                                  prompt_fn=prompt_fn, output_name=output, seed=config.run.seed,
                                  max_sequence_tokens=_max_sequence_tokens(config), algo=config.algo,
                                  expected_lag=expected_lag(config))
