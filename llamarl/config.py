@@ -180,7 +180,8 @@ class TrainerConfig:
     micro-batch holds more tokens than this."""
     microbatch_rows: int = 0
     """Fixed micro-batches instead: this many rows each, in batch order, padded to their longest
-    (verl's ``ppo_micro_batch_size_per_gpu``; the token budget is then not used). 0 (default):
+    (verl's ``ppo_micro_batch_size_per_gpu``; the token budget then only caps one sample's prompt +
+    completion length, as it always does). 0 (default):
     dynamic micro-batching under ``--trainer.max-tokens-per-microbatch`` (verl's
     ``use_dynamic_bsz``), measured against this in ``benchmarks/async_speedup.py --variants``."""
     share_prompts: bool = True

@@ -132,3 +132,8 @@ def test_fixed_microbatches_take_consecutive_rows_and_ignore_the_budget():
     microbatches, count = plan_microbatches(batch, max_tokens_per_microbatch=16, group=None, microbatch_rows=3,
                                             share_prompts=True)
     assert microbatches == [[0, 1, 2], [3, 4, 5], [6]] and count == 3
+
+
+def test_a_row_over_the_budget_is_named():
+    with pytest.raises(ValueError, match="sample 3 has 15 tokens, more than max_tokens_per_microbatch=14"):
+        plan_microbatches(_batch(), max_tokens_per_microbatch=14, group=None, share_prompts=True)

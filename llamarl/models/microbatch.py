@@ -92,15 +92,22 @@ def plan_microbatches(batch: TensorBatch, *, max_tokens_per_microbatch: int, gro
 
     ``share_prompts``: the budget counts packed tokens (each context once, then its rows'
     completions) and rows of one context stay in one micro-batch unless together they exceed it.
-    ``microbatch_rows > 0``: fixed micro-batches of that many consecutive rows instead (no budget).
+    ``microbatch_rows > 0``: fixed micro-batches of that many consecutive rows instead (the budget
+    is not checked).
     """
     lengths = batch["num_tokens"].tolist() if len(batch) else []
-    microbatches = pack_microbatches(lengths, max_tokens_per_microbatch=max_tokens_per_microbatch) \
-        if lengths else []
     if microbatch_rows > 0:
         microbatches = [list(range(i, min(i + microbatch_rows, len(lengths))))
                         for i in range(0, len(lengths), microbatch_rows)]
-    elif share_prompts and lengths:
+    elif not lengths:
+        microbatches = []
+    elif not share_prompts:
+        microbatches = pack_microbatches(lengths, max_tokens_per_microbatch=max_tokens_per_microbatch)
+    else:
+        too_long = [row for row, n in enumerate(lengths) if n > max_tokens_per_microbatch]
+        if too_long:  # the same message as pack_microbatches', naming the row, not a group
+            raise ValueError(f"sample {too_long[0]} has {lengths[too_long[0]]} tokens, more than "
+                             f"max_tokens_per_microbatch={max_tokens_per_microbatch}")
         groups, context_lengths = shared_prefix.context_groups(batch["input_ids"], lengths, batch["loss_mask"])
         items = shared_prefix.pack_groups(groups, context_lengths, lengths, max_tokens=max_tokens_per_microbatch)
         bins = pack_microbatches([cost for _, cost in items], max_tokens_per_microbatch=max_tokens_per_microbatch)
