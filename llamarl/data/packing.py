@@ -13,7 +13,18 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
-__all__ = ["pack_microbatches"]
+__all__ = ["check_token_counts", "pack_microbatches"]
+
+
+def check_token_counts(counts: Sequence[int], *, max_tokens_per_microbatch: int) -> None:
+    """Raise ValueError naming the first sample whose token count is negative or over the budget."""
+    for i, c in enumerate(counts):
+        if c < 0:
+            raise ValueError(f"sample {i} has a negative token count {c}")
+        if c > max_tokens_per_microbatch:
+            raise ValueError(
+                f"sample {i} has {c} tokens, more than max_tokens_per_microbatch={max_tokens_per_microbatch}"
+            )
 
 
 def pack_microbatches(
@@ -39,13 +50,7 @@ def pack_microbatches(
     else:
         counts = [int(c) for c in token_counts]
 
-    for i, c in enumerate(counts):
-        if c < 0:
-            raise ValueError(f"sample {i} has a negative token count {c}")
-        if c > max_tokens_per_microbatch:
-            raise ValueError(
-                f"sample {i} has {c} tokens, more than max_tokens_per_microbatch={max_tokens_per_microbatch}"
-            )
+    check_token_counts(counts, max_tokens_per_microbatch=max_tokens_per_microbatch)
 
     bins: list[list[int]] = []
     room: list[int] = []

@@ -30,7 +30,7 @@ import torch.distributed as dist
 
 from llamarl.algorithms.logprobs import completion_logprobs
 from llamarl.batch import TensorBatch
-from llamarl.data.packing import pack_microbatches
+from llamarl.data.packing import check_token_counts, pack_microbatches
 from llamarl.models import shared_prefix
 
 __all__ = ["microbatch_inputs", "microbatch_logprobs", "plan_microbatches", "sequence_logprobs"]
@@ -104,10 +104,8 @@ def plan_microbatches(batch: TensorBatch, *, max_tokens_per_microbatch: int, gro
     elif not share_prompts:
         microbatches = pack_microbatches(lengths, max_tokens_per_microbatch=max_tokens_per_microbatch)
     else:
-        too_long = [row for row, n in enumerate(lengths) if n > max_tokens_per_microbatch]
-        if too_long:  # the same message as pack_microbatches', naming the row, not a group
-            raise ValueError(f"sample {too_long[0]} has {lengths[too_long[0]]} tokens, more than "
-                             f"max_tokens_per_microbatch={max_tokens_per_microbatch}")
+        # Per row, before groups are packed: an error names the row, not a group.
+        check_token_counts(lengths, max_tokens_per_microbatch=max_tokens_per_microbatch)
         groups, context_lengths = shared_prefix.context_groups(batch["input_ids"], lengths, batch["loss_mask"])
         items = shared_prefix.pack_groups(groups, context_lengths, lengths, max_tokens=max_tokens_per_microbatch)
         bins = pack_microbatches([cost for _, cost in items], max_tokens_per_microbatch=max_tokens_per_microbatch)
