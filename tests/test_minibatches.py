@@ -220,3 +220,20 @@ def test_num_minibatches_is_validated():
 
 if __name__ == "__main__":
     world_main()
+
+
+def test_minibatch_metrics_combine_as_documented():
+    """Counts add up, maxima are maxima, ``staleness_mean`` is over every trained token, versions
+    are the last, the rest average over the minibatches that stepped (a skipped one reports none)."""
+    from llamarl.executors.trainer_metrics import combine_minibatch_metrics
+
+    stepped = {"loss": 1.0, "grad_norm": 2.0, "num_loss_tokens": 30.0, "staleness_mean": 1.0, "staleness_max": 1.0,
+               "version": 5.0, "zero_advantage_samples": 2.0, "clip_fraction": 0.1, "ratio_max": 1.5, "n_clipped": 3.0}
+    later = {"loss": 3.0, "grad_norm": 4.0, "num_loss_tokens": 10.0, "staleness_mean": 3.0, "staleness_max": 3.0,
+             "version": 6.0, "zero_advantage_samples": 1.0, "clip_fraction": 0.3, "ratio_max": 1.2, "n_clipped": 1.0}
+    skipped = {"skipped_no_signal": 1.0, "zero_advantage_samples": 4.0, "version": 6.0}
+    out = combine_minibatch_metrics([stepped, later, skipped],
+                                    loss_metrics={"clip_fraction": "mean", "ratio_max": "max", "n_clipped": "sum"})
+    assert out == {"loss": 2.0, "grad_norm": 3.0, "num_loss_tokens": 40.0, "staleness_mean": (30 + 30) / 40,
+                   "staleness_max": 3.0, "version": 6.0, "zero_advantage_samples": 7.0, "skipped_no_signal": 1.0,
+                   "clip_fraction": pytest.approx(0.2), "ratio_max": 1.5, "n_clipped": 4.0}

@@ -28,7 +28,7 @@ Each batch:
       over micro-batches and ranks as the loss declared them (token-weighted mean, max or sum).
    A minibatch without loss tokens, without a sample carrying signal or with a non-finite loss or
    gradient makes no step (the same decision on every rank, from all-reduced values).
-4. per-batch metrics (``combine_metrics``: sums of counts, maxima, means over the minibatches that
+4. per-batch metrics (``combine_minibatch_metrics`` in ``trainer_metrics.py``: sums of counts, maxima, means over the minibatches that
    stepped, ``staleness_mean`` over every trained token); ``step`` adds ``num_minibatches`` and
    ``optimizer_steps``.
 
@@ -58,6 +58,7 @@ from llamarl.batch import TensorBatch
 from llamarl.checkpoint import load_rng, read_json, save_rng, write_json
 from llamarl.config import AlgoConfig, ModelConfig, TrainerConfig
 from llamarl.executors.base import Executor
+from llamarl.executors.trainer_metrics import TRAINER_METRICS, combine_minibatch_metrics, device_timer
 from llamarl.metrics import MetricSpec
 from llamarl.models.export import export_hf
 from llamarl.models.loading import load_causal_lm
@@ -73,23 +74,6 @@ from llamarl.sharded_state import load_sharded_state, save_sharded_state
 logger = logging.getLogger("llamarl.trainer")
 
 
-# The step reduces these over the trainer's ranks itself (identical on every rank: "max" keeps them),
-# except this rank's throughput, which the runner sums.
-_TRAINER_METRICS = {
-    **{key: MetricSpec("optim", "max") for key in ("grad_norm", "version", "optimizer_steps", "num_minibatches",
-                                                   "nonfinite_steps", "skipped", "skipped_no_signal",
-                                                   "skipped_nonfinite")},
-    **{key: MetricSpec("data", "max") for key in ("num_loss_tokens", "zero_advantage_samples",
-                                                  "dropped_stale_samples")},
-    "staleness_mean": MetricSpec("staleness", "max"), "staleness_max": MetricSpec("staleness", "max"),
-    "loss": MetricSpec("loss", "max"),
-    "train_seconds": MetricSpec("throughput", "max"), "train_tokens_per_s": MetricSpec("throughput", "sum"),
-    # Time this rank spent producing proximal log-probs (recompute: the extra forward; loglinear:
-    # A-3PO's interpolation inside each micro-batch). Only for losses that use a proximal policy.
-    "prox_seconds": MetricSpec("throughput", "max"),
-}
-
-
 class TrainerExecutor(Executor):
     """Policy optimisation on the trainer's ranks. ``version`` counts optimizer steps."""
 
@@ -99,7 +83,7 @@ class TrainerExecutor(Executor):
     def metric_specs(self) -> dict[str, MetricSpec]:
         """The step's metrics and those the registered loss declares (section ``loss``)."""
         declared = get_policy_loss(self.algo.loss).metrics
-        return {**{key: MetricSpec("loss", "max") for key in declared}, **_TRAINER_METRICS}
+        return {**{key: MetricSpec("loss", "max") for key in declared}, **TRAINER_METRICS}
 
     def __init__(self, ctx, *, model_config: ModelConfig, config: TrainerConfig, algo: AlgoConfig,
                  temperature: float, input_name: str = "scored", seed: int = 0) -> None:
@@ -255,12 +239,12 @@ class TrainerExecutor(Executor):
 
     def train_on(self, batch: TensorBatch) -> dict[str, float]:
         """``--trainer.num-minibatches`` optimizer steps on this rank's part of the batch (collective
-        over the trainer); per-batch metrics (``combine_metrics``)."""
+        over the trainer); per-batch metrics (``combine_minibatch_metrics``)."""
         batch = self.prepare(batch.to(self.ctx.device))
         spec = get_policy_loss(self.algo.loss)
         self._prox_timings = []
         if spec.needs_prox and self.algo.prox == "recompute":
-            timer = self._timer()
+            timer = device_timer(self.ctx.device)
             # Once, with the weights before the first minibatch's update. Rows the loop can forward:
             # those with signal that the staleness filter keeps at this version (later minibatches,
             # at later versions, keep a subset).
@@ -278,67 +262,15 @@ class TrainerExecutor(Executor):
                 batch.fields["prox_logp"] = prox
             self._prox_timings.append(timer())
         results = [self.train_minibatch(part) for part in self.minibatches(batch)]
-        metrics = results[0] if len(results) == 1 else self.combine_metrics(results)
+        metrics = results[0] if len(results) == 1 else combine_minibatch_metrics(results, loss_metrics=spec.metrics)
         if spec.needs_prox:
             metrics["prox_seconds"] = sum(seconds() for seconds in self._prox_timings)
         return metrics
-
-    def _timer(self):
-        """Start timing device work; calling the returned ``stop()`` ends the span and returns a
-        zero-argument callable giving its seconds, read after the step (on CUDA from events, so
-        no host sync in the middle of the step)."""
-        if self.ctx.device.type != "cuda":
-            start = time.perf_counter()
-
-            def stop_host():
-                elapsed = time.perf_counter() - start
-                return lambda: elapsed
-            return stop_host
-        begin = torch.cuda.Event(enable_timing=True)
-        begin.record()
-
-        def stop():
-            end = torch.cuda.Event(enable_timing=True)
-            end.record()
-
-            def seconds() -> float:
-                end.synchronize()
-                return begin.elapsed_time(end) / 1000
-            return seconds
-        return stop
 
     @staticmethod
     def _forwarded(batch: TensorBatch) -> torch.Tensor:
         """Rows the loss needs a forward for: some loss token and a non-zero advantage."""
         return ((batch["advantages"] != 0) & batch["loss_mask"].bool().any(dim=1)).nonzero().squeeze(1)
-
-    def combine_metrics(self, results: list[dict[str, float]]) -> dict[str, float]:
-        """Per-batch metrics from the minibatches' (in order): counts (tokens, dropped, zero-advantage
-        and skipped samples or steps, ``sum`` metrics) are summed; ``max`` metrics and
-        ``staleness_max`` are maxima; ``staleness_mean`` is over every trained token; ``version`` and
-        ``nonfinite_steps`` are the last; the rest (loss, grad norm, ``mean`` metrics) are means over
-        the minibatches that report them (those with an optimizer step)."""
-        spec = get_policy_loss(self.algo.loss)
-        summed = {"num_loss_tokens", "dropped_stale_samples", "zero_advantage_samples", "skipped",
-                  "skipped_no_signal", "skipped_nonfinite"} | {k for k, v in spec.metrics.items() if v == "sum"}
-        maxed = {"staleness_max"} | {k for k, v in spec.metrics.items() if v == "max"}
-        last = {"version", "nonfinite_steps"}
-        out: dict[str, float] = {}
-        keys = sorted({k for r in results for k in r})
-        for key in keys:
-            values = [r[key] for r in results if key in r]
-            if key in summed:
-                out[key] = float(sum(values))
-            elif key in maxed:
-                out[key] = float(max(values))
-            elif key in last:
-                out[key] = values[-1]
-            elif key == "staleness_mean":
-                tokens = [r["num_loss_tokens"] for r in results if key in r]
-                out[key] = sum(v * t for v, t in zip(values, tokens)) / max(sum(tokens), 1.0)
-            else:
-                out[key] = sum(values) / len(values)
-        return out
 
     def train_minibatch(self, batch: TensorBatch) -> dict[str, float]:
         """One optimizer step on this rank's rows of one minibatch (collective over the trainer):
@@ -450,7 +382,7 @@ class TrainerExecutor(Executor):
             if "prox_logp" in sub:
                 prox = sub["prox_logp"][:, :length]
             else:
-                timer = self._timer()
+                timer = device_timer(self.ctx.device)
                 prox = loglinear_prox_logp(behav, logp, sub["versions"][:, :length], self.version, mask=mask)
                 self._prox_timings.append(timer())
         loss, metrics = spec.fn(logp=logp, behav_logp=behav, prox_logp=prox, advantages=sub["advantages"], mask=mask,
