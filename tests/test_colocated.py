@@ -133,3 +133,21 @@ def test_colocated_resume_is_exact(tmp_path, model_dir):
     middle = load_file(str(straight / "hf" / "step_2" / "model.safetensors"))
     assert any(not torch.equal(middle[k], a[k]) for k in a), "ticks 2-3 did not train"
     assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_evaluations_do_not_change_training(tmp_path, model_dir):
+    """Greedy evaluations between ticks draw no randomness and touch no training state: a run that
+    evaluates after every tick ends with bitwise the weights of one that evaluates only at the ends."""
+    import torch
+    from safetensors.torch import load_file
+
+    common = ["--run.schedule", "colocated", "--run.max-steps", "3", "--generator.token-budget", "5",
+              "--trainer.lr", "1e-3", "--export.every", "1"]
+    quiet = run(tmp_path, model_dir, "quiet", nproc=1, args=common)
+    evaluating = run(tmp_path, model_dir, "evaluating", nproc=1, args=[*common, "--run.eval-every", "1"])
+    evals = json.loads((evaluating / "summary.json").read_text())["evals"]
+    assert [e["step"] for e in evals] == [0, 1, 2, 3]
+    a, b = (load_file(str(d / "hf" / "final" / "model.safetensors")) for d in (quiet, evaluating))
+    first = load_file(str(quiet / "hf" / "step_1" / "model.safetensors"))
+    assert any(not torch.equal(first[k], a[k]) for k in a), "ticks 1-2 did not train"
+    assert all(torch.equal(a[k], b[k]) for k in a)
