@@ -8,12 +8,20 @@ Both sides sample at T = 1 with no top-k / top-p and no EOS stop (HF gets ``min_
 ``max_new_tokens``), so both produce exactly ``batch * new_tokens`` tokens from the same left-padded
 prompts. Prints one row per (dtype, implementation): best-of-``--repeats`` wall and CPU time
 (all threads) with the matching tokens/s.
+
+``--decode-scaling 1,4,16,64`` instead times TorchEngine's decode step per batch size (bf16 unless
+``--dtypes`` says otherwise): ``(wall(new_tokens) - wall(1)) / (new_tokens - 1)``, i.e. with the
+prefill and the first token taken out, best of ``--repeats``. LlamaRL's Assumption 7.1 (decode is
+batch-efficient: a step over many rows costs about what a step over few costs) is what makes a
+shrinking long-tail batch waste hardware and partial rollouts pay; this table says whether it holds
+on the machine at hand.
 """
 
 from __future__ import annotations
 
 import argparse
 import functools
+import math
 import random
 import time
 
@@ -73,6 +81,26 @@ def _time_hf(model, tok, prompts, *, new_tokens: int, seed: int) -> tuple[float,
     return elapsed
 
 
+def decode_scaling(model, tok, *, batches: list[int], new_tokens: int, repeats: int) -> None:
+    """Print ms per decode step and its ratio to the smallest batch's, per batch size."""
+    if new_tokens < 2:
+        raise ValueError(f"--new-tokens must be >= 2 for --decode-scaling (got {new_tokens})")
+    engine = TorchEngine(model, eos_token_ids=[], pad_token_id=tok.pad_token_id)
+    _time_engine(engine, _prompts(tok, batch=4), new_tokens=2, seed=0)  # warm-up
+    step_ms = {}
+    for batch in batches:
+        prompts = _prompts(tok, batch=batch)
+        full = min(_time_engine(engine, prompts, new_tokens=new_tokens, seed=s)[0] for s in range(repeats))
+        first = min(_time_engine(engine, prompts, new_tokens=1, seed=s)[0] for s in range(repeats))
+        step_ms[batch] = 1000 * max(full - first, 0.0) / (new_tokens - 1)
+    smallest = step_ms[batches[0]]
+    print(f"{'rows':>6} {'ms/step':>8} {'x rows ' + str(batches[0]):>10} {'tok/s':>8}")
+    for batch, ms in step_ms.items():
+        # A step below the timer's noise (a tiny model) reads 0: no ratio then, rather than a crash.
+        ratio, tokens_per_s = (ms / smallest, 1000 * batch / ms) if min(ms, smallest) > 0 else (math.nan, math.nan)
+        print(f"{batch:>6} {ms:>8.1f} {ratio:>10.2f} {tokens_per_s:>8.1f}")
+
+
 def main() -> None:
     """Print the throughput table (see module docstring)."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -82,8 +110,18 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--dtypes", default="float32,bfloat16")
+    parser.add_argument("--decode-scaling", default="",
+                        help="comma-separated batch sizes: time one decode step per batch size instead")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
+    if args.decode_scaling:
+        batches = sorted(int(b) for b in args.decode_scaling.split(","))
+        dtype_name = args.dtypes if "," not in args.dtypes else "bfloat16"
+        model, tok = load_causal_lm(args.model, dtype=getattr(torch, dtype_name))
+        print(f"TorchEngine decode step, {dtype_name}, {args.threads} threads, "
+              f"{args.new_tokens} new tokens, best of {args.repeats}")
+        decode_scaling(model, tok, batches=batches, new_tokens=args.new_tokens, repeats=args.repeats)
+        return
 
     rows = []
     for dtype_name in args.dtypes.split(","):

@@ -155,3 +155,20 @@ def test_uncorrected_loss_is_aipo_without_the_weight():
     mine, _ = quality.pg_uncorrected_loss(logp=logp.detach(), behav_logp=logp.detach(), prox_logp=None,
                                           advantages=adv, mask=mask, algo=algo, num_loss_tokens=20)
     assert torch.allclose(on_policy, mine)
+
+
+def test_decode_scaling_prints_one_row_per_batch_size(capsys):
+    """benchmarks/generation.py --decode-scaling on a tiny model: one row per batch size, ratios to
+    the smallest batch, and a one-line error for a token count that leaves no decode step to time."""
+    sys.path.insert(0, str(Path(__file__).parent))
+    from tiny_model import build_tiny_llama, tiny_tokenizer
+
+    generation = _load("generation")
+    tok = tiny_tokenizer()
+    tok.chat_template = "{% for m in messages %}{{ m['content'] }}{% endfor %}"
+    model = build_tiny_llama(seed=0, vocab_size=128).eval()
+    generation.decode_scaling(model, tok, batches=[1, 4], new_tokens=3, repeats=1)
+    header, *rows = capsys.readouterr().out.splitlines()
+    assert "ms/step" in header and [int(r.split()[0]) for r in rows] == [1, 4]
+    with pytest.raises(ValueError, match="--new-tokens must be >= 2"):
+        generation.decode_scaling(model, tok, batches=[1], new_tokens=1, repeats=1)
