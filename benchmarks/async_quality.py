@@ -14,8 +14,8 @@ does not depend on the seed; the training prompts and the sampling do). Each run
 pinned; threads as in ``benchmarks/async_speedup.py`` (sync: 2 for the busy executor; async:
 generator 1 + trainer 1, ``--async-threads``). Configs (``--configs``):
 
-- ``async-aipo``: ``--run.schedule async --run.async-lag L`` (``--lag``, default 2: LlamaRL's
-  Algorithm 1 as written and the recipe's default, so every trained token is 2 versions old),
+- ``async-aipo``: ``--run.schedule async --run.async-lag L`` (``--lag``, default 1, the
+  library's default: every trained token is 1 version old; 2 is LlamaRL's Algorithm 1 as written),
   ``--algo.loss aipo`` (rho 4): the importance weight ``min(pi/mu, rho)`` corrects for the lag.
 - ``sync``: ``--run.schedule sync``, ``--algo.loss aipo``: on-policy, the ratio is 1 up to the bf16
   generator's rounding, so this is plain REINFORCE with the group baseline: the reference.
@@ -213,7 +213,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--configs", type=csv_choices(CONFIGS), default=list(DEFAULT_CONFIGS))
     p.add_argument("--seeds", type=int, default=3, help="seeds 0..N-1 per config")
     p.add_argument("--ticks", type=int, default=40)
-    p.add_argument("--lag", type=int, choices=(1, 2), default=2, help="--run.async-lag of the async configs")
+    p.add_argument("--lag", type=int, choices=(1, 2), default=1, help="--run.async-lag of the async configs")
     p.add_argument("--eval-every", type=int, default=10)
     p.add_argument("--heldout", type=int, default=100)
     p.add_argument("--cores", type=int, default=2, help="threads of the busy executor under sync")
@@ -225,14 +225,14 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> None:
     sys.path.insert(0, str(Path(__file__).resolve().parent))
-    from async_speedup import launch, log_tail, uptime
+    from async_speedup import cpu_model, launch, log_tail, uptime
 
     args = build_parser().parse_args(argv)
     start = time.time()
     out = args.out if args.out.is_absolute() else Path.cwd() / args.out
     out.mkdir(parents=True, exist_ok=True)
     uptimes = {"start": uptime()}
-    print(f"async_quality: uptime at start: {uptimes['start']}", flush=True)
+    print(f"async_quality: uptime at start: {uptimes['start']}; CPU {cpu_model()}", flush=True)
     runs: dict[str, list[dict]] = {name: [] for name in args.configs}
     # seed-major order: an interrupted benchmark still has every config for the first seeds
     for seed in range(args.seeds):
@@ -262,7 +262,7 @@ def main(argv: list[str] | None = None) -> None:
     (out / "async_quality.json").write_text(json.dumps({
         "args": {k: (list(v) if isinstance(v, tuple) else str(v) if isinstance(v, Path) else v)
                  for k, v in vars(args).items()},
-        "command": shlex.join([sys.executable, *sys.argv]), "uptime": uptimes, "wall_seconds": time.time() - start,
+        "command": shlex.join([sys.executable, *sys.argv]), "cpu_model": cpu_model(), "uptime": uptimes, "wall_seconds": time.time() - start,
         "uncorrected_loss": "pg_uncorrected: per token -A * log pi, token mean, no importance weight (registered by "
                             "this script)", "summary": summary, "runs": runs}, indent=2))
     plot(summary, runs, out / "async_quality.png")

@@ -73,6 +73,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import platform
 import shlex
 import statistics
 import subprocess
@@ -185,6 +186,18 @@ def subprocess_env(threads: int) -> dict[str, str]:
 
 def uptime() -> str:
     return subprocess.run(["uptime"], capture_output=True, text=True, check=False).stdout.strip()
+
+
+def cpu_model() -> str:
+    """The host CPU's model name: how phases scale with threads (and so which schedule wins on a
+    fixed core budget) differs between CPU models of the same machine kind."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown"
 
 
 def flag_available(workload: str, flag: str, args) -> bool:
@@ -505,7 +518,7 @@ def main(argv: list[str] | None = None) -> None:
     out = args.out if args.out.is_absolute() else (Path.cwd() / args.out)
     out.mkdir(parents=True, exist_ok=True)
     uptimes = {"start": uptime()}
-    print(f"async_speedup: uptime at start: {uptimes['start']}", flush=True)
+    print(f"async_speedup: uptime at start: {uptimes['start']}; CPU {cpu_model()}", flush=True)
     names = list(args.schedules)
     skipped: dict[tuple[str, str], str] = {}
     if args.variants:
@@ -591,7 +604,8 @@ def main(argv: list[str] | None = None) -> None:
     (out / "async_speedup.json").write_text(json.dumps({
         "args": {k: (list(v) if isinstance(v, tuple) else str(v) if isinstance(v, Path) else v)
                  for k, v in vars(args).items()},
-        "command": shlex.join([sys.executable, *sys.argv]), "cpu_count": os.cpu_count(), "uptime": uptimes,
+        "command": shlex.join([sys.executable, *sys.argv]), "cpu_count": os.cpu_count(), "cpu_model": cpu_model(),
+        "uptime": uptimes,
         "wall_seconds": time.time() - start, "section7_formula": "S_model = (g + r + t) / max(g, r, t) from sync's "
         "per-tick busy seconds; S_split = (g + r + t) / max(g_a, r_a, t_a) with the async run's own; "
         "S_measured = sync tick / async tick", "results": results}, indent=2))
