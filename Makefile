@@ -19,12 +19,12 @@ RUN_ARGS ?=
 
 .PHONY: run run-async test test-vllm test-gpu gsm8k-smoke lint
 # One process, colocated, both cores for whichever phase runs: on this 2-core machine the fastest to
-# 0.70 held-out accuracy (README, "Asynchrony on this machine": LlamaRL's overlap needs hardware per
-# executor; splitting 2 cores between generator and trainer halves each phase's speed).
+# 0.70 held-out accuracy on both CPU models measured (README, "Asynchrony on this machine": it learns
+# more per tick than async, whose ticks are shorter only where 2 threads scale poorly).
 run: .venv/.installed
 	OMP_NUM_THREADS=2 .venv/bin/torchrun --standalone --nproc-per-node 1 -m recipes.arithmetic \
 		--run.schedule colocated --generator.num-threads 2 --trainer.num-threads 2 \
-		--run.max-steps 30 --run.eval-every 10 $(RUN_ARGS)
+		--run.max-steps 25 --run.eval-every 5 $(RUN_ARGS)
 
 # The same task on separate executors (generator, reward, trainer ranks), async lag 1, one thread each.
 run-async: .venv/.installed
