@@ -262,7 +262,8 @@ def main(argv: list[str] | None = None) -> None:
     (out / "async_quality.json").write_text(json.dumps({
         "args": {k: (list(v) if isinstance(v, tuple) else str(v) if isinstance(v, Path) else v)
                  for k, v in vars(args).items()},
-        "command": shlex.join([sys.executable, *sys.argv]), "cpu_model": cpu_model(), "uptime": uptimes, "wall_seconds": time.time() - start,
+        "command": shlex.join([sys.executable, *sys.argv]), "cpu_model": cpu_model(), "uptime": uptimes,
+        "wall_seconds": time.time() - start,
         "uncorrected_loss": "pg_uncorrected: per token -A * log pi, token mean, no importance weight (registered by "
                             "this script)", "summary": summary, "runs": runs}, indent=2))
     plot(summary, runs, out / "async_quality.png")

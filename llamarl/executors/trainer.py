@@ -28,9 +28,9 @@ Each batch:
       over micro-batches and ranks as the loss declared them (token-weighted mean, max or sum).
    A minibatch without loss tokens, without a sample carrying signal or with a non-finite loss or
    gradient makes no step (the same decision on every rank, from all-reduced values).
-4. per-batch metrics (``combine_minibatch_metrics`` in ``trainer_metrics.py``: sums of counts, maxima, means over the minibatches that
-   stepped, ``staleness_mean`` over every trained token); ``step`` adds ``num_minibatches`` and
-   ``optimizer_steps``.
+4. per-batch metrics (``combine_minibatch_metrics`` in ``trainer_metrics.py``: sums of counts,
+   maxima, means over the minibatches that stepped, ``staleness_mean`` over every trained token);
+   ``step`` adds ``num_minibatches`` and ``optimizer_steps``.
 
 Versions: ``version`` counts optimizer steps, so a batch advances it by up to k. A token's
 staleness is the trainer's version at the optimizer step that trains it minus the version of the
