@@ -11,14 +11,20 @@ REPO = Path(__file__).resolve().parents[1]
 
 
 def run_torchrun(script: str, *, nproc: int, args: list[str] = (), timeout_s: float = 300,
-                 env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
-    """Run ``tests/worlds/<script>`` under ``torchrun --standalone`` with ``nproc`` CPU ranks."""
+                 env: dict[str, str] | None = None, stderr_dir: Path | None = None) -> subprocess.CompletedProcess:
+    """Run ``tests/worlds/<script>`` under ``torchrun --standalone`` with ``nproc`` CPU ranks.
+
+    With ``stderr_dir``, each rank's stderr goes to its own ``<stderr_dir>/**/<rank>/stderr.log``
+    (torchrun ``--redirects 2``) instead of the shared pipe, where two ranks' tracebacks can interleave
+    within a line."""
     # The caller's PYTHONPATH is kept after ours (e.g. packages installed with pip --target).
     python_path = os.pathsep.join(filter(None, [str(REPO), str(REPO / "tests"), os.environ.get("PYTHONPATH")]))
     full_env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": python_path, "HF_HUB_OFFLINE": "1",
                 "TOKENIZERS_PARALLELISM": "false", **(env or {})}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
-           "--monitor-interval=0.5", str(REPO / "tests" / "worlds" / script), *args]
+           "--monitor-interval=0.5",
+           *([f"--log-dir={stderr_dir}", "--redirects=2"] if stderr_dir is not None else []),
+           str(REPO / "tests" / "worlds" / script), *args]
     return subprocess.run(cmd, cwd=REPO, env=full_env, capture_output=True, text=True,
                           timeout=timeout_s, check=False)
 

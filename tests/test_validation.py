@@ -104,10 +104,14 @@ def test_wait_needs_a_staleness_bound_the_schedule_can_meet(model_dir, tmp_path)
 def test_a_bad_run_fails_on_every_rank_before_any_group(tmp_path):
     """Under torchrun: the one-line error, non-zero exit, and no run directory was made."""
     out = tmp_path / "run"
-    proc = run_torchrun("e2e_arithmetic.py", nproc=2, timeout_s=120, args=[
+    logs = tmp_path / "logs"
+    proc = run_torchrun("e2e_arithmetic.py", nproc=2, timeout_s=120, stderr_dir=logs, args=[
         "--model.name", str(tmp_path / "nope"), "--run.output-dir", str(out), "--run.max-steps", "1"])
     assert proc.returncode != 0
-    assert f"ValueError: --model.name {tmp_path}/nope: no such model directory" in proc.stderr
+    # Per-rank files: the first rank to fail ends the world, so the other may be stopped before it prints.
+    stderrs = [f.read_text() for f in sorted(logs.glob("**/stderr.log"))]
+    assert len(stderrs) == 2, stderrs
+    assert any(f"ValueError: --model.name {tmp_path}/nope: no such model directory" in e for e in stderrs), stderrs
     assert not out.exists()
 
 
