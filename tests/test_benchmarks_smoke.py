@@ -14,6 +14,8 @@ import pytest
 import torch
 
 BENCH = Path(__file__).resolve().parents[1] / "benchmarks"
+sys.path.insert(0, str(Path(__file__).parent))
+from tiny_model import build_tiny_llama, tiny_tokenizer
 
 
 def _load(name: str):
@@ -160,9 +162,6 @@ def test_uncorrected_loss_is_aipo_without_the_weight():
 def test_decode_scaling_prints_one_row_per_batch_size(capsys):
     """benchmarks/generation.py --decode-scaling on a tiny model: one row per batch size, ratios to
     the smallest batch, and a one-line error for a token count that leaves no decode step to time."""
-    sys.path.insert(0, str(Path(__file__).parent))
-    from tiny_model import build_tiny_llama, tiny_tokenizer
-
     generation = _load("generation")
     tok = tiny_tokenizer()
     tok.chat_template = "{% for m in messages %}{{ m['content'] }}{% endfor %}"

@@ -38,6 +38,13 @@ def run(tmp_path, model_dir, name, *, nproc, args, env=None):
     return out
 
 
+def exported(run_dir, name="final"):
+    """The weights a run exported as ``hf/<name>`` (``final`` or ``step_<n>``), by parameter name."""
+    from safetensors.torch import load_file
+
+    return load_file(str(run_dir / "hf" / name / "model.safetensors"))
+
+
 def samples(tmp_path, name):
     """Every (completion, reference) any process of run ``name`` scored, as a sorted list."""
     return sorted(line for f in tmp_path.glob(f"samples_{name}.*") for line in f.read_text().splitlines())
@@ -122,15 +129,14 @@ def test_colocated_learns_the_tiny_task(tmp_path, model_dir):
 def test_colocated_resume_is_exact(tmp_path, model_dir):
     """4 ticks straight == 2 ticks, checkpoint, resume for 2 more: the same final weights bitwise."""
     import torch
-    from safetensors.torch import load_file
 
     common = ["--run.schedule", "colocated", "--run.max-steps", "4", "--checkpoint.every", "2",
               "--generator.token-budget", "5", "--trainer.lr", "1e-3", "--export.every", "2"]
     straight = run(tmp_path, model_dir, "straight", nproc=1, args=common)
     resumed = run(tmp_path, model_dir, "resumed", nproc=1, args=[
         *common, "--checkpoint.resume", str(straight / "checkpoints" / "step_2")])
-    a, b = (load_file(str(d / "hf" / "final" / "model.safetensors")) for d in (straight, resumed))
-    middle = load_file(str(straight / "hf" / "step_2" / "model.safetensors"))
+    a, b = exported(straight), exported(resumed)
+    middle = exported(straight, "step_2")
     assert any(not torch.equal(middle[k], a[k]) for k in a), "ticks 2-3 did not train"
     assert all(torch.equal(a[k], b[k]) for k in a)
 
@@ -139,7 +145,6 @@ def test_evaluations_do_not_change_training(tmp_path, model_dir):
     """Greedy evaluations between ticks draw no randomness and touch no training state: a run that
     evaluates after every tick ends with bitwise the weights of one that evaluates only at the ends."""
     import torch
-    from safetensors.torch import load_file
 
     common = ["--run.schedule", "colocated", "--run.max-steps", "3", "--generator.token-budget", "5",
               "--trainer.lr", "1e-3", "--export.every", "1"]
@@ -147,7 +152,7 @@ def test_evaluations_do_not_change_training(tmp_path, model_dir):
     evaluating = run(tmp_path, model_dir, "evaluating", nproc=1, args=[*common, "--run.eval-every", "1"])
     evals = json.loads((evaluating / "summary.json").read_text())["evals"]
     assert [e["step"] for e in evals] == [0, 1, 2, 3]
-    a, b = (load_file(str(d / "hf" / "final" / "model.safetensors")) for d in (quiet, evaluating))
-    first = load_file(str(quiet / "hf" / "step_1" / "model.safetensors"))
+    a, b = exported(quiet), exported(evaluating)
+    first = exported(quiet, "step_1")
     assert any(not torch.equal(first[k], a[k]) for k in a), "ticks 1-2 did not train"
     assert all(torch.equal(a[k], b[k]) for k in a)
