@@ -10,7 +10,19 @@ Layout of ``<dir>``:
   ``model/<fqn>`` and ``optim/<fqn>/<name>`` (AdamW's ``exp_avg``, ``exp_avg_sq``, ``step``);
 - ``rank<r>.json``: for each key, the global shape and the box (offset, length per dim) rank r holds;
 - ``optim_param_groups.json`` (rank 0): the optimizer's hyper-parameters per group.
-- ``meta.json`` (rank 0): the number of ranks that wrote, so a missing file is detected.
+- ``meta.json`` (rank 0): the number of ranks that wrote, so a missing file is detected, and whether
+  the optimizer had any state (``optimizer_state``).
+
+Tied parameters (SmolLM2, Qwen2/3, Gemma: ``lm_head.weight`` is ``model.embed_tokens.weight``) are
+one tensor under two keys: it is saved once, under the first key, and the index records the other
+key as ``{"alias_of": <first key>}``; on load the alias is filled by the same tensor (a model that
+ties reads nothing twice; one that does not tie copies the saved tensor into both).
+
+An optimizer that has not stepped yet (a checkpoint before the first update, or after ticks without
+signal) has no state, and is saved without any: ``get_optimizer_state_dict`` would initialise AdamW
+state in the live optimizer (``step = 1``, zero moments), which shrinks the first real update (the
+bias correction of step 2 instead of step 1) and makes a run with checkpoints train differently
+from the same run without them.
 
 Loading reads every rank's index and assembles each key's local box on this rank from the
 intersecting pieces of the saved boxes (``safe_open(...).get_slice``, reading only those bytes), so a
@@ -42,9 +54,13 @@ from llamarl.channels.ddma_plan import _dtensor_box
 Box = list[list[int]]  # [[offset, length], ...] per dim
 
 
-def _flatten(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> tuple[dict, list[dict]]:
-    """``{key: tensor}`` of the whole state (DTensors stay sharded) and the param groups."""
+def _flatten(model: torch.nn.Module, optimizer: torch.optim.Optimizer, *,
+             with_optimizer: bool) -> tuple[dict, list[dict]]:
+    """``{key: tensor}`` of the whole state (DTensors stay sharded) and the param groups; without
+    ``with_optimizer`` only the model's entries (and no param groups)."""
     flat = {f"model/{fqn}": t for fqn, t in get_model_state_dict(model).items()}
+    if not with_optimizer:
+        return flat, []
     optim = get_optimizer_state_dict(model, optimizer)  # initialises AdamW state if no step ran yet
     for fqn, entries in optim["state"].items():
         for name, value in entries.items():
@@ -60,14 +76,46 @@ def _local(key: str, tensor: torch.Tensor) -> tuple[torch.Tensor, Box]:
     return tensor, [[0, int(s)] for s in tensor.shape]
 
 
+def _aliases(flat: dict[str, torch.Tensor]) -> dict[str, str]:
+    """``{alias key: first key}`` for entries that are the same tensor (tied parameters).
+
+    The same object, or a local shard with the same storage, offset, shape and strides: FSDP2 keeps
+    one sharded parameter for a tied pair, so either test finds it on every rank alike."""
+    first: dict[object, str] = {}
+    aliases = {}
+    for key, tensor in flat.items():
+        local, _ = _local(key, tensor)
+        identities = [("id", id(tensor))]
+        if local.numel() > 0:
+            identities.append(("storage", local.untyped_storage().data_ptr(), local.storage_offset(),
+                               tuple(local.shape), tuple(local.stride())))
+        owner = next((first[i] for i in identities if i in first), None)
+        if owner is not None:
+            aliases[key] = owner
+        else:
+            for identity in identities:
+                first[identity] = key
+    return aliases
+
+
+def optimizer_has_state(optimizer: torch.optim.Optimizer) -> bool:
+    """Whether the optimizer has stepped (AdamW creates its state lazily at the first step)."""
+    return any(len(entries) > 0 for entries in optimizer.state.values())
+
+
 def save_sharded_state(directory: Path, *, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
                        rank: int, world_size: int) -> None:
     """Write this rank's pieces (every rank of the trainer calls it; no collective of its own
     beyond what ``get_*_state_dict`` needs, which is collective over the FSDP mesh)."""
     directory.mkdir(parents=True, exist_ok=True)
-    flat, groups = _flatten(model, optimizer)
+    with_optimizer = optimizer_has_state(optimizer)
+    flat, groups = _flatten(model, optimizer, with_optimizer=with_optimizer)
+    aliases = _aliases(flat)
     tensors, index = {}, {}
     for key, tensor in flat.items():
+        if key in aliases:
+            index[key] = {"alias_of": aliases[key]}
+            continue
         local, box = _local(key, tensor)
         tensors[key] = local.detach().to("cpu").contiguous()
         index[key] = {"shape": [int(s) for s in tensor.shape], "box": box}
@@ -75,7 +123,8 @@ def save_sharded_state(directory: Path, *, model: torch.nn.Module, optimizer: to
     (directory / f"rank{rank}.json").write_text(json.dumps(index))
     if rank == 0:
         (directory / "optim_param_groups.json").write_text(json.dumps(groups))
-        (directory / "meta.json").write_text(json.dumps({"format": 1, "num_ranks": world_size}))
+        (directory / "meta.json").write_text(json.dumps({"format": 1, "num_ranks": world_size,
+                                                         "optimizer_state": with_optimizer}))
 
 
 def _read_json(path: Path):
@@ -101,7 +150,10 @@ def load_sharded_state(directory: Path, *, model: torch.nn.Module, optimizer: to
     num_ranks = int(meta.get("num_ranks", 0))
     indexes = [_read_json(directory / f"rank{r}.json") for r in range(num_ranks)]
     files = [directory / f"rank{r}.safetensors" for r in range(num_ranks)]
-    flat, _ = _flatten(model, optimizer)
+    # Checkpoints from before the flag always had optimizer state (it was initialised on save).
+    with_optimizer = bool(meta.get("optimizer_state", True))
+    flat, _ = _flatten(model, optimizer, with_optimizer=with_optimizer)
+    target_aliases = _aliases(flat)
     handles: dict[int, object] = {}
 
     def source(r: int):
@@ -113,8 +165,15 @@ def load_sharded_state(directory: Path, *, model: torch.nn.Module, optimizer: to
         return handles[r]
 
     for key, target in flat.items():
+        if key in target_aliases:
+            continue  # the same tensor as its first key, which is filled below
         local, box = _local(key, target)
-        saved = [(r, idx[key]) for r, idx in enumerate(indexes) if key in idx]
+        entries = [idx.get(key) for idx in indexes]
+        stored = key
+        for entry in entries:
+            if entry is not None and "alias_of" in entry:
+                stored = str(entry["alias_of"])  # tied when saved: the bytes are under the first key
+        saved = [(r, idx[stored]) for r, idx in enumerate(indexes) if stored in idx and "box" in idx[stored]]
         if not saved:
             raise ValueError(f"checkpoint {directory} has no entry {key!r} (another model or optimizer?)")
         if saved[0][1]["shape"] != [int(s) for s in target.shape]:
@@ -129,9 +188,9 @@ def load_sharded_state(directory: Path, *, model: torch.nn.Module, optimizer: to
                 continue
             try:
                 if not box:  # a 0-d tensor (AdamW's step): read whole
-                    piece = source(r).get_tensor(key)
+                    piece = source(r).get_tensor(stored)
                 else:
-                    piece = source(r).get_slice(key)[tuple(slice(o - so, o - so + n)
+                    piece = source(r).get_slice(stored)[tuple(slice(o - so, o - so + n)
                                                            for (o, n), (so, _) in zip(part, entry["box"]))]
             except (SafetensorError, ValueError, RuntimeError) as exc:
                 raise ValueError(f"cannot read {key!r} from checkpoint file {files[r]}: {exc}") from None
@@ -144,8 +203,11 @@ def load_sharded_state(directory: Path, *, model: torch.nn.Module, optimizer: to
         if covered != volume:
             raise ValueError(f"checkpoint {directory}: {key!r} is only partly saved (a rank's file is missing "
                              f"or truncated)")
-    groups = _read_json(directory / "optim_param_groups.json")
     model_state = {k.removeprefix("model/"): v for k, v in flat.items() if k.startswith("model/")}
+    if not with_optimizer:
+        set_model_state_dict(model, model_state, options=StateDictOptions(strict=True))
+        return
+    groups = _read_json(directory / "optim_param_groups.json")
     optim_state: dict[str, dict] = {}
     for key, value in flat.items():
         if key.startswith("optim/"):

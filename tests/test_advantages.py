@@ -91,3 +91,27 @@ def test_kl_penalty_gradient_and_errors():
         kl_penalty(logp, ref, torch.ones(1, 2), kind="k4")
     with pytest.raises(ValueError, match="mask"):
         kl_penalty(logp, ref, torch.ones(2, 2))
+
+
+@pytest.mark.parametrize("mode", ["grpo", "rloo", "mean"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, torch.float64])
+def test_a_tied_group_gets_exactly_zero_in_any_dtype(mode, dtype):
+    """Graded rewards (a judge's p(yes), partial credit) tie too: 0.9 x 8 must give 0, not a push.
+
+    The fp32 mean of eight 0.9s is an ulp away from 0.9; divided by std + 1e-6 that was -0.056."""
+    values = [0.9, 0.1, 1 / 3, 0.7, 2.0 / 7]
+    rewards = torch.tensor([v for v in values for _ in range(8)], dtype=dtype)
+    rewards = torch.cat([rewards, torch.tensor([0.2, 0.9, 0.9, 0.9, 0.9, 0.9, 0.9, 0.9], dtype=dtype)])
+    adv = group_advantages(rewards, 8, mode)
+    assert torch.equal(adv[:40], torch.zeros(40, dtype=adv.dtype))
+    assert (adv[40:] != 0).all()  # a group that differs keeps its signal
+
+
+def test_groups_must_have_exactly_group_size_rows():
+    from llamarl.algorithms.advantages import check_groups
+
+    check_groups(torch.tensor([1, 1, 4, 4]), 2, where="test")
+    with pytest.raises(ValueError, match="test: group 4 has 3 rows, but the batch's group_size is 2"):
+        check_groups(torch.tensor([1, 1, 4, 4, 4]), 2, where="test")
+    with pytest.raises(ValueError, match="group 1 has 1 rows"):
+        check_groups(torch.tensor([1, 4, 4]), 2, where="test")

@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-__all__ = ["ADVANTAGE_MODES", "KL_KINDS", "group_advantages", "kl_penalty"]
+__all__ = ["ADVANTAGE_MODES", "KL_KINDS", "check_groups", "group_advantages", "kl_penalty"]
 
 ADVANTAGE_MODES = ("grpo", "rloo", "mean")
 KL_KINDS = ("k1", "k2", "k3")
@@ -31,7 +31,7 @@ def group_advantages(
 
     ``rewards`` is ordered so that each run of ``group_size`` consecutive rows shares a prompt.
     With ``mean_g`` / ``std_g`` the group mean / population std (``unbiased=False``, so a group of
-    identical rewards gives exactly 0 and group_size 1 is allowed):
+    identical rewards gives exactly 0 in any dtype, and group_size 1 is allowed):
 
     * ``"grpo"``: ``(r - mean_g) / (std_g + eps)``                  (GRPO, arXiv:2402.03300)
     * ``"rloo"``: ``r_i - mean_{j != i} r_j = G / (G - 1) * (r_i - mean_g)``
@@ -65,10 +65,29 @@ def group_advantages(
         adv = groups - (groups.sum(dim=1, keepdim=True) - groups) / (group_size - 1)
     else:
         adv = groups - mean
-    adv = adv.reshape(-1)
+    # A group whose rewards are all equal carries no signal: its advantages are exactly 0. The
+    # arithmetic does not guarantee it (the fp32 mean of eight 0.9s is an ulp off 0.9, and GRPO
+    # divides that ulp by std + eps into -0.056), so graded rewards would push tied groups.
+    tied = (groups == groups[:, :1]).all(dim=1, keepdim=True)
+    adv = torch.where(tied, torch.zeros_like(adv), adv).reshape(-1)
     if normalize_batch and adv.numel() > 0:
         adv = (adv - adv.mean()) / (adv.std(unbiased=False) + eps)
     return adv
+
+
+def check_groups(sorted_group_ids: Tensor, group_size: int, *, where: str) -> None:
+    """Raise ValueError unless every group id in ``sorted_group_ids`` (ascending) has exactly
+    ``group_size`` rows: ``group_advantages`` groups rows by position, so a batch with a partial or
+    merged group would silently compare samples of different prompts."""
+    if sorted_group_ids.numel() == 0:
+        return
+    ids, counts = torch.unique_consecutive(sorted_group_ids, return_counts=True)
+    wrong = (counts != group_size).nonzero()
+    if wrong.numel():
+        i = int(wrong[0, 0])
+        raise ValueError(f"{where}: group {int(ids[i])} has {int(counts[i])} rows, but the batch's group_size "
+                         f"is {group_size} (a stage dropped or duplicated samples of a group; drop whole "
+                         f"groups, or set metadata['group_size'])")
 
 
 def kl_penalty(logp: Tensor, ref_logp: Tensor, mask: Tensor, *, kind: str = "k1") -> Tensor:

@@ -52,6 +52,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from llamarl.algorithms.advantages import check_groups
 from llamarl.algorithms.prox import loglinear_prox_logp
 from llamarl.algorithms.registry import get_advantage, get_policy_loss
 from llamarl.batch import TensorBatch
@@ -168,9 +169,13 @@ class TrainerExecutor(Executor):
             if self.algo.normalize_batch:
                 self._all_reduce([0.0, 0.0, 0.0])  # the batch statistics are collective
             return batch
-        group_size = int(batch.metadata.get("group_size", 1))
+        if "group_size" not in batch.metadata:
+            raise ValueError("trainer input: the batch has no metadata['group_size'] (samples per prompt); "
+                             "without it every row would be its own group and every advantage 0")
+        group_size = int(batch.metadata["group_size"])
         order = torch.argsort(batch["group_ids"], stable=True)
         batch = batch.select(order)
+        check_groups(batch["group_ids"], group_size, where="trainer input")
         advantages = get_advantage(self.algo.advantage)(batch["rewards"].float(), group_size)
         if self.algo.normalize_batch:
             # Statistics of the whole batch over every trainer rank, so the update does not depend

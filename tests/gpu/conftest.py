@@ -12,9 +12,15 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/: launch, tiny_model, ...
 
 
+_GPU_DIR = Path(__file__).resolve().parent
+
+
 def pytest_collection_modifyitems(config, items):
+    # This hook sees every item of the session (`pytest tests` collects the CPU suite too), so the
+    # skip is scoped to the items that live under tests/gpu.
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs CUDA: torch.cuda.is_available() is False on this machine")
     for item in items:
-        item.add_marker(skip)
+        if _GPU_DIR in Path(str(item.fspath)).resolve().parents:
+            item.add_marker(skip)

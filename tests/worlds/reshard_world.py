@@ -1,7 +1,10 @@
 """Trainer checkpoint save on N ranks / load on M ranks (the whole world is the trainer).
 
-usage: reshard_world.py MODEL_DIR BATCH.safetensors CKPT_DIR OUT.safetensors save|load
+usage: reshard_world.py MODEL_DIR BATCH.safetensors CKPT_DIR OUT.safetensors save|load|train|save-train
 save: one training step, then ``save_checkpoint(CKPT_DIR)``. load: ``load_checkpoint(CKPT_DIR)``.
+train: one training step only. save-train: ``save_checkpoint(CKPT_DIR)`` before any step, then one
+step (a save must not change what the step does). bad-groups: ``train_on`` a batch without
+``group_size`` and one missing a group's row; OUT is then a text file of the two error messages.
 Either way rank 0 then writes the full parameters and the full AdamW state (``exp_avg.<name>``,
 ``exp_avg_sq.<name>``, ``step.<name>``) to OUT, and the version in its metadata.
 """
@@ -32,13 +35,28 @@ def main() -> None:
                               config=TrainerConfig(lr=1e-2, grad_clip=0.5), algo=AlgoConfig(), temperature=0.8)
     trainer.init()
     directory = Path(ckpt)
-    if mode == "save":
-        batch = TensorBatch(load_file(batch_path), {"group_size": 2})
-        trainer.train_on(batch.select(balanced_group_partition(batch, ctx.local_world_size)[ctx.local_rank]))
+    batch = TensorBatch(load_file(batch_path), {"group_size": 2})
+    shard = batch.select(balanced_group_partition(batch, ctx.local_world_size)[ctx.local_rank])
+    if mode == "bad-groups":
+        errors = []
+        for bad in (TensorBatch(dict(batch.fields), {}), batch.select(list(range(1, len(batch))))):
+            try:
+                trainer.train_on(bad)
+            except ValueError as exc:
+                errors.append(str(exc))
+        Path(out).write_text("\n".join(errors))
+        ctx.destroy()
+        return
+    if mode == "load":
+        trainer.load_checkpoint(directory)
+    if mode == "save-train":
         directory.mkdir(parents=True, exist_ok=True)
         trainer.save_checkpoint(directory)
-    else:
-        trainer.load_checkpoint(directory)
+    if mode in ("save", "train", "save-train"):
+        trainer.train_on(shard)
+    if mode == "save":
+        directory.mkdir(parents=True, exist_ok=True)
+        trainer.save_checkpoint(directory)
     model = trainer.get_model()
     tensors = {name: full(p).detach() for name, p in model.named_parameters()}
     for name, p in model.named_parameters():

@@ -1,0 +1,76 @@
+"""Trainer state on disk for what users run: tied embeddings, and a save before the first update."""
+
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+sys.path.insert(0, str(Path(__file__).parent))
+from launch import check, run_torchrun
+from test_trainer import make_batch
+from tiny_model import save_tiny_model
+
+from llamarl.models.loading import load_causal_lm
+
+
+@pytest.fixture(scope="module")
+def tied(tmp_path_factory):
+    """A tiny Llama whose lm_head is its embedding (as SmolLM2, Qwen2/3, Gemma), and a batch for it."""
+    tmp = tmp_path_factory.mktemp("tied")
+    model_dir = save_tiny_model(tmp / "model", tie_word_embeddings=True)
+    model, _ = load_causal_lm(str(model_dir))
+    assert model.lm_head.weight is model.model.embed_tokens.weight
+    save_file(make_batch(model), str(tmp / "batch.safetensors"))
+    return tmp, model_dir
+
+
+def world(tmp, model_dir, ckpt, out, mode, nproc):
+    check(run_torchrun("reshard_world.py", nproc=nproc,
+                       args=[str(model_dir), str(tmp / "batch.safetensors"), str(ckpt), str(out), mode]))
+    with safe_open(str(out), "pt") as f:
+        return {k: f.get_tensor(k) for k in f.keys()}  # noqa: SIM118 - safe_open is not iterable
+
+
+@pytest.mark.parametrize(("save_ranks", "load_ranks"), [(2, 1), (1, 2)])
+def test_tied_model_saves_once_and_reloads_bitwise_on_any_ranks(tied, tmp_path, save_ranks, load_ranks):
+    tmp, model_dir = tied
+    ckpt = tmp_path / "ckpt"
+    before = world(tmp, model_dir, ckpt, tmp_path / "saved.st", "save", save_ranks)
+    after = world(tmp, model_dir, ckpt, tmp_path / "loaded.st", "load", load_ranks)
+    assert sorted(before) == sorted(after) and "exp_avg.model.embed_tokens.weight" in before
+    for key, tensor in before.items():
+        assert torch.equal(after[key], tensor), key
+    # The tied tensor is stored once; the other key is recorded as its alias.
+    with safe_open(str(ckpt / "state" / "rank0.safetensors"), "pt") as f:
+        stored = set(f.keys())
+    assert "model/model.embed_tokens.weight" in stored and "model/lm_head.weight" not in stored
+
+
+def test_a_save_before_the_first_step_does_not_change_the_step(tied, tmp_path):
+    """AdamW state must not be created by a save: the first update is then the same as without it."""
+    tmp, model_dir = tied
+    plain = world(tmp, model_dir, tmp_path / "unused", tmp_path / "plain.st", "train", 1)
+    saved_first = world(tmp, model_dir, tmp_path / "ckpt", tmp_path / "saved_first.st", "save-train", 1)
+    assert sorted(plain) == sorted(saved_first)
+    for key, tensor in plain.items():
+        assert torch.equal(saved_first[key], tensor), key
+    assert plain["step.model.embed_tokens.weight"].item() == 1
+    # ...and that checkpoint loads (model only; the optimizer starts fresh, as it had not stepped).
+    loaded = world(tmp, model_dir, tmp_path / "ckpt", tmp_path / "loaded.st", "load", 1)
+    assert not any(k.startswith("exp_avg") for k in loaded)
+    initial, _ = load_causal_lm(str(model_dir))
+    for name, param in initial.named_parameters():
+        assert torch.equal(loaded[name], param.detach()), name
+
+
+def test_the_trainer_refuses_batches_whose_groups_it_cannot_trust(tied, tmp_path):
+    tmp, model_dir = tied
+    check(run_torchrun("reshard_world.py", nproc=1, args=[str(model_dir), str(tmp / "batch.safetensors"),
+                                                          str(tmp_path / "c"), str(tmp_path / "e.txt"), "bad-groups"]))
+    no_size, partial = (tmp_path / "e.txt").read_text().splitlines()
+    assert no_size.startswith("trainer input: the batch has no metadata['group_size']")
+    # The test batch's first group (id 7) is rows 0-1; without row 0 it has one row.
+    assert partial.startswith("trainer input: group 7 has 1 rows, but the batch's group_size is 2")
