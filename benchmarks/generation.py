@@ -6,8 +6,10 @@ Not a test. Usage::
 
 Both sides sample at T = 1 with no top-k / top-p and no EOS stop (HF gets ``min_new_tokens`` equal to
 ``max_new_tokens``), so both produce exactly ``batch * new_tokens`` tokens from the same left-padded
-prompts. Prints one row per (dtype, implementation): best-of-``--repeats`` wall and CPU time
-(all threads) with the matching tokens/s.
+prompts. Every timed call counts the tokens it actually produced and fails unless that is
+``rows * new_tokens`` (no early stop, nothing missing); tokens/s come from that count. Prints one
+row per (dtype, implementation): best-of-``--repeats`` wall and CPU time (all threads) with the
+matching tokens/s.
 
 ``--decode-scaling 1,4,16,64`` instead times TorchEngine's decode step per batch size (bf16 unless
 ``--dtypes`` says otherwise): ``(wall(new_tokens) - wall(1)) / (new_tokens - 1)``, i.e. with the
@@ -45,17 +47,31 @@ def _prompts(tok, *, batch: int, seed: int = 0) -> list[list[int]]:
     return prompts
 
 
-def _time_engine(engine: TorchEngine, prompts, *, new_tokens: int, seed: int) -> tuple[float, float]:
+def _expect_tokens(produced: int, *, rows: int, new_tokens: int, label: str) -> int:
+    """``produced`` when it is the ``rows * new_tokens`` (> 0) that a run without EOS must yield."""
+    if produced != rows * new_tokens or produced <= 0:
+        raise RuntimeError(f"{label} produced {produced} tokens, expected {rows} rows x {new_tokens} "
+                           f"(> 0): the timed call did not generate what was asked")
+    return produced
+
+
+def _time_engine(engine: TorchEngine, prompts, *, new_tokens: int, seed: int) -> tuple[float, float, int]:
+    """(wall s, CPU s, tokens produced) of one ``engine.generate`` over ``prompts``."""
     reqs = [Request(sample_id=i, prompt_ids=p) for i, p in enumerate(prompts)]
     sampling = SamplingParams(temperature=1.0, max_new_tokens=new_tokens)
     start, cpu = time.perf_counter(), time.process_time()
     out = engine.generate(reqs, sampling=sampling, version=0, generator=torch.Generator().manual_seed(seed))
     elapsed = (time.perf_counter() - start, time.process_time() - cpu)
-    assert sum(len(c.completion_ids) for c in out) == len(prompts) * new_tokens
-    return elapsed
+    if len(out) != len(prompts) or any(len(c.completion_ids) != new_tokens for c in out):
+        lengths = sorted({len(c.completion_ids) for c in out})
+        raise RuntimeError(f"TorchEngine returned {len(out)} completions of lengths {lengths}, "
+                           f"expected {len(prompts)} x {new_tokens}")
+    produced = sum(len(c.completion_ids) for c in out)
+    return (*elapsed, _expect_tokens(produced, rows=len(prompts), new_tokens=new_tokens, label="TorchEngine"))
 
 
-def _time_hf(model, tok, prompts, *, new_tokens: int, seed: int) -> tuple[float, float]:
+def _time_hf(model, tok, prompts, *, new_tokens: int, seed: int) -> tuple[float, float, int]:
+    """(wall s, CPU s, tokens produced) of one HF ``model.generate`` over ``prompts``."""
     width = max(len(p) for p in prompts)
     ids = torch.full((len(prompts), width), tok.pad_token_id, dtype=torch.long)
     mask = torch.zeros_like(ids)
@@ -77,8 +93,9 @@ def _time_hf(model, tok, prompts, *, new_tokens: int, seed: int) -> tuple[float,
             pad_token_id=tok.pad_token_id,
         )
     elapsed = (time.perf_counter() - start, time.process_time() - cpu)
-    assert out.shape == (len(prompts), width + new_tokens)
-    return elapsed
+    # HF returns prompt + generated columns; min_new_tokens == max_new_tokens leaves no early stop.
+    produced = out[:, width:].numel() if out.shape[0] == len(prompts) else 0
+    return (*elapsed, _expect_tokens(produced, rows=len(prompts), new_tokens=new_tokens, label="HF generate"))
 
 
 def decode_scaling(model, tok, *, batches: list[int], new_tokens: int, repeats: int) -> None:
@@ -97,7 +114,8 @@ def decode_scaling(model, tok, *, batches: list[int], new_tokens: int, repeats: 
     print(f"{'rows':>6} {'ms/step':>8} {'x rows ' + str(batches[0]):>10} {'tok/s':>8}")
     for batch, ms in step_ms.items():
         # A step below the timer's noise (a tiny model) reads 0: no ratio then, rather than a crash.
-        ratio, tokens_per_s = (ms / smallest, 1000 * batch / ms) if min(ms, smallest) > 0 else (math.nan, math.nan)
+        ratio, tokens_per_s = ((ms / smallest, 1000 * batch / ms) if min(ms, smallest) > 0
+                               else (math.nan, math.nan))
         print(f"{batch:>6} {ms:>8.1f} {ratio:>10.2f} {tokens_per_s:>8.1f}")
 
 
@@ -139,15 +157,16 @@ def main() -> None:
         # (all threads) are reported too: they are far less sensitive to other processes than wall time.
         wall = dict.fromkeys(impls, float("inf"))
         cpu = dict.fromkeys(impls, float("inf"))
+        tokens: dict[str, set[int]] = {name: set() for name in impls}
         for seed in range(args.repeats):
             for name, fn in impls.items():
-                w, c = fn(seed=seed)
+                w, c, produced = fn(seed=seed)
                 wall[name], cpu[name] = min(wall[name], w), min(cpu[name], c)
-        n_tokens = args.batch * args.new_tokens
+                tokens[name].add(produced)
         for name in impls:
-            rows.append(
-                (dtype_name, name, wall[name], n_tokens / wall[name], cpu[name], n_tokens / cpu[name])
-            )
+            (n_tokens,) = tokens[name]  # every repeat produced the same (checked) count
+            rows.append((dtype_name, name, n_tokens, wall[name], n_tokens / wall[name], cpu[name],
+                         n_tokens / cpu[name]))
         lens = [len(p) for p in prompts]
         print(
             f"[{dtype_name}] prompt tokens: min {min(lens)} mean {sum(lens) / len(lens):.1f} max {max(lens)}"
@@ -156,9 +175,11 @@ def main() -> None:
     print(
         f"\nbatch={args.batch} new_tokens={args.new_tokens} threads={args.threads} (best of {args.repeats})"
     )
-    print(f"{'dtype':<10} {'impl':<12} {'wall s':>7} {'tok/s':>7} {'cpu s':>7} {'tok/cpu-s':>9}")
-    for dtype_name, name, wall_s, tps, cpu_s, tpc in rows:
-        print(f"{dtype_name:<10} {name:<12} {wall_s:>7.2f} {tps:>7.1f} {cpu_s:>7.2f} {tpc:>9.1f}")
+    print(f"{'dtype':<10} {'impl':<12} {'tokens':>7} {'wall s':>7} {'tok/s':>7} {'cpu s':>7} "
+          f"{'tok/cpu-s':>9}")
+    for dtype_name, name, n_tokens, wall_s, tps, cpu_s, tpc in rows:
+        print(f"{dtype_name:<10} {name:<12} {n_tokens:>7} {wall_s:>7.2f} {tps:>7.1f} {cpu_s:>7.2f} "
+              f"{tpc:>9.1f}")
 
 
 if __name__ == "__main__":

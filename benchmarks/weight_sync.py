@@ -11,12 +11,26 @@ meta device, so every rank allocates only what it holds: the trainer an FSDP2 ``
 Megatron-style TP shard over all G generator ranks (``llama_tp_slices``) in ``--dtype`` (default
 bf16). One torchrun world per layout (``T + G`` CPU ranks, ``OMP_NUM_THREADS=1``) runs every size.
 
-Per (layout, size): one warm-up sync (handshake, plan, buckets), then ``--repeats`` timed syncs,
-each between two world barriers; ``seconds_median`` is the median. ``memcpy_bound`` is a local
-``copy_`` of the bytes generator rank 0 must receive (the floor for any transport).
+Per (layout, size): ``memcpy_bound`` first, ``--repeats`` local ``copy_`` of the bytes generator
+rank 0 must receive (the floor for any transport; timed on that rank alone, no barriers), then per
+mode one warm-up sync (handshake, plan, buckets) and ``--repeats`` timed syncs, each between two
+world barriers; ``seconds_median`` is the median.
+
+Every sync is a real one: before each (outside the timed region) the trainer bumps its weight
+version, which the channel would otherwise skip as unchanged, and refills each parameter with a
+value unique to (parameter, version) (``pattern_value``). After each, every rank checks that the
+sync was not skipped, that each generator rank received exactly the bytes its layout needs (its own
+shard for ``ddma``, the whole model for ``gather_broadcast``), that the trainer ranks sent what the
+generator ranks received, and that every generator element now holds the new version's value; then
+that no timed sync beat the fastest memcpy of the same bytes (enforced where that copy takes at
+least ``BOUND_CHECK_MIN_S``; below it scheduling and timer noise is of the order of the bound). Any
+failure ends the run with the reason. Rows record ``bytes_per_sync`` (all generator ranks together;
+memcpy_bound: the bytes copied) and ``memcpy_ratio`` (median seconds over memcpy_bound's median).
+
 For TP layouts ``gather_broadcast`` sends every generator rank the full model and each keeps its
 slice (the peers' way of feeding TP engines). A (layout, size,
 mode) whose estimated peak memory (all ranks together) exceeds ``--mem-budget-gb`` is skipped.
+Size ``tiny`` (a 1k vocabulary, 2 layers) exists for the smoke test, not for timing.
 """
 
 from __future__ import annotations
@@ -31,21 +45,27 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
 
 REPO = Path(__file__).resolve().parents[1]
-SIZES = {  # name -> LlamaConfig kwargs
+SIZES = {  # name -> LlamaConfig kwargs (vocab_size 32000 unless given)
+    "tiny": {"vocab_size": 1024, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
+             "num_attention_heads": 4, "num_key_value_heads": 2},
     "50m": {"hidden_size": 512, "intermediate_size": 1408, "num_hidden_layers": 8, "num_attention_heads": 8,
             "num_key_value_heads": 4},
-    "200m": {"hidden_size": 1024, "intermediate_size": 2816, "num_hidden_layers": 12, "num_attention_heads": 16,
-             "num_key_value_heads": 8},
+    "200m": {"hidden_size": 1024, "intermediate_size": 2816, "num_hidden_layers": 12,
+             "num_attention_heads": 16, "num_key_value_heads": 8},
     "1b": {"hidden_size": 2048, "intermediate_size": 5632, "num_hidden_layers": 22, "num_attention_heads": 32,
            "num_key_value_heads": 4},  # TinyLlama-1.1B shapes
 }
 MODES = ("ddma", "gather_broadcast", "memcpy_bound")
+RUN_ORDER = ("memcpy_bound", "ddma", "gather_broadcast")  # the bound first: every sync is checked against it
 RANK_OVERHEAD_BYTES = 450 << 20  # resident torch + transformers per process
+BOUND_CHECK_MIN_S = 0.005
+"""The floor check is enforced only when the fastest memcpy takes at least this long."""
 
 
 def parse_layout(layout: str) -> tuple[int, int, bool]:
@@ -62,7 +82,7 @@ def meta_llama(size: str, *, dtype: torch.dtype):
     """An untied Llama of ``SIZES[size]`` on the meta device (no memory)."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    config = LlamaConfig(vocab_size=32000, tie_word_embeddings=False, **SIZES[size])
+    config = LlamaConfig(**{"vocab_size": 32000, **SIZES[size]}, tie_word_embeddings=False)
     with torch.device("meta"):
         return LlamaForCausalLM(config).to(dtype)
 
@@ -115,18 +135,128 @@ class _Holder:
         self.version = version
 
 
-def _timed(fn, *fn_args, repeats: int) -> list[float]:
-    """Wall seconds of ``fn(*fn_args)`` on this rank, each call between two world barriers."""
+def pattern_value(index: int, version: int) -> float:
+    """What every element of parameter ``index`` (in sorted-name order) holds at weight ``version``.
+
+    ``n / 128`` with ``1 <= n <= 251``: exact in fp32, bf16 and fp16, so a generator compares for
+    equality; distinct across up to 251 parameters of one version, and never the previous version's
+    value (a step of 7 is not a multiple of 251).
+    """
+    return ((index + 7 * version) % 251 + 1) / 128
+
+
+def _sorted_params(model) -> list[tuple[str, torch.Tensor]]:
+    return sorted(model.named_parameters(), key=lambda item: item[0])
+
+
+def _set_version(holder: _Holder, version: int) -> None:
+    """Trainer: a new weight version with new weights (``pattern_value``), so the next sync is real."""
+    from llamarl.channels.ddma_plan import local_tensor
+
+    with torch.no_grad():
+        for index, (_, param) in enumerate(_sorted_params(holder.model)):
+            local_tensor(param).fill_(pattern_value(index, version))
+    holder.version = version
+
+
+def _check_sync(ctx, channel, holder: _Holder, *, version: int, expected_bytes: int) -> str | None:
+    """Why the sync of ``version`` that just ran on this rank did not happen as it must, or None.
+
+    A generator rank must have received exactly ``expected_bytes`` and hold ``pattern_value`` of
+    ``version`` in every element it owns.
+    """
+    from llamarl.channels.ddma_plan import local_tensor
+
+    if channel.last_skipped:
+        return f"version {version}: the channel skipped the sync"
+    if ctx.executor == "trainer":
+        return None
+    received = sum(channel.bytes_received.values())
+    if received != expected_bytes:
+        return f"version {version}: received {received} bytes, the layout needs {expected_bytes}"
+    if holder.version != version:
+        return f"version {version}: the generator was told version {holder.version}"
+    for index, (name, param) in enumerate(_sorted_params(holder.model)):
+        local = local_tensor(param)
+        if local.numel() == 0:
+            continue
+        low, high = (x.item() for x in torch.aminmax(local))
+        if low != pattern_value(index, version) or high != low:
+            return (f"version {version}: {name} holds values in [{low}, {high}], "
+                    f"expected {pattern_value(index, version)} everywhere")
+    return None
+
+
+def _gather(obj) -> list:
+    """``obj`` of every rank, in rank order (a collective over the world)."""
+    import torch.distributed as dist
+
+    out: list = [None] * dist.get_world_size()
+    dist.all_gather_object(out, obj)
+    return out
+
+
+def _raise_if(errors: list[str | None]) -> None:
+    """The same RuntimeError on every rank (they all hold the same ``errors``) if any is set."""
+    failed = [f"rank {rank}: {e}" for rank, e in enumerate(errors) if e]
+    if failed:
+        raise RuntimeError("weight-sync benchmark: " + "; ".join(failed))
+
+
+def check_floor(times: list[float], bound_times: list[float] | None, *, label: str) -> str | None:
+    """Why ``times`` cannot be real syncs of the bytes that ``bound_times`` copied, or None.
+
+    Every real sync copies at least those bytes, so none may take less than the fastest copy; a faster
+    one means a sync that moved nothing was timed. Not enforced (None) without a bound or when the
+    fastest copy took under ``BOUND_CHECK_MIN_S``, where scheduling and timer noise is of its order.
+    """
+    if not bound_times or min(bound_times) < BOUND_CHECK_MIN_S:
+        return None
+    floor = min(bound_times)
+    fast = [t for t in times if t < floor]
+    if fast:
+        return (f"{label}: {len(fast)} of {len(times)} timed syncs took as little as {min(fast):.4f} s, "
+                f"below the memcpy bound {floor:.4f} s: a sync that moved nothing was timed")
+    return None
+
+
+def _timed(fn: Callable[[], object], *, repeats: int, before: Callable[[int], object] = lambda k: None,
+           after: Callable[[int], object] = lambda k: None) -> list[float]:
+    """Wall seconds of ``fn()`` on this rank, each call between two world barriers.
+
+    ``before(k)`` / ``after(k)`` run outside the timed region, around the ``k``-th call.
+    """
     import torch.distributed as dist
 
     times = []
-    for _ in range(repeats):
+    for k in range(repeats):
+        before(k)
         dist.barrier()
         start = time.perf_counter()
-        fn(*fn_args)
+        fn()
         dist.barrier()
         times.append(time.perf_counter() - start)
+        after(k)
     return times
+
+
+def _memcpy_times(nbytes: int, *, repeats: int) -> list[float]:
+    """Global rank 0's wall seconds for ``repeats`` local copies of ``nbytes`` (on every rank).
+
+    Timed on rank 0 alone, without barriers: a world barrier on a loaded machine can take longer than
+    a small copy, and the bound must be a floor that every real sync's copies cannot beat.
+    """
+    import torch.distributed as dist
+
+    src, dst = torch.ones(nbytes, dtype=torch.uint8), torch.empty(nbytes, dtype=torch.uint8)
+    dst.copy_(src)  # fault the destination's pages in before timing
+    dist.barrier()
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        dst.copy_(src)
+        times.append(time.perf_counter() - start)
+    return _gather(times)[0]
 
 
 def _build(ctx, size: str, *, tp: bool, trainer_dtype, gen_dtype) -> _Holder:
@@ -145,15 +275,53 @@ def _build(ctx, size: str, *, tp: bool, trainer_dtype, gen_dtype) -> _Holder:
         model.to_empty(device=ctx.device)
     with torch.no_grad():  # touch every page once, so the first timed sync does not pay for it
         for param in holder.model.parameters():
-            local_tensor(param).fill_(0.02)
+            local_tensor(param).fill_(0.02)  # not a pattern_value: the warm-up sync must change it
     return holder
+
+
+def _run_mode(ctx, holder: _Holder, mode: str, *, repeats: int, version: int, expected_bytes: int,
+              bound_times: list[float] | None) -> tuple[list[float], int]:
+    """Warm-up plus ``repeats`` timed syncs of ``mode`` from ``version + 1`` on, each checked.
+
+    Returns this rank's times and the bytes all generator ranks received per sync.
+    """
+    from llamarl.channels.weights import WeightsChannel
+
+    channel = WeightsChannel("weights", "trainer", "generator", mode=mode)
+    per_sync: set[int] = set()
+
+    def before(k: int) -> None:
+        if ctx.executor == "trainer":
+            _set_version(holder, version + 1 + k)
+
+    def after(k: int) -> None:
+        # One collective: every rank's verdict and byte counts, so all ranks raise together.
+        error = _check_sync(ctx, channel, holder, version=version + 1 + k, expected_bytes=expected_bytes)
+        sent = sum(channel.bytes_sent.values()) if ctx.executor == "trainer" else 0
+        received = sum(channel.bytes_received.values()) if ctx.executor == "generator" else 0
+        reports = _gather((error, sent, received))
+        _raise_if([r[0] for r in reports])
+        sent_all, received_all = sum(r[1] for r in reports), sum(r[2] for r in reports)
+        if sent_all != received_all:
+            _raise_if([(f"{mode} version {version + 1 + k}: trainer ranks sent {sent_all} bytes, "
+                        f"generator ranks received {received_all}")])
+        per_sync.add(received_all)
+
+    before(0)
+    channel.communicate(ctx, holder)  # warm-up: handshake, plan, buckets
+    after(0)
+    times = _timed(lambda: channel.communicate(ctx, holder), repeats=repeats,
+                   before=lambda k: before(k + 1), after=lambda k: after(k + 1))
+    # Rank 0's verdict for all (its times are the ones reported).
+    _raise_if([_gather(check_floor(times, bound_times, label=mode) if ctx.rank == 0 else None)[0]])
+    (nbytes,) = per_sync  # the same layout moves the same bytes every sync
+    return times, nbytes
 
 
 def worker(args) -> None:
     """Run every size of ``args.sizes`` for one layout; global rank 0 writes rows to ``args.json``."""
     import torch.distributed as dist
 
-    from llamarl.channels.weights import WeightsChannel
     from llamarl.world import ExecutorContext, ExecutorSpec
 
     trainers, generators, tp = parse_layout(args.layout)
@@ -162,27 +330,34 @@ def worker(args) -> None:
     trainer_dtype, gen_dtype = getattr(torch, args.trainer_dtype), getattr(torch, args.dtype)
     rows = []
     for size in args.sizes.split(","):
-        modes = [m for m in MODES if m not in args.skip.get(size, [])]
+        modes = [m for m in RUN_ORDER if m not in args.skip.get(size, [])]
         if not modes:
             continue
         holder = _build(ctx, size, tp=tp, trainer_dtype=trainer_dtype, gen_dtype=gen_dtype)
         num_params = generator_numels(size, generators=1, tp=False)[0]
+        # What one sync must deliver to this generator rank: its own shard (ddma), the whole model
+        # (gather_broadcast, TP layouts included).
+        mine = sum(local_bytes(p) for p in holder.model.parameters()) if ctx.executor == "generator" else 0
+        expected = {"ddma": mine, "gather_broadcast": num_params * gen_dtype.itemsize}
+        version, bound_times = 0, None
         for mode in modes:
             if mode == "memcpy_bound":
-                nbytes = sum(local_bytes(p) for p in holder.model.parameters()) if ctx.rank == 0 else 0
-                src, dst = torch.ones(nbytes, dtype=torch.uint8), torch.empty(nbytes, dtype=torch.uint8)
-                times = _timed(dst.copy_ if ctx.rank == 0 else lambda _: None, src, repeats=args.repeats)
-                del src, dst
+                nbytes = mine if ctx.rank == 0 else 0  # global rank 0 is generator rank 0
+                times = bound_times = _memcpy_times(nbytes, repeats=args.repeats)
             else:
-                channel = WeightsChannel("weights", "trainer", "generator", mode=mode)
-                channel.communicate(ctx, holder)  # warm-up: handshake, plan, buckets
-                times = _timed(channel.communicate, ctx, holder, repeats=args.repeats)
-                del channel
+                times, nbytes = _run_mode(ctx, holder, mode, repeats=args.repeats, version=version,
+                                          expected_bytes=expected[mode], bound_times=bound_times)
+                version += args.repeats + 1
             gc.collect()
+            median = statistics.median(times)
+            ratio = median / statistics.median(bound_times) if bound_times else None
             rows.append({"layout": args.layout, "size": size, "num_params": num_params, "mode": mode,
-                         "seconds_median": statistics.median(times), "seconds": times})
+                         "seconds_median": median, "seconds": times, "bytes_per_sync": nbytes,
+                         "memcpy_ratio": ratio,
+                         "floor_checked": bool(bound_times) and min(bound_times) >= BOUND_CHECK_MIN_S})
             if ctx.rank == 0:
-                print(f"{args.layout} {size} {mode}: {statistics.median(times):.3f} s", flush=True)
+                print(f"{args.layout} {size} {mode}: {median:.3f} s, {nbytes / 1e6:.1f} MB per sync"
+                      + (f", {ratio:.2f}x memcpy" if ratio else ""), flush=True)
         del holder
         gc.collect()
     if ctx.rank == 0:
@@ -203,7 +378,8 @@ def local_bytes(param: torch.Tensor) -> int:
 def _launch(layout: str, args, skip: dict[str, list[str]], json_path: Path) -> list[dict]:
     trainers, generators, _ = parse_layout(layout)
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO), "TOKENIZERS_PARALLELISM": "false"}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={trainers + generators}",
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+           f"--nproc-per-node={trainers + generators}",
            "--monitor-interval=0.5", __file__, "--worker", "--layout", layout, "--sizes", args.sizes,
            "--repeats", str(args.repeats), "--dtype", args.dtype, "--trainer-dtype", args.trainer_dtype,
            "--skip-json", json.dumps(skip), "--json", str(json_path)]
@@ -220,21 +396,32 @@ def _launch(layout: str, args, skip: dict[str, list[str]], json_path: Path) -> l
 
 
 def print_table(rows: list[dict], skipped: list[tuple[str, str, str, float]]) -> None:
-    """One line per (layout, size): the three medians and ddma's speed-up over gather_broadcast."""
+    """One line per (layout, size): the three medians, ddma's speed-up over gather_broadcast, the MB
+    each mode moved per sync (all generator ranks) and each median over memcpy_bound's (``x cp``)."""
     table: dict[tuple[str, str], dict] = {}
     for row in rows:
-        table.setdefault((row["layout"], row["size"]), {"num_params": row["num_params"]})[row["mode"]] = \
-            row["seconds_median"]
+        table.setdefault((row["layout"], row["size"]), {"num_params": row["num_params"]})[row["mode"]] = row
     print(f"{'layout':>8} {'size':>5} {'params':>8} {'ddma s':>9} {'gather_bc s':>11} {'memcpy s':>9} "
-          f"{'gb/ddma':>8}")
-    def cell(cells, mode, width):
-        return f"{cells[mode]:>{width}.3f}" if mode in cells else f"{'-':>{width}}"
+          f"{'gb/ddma':>8} {'ddma MB':>8} {'gb MB':>8} {'ddma x cp':>9} {'gb x cp':>8}")
+
+    def cell(cells, mode, key, width, spec):
+        value = cells[mode][key] if mode in cells else None
+        return f"{value:>{width}{spec}}" if value is not None else f"{'-':>{width}}"
 
     for (layout, size), cells in table.items():
-        ratio = cells["gather_broadcast"] / cells["ddma"] if {"ddma", "gather_broadcast"} <= cells.keys() else None
-        print(f"{layout:>8} {size:>5} {cells['num_params'] / 1e6:>7.0f}M {cell(cells, 'ddma', 9)} "
-              f"{cell(cells, 'gather_broadcast', 11)} {cell(cells, 'memcpy_bound', 9)} "
-              f"{f'{ratio:.2f}x' if ratio else '-':>8}")
+        both = {"ddma", "gather_broadcast"} <= cells.keys()
+        speedup = (cells["gather_broadcast"]["seconds_median"] / cells["ddma"]["seconds_median"]
+                   if both else None)
+        megabytes = {m: {"mb": c["bytes_per_sync"] / 1e6} for m, c in cells.items() if m in MODES}
+        millions = cells["num_params"] / 1e6
+        print(f"{layout:>8} {size:>5} {millions:>7.{0 if millions >= 10 else 2}f}M "
+              f"{cell(cells, 'ddma', 'seconds_median', 9, '.3f')} "
+              f"{cell(cells, 'gather_broadcast', 'seconds_median', 11, '.3f')} "
+              f"{cell(cells, 'memcpy_bound', 'seconds_median', 9, '.3f')} "
+              f"{f'{speedup:.2f}x' if speedup else '-':>8} {cell(megabytes, 'ddma', 'mb', 8, '.1f')} "
+              f"{cell(megabytes, 'gather_broadcast', 'mb', 8, '.1f')} "
+              f"{cell(cells, 'ddma', 'memcpy_ratio', 9, '.1f')} "
+              f"{cell(cells, 'gather_broadcast', 'memcpy_ratio', 8, '.1f')}")
     for layout, size, mode, gib in skipped:
         print(f"skipped {layout} {size} {mode}: estimated {gib:.1f} GiB > --mem-budget-gb")
 
@@ -286,7 +473,8 @@ def main() -> None:
         worker(args)
         return
 
-    trainer_bytes, gen_bytes = getattr(torch, args.trainer_dtype).itemsize, getattr(torch, args.dtype).itemsize
+    trainer_bytes = getattr(torch, args.trainer_dtype).itemsize
+    gen_bytes = getattr(torch, args.dtype).itemsize
     rows, skipped = [], []
     with tempfile.TemporaryDirectory() as tmp:
         for layout in args.layouts.split(","):
@@ -302,8 +490,7 @@ def main() -> None:
             rows += _launch(layout, args, skip, Path(tmp) / f"{len(rows)}.json")
     print_table(rows, skipped)
     if args.out:
-        args.out.write_text(json.dumps([{k: r[k] for k in ("layout", "num_params", "mode", "seconds_median")}
-                                        | {"size": r["size"], "seconds": r["seconds"]} for r in rows], indent=1))
+        args.out.write_text(json.dumps(rows, indent=1))
     plot_path = args.plot or (args.out.with_suffix(".png") if args.out else None)
     if plot_path:
         try:

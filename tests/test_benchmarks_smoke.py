@@ -1,6 +1,8 @@
 """benchmarks/async_speedup.py and async_quality.py without running a model: argument parsing, the
 commands they would launch, reading a (synthetic) run directory, the LlamaRL §7 model, the tables,
-and the uncorrected policy loss of async_quality."""
+and the uncorrected policy loss of async_quality. generation.py and weight_sync.py on tiny models:
+each fails unless what it timed happened (tokens produced; bytes received and generator weights
+changed by every sync). No test asserts a duration."""
 
 from __future__ import annotations
 
@@ -171,3 +173,76 @@ def test_decode_scaling_prints_one_row_per_batch_size(capsys):
     assert "ms/step" in header and [int(r.split()[0]) for r in rows] == [1, 4]
     with pytest.raises(ValueError, match="--new-tokens must be >= 2"):
         generation.decode_scaling(model, tok, batches=[1], new_tokens=1, repeats=1)
+
+
+def test_generation_counts_the_tokens_it_timed():
+    """Each timed call returns the tokens it produced, rows x new_tokens; an early stop raises."""
+    generation = _load("generation")
+    tok = tiny_tokenizer()
+    tok.chat_template = "{% for m in messages %}{{ m['content'] }}{% endfor %}"
+    model = build_tiny_llama(seed=0, vocab_size=128).eval()
+    prompts = generation._prompts(tok, batch=3)
+    engine = generation.TorchEngine(model, eos_token_ids=[], pad_token_id=tok.pad_token_id)
+    assert generation._time_engine(engine, prompts, new_tokens=4, seed=0)[2] == 12
+    assert generation._time_hf(model, tok, prompts, new_tokens=4, seed=0)[2] == 12
+    every_id_stops = generation.TorchEngine(model, eos_token_ids=list(range(128)),
+                                            pad_token_id=tok.pad_token_id)
+    with pytest.raises(RuntimeError, match="completions of lengths"):
+        generation._time_engine(every_id_stops, prompts, new_tokens=4, seed=0)
+    with pytest.raises(RuntimeError, match="produced 0 tokens"):
+        generation._expect_tokens(0, rows=0, new_tokens=4, label="x")
+
+
+def test_weight_sync_checks_catch_a_sync_that_moved_nothing():
+    """The per-sync check (skip, bytes, version, values) and the memcpy floor, on synthetic inputs."""
+    ws = _load("weight_sync")
+    assert len({ws.pattern_value(i, 3) for i in range(251)}) == 251  # distinct per parameter
+    assert all(ws.pattern_value(i, 3) != ws.pattern_value(i, 4) for i in range(251))  # and per version
+    model = ws.meta_llama("tiny", dtype=torch.bfloat16).to_empty(device="cpu")
+    holder = ws._Holder(model)
+    ws._set_version(holder, 5)  # a trainer's refill; here it stands for a generator that received it
+    nbytes = sum(ws.local_bytes(p) for p in model.parameters())
+    ctx = SimpleNamespace(executor="generator")
+
+    def check(*, skipped=False, received=nbytes, version=5):
+        channel = SimpleNamespace(last_skipped=skipped, bytes_received={(1, 0): received})
+        return ws._check_sync(ctx, channel, holder, version=version, expected_bytes=nbytes)
+
+    assert check() is None
+    assert "skipped" in check(skipped=True)
+    assert "received" in check(received=nbytes // 2)
+    holder.version = 4  # set_weights_version not called with the new version
+    assert "told version 4" in check()
+    holder.version = 5
+    with torch.no_grad():
+        model.lm_head.weight[0, 0] = 0.0  # one element that did not arrive
+    assert "lm_head.weight holds values in [0.0" in check()
+    floor = ws.BOUND_CHECK_MIN_S
+    assert ws.check_floor([3 * floor, 2 * floor], [floor, 1.5 * floor], label="ddma") is None
+    assert "below the memcpy bound" in ws.check_floor([3 * floor, floor / 2], [floor], label="ddma")
+    assert ws.check_floor([0.0], [floor / 2], label="ddma") is None  # bound too small to enforce
+    assert ws.check_floor([0.0], None, label="ddma") is None
+
+
+def test_weight_sync_runs_real_syncs(tmp_path, monkeypatch, capsys):
+    """weight_sync.py end to end on the tiny size, 1 trainer -> 2 TP generator ranks, 2 repeats: every
+    sync was checked inside the run, and each row records the bytes its layout must move."""
+    ws = _load("weight_sync")
+    out = tmp_path / "ws.json"
+    monkeypatch.setattr(sys, "argv", ["weight_sync.py", "--sizes", "tiny", "--layouts", "1->2tp",
+                                      "--repeats", "2", "--out", str(out), "--plot", str(tmp_path / "ws.png"),
+                                      "--timeout", "120"])
+    ws.main()
+    rows = {r["mode"]: r for r in json.loads(out.read_text())}
+    assert set(rows) == set(ws.MODES)
+    per_rank = ws.generator_numels("tiny", generators=2, tp=True)
+    full = ws.generator_numels("tiny", generators=1, tp=False)[0]
+    assert per_rank[0] < full  # a real TP split: ddma moves less than gather_broadcast
+    assert rows["memcpy_bound"]["bytes_per_sync"] == per_rank[0] * 2  # bf16: generator rank 0's shard
+    assert rows["ddma"]["bytes_per_sync"] == sum(per_rank) * 2
+    assert rows["gather_broadcast"]["bytes_per_sync"] == 2 * full * 2  # the whole model to each rank
+    for row in rows.values():
+        assert len(row["seconds"]) == 2 and isinstance(row["memcpy_ratio"], float)
+        assert isinstance(row["floor_checked"], bool)
+    table = capsys.readouterr().out
+    assert "ddma MB" in table and "ddma x cp" in table
