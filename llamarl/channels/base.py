@@ -22,7 +22,7 @@ import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from llamarl.batch import TensorBatch
+from llamarl.batch import MAX_DATA_BYTES, TensorBatch
 from llamarl.channels.p2p import exchange
 
 if TYPE_CHECKING:
@@ -78,12 +78,20 @@ class CommunicationChannel:
     """Delivery: False (next tick) carries what the outbound executor produced at the previous
     tick; True (same tick) delivers within the tick, the inbound executor stepping after the
     outbound one (see ``llamarl/controller.py``)."""
+    max_data_bytes: int = MAX_DATA_BYTES
+    """Largest data buffer (bytes) a receiving rank allocates for one batch from one peer. A peer
+    announcing more, or a malformed batch, raises ``WireFormatError`` naming this channel and the
+    peer's rank (``channel 'rollouts' from rank 3: ...``) before anything is allocated; a sender
+    over the limit raises ``ValueError``. See ``llamarl.batch.MAX_DATA_BYTES`` for the default."""
 
     def __post_init__(self) -> None:
         if not isinstance(self.kind, ChannelKind):
             self.kind = ChannelKind(self.kind)
         if self.outbound == self.inbound:
             raise ValueError(f"channel {self.name!r} connects executor {self.outbound!r} to itself")
+        if type(self.max_data_bytes) is not int or self.max_data_bytes < 0:
+            raise ValueError(f"channel {self.name!r}: max_data_bytes must be a non-negative int, "
+                             f"got {self.max_data_bytes!r}")
         self.last_seconds = 0.0
 
     def involves(self, ctx: ExecutorContext) -> bool:
@@ -96,25 +104,30 @@ class CommunicationChannel:
         start = time.perf_counter()
         out_ranks, in_ranks = ctx.ranks[self.outbound], ctx.ranks[self.inbound]
         label = f"channel {self.name!r}"
+
+        def send_recv(sends: dict[int, TensorBatch], recv_from: list[int]) -> dict[int, TensorBatch]:
+            return exchange(sends, recv_from, device=ctx.device, label=label,
+                            max_data_bytes=self.max_data_bytes)
+
         received: TensorBatch | None = None
         if self.kind is BROADCAST:
             if ctx.executor == self.outbound:
                 batch = self._output(executor)
-                exchange({dst: batch for dst in in_ranks}, [], device=ctx.device, label=label)
+                send_recv({dst: batch for dst in in_ranks}, [])
             else:
-                got = exchange({}, out_ranks, device=ctx.device, label=label)
+                got = send_recv({}, out_ranks)
                 received = TensorBatch.concat([got[src] for src in out_ranks])
         elif self.kind is GATHER:
             leader = in_ranks[0]
             if ctx.executor == self.outbound:
-                exchange({leader: self._output(executor)}, [], device=ctx.device, label=label)
+                send_recv({leader: self._output(executor)}, [])
             elif ctx.rank == leader:
-                got = exchange({}, out_ranks, device=ctx.device, label=label)
+                got = send_recv({}, out_ranks)
                 received = TensorBatch.concat([got[src] for src in out_ranks])
             else:
                 received = TensorBatch()
         else:
-            received = self._scatter(ctx, executor, out_ranks, in_ranks, label)
+            received = self._scatter(ctx, executor, out_ranks, in_ranks, send_recv)
         if received is not None:
             executor.set_input(self.name, received)
         self.last_seconds = time.perf_counter() - start
@@ -126,21 +139,21 @@ class CommunicationChannel:
                             f"{type(batch).__name__}, expected a TensorBatch")
         return batch
 
-    def _scatter(self, ctx, executor, out_ranks, in_ranks, label) -> TensorBatch | None:
+    def _scatter(self, ctx, executor, out_ranks, in_ranks, send_recv) -> TensorBatch | None:
         # Two hops (outbound ranks -> outbound leader -> inbound ranks) so that balancing sees
         # every group at once; the first hop is skipped when the outbound executor has one rank.
         leader = out_ranks[0]
         if ctx.executor == self.outbound:
             batch = self._output(executor)
             if ctx.rank != leader:
-                exchange({leader: batch}, [], device=ctx.device, label=label)
+                send_recv({leader: batch}, [])
                 return None
-            others = exchange({}, out_ranks[1:], device=ctx.device, label=label) if len(out_ranks) > 1 else {}
+            others = send_recv({}, out_ranks[1:]) if len(out_ranks) > 1 else {}
             full = TensorBatch.concat([batch] + [others[r] for r in out_ranks[1:]])
             parts = balanced_group_partition(full, len(in_ranks)) if len(full) else [[] for _ in in_ranks]
             sends = {dst: (full.select(rows) if rows else TensorBatch({}, dict(full.metadata)))
                      for dst, rows in zip(in_ranks, parts)}
-            exchange(sends, [], device=ctx.device, label=label)
+            send_recv(sends, [])
             return None
-        return exchange({}, [leader], device=ctx.device, label=label)[leader]
+        return send_recv({}, [leader])[leader]
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from llamarl.batch import MAX_HEADER_BYTES, TensorBatch, WireFormatError
+from llamarl.batch import MAX_DATA_BYTES, MAX_HEADER_BYTES, TensorBatch, check_wire_sizes
 
 
 def _run(ops: list[dist.P2POp]) -> None:
@@ -26,15 +26,20 @@ def exchange(
     *,
     device: torch.device,
     label: str = "channel",
-    max_data_bytes: int = 1 << 36,
+    max_data_bytes: int = MAX_DATA_BYTES,
 ) -> dict[int, TensorBatch]:
     """Send ``sends[dst]`` to each global rank ``dst`` and receive one batch from each ``recv_from``.
 
     All ranks taking part must call this with matching arguments (a rank that sends to ``r``
     must appear in ``r``'s ``recv_from``). Buffers are staged on ``device``: ``ctx.device``, i.e.
     CUDA under NCCL (which moves device memory only) and the host under gloo, and the received
-    batches stay there (no device -> host -> device round trip). Returns ``{src: batch}``. A malformed size or header from a peer raises ``WireFormatError``
-    naming ``label`` and the source rank.
+    batches stay there (no device -> host -> device round trip). Returns ``{src: batch}``.
+
+    A malformed size, header or buffer from a peer raises ``WireFormatError`` naming ``label`` and
+    the source rank; the announced sizes are checked against ``MAX_HEADER_BYTES`` and
+    ``max_data_bytes`` before any receive buffer is allocated. A batch of our own over those
+    limits raises ``ValueError`` here after its sizes went out, so its receivers raise too rather
+    than wait for it.
     """
     encoded = {dst: batch.encode(device=device) for dst, batch in sends.items()}
     size_out = {dst: torch.tensor([h.numel(), d.numel()], dtype=torch.int64, device=device)
@@ -43,13 +48,14 @@ def exchange(
     _run([dist.P2POp(dist.isend, t, dst) for dst, t in size_out.items()]
          + [dist.P2POp(dist.irecv, t, src) for src, t in size_in.items()])
 
-    sizes = {}
-    for src, t in size_in.items():
-        header_bytes, data_bytes = (int(x) for x in t.tolist())
-        if not (0 < header_bytes <= MAX_HEADER_BYTES and 0 <= data_bytes <= max_data_bytes):
-            raise WireFormatError(f"{label}: rank {src} announced an invalid payload of "
-                                  f"{header_bytes} header / {data_bytes} data bytes")
-        sizes[src] = (header_bytes, data_bytes)
+    for dst, (h, d) in encoded.items():
+        if h.numel() > MAX_HEADER_BYTES or d.numel() > max_data_bytes:
+            raise ValueError(f"{label}: the batch for rank {dst} has a {h.numel()}-byte header and "
+                             f"{d.numel()} data bytes, over the limits {MAX_HEADER_BYTES} / {max_data_bytes}")
+    # Checked before the header and data buffers below are allocated from these numbers.
+    sizes = {src: check_wire_sizes(*t.tolist(), source=f"{label} from rank {src}",
+                                   max_data_bytes=max_data_bytes)
+             for src, t in size_in.items()}
 
     headers_in = {src: torch.empty(h, dtype=torch.uint8, device=device) for src, (h, _) in sizes.items()}
     _run([dist.P2POp(dist.isend, h.to(device), dst) for dst, (h, _) in encoded.items()]
