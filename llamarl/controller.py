@@ -45,6 +45,7 @@ import torch.distributed as dist
 
 from llamarl.channels.base import CommunicationChannel
 from llamarl.checkpoint import commit_step, partial_dir, prune
+from llamarl.errors import exception_text
 from llamarl.executors.base import Executor
 from llamarl.liveness import Heartbeat
 from llamarl.world import ExecutorContext
@@ -246,11 +247,18 @@ class ExecutorController:
         record.step_seconds += time.perf_counter() - start
         record.step_spans.append((start_wall, time.time()))
 
+    def failure_line(self, exc: BaseException) -> str:
+        """The one-line failure report of ``exc`` here: executor, global / local rank, step, phase, then
+        the exception's type and its whole message on one line (``errors.exception_text``), so that a
+        message whose first line is empty still says what happened."""
+        text = exception_text(exc)
+        return (f"llamarl: executor {self.ctx.executor!r} (rank {self.ctx.rank}, local rank "
+                f"{self.ctx.local_rank}) failed at step {self.step_index} during {self.phase}: "
+                f"{type(exc).__name__}{': ' + text if text else ''}")
+
     def abort(self, exc: BaseException) -> None:
-        """Report ``exc`` in the one-line failure format and end this process (exit code 1)."""
-        message = (f"llamarl: executor {self.ctx.executor!r} (rank {self.ctx.rank}, local rank "
-                   f"{self.ctx.local_rank}) failed at step {self.step_index} during {self.phase}: "
-                   f"{type(exc).__name__}: {exc}")
+        """Report ``exc`` (its traceback, then ``failure_line``) and end this process (exit code 1)."""
+        message = self.failure_line(exc)
         traceback.print_exc(file=sys.stderr)
         print(message, file=sys.stderr, flush=True)
         sys.stdout.flush()

@@ -25,6 +25,16 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
+# Set once this process starts to make the world; never reset (llamarl/errors.py: what counts as a
+# configuration error).
+_world_made = False
+
+
+def world_made() -> bool:
+    """Whether this process has started to make (or joined) a torch.distributed world: True from
+    just before ``ExecutorContext.create`` initialises it, and after the world is destroyed."""
+    return _world_made or dist.is_initialized()
+
 
 @dataclass(frozen=True)
 class ExecutorSpec:
@@ -126,6 +136,8 @@ class ExecutorContext:
                 raise ValueError(f"channel {outbound}->{inbound} connects an executor to itself")
         backend = backend or default_backend()
         timeout = timedelta(seconds=timeout_s)
+        global _world_made
+        _world_made = True
         if not dist.is_initialized():
             device_id = None
             if backend == "nccl":

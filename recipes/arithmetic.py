@@ -15,6 +15,7 @@ import tyro
 from llamarl.config import GeneratorConfig, RLConfig, RunConfig, TrainerConfig
 from llamarl.data.arithmetic import ArithmeticTask
 from llamarl.data.prompts import ARITHMETIC_INSTRUCTION, build_chat_prompt
+from llamarl.errors import config_errors, parse_flags
 from llamarl.executors.pipelines import run_rl
 from llamarl.rewards.arithmetic import score
 
@@ -51,4 +52,5 @@ def main(config: ArithmeticConfig) -> None:
 
 
 if __name__ == "__main__":
-    main(tyro.cli(ArithmeticConfig))
+    with config_errors():
+        main(parse_flags(tyro.cli, ArithmeticConfig))

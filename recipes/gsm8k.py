@@ -48,6 +48,7 @@ from llamarl.data.gsm8k import Problems, load_gsm8k_jsonl
 from llamarl.data.hub import load_hub_problems
 from llamarl.data.problem_list import ListTask
 from llamarl.data.prompts import Problem, build_chat_prompt
+from llamarl.errors import config_errors, parse_flags
 from llamarl.executors.pipelines import run_rl
 from llamarl.rewards.gsm8k import score
 from recipes.common import EvalConfig, prepare_pass_k, run_pass_k
@@ -156,4 +157,5 @@ def main(config: GSM8KConfig) -> dict | None:
 
 
 if __name__ == "__main__":
-    main(tyro.extras.overridable_config_cli(PRESETS))
+    with config_errors():
+        main(parse_flags(tyro.extras.overridable_config_cli, PRESETS))

@@ -67,6 +67,7 @@ from llamarl.batch import TensorBatch
 from llamarl.checkpoint import read_json, write_json
 from llamarl.data.arithmetic import ArithmeticTask
 from llamarl.data.prompts import Problem, build_chat_prompt
+from llamarl.errors import config_errors, parse_flags
 from llamarl.executors.base import Executor
 from llamarl.executors.generator import PromptFn, Task
 from llamarl.executors.pipelines import generator_stage, reward_stage, schedule_title, trainer_stage
@@ -433,4 +434,5 @@ def main(config: LLMJudgeConfig) -> None:
 
 
 if __name__ == "__main__":
-    main(tyro.cli(LLMJudgeConfig))
+    with config_errors():
+        main(parse_flags(tyro.cli, LLMJudgeConfig))

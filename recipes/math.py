@@ -34,6 +34,7 @@ from llamarl.data.hub import load_hub_problems
 from llamarl.data.math import load_math_jsonl, row_to_problem
 from llamarl.data.problem_list import ListTask
 from llamarl.data.prompts import Problem, build_chat_prompt
+from llamarl.errors import config_errors, parse_flags
 from llamarl.executors.pipelines import run_rl
 from llamarl.rewards.math import score
 from recipes.common import EvalConfig, prepare_pass_k, run_pass_k
@@ -128,4 +129,5 @@ def main(config: MathConfig) -> dict | None:
 
 
 if __name__ == "__main__":
-    main(tyro.extras.overridable_config_cli(PRESETS))
+    with config_errors():
+        main(parse_flags(tyro.extras.overridable_config_cli, PRESETS))

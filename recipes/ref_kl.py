@@ -63,6 +63,7 @@ from llamarl.batch import TensorBatch
 from llamarl.config import ModelConfig
 from llamarl.data.arithmetic import ArithmeticTask
 from llamarl.data.prompts import Problem
+from llamarl.errors import config_errors, parse_flags
 from llamarl.executors.base import Executor
 from llamarl.executors.generator import PromptFn, Task
 from llamarl.executors.pipelines import generator_stage, reward_stage, schedule_title, trainer_stage
@@ -300,4 +301,5 @@ def main(config: RefKLConfig) -> None:
 
 
 if __name__ == "__main__":
-    main(tyro.cli(RefKLConfig))
+    with config_errors():
+        main(parse_flags(tyro.cli, RefKLConfig))

@@ -127,7 +127,8 @@ def rl_pipeline(config: RLConfig, *, task: Task, scorer: str, prompt_fn: PromptF
 def run_rl(config: RLConfig, *, recipe: str, task: Task, heldout: list[Problem],
            score: Callable[[str, str], float], scorer: str, prompt_fn: PromptFn) -> dict | None:
     """Validate ``config`` (every rank, before any process group) and run ``rl_pipeline``; returns
-    the summary dict on global rank 0, else None."""
+    the summary dict on global rank 0, else None. A configuration that cannot run raises ValueError
+    before any process group: a configuration error under ``llamarl.errors.config_errors``."""
     validate_config(config, world_size=int(os.environ.get("WORLD_SIZE", "1")))
     return run_pipeline(rl_pipeline(config, task=task, scorer=scorer, prompt_fn=prompt_fn), config,
                         recipe=recipe, heldout=heldout, score=score)

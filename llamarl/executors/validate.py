@@ -1,5 +1,7 @@
-"""Checks of a whole run's configuration that need more than one field, run on every rank before
-any process group exists, so that bad input costs a one-line error and nothing else.
+"""Checks of a whole run's configuration that need more than one field, or the file system, run on
+every rank before any process group exists, so that bad input costs a one-line error and nothing
+else: a recipe's entry point turns the ValueError into ``llamarl: config error: ...`` printed once
+for the whole job, exit code 2 (``llamarl.errors.config_errors``).
 
 Per-field checks live in each config's ``__post_init__`` (``llamarl/config.py``); the rank split is
 checked by ``world.plan_ranks``, also before any group is made. What only the data can tell (a
@@ -10,7 +12,10 @@ from __future__ import annotations
 
 import json
 import os
+import tempfile
 from pathlib import Path
+
+from huggingface_hub import constants, try_to_load_from_cache
 
 from llamarl.config import RLConfig
 from llamarl.models.loading import KNOWN_ALIASES
@@ -30,11 +35,42 @@ def model_context_length(name: str) -> int | None:
 
 
 def _writable(path: Path) -> bool:
-    """Whether ``path`` can be created or written: its nearest existing ancestor is a writable dir."""
+    """Whether ``path`` can be created or written: a directory can be made in its nearest existing
+    ancestor (which must be a directory). Leaves nothing behind."""
     for candidate in [path, *path.parents]:
         if candidate.exists():
-            return candidate.is_dir() and os.access(candidate, os.W_OK | os.X_OK)
+            if not candidate.is_dir():
+                return False
+            # A real probe, not os.access: root passes every permission check, yet cannot make a
+            # directory in /proc or on a read-only mount.
+            try:
+                os.rmdir(tempfile.mkdtemp(prefix=".llamarl-probe-", dir=candidate))
+            except OSError:
+                return False
+            return True
     return False
+
+
+def check_model(name: str, flag: str = "--model.name") -> None:
+    """Raise ValueError unless ``name`` can name a model: an existing directory, a built-in alias, or
+    a hub id (offline, ``HF_HUB_OFFLINE``: one already in the local HF cache)."""
+    if name in KNOWN_ALIASES:
+        return
+    path = Path(name).expanduser()
+    if path.is_dir():
+        return
+    aliases = ", ".join(KNOWN_ALIASES)
+    if name.startswith((".", "/", "~")) or name.count("/") > 1 or path.exists():
+        raise ValueError(f"{flag} {name}: no such model directory (nor a built-in alias: {aliases})")
+    if not constants.HF_HUB_OFFLINE:
+        return  # a hub id: whether it exists is known only once it is downloaded
+    try:
+        cached = isinstance(try_to_load_from_cache(name, "config.json"), str)
+    except ValueError:  # not a valid repo id
+        cached = False
+    if not cached:
+        raise ValueError(f"{flag} {name}: no such model directory, not a built-in alias ({aliases}), and not "
+                         f"in the local Hugging Face cache (HF_HUB_OFFLINE is set)")
 
 
 def expected_lag(config: RLConfig) -> int:
@@ -50,12 +86,7 @@ def expected_lag(config: RLConfig) -> int:
 def validate_config(config: RLConfig, *, world_size: int) -> None:
     """Raise ValueError (one line, naming the flag and the value) for a configuration that cannot run."""
     name = config.model.name
-    if name not in KNOWN_ALIASES:
-        path = Path(name).expanduser()
-        looks_local = name.startswith((".", "/", "~")) or name.count("/") > 1 or path.exists()
-        if looks_local and not path.is_dir():
-            raise ValueError(f"--model.name {name}: no such model directory (nor a built-in alias: "
-                             f"{', '.join(KNOWN_ALIASES)})")
+    check_model(name)
     output = Path(config.run.output_dir or "runs")
     if not _writable(output):
         raise ValueError(f"--run.output-dir {output}: not writable")
