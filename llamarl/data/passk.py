@@ -19,7 +19,7 @@ from safetensors.torch import load_file
 
 from llamarl.data.prompts import Problem
 from llamarl.engines.torch_engine import Request, SamplingParams, TorchEngine
-from llamarl.models.loading import load_causal_lm
+from llamarl.models.loading import load_causal_lm, stop_token_ids
 
 Score = Callable[[str, str], float]
 
@@ -64,9 +64,9 @@ def evaluate_policy(model, tokenizer, *, problems: list[Problem], prompt_fn, sco
     if not ks or min(ks) < 1:
         raise ValueError(f"ks must be non-empty positive integers, got {ks}")
     n = max(ks)
-    eos = tokenizer.eos_token_id
-    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos
-    engine = TorchEngine(model, eos_token_ids=[eos], pad_token_id=pad)
+    eos = stop_token_ids(model, tokenizer)
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else min(eos, default=0)
+    engine = TorchEngine(model, eos_token_ids=eos, pad_token_id=pad)
     device = next(model.parameters()).device
     rng = torch.Generator(device=device).manual_seed(seed)
     prompts = [list(prompt_fn(tokenizer, p.question)) for p in problems]

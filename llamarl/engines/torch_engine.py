@@ -301,7 +301,11 @@ class TorchEngine:
         positions = (mask.cumsum(dim=-1) - 1).clamp_min(0)
         next_pos = torch.tensor([len(c) for c in all_contexts], dtype=torch.long, device=device)
 
-        cache = DynamicCache(config=self.model.config)
+        # Sliding-window layers (Gemma2, Mistral configs with a window) build a tensor in the
+        # cache's constructor without a device; build it on the inputs' device on purpose (under
+        # --run.device-guard the default device is meta, and the cache would hold a meta tensor).
+        with torch.device(device):
+            cache = DynamicCache(config=self.model.config)
         logits = self._forward(input_ids, attention_mask=mask, position_ids=positions, cache=cache)
         if len(contexts) < batch:
             rows_from = torch.tensor(source, dtype=torch.long, device=device)

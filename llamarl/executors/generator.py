@@ -52,7 +52,7 @@ from llamarl.data.prompts import Problem
 from llamarl.engines.torch_engine import Completion, Request, SamplingParams, TorchEngine
 from llamarl.executors.base import Executor
 from llamarl.metrics import MetricSpec
-from llamarl.models.loading import load_causal_lm
+from llamarl.models.loading import load_causal_lm, stop_token_ids
 from llamarl.models.tensor_parallel import apply_tensor_parallel
 
 logger = logging.getLogger("llamarl.generator")
@@ -189,8 +189,8 @@ class GeneratorExecutor(Executor):
         self.model.eval()
         if self.ctx.tp_size > 1:
             apply_tensor_parallel(self.model, self.ctx.tp_mesh)
-        eos = self.tokenizer.eos_token_id
-        pad = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else eos
+        eos = stop_token_ids(self.model, self.tokenizer)
+        pad = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else min(eos, default=0)
         if self.config.engine == "vllm":
             # The HF model stays: it is the weight channel's receive buffer (get_model()); each
             # sync then reloads vLLM's weights from it in place (set_weights_version).
@@ -199,12 +199,12 @@ class GeneratorExecutor(Executor):
 
             name = self.model_config.name
             path = str(resolve_model_path(name)) if name in KNOWN_ALIASES else name
-            self.engine = VLLMEngine(path, dtype=self.config.dtype, eos_token_ids=[eos], pad_token_id=pad,
+            self.engine = VLLMEngine(path, dtype=self.config.dtype, eos_token_ids=eos, pad_token_id=pad,
                                      seed=self.seed * 1000 + self.ctx.dp_rank, kv_cache_gib=self.config.kv_cache_gib,
                                      device=self.ctx.device,
                                      gpu_memory_utilization=self.config.gpu_memory_utilization)
         else:
-            self.engine = TorchEngine(self.model, eos_token_ids=[eos], pad_token_id=pad)
+            self.engine = TorchEngine(self.model, eos_token_ids=eos, pad_token_id=pad)
         # Seeded by the DP replica, not the rank: TP peers must draw the same samples.
         # On ctx.device: the sampler draws its uniforms on the logits' device.
         self.rng = torch.Generator(device=self.ctx.device).manual_seed(self.seed * 1000 + self.ctx.dp_rank)

@@ -41,7 +41,7 @@ def export_hf(directory: Path, *, model: torch.nn.Module, tokenizer=None, writer
 
     Contract: collective over the model's FSDP2 mesh (every rank holding a shard calls it, with
     ``writer`` True on exactly one of them); the writer creates ``directory`` (replacing an older
-    one) with the weights, ``config.json`` and, when given, the tokenizer.
+    one) with the weights, ``config.json``, ``generation_config.json`` and, when given, the tokenizer.
     """
     plan = _shard_plan(model, max_shard_bytes)
     params = dict(model.named_parameters())
@@ -72,6 +72,10 @@ def export_hf(directory: Path, *, model: torch.nn.Module, tokenizer=None, writer
     config = model.config
     config.torch_dtype = next(iter(params.values())).dtype
     config.to_json_file(str(partial / "config.json"))
+    # The generation config carries every end-of-turn id (Qwen2.5, Llama-3 list several): without
+    # it a reloaded export would stop only at the tokenizer's EOS.
+    if getattr(model, "generation_config", None) is not None:
+        model.generation_config.save_pretrained(str(partial))
     if tokenizer is not None:
         tokenizer.save_pretrained(str(partial))
     shutil.rmtree(directory, ignore_errors=True)

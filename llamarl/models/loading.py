@@ -241,6 +241,19 @@ def _looks_like_path(name: str) -> bool:
     return name.startswith((".", "/", "~")) or name.count("/") > 1 or (os.sep != "/" and os.sep in name)
 
 
+def stop_token_ids(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase) -> list[int]:
+    """Every id that ends a completion: the tokenizer's EOS and each id of the model's generation
+    config ``eos_token_id`` (an int or a list: Qwen2.5 lists ``<|im_end|>`` and ``<|endoftext|>``,
+    Llama-3 ``<|eot_id|>`` and ``<|end_of_text|>``), as HF ``generate`` stops; sorted, unique."""
+    ids: set[int] = set()
+    if tokenizer.eos_token_id is not None:
+        ids.add(int(tokenizer.eos_token_id))
+    configured = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
+    if configured is not None:
+        ids.update(int(i) for i in (configured if isinstance(configured, (list, tuple)) else [configured]))
+    return sorted(ids)
+
+
 def load_causal_lm(
     name_or_path: str, *, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu"
 ) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:

@@ -1,0 +1,180 @@
+"""The model families users bring, on every path a run takes (``tests/model_families.py``).
+
+Per family (tied and untied Llama, Qwen2, Qwen3, Mistral, Gemma2; SmolLM2's chat tokenizer):
+
+- in process: the native engine's greedy tokens == HF ``generate`` and its log-probs == a forward;
+  the trainer's shared-prompt and per-row log-probs == a plain forward;
+- a 3-rank world (``tp_world.py``): a TP-2 generator gives the TP-1 greedy tokens, and DDMA from
+  an FSDP2 trainer gives it the trainer's weights bitwise, each TP rank exactly its shard;
+- a colocated recipe run with a checkpoint after tick 1, and a run resumed from it: bitwise the
+  same final weights; the final HF export loads with ``from_pretrained`` and HF ``generate`` on it
+  writes the run's own final greedy evaluation, text for text.
+"""
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+sys.path.insert(0, str(Path(__file__).parent))
+from launch import check, run_torchrun
+from model_families import FAMILIES, build_family, chat_tokenizer, save_family
+
+from llamarl.algorithms.logprobs import completion_logprobs
+from llamarl.batch import TensorBatch
+from llamarl.engines.torch_engine import Request, SamplingParams, TorchEngine
+from llamarl.models.loading import load_causal_lm, stop_token_ids
+from llamarl.models.microbatch import microbatch_inputs
+from llamarl.models.shared_prefix import shared_prefix_logprobs, supports
+from recipes.arithmetic import prompt_fn
+
+QUESTIONS = ["What is 12 + 7?", "Name a colour.", "2 + 2 ="]
+TEMPERATURE = 0.7
+
+
+@pytest.fixture(scope="module", params=list(FAMILIES))
+def family(request, tmp_path_factory):
+    """``(name, HF directory)`` of each family's tiny model."""
+    name = request.param
+    return name, save_family(tmp_path_factory.mktemp(name) / "model", name)
+
+
+def prompts() -> list[list[int]]:
+    return [list(prompt_fn(chat_tokenizer(), q)) for q in QUESTIONS]
+
+
+def hf_greedy(model, prompt: list[int], max_new_tokens: int) -> list[int]:
+    ids = torch.tensor([prompt])
+    out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens,
+                         do_sample=False, pad_token_id=chat_tokenizer().pad_token_id)
+    return out[0, ids.shape[1]:].tolist()
+
+
+def test_native_greedy_equals_hf_generate_and_its_logprobs_a_forward(family):
+    name, _ = family
+    model = build_family(name)
+    engine = TorchEngine(model, eos_token_ids=stop_token_ids(model, chat_tokenizer()), pad_token_id=0)
+    outs = engine.generate([Request(i, p) for i, p in enumerate(prompts())],
+                           sampling=SamplingParams(temperature=0.0, max_new_tokens=10), version=0)
+    for prompt, out in zip(prompts(), outs):
+        assert out.completion_ids == hf_greedy(model, prompt, 10)
+        ids = torch.tensor([prompt + out.completion_ids])
+        with torch.no_grad():
+            logp = torch.log_softmax(model(input_ids=ids).logits.float()[0, :-1], dim=-1)
+        want = logp[len(prompt) - 1:].gather(-1, ids[0, len(prompt):, None]).squeeze(-1)
+        torch.testing.assert_close(torch.tensor(out.logprobs), want, rtol=0, atol=1e-4)
+
+
+def test_trainer_logprobs_shared_and_per_row_equal_a_plain_forward(family):
+    name, _ = family
+    model = build_family(name)
+    gen = torch.Generator().manual_seed(0)
+    rows = [(p, torch.randint(10, 40000, (int(k),), generator=gen).tolist())
+            for p in prompts() for k in (3, 5)]  # a group of 2 samples per prompt
+    width = max(len(p) + len(c) for p, c in rows) + 1
+    ids = torch.zeros(len(rows), width, dtype=torch.long)
+    loss_mask = torch.zeros(len(rows), width, dtype=torch.uint8)
+    for r, (p, c) in enumerate(rows):
+        ids[r, :len(p) + len(c)] = torch.tensor(p + c)
+        loss_mask[r, len(p):len(p) + len(c)] = 1
+    batch = TensorBatch({"input_ids": ids, "loss_mask": loss_mask,
+                         "num_tokens": torch.tensor([len(p) + len(c) for p, c in rows])})
+    ids, attention, mask, start, _ = microbatch_inputs(batch, list(range(len(batch))), device="cpu")
+    with torch.no_grad():
+        per_row = completion_logprobs(model, ids, attention, start=start, temperature=TEMPERATURE) * mask
+        expected = torch.zeros_like(per_row)
+        for r, (p, c) in enumerate(rows):  # each row alone, unpadded
+            full = torch.tensor([p + c])
+            logp = torch.log_softmax(model(input_ids=full).logits.float()[0, :-1] / TEMPERATURE, dim=-1)
+            row_logp = logp.gather(-1, full[0, 1:, None]).squeeze(-1)
+            expected[r, 1:len(p) + len(c)] = row_logp
+        expected = expected * mask
+        assert per_row.abs().sum() > 1.0
+        torch.testing.assert_close(per_row, expected, rtol=1e-5, atol=1e-4)
+        if supports(model):
+            shared = shared_prefix_logprobs(model, ids, attention, mask, temperature=TEMPERATURE) * mask
+            torch.testing.assert_close(shared, expected, rtol=1e-5, atol=1e-4)
+
+
+def test_tp2_generator_and_ddma_match_tp1_and_the_trainer(family, tmp_path):
+    _, model_dir = family
+    out = tmp_path / "tp"
+    out.mkdir()
+    check(run_torchrun("tp_world.py", nproc=3, args=[str(model_dir), str(out)], timeout_s=240))
+    read = lambda name: json.loads((out / name).read_text())
+    for phase in ("greedy", "greedy2"):
+        want = read(f"{phase}_tp1.json")
+        assert any(w["ids"] for w in want)
+        for rank in (0, 1):
+            got = read(f"{phase}_gen{rank}.json")
+            assert [g["ids"] for g in got] == [w["ids"] for w in want], (phase, rank)
+    trainer = load_file(out / "trainer.safetensors")
+    full = load_file(out / "generator_full.safetensors")
+    assert sorted(full) == sorted(trainer)
+    for param, tensor in trainer.items():
+        assert torch.equal(full[param], tensor), param
+    sharded = 0
+    for rank in (0, 1):
+        for param, tensor in load_file(out / f"generator_local{rank}.safetensors").items():
+            if tensor.shape != trainer[param].shape:  # a TP shard: exactly this rank's chunk
+                dim = next(d for d, (a, b) in enumerate(zip(tensor.shape, trainer[param].shape)) if a != b)
+                assert torch.equal(tensor, trainer[param].chunk(2, dim=dim)[rank]), (rank, param)
+                sharded += 1
+            else:
+                assert torch.equal(tensor, trainer[param]), (rank, param)
+    assert sharded >= 2 * 2 * 7  # 2 ranks x 2 layers x 7 projections at least
+
+
+def test_colocated_checkpoint_resume_and_export(family, tmp_path):
+    _, model_dir = family
+    common = ["--model.name", str(model_dir), "--run.schedule", "colocated", "--run.max-steps", "2",
+              "--checkpoint.every", "1", "--generator.dtype", "float32", "--generator.max-new-tokens", "6",
+              "--generator.num-prompts-per-step", "2", "--generator.temperature", "1.0", "--trainer.lr", "1e-3",
+              "--reward.num-workers", "0", "--run.num-eval-problems", "3", "--run.device-guard"]
+    env = {"LLAMARL_TEST_SCORER": "scorers_for_tests:first_char_even"}
+    runs = {}
+    for name, extra in (("straight", []), ("resumed", ["--checkpoint.resume", "STRAIGHT/checkpoints/step_1"])):
+        runs[name] = tmp_path / name
+        extra = [a.replace("STRAIGHT", str(runs["straight"])) for a in extra]
+        check(run_torchrun("e2e_arithmetic.py", nproc=1, timeout_s=300, env=env,
+                           args=[*common, "--run.output-dir", str(runs[name]), *extra]))
+    straight, resumed = (load_file(str(runs[n] / "hf" / "final" / "model.safetensors")) for n in runs)
+    assert sorted(straight) == sorted(resumed)
+    for param, tensor in straight.items():
+        assert torch.equal(resumed[param], tensor), param
+    # The export loads as HF loads it (a tied model re-ties), and HF generate on it writes the run's
+    # own final greedy evaluation.
+    model, tokenizer = load_causal_lm(str(runs["straight"] / "hf" / "final"))
+    initial, _ = load_causal_lm(str(model_dir))
+    assert any(not torch.equal(p, initial.state_dict()[n]) for n, p in model.state_dict().items()), "no update"
+    tied = model.config.tie_word_embeddings
+    assert (model.lm_head.weight.data_ptr() == model.get_input_embeddings().weight.data_ptr()) == tied
+    records = [json.loads(line) for line in (runs["straight"] / "eval_final.jsonl").read_text().splitlines()]
+    assert len(records) == 3
+    for record in records:
+        prompt = list(prompt_fn(tokenizer, record["question"]))
+        text = tokenizer.decode(hf_greedy(model, prompt, 6), skip_special_tokens=True)
+        assert text == record["completion"], record["question"]
+
+
+def test_every_eos_id_of_the_generation_config_stops_generation(tmp_path):
+    """Qwen2.5 and Llama-3 list several end-of-turn ids; stopping at the tokenizer's EOS only would
+    run on past ``<|im_end|>`` into the next turn."""
+    model = build_family("llama-untied")  # its random greedy text does not repeat a token early
+    (free,) = TorchEngine(model, eos_token_ids=[], pad_token_id=0).generate(
+        [Request(0, prompts()[0])], sampling=SamplingParams(temperature=0.0, max_new_tokens=10), version=0)
+    stop = free.completion_ids[3]
+    assert stop not in free.completion_ids[:3]
+    model.generation_config.eos_token_id = [chat_tokenizer().eos_token_id, stop]
+    save_dir = tmp_path / "llama"
+    model.save_pretrained(save_dir)
+    chat_tokenizer().save_pretrained(save_dir)
+    loaded, tokenizer = load_causal_lm(str(save_dir))
+    assert stop_token_ids(loaded, tokenizer) == sorted({tokenizer.eos_token_id, stop})
+    (out,) = TorchEngine(loaded, eos_token_ids=stop_token_ids(loaded, tokenizer), pad_token_id=0).generate(
+        [Request(0, prompts()[0])], sampling=SamplingParams(temperature=0.0, max_new_tokens=10), version=0)
+    assert out.completion_ids == free.completion_ids[:4] and out.finish_reason == "stop"
+    assert out.completion_ids == hf_greedy(loaded, prompts()[0], 10)  # HF stops there too
