@@ -11,13 +11,21 @@ A checkpoint of step n (the state after n ticks) is written by every executor in
 - trainer: ``state/`` (model + AdamW, sharded, every trainer rank), ``state.json`` (version);
 - generator: ``state_rank<k>.json`` (data position, weight version, carried-over samples,
   unfinished groups) and ``rng_rank<k>.safetensors``;
-- every executor: ``outputs_rank<k>.safetensors`` (batches produced but not yet sent).
+- every executor: ``outputs_rank<k>.safetensors`` (batches produced but not yet sent);
+- the runner (``llamarl/runner.py``), beside the marker: ``runner_state.json`` (the evaluations made
+  so far, the run's elapsed wall seconds, the steps it was resumed from), so that the summary of a
+  resumed run describes the whole run.
+
+Resuming at step n makes the run directory describe one timeline again: ``archive_after`` moves
+whatever an abandoned run left there of the ticks after n (newer checkpoints, exports, evaluation
+samples, metric records, the final summary) into ``<run>/abandoned-<time>/``.
 """
 
 from __future__ import annotations
 
 import json
 import shutil
+import time
 from pathlib import Path
 
 import torch
@@ -25,6 +33,8 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
 COMPLETE_MARKER = "COMPLETE.json"
+RUNNER_STATE = "runner_state.json"
+ARCHIVE_PREFIX = "abandoned-"
 
 
 def step_dir(checkpoint_dir: Path, step: int) -> Path:
@@ -98,6 +108,98 @@ def resolve_resume(resume: str, checkpoint_dir: Path) -> tuple[Path, int]:
         raise ValueError(f"--checkpoint.resume {resume}: not a complete checkpoint (no {COMPLETE_MARKER}; "
                          "the run died while saving it)")
     return path, int(name[5:])
+
+
+def _step_of(name: str, prefix: str, suffixes: tuple[str, ...] = ("",)) -> int | None:
+    """``n`` of a name ``<prefix><n><suffix>`` for one of ``suffixes``, else None."""
+    for suffix in suffixes:
+        core = name.removesuffix(suffix) if suffix else name
+        if (not suffix or name.endswith(suffix)) and core.startswith(prefix) and core[len(prefix):].isdigit():
+            return int(core[len(prefix):])
+    return None
+
+
+def archive_after(run_dir: Path, step: int) -> tuple[Path, list[str]] | None:
+    """Move what ``run_dir`` holds of ticks after ``step`` into ``run_dir/abandoned-<time>/``; return
+    that directory and a short description of each thing moved, or None when there was nothing.
+
+    Called once (one rank, before any rank reads the run directory) when a run resumes at ``step``:
+    whatever an earlier run did after that step belongs to a timeline the resumed run abandons, and
+    would otherwise be mixed with the new one (``--checkpoint.resume latest`` and keep-K prefer newer
+    checkpoints; metric files would hold two records of a tick). Nothing is deleted: the archive
+    keeps the run directory's layout. Moved:
+
+    - ``checkpoints/step_<m>`` (complete or not) and ``step_<m>.partial`` for m > ``step``;
+    - ``hf/step_<m>`` for m > ``step``, ``eval_step_<m>.jsonl`` for m > ``step``, and the abandoned
+      run's end: ``hf/final``, ``eval_final.jsonl``, ``summary.json`` (the resumed run rewrites them);
+    - the records of ticks >= ``step`` of every ``metrics/*.jsonl`` (tick t leads to the state after
+      t + 1 ticks, so those ticks are run again), and unreadable lines (a write cut by a kill), into
+      the archive's ``metrics/`` file of the same name.
+
+    TensorBoard event files cannot be cut: the resumed run's writers purge their steps >= ``step``
+    instead (``MetricsLogger``). What describes ticks up to ``step`` stays: it is the resumed run's
+    own history.
+    """
+    moves: list[Path] = []
+    checkpoints = run_dir / "checkpoints"
+    for path in sorted(checkpoints.iterdir()) if checkpoints.is_dir() else []:
+        m = _step_of(path.name, "step_", (".partial", ""))
+        if m is not None and m > step:
+            moves.append(path)
+    hf = run_dir / "hf"
+    for path in sorted(hf.iterdir()) if hf.is_dir() else []:
+        m = _step_of(path.name, "step_")
+        if path.name == "final" or m is not None and m > step:
+            moves.append(path)
+    for path in sorted(run_dir.glob("eval_*.jsonl")):
+        m = _step_of(path.name, "eval_step_", (".jsonl",))
+        if path.name == "eval_final.jsonl" or m is not None and m > step:
+            moves.append(path)
+    if (run_dir / "summary.json").is_file():
+        moves.append(run_dir / "summary.json")
+    cut: dict[Path, tuple[list[str], list[str]]] = {}  # metrics file -> (kept lines, moved lines)
+    for path in sorted((run_dir / "metrics").glob("*.jsonl")):
+        kept, moved = [], []
+        for line in path.read_text(encoding="utf-8").splitlines():
+            if not line.strip():
+                continue
+            try:
+                tick = json.loads(line).get("step", 0)
+            except (json.JSONDecodeError, AttributeError):
+                tick = step  # unreadable: not a record of this timeline
+            (moved if tick >= step else kept).append(line)
+        if moved:
+            cut[path] = kept, moved
+    if not moves and not cut:
+        return None
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    archive = run_dir / f"{ARCHIVE_PREFIX}{stamp}"
+    suffix = 1
+    while archive.exists():
+        archive, suffix = run_dir / f"{ARCHIVE_PREFIX}{stamp}-{suffix}", suffix + 1
+    described = []
+    for path in moves:
+        target = archive / path.relative_to(run_dir)
+        target.parent.mkdir(parents=True, exist_ok=True)
+        path.rename(target)
+        described.append(str(path.relative_to(run_dir)))
+    for path, (kept, moved) in cut.items():
+        target = archive / path.relative_to(run_dir)
+        target.parent.mkdir(parents=True, exist_ok=True)
+        target.write_text("".join(line + "\n" for line in moved), encoding="utf-8")
+        tmp = path.with_suffix(path.suffix + ".tmp")
+        tmp.write_text("".join(line + "\n" for line in kept), encoding="utf-8")
+        tmp.replace(path)
+        described.append(f"{path.relative_to(run_dir)} ({len(moved)} record{'s' * (len(moved) != 1)})")
+    write_json(archive / "ABANDONED.json", {"resumed_at_step": step, "time": time.time(), "moved": described})
+    return archive, described
+
+
+def read_runner_state(directory: Path) -> dict | None:
+    """The runner's state saved with the checkpoint ``directory`` (``RUNNER_STATE``), or None when the
+    checkpoint has none (written before the runner saved it); a corrupt file is a one-line ValueError."""
+    path = directory / RUNNER_STATE
+    return read_json(path) if path.is_file() else None
 
 
 def write_json(path: Path, value: dict) -> None:

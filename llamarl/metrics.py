@@ -92,8 +92,10 @@ class MetricsLogger:
     def __init__(self, run_dir: Path, executor: str, *, tensorboard: bool = True, start_step: int = 0,
                  specs: dict[str, MetricSpec] | None = None) -> None:
         """``start_step`` > 0 (a resumed run) drops the records of ticks >= it that an interrupted run
-        already wrote, so each tick appears once, as the resumed run computes it. ``specs`` give the
-        TensorBoard sections (``<executor>/<section>/<key>``; ``misc`` for undeclared keys)."""
+        already wrote (the runner has moved them aside before: ``llamarl.checkpoint.archive_after``),
+        and TensorBoard hides its events of those ticks (``purge_step``), so each tick appears once,
+        as the resumed run computes it. ``specs`` give the TensorBoard sections
+        (``<executor>/<section>/<key>``; ``misc`` for undeclared keys)."""
         self.executor, self.specs = executor, specs or {}
         (run_dir / "metrics").mkdir(parents=True, exist_ok=True)
         path = run_dir / "metrics" / f"{executor}.jsonl"
@@ -107,7 +109,8 @@ class MetricsLogger:
         if tensorboard:
             from torch.utils.tensorboard import SummaryWriter
 
-            self.writer = SummaryWriter(log_dir=str(run_dir / "tensorboard" / executor))
+            self.writer = SummaryWriter(log_dir=str(run_dir / "tensorboard" / executor),
+                                        purge_step=start_step if start_step > 0 else None)
 
     def log(self, step: int, metrics: dict[str, float]) -> None:
         record = {"step": step, "time": time.time(), **{k: float(v) for k, v in metrics.items()}}

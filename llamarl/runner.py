@@ -16,6 +16,28 @@ evaluates greedy accuracy on the held-out problems before training, every ``--ru
 ticks and after the last tick (with the final weights), on every rank of its first data-parallel
 replica (collective over a TP group); its first rank writes ``summary.json``.
 
+Resuming (``--checkpoint.resume``) at step n continues one run, not a second one beside it:
+
+- what the run directory holds of the ticks after n (newer checkpoints of an abandoned run,
+  their exports, evaluation samples, metric records, its summary) is first moved into
+  ``<run>/abandoned-<time>/`` by global rank 0 (the rank that commits checkpoints), between two
+  WORLD barriers, so no rank reads the directory while it changes; one line names what moved
+  (``llamarl.checkpoint.archive_after``). Archived rather than refused: a resume from an older
+  checkpoint is deliberate, and nothing of the abandoned run is lost;
+- every checkpoint holds the runner's state (``runner_state.json``: the evaluations made so far,
+  the elapsed wall seconds, the steps resumed from), written by the reporting rank into the
+  checkpoint before its commit and updated after the evaluation due at that step (which runs after
+  the commit), so ``summary.json`` of a resumed run lists every evaluation of the whole run,
+  ``wall_seconds`` counts every segment (each up to its last recorded state) and
+  ``resumed_from_step`` lists the steps resumed from (``[]`` for a run never resumed); evaluation
+  ``seconds`` continue across segments. An evaluation due at step n that the interrupted run did
+  not record (it died during it) is made by the resumed run before its first tick;
+- resuming a finished run from its newest checkpoint (``--checkpoint.resume latest`` after the run
+  ended) with the same ``--run.max-steps`` N, which its ``summary.json`` reports, ends at once with
+  ``run already finished at step N (<run>/summary.json); nothing to do`` and returns that summary:
+  the final evaluation and export are not made again and the summary is not rewritten. A higher
+  ``--run.max-steps`` trains on from there.
+
 ``config`` is any dataclass with the ``run``, ``checkpoint`` and ``export`` sections of ``RLConfig``
 (it is also written to ``config.json``).
 """
@@ -34,7 +56,16 @@ import torch
 import torch.distributed as dist
 
 from llamarl.channels.weights import WeightsChannel
-from llamarl.checkpoint import resolve_resume
+from llamarl.checkpoint import (
+    COMPLETE_MARKER,
+    RUNNER_STATE,
+    archive_after,
+    complete_steps,
+    read_runner_state,
+    resolve_resume,
+    step_dir,
+    write_json,
+)
 from llamarl.controller import ExecutorController
 from llamarl.data.prompts import Problem
 from llamarl.log import setup_logging
@@ -70,37 +101,84 @@ def run_pipeline(pipeline: Pipeline, config, *, recipe: str, heldout: list[Probl
     ctx = ExecutorContext.create(pipeline.specs(world_size), timeout_s=run.collective_timeout_s,
                                  channel_endpoints=[(c.outbound, c.inbound) for c in channels])
     setup_logging(executor=ctx.executor, rank=ctx.rank)
+    run_dir = _shared_run_dir(run.output_dir, recipe, ctx.device)
+    checkpoint_dir = run_dir / "checkpoints"
+    resume_dir, start_step = resolve_resume(config.checkpoint.resume, checkpoint_dir) \
+        if config.checkpoint.resume else (None, 0)
+    reporter_rank = ctx.ranks[pipeline.evaluator][0] if pipeline.evaluator else 0
+    reporter = ctx.rank == reporter_rank
+    if resume_dir is not None:
+        finished = _finished_summary(run_dir, resume_dir, start_step, run.max_steps)
+        if finished is not None:
+            if ctx.rank == 0:
+                logger.info("run already finished at step %d (%s); nothing to do", run.max_steps,
+                            run_dir / "summary.json")
+            ctx.destroy()
+            return finished if reporter else None
+        dist.barrier()  # every rank has resolved its checkpoint before rank 0 moves anything
+        if ctx.rank == 0:
+            archived = archive_after(run_dir, start_step)
+            if archived is not None:
+                logger.info("resuming at step %d: moved what an abandoned run left after it (%s) to %s",
+                            start_step, ", ".join(archived[1]), archived[0])
+        dist.barrier()  # ... and no rank reads the run directory before it is one timeline again
     executor = pipeline.stage(ctx.executor).build(ctx)
     init_channels = [c for c in channels if isinstance(c, WeightsChannel)]
-    run_dir = _shared_run_dir(run.output_dir, recipe, ctx.device)
     run_dir.mkdir(parents=True, exist_ok=True)
     if ctx.rank == 0:
         (run_dir / "config.json").write_text(json.dumps(asdict(config), indent=2))
         logger.info("run directory %s; stages %s", run_dir,
                     ", ".join(f"{name} ranks {ranks}" for name, ranks in ctx.ranks.items()))
 
-    resume_dir, start_step = resolve_resume(config.checkpoint.resume, run_dir / "checkpoints") \
-        if config.checkpoint.resume else (None, 0)
+    restored = read_runner_state(resume_dir) if resume_dir is not None else None
     if resume_dir is not None and ctx.rank == 0:
         logger.info("resuming from %s (tick %d)", resume_dir, start_step)
+        if restored is None:
+            logger.warning("%s has no %s (saved by an older llamarl): summary.json describes the evaluations "
+                           "and wall time from step %d on", resume_dir, RUNNER_STATE, start_step)
+    restored = restored or {}
+    # Seconds the run had spent up to the state resumed from: wall time and evaluation times continue.
+    elapsed_before = float(restored.get("elapsed_seconds", 0.0))
+    resumed_from = [*restored.get("resumed_from_step", []), start_step] if resume_dir is not None else []
     leader = ctx.local_rank == 0
     # Evaluation is collective over a TP group, so every rank of the evaluator's first replica runs it.
     evaluates = ctx.executor == pipeline.evaluator and ctx.dp_rank == 0
-    reporter = ctx.rank == (ctx.ranks[pipeline.evaluator][0] if pipeline.evaluator else 0)
     loggers: dict[str, MetricsLogger] = {}
     spans: list[dict] = []
     summary: dict = {}
-    evals: list[dict] = []
+    evals: list[dict] = list(restored.get("evals", []))
     progress = Progress(keys=pipeline.headline_keys(), max_steps=run.max_steps, start_step=start_step,
                         rank=ctx.rank, device=ctx.device)
     weight_inbound = [c for c in init_channels if c.inbound == ctx.executor]
 
+    def elapsed() -> float:
+        return elapsed_before + time.time() - wall_start
+
+    def runner_state() -> dict:
+        return {"elapsed_seconds": elapsed(), "evals": evals, "resumed_from_step": resumed_from}
+
+    if reporter and config.checkpoint.every:
+        # The runner's state goes into the checkpoint with the reporter's executor state, before the
+        # controller's WORLD barrier: a committed checkpoint always holds it.
+        save_executor = executor.save_checkpoint
+
+        def save_checkpoint(directory: Path) -> None:
+            save_executor(directory)
+            write_json(directory.parent / RUNNER_STATE, runner_state())
+
+        executor.save_checkpoint = save_checkpoint
+
     def record_eval(step: int, accuracy: float) -> None:
         version = getattr(executor, "version", None)
-        evals.append({"step": step, "seconds": time.time() - wall_start, "accuracy": accuracy, "version": version})
+        evals.append({"step": step, "seconds": elapsed(), "accuracy": accuracy, "version": version})
         if leader:
             logger.info("eval after %d ticks: greedy accuracy %.1f%% (weights version %s, %.0f s into the run)",
                         step, 100 * accuracy, version, evals[-1]["seconds"])
+
+    def eval_due(step: int) -> bool:
+        """An evaluation between ticks is due after ``step`` ticks (the same answer on every rank)."""
+        every = run.eval_every
+        return pipeline.evaluator is not None and every > 0 and step % every == 0 and 0 < step < run.max_steps
 
     def on_tick(step, ex, record):
         spans.extend({"executor": ctx.executor, "rank": ctx.rank, "step": step, "start": a, "end": b, "kind": "step"}
@@ -115,11 +193,20 @@ def run_pipeline(pipeline: Pipeline, config, *, recipe: str, heldout: list[Probl
                     for section, values in (getattr(ex, "metric_sections", None) or {ctx.executor: ex.metrics}).items()}
         flat = {key: value for values in sections.values() for key, value in values.items()}
         progress.update(step, executor=ctx.executor, metrics=flat, reports=leader)
-        every = run.eval_every
-        if evaluates and every and (step + 1) % every == 0 and step + 1 < run.max_steps:
-            with controller.guard():  # collective over a TP group: every rank of the replica runs it
-                record_eval(step + 1, executor.evaluate(heldout, score,
-                                                        samples_path=run_dir / f"eval_step_{step + 1}.jsonl"))
+        checkpointed = config.checkpoint.every and (step + 1) % config.checkpoint.every == 0
+        if eval_due(step + 1):
+            if checkpointed and reporter_rank != 0:
+                # Rank 0 has committed step_<step + 1>, whose runner state the reporter updates below.
+                dist.barrier()
+            if evaluates:
+                with controller.guard():  # collective over a TP group: every rank of the replica runs it
+                    accuracy = executor.evaluate(heldout, score,
+                                                 samples_path=run_dir / f"eval_step_{step + 1}.jsonl")
+                record_eval(step + 1, accuracy)
+            if checkpointed and reporter:
+                # The evaluation after the checkpoint's tick belongs to its history: a run resumed
+                # from it must list it (its weights are the generator's of then, not the resumed run's).
+                write_json(step_dir(checkpoint_dir, step + 1) / RUNNER_STATE, runner_state())
         if not leader:
             return
         for index, (section, values) in enumerate(sections.items()):
@@ -134,20 +221,29 @@ def run_pipeline(pipeline: Pipeline, config, *, recipe: str, heldout: list[Probl
             loggers[section].log(step, metrics)
 
     def base_evaluation():
-        # A resumed run's weights are not the base model's: reuse the first run's base evaluation.
-        earlier = resume_dir.parents[1] / "eval_base.jsonl" if resume_dir is not None else None
-        if earlier is not None and earlier.is_file():
-            scores = [json.loads(line)["score"] for line in earlier.read_text().splitlines() if line.strip()]
-            summary["base_accuracy"] = sum(scores) / max(len(scores), 1)
+        if resume_dir is None:
+            summary["base_accuracy"] = executor.evaluate(heldout, score,
+                                                         samples_path=run_dir / "eval_base.jsonl")
+            record_eval(0, summary["base_accuracy"])
             return
-        summary["base_accuracy"] = executor.evaluate(heldout, score, samples_path=run_dir / "eval_base.jsonl")
-        record_eval(0, summary["base_accuracy"])
+        # A resumed run's weights are not the base model's: reuse the first run's base evaluation.
+        base = next((e["accuracy"] for e in evals if e["step"] == 0), None)
+        earlier = resume_dir.parents[1] / "eval_base.jsonl"
+        if base is None and earlier.is_file():
+            scores = [json.loads(line)["score"] for line in earlier.read_text().splitlines() if line.strip()]
+            base = sum(scores) / max(len(scores), 1)
+        if base is not None:
+            summary["base_accuracy"] = base
+        if eval_due(start_step) and not any(e["step"] == start_step for e in evals):
+            # Due after the checkpoint's tick but not recorded: the interrupted run died before it.
+            record_eval(start_step, executor.evaluate(heldout, score,
+                                                      samples_path=run_dir / f"eval_step_{start_step}.jsonl"))
 
     export_dir = run_dir / "hf" if config.export.final or config.export.every else None
     controller = ExecutorController(ctx, executor, channels, max_steps=run.max_steps,
                                     executor_order=pipeline.order, init_channels=init_channels,
                                     checkpoint_every=config.checkpoint.every, checkpoint_keep=config.checkpoint.keep,
-                                    checkpoint_dir=run_dir / "checkpoints", on_tick=on_tick,
+                                    checkpoint_dir=checkpoint_dir, on_tick=on_tick,
                                     resume_dir=resume_dir, start_step=start_step,
                                     export_every=config.export.every, export_dir=export_dir,
                                     before_loop=base_evaluation if evaluates else None,
@@ -178,11 +274,18 @@ def run_pipeline(pipeline: Pipeline, config, *, recipe: str, heldout: list[Probl
     controller.finish()
     result = None
     if reporter:
-        all_spans = [s for f in sorted((run_dir / "timeline").glob("rank*.json")) for s in json.loads(f.read_text())]
+        # This world's ranks only: an earlier segment of a resumed run may have had more.
+        all_spans = [s for r in range(ctx.world_size)
+                     for s in json.loads((run_dir / "timeline" / f"rank{r}.json").read_text())]
         write_chrome_trace(run_dir, all_spans)
         write_timeline_png(run_dir, all_spans, title=f"{recipe}: {pipeline.title}" if pipeline.title else recipe)
-        result = {**summary, "num_steps": run.max_steps, "wall_seconds": time.time() - wall_start,
-                  **pipeline.summary, **_throughput(run_dir)}
+        last = step_dir(checkpoint_dir, run.max_steps)
+        if run.max_steps > start_step and (last / COMPLETE_MARKER).is_file():
+            # This run's checkpoint of its last step: with the final evaluation, its state is the
+            # whole run's, for a later resume that trains further (--run.max-steps raised).
+            write_json(last / RUNNER_STATE, runner_state())
+        result = {**summary, "num_steps": run.max_steps, "wall_seconds": elapsed(),
+                  "resumed_from_step": resumed_from, **pipeline.summary, **_throughput(run_dir)}
         if peak_gib is not None:
             result["peak_gpu_memory_gib"] = peak_gib
         (run_dir / "summary.json").write_text(json.dumps(result, indent=2))
@@ -192,6 +295,26 @@ def run_pipeline(pipeline: Pipeline, config, *, recipe: str, heldout: list[Probl
                         result["num_steps"], result["wall_seconds"], run_dir / "summary.json")
     ctx.destroy()
     return result
+
+
+def _finished_summary(run_dir: Path, resume_dir: Path, step: int, max_steps: int) -> dict | None:
+    """The summary of a run that already finished, when resuming it would only redo its end; else None.
+
+    Finished: ``resume_dir`` is this run directory's newest complete checkpoint (so nothing would
+    be abandoned) and ``summary.json`` there reports ``max_steps`` steps. The summary is written
+    after the final evaluation and export, and a resume moves it aside first, so one that is there
+    belongs to this directory's timeline, which ended. A higher ``--run.max-steps`` or an older
+    checkpoint is not finished: the run trains on."""
+    path = run_dir / "summary.json"
+    checkpoints = run_dir / "checkpoints"
+    own = resume_dir.resolve().parent == checkpoints.resolve()
+    if not own or not path.is_file() or complete_steps(checkpoints)[-1:] != [step]:
+        return None
+    try:
+        summary = json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError):
+        return None
+    return summary if summary.get("num_steps") == max_steps else None
 
 
 def _peak_device_memory_gib(ctx: ExecutorContext) -> float | None:

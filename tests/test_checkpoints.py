@@ -14,6 +14,7 @@ from test_trainer import setup  # noqa: F401 - a fixture: tiny model + batch
 
 from llamarl.checkpoint import (
     COMPLETE_MARKER,
+    archive_after,
     commit_step,
     complete_steps,
     partial_dir,
@@ -89,3 +90,45 @@ def test_resume_errors_are_one_line_and_name_the_problem(tmp_path):
         resolve_resume(str(tmp_path / "step_3"), tmp_path)
     with pytest.raises(ValueError, match="'latest' or a .../step_<n>"):
         resolve_resume(str(tmp_path / "elsewhere"), tmp_path)
+
+
+def test_archive_after_moves_only_what_follows_the_resumed_step(tmp_path):
+    """Resuming at step 4 of a run that reached 8: its later checkpoints, exports, evaluation samples,
+    final artefacts and metric records of ticks >= 4 move to one archive; its history up to 4 stays."""
+    run = tmp_path / "run"
+    root = run / "checkpoints"
+    for step in (2, 4, 6, 8):
+        make_step(root, step)
+    make_step(root, 10, complete=False)
+    for name in ("hf/step_4", "hf/step_8", "hf/final"):
+        (run / name).mkdir(parents=True)
+    for name in ("eval_base.jsonl", "eval_step_4.jsonl", "eval_step_6.jsonl", "eval_final.jsonl",
+                 "summary.json"):
+        (run / name).write_text("{}\n")
+    (run / "metrics").mkdir()
+    lines = [json.dumps({"step": t, "loss": float(t)}) for t in range(9)]
+    cut = '{"step": 9, "lo'  # a write cut short by a kill
+    (run / "metrics" / "trainer.jsonl").write_text("\n".join(lines) + "\n" + cut)
+    (run / "metrics" / "reward.jsonl").write_text("\n".join(lines[:3]) + "\n")  # nothing after tick 3
+
+    archive, moved = archive_after(run, 4)
+    assert archive.parent == run and archive.name.startswith("abandoned-")
+    assert complete_steps(root) == [2, 4] and sorted(p.name for p in root.iterdir()) == ["step_2", "step_4"]
+    assert resolve_resume("latest", root) == (root / "step_4", 4)
+    assert complete_steps(archive / "checkpoints") == [6, 8]
+    assert (archive / "checkpoints" / "step_10.partial").is_dir()
+    assert sorted(p.name for p in (run / "hf").iterdir()) == ["step_4"]
+    assert sorted(p.name for p in (archive / "hf").iterdir()) == ["final", "step_8"]
+    assert sorted(p.name for p in run.glob("*.json*")) == ["eval_base.jsonl", "eval_step_4.jsonl"]
+    assert (archive / "summary.json").is_file() and (archive / "eval_final.jsonl").is_file()
+    assert (run / "metrics" / "trainer.jsonl").read_text() == "".join(line + "\n" for line in lines[:4])
+    assert (run / "metrics" / "reward.jsonl").read_text() == "".join(line + "\n" for line in lines[:3])
+    assert (archive / "metrics" / "trainer.jsonl").read_text().splitlines() == [*lines[4:], cut]
+    assert not (archive / "metrics" / "reward.jsonl").exists()
+    assert "metrics/trainer.jsonl (6 records)" in moved and "checkpoints/step_6" in moved
+    assert json.loads((archive / "ABANDONED.json").read_text())["resumed_at_step"] == 4
+    # Nothing left after step 4: no second archive.
+    assert archive_after(run, 4) is None
+    # Resuming further back archives again, beside the first archive.
+    second, _ = archive_after(run, 2)
+    assert second != archive and complete_steps(root) == [2] and complete_steps(second / "checkpoints") == [4]

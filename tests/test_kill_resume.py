@@ -69,10 +69,23 @@ def test_sigkill_then_resume_latest_equals_an_uninterrupted_run(tmp_path):
     print(NAMED_LINE.search(stderr).group(0))
     assert not (killed / "summary.json").exists()
 
+    latest = max(int(p.name[5:]) for p in (killed / "checkpoints").glob("step_*")
+                 if (p / "COMPLETE.json").is_file())
+    state = json.loads((killed / "checkpoints" / f"step_{latest}" / "runner_state.json").read_text())
     check(run_torchrun("e2e_arithmetic.py", nproc=3, env=env,
                        args=[*args(model_dir, killed), "--checkpoint.resume", "latest"]))
+    # What the killed run did after its last checkpoint is archived: each tick is logged once.
+    for executor in ("generator", "reward", "trainer"):
+        lines = (killed / "metrics" / f"{executor}.jsonl").read_text().splitlines()
+        logged = [json.loads(line)["step"] for line in lines]
+        assert logged == sorted(set(logged)), executor
     for executor, key in (("generator", "gen_data_position"), ("reward", "reward_mean"), ("trainer", "loss")):
         expected, got = per_step(straight, executor, key), per_step(killed, executor, key)
         assert sorted(got) == sorted(expected) and len(expected) >= STEPS // 2, (executor, sorted(got))
         assert got == pytest.approx(expected, rel=1e-6, abs=1e-9), executor
-    assert json.loads((killed / "summary.json").read_text())["num_steps"] == STEPS
+    summary = json.loads((killed / "summary.json").read_text())
+    assert summary["num_steps"] == STEPS and summary["resumed_from_step"] == [latest]
+    # The base evaluation of the killed run and the final one of the resumed run; wall time of both.
+    assert [e["step"] for e in summary["evals"]] == [0, STEPS]
+    assert summary["base_accuracy"] == json.loads((straight / "summary.json").read_text())["base_accuracy"]
+    assert summary["wall_seconds"] > state["elapsed_seconds"]
