@@ -127,8 +127,11 @@ class AlgoConfig:
     """Policy loss, by registered name (``llamarl.algorithms.registry.register_policy_loss``): built in
     ``aipo`` (LlamaRL), ``decoupled_ppo`` (AReaL) and ``ppo`` (coupled PPO/GRPO, on-policy baseline)."""
     prox: Literal["recompute", "loglinear"] = "recompute"
-    """Proximal policy for decoupled PPO: a no-grad forward before the update, or A-3PO's
-    log-linear interpolation between behaviour and current log-probs."""
+    """Proximal policy for decoupled PPO, defined as AReaL does: the trainer's policy before the
+    batch's first optimizer step. ``recompute`` computes it (a no-grad forward before the update);
+    ``loglinear`` approximates it (A-3PO) by interpolating each token's log-prob linearly in the
+    version between the behaviour policy and the current weights: exact where log-probs move
+    linearly with the version, and equal to ``recompute`` in the first minibatch."""
     rho: float = 4.0
     """AIPO one-sided clip of the importance ratio (typical 2..10)."""
     eps_clip: float = 0.2

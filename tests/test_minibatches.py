@@ -108,7 +108,8 @@ def reference_minibatch_sgd(model_dir, batch, k, prox_mode):
     """k minibatches of whole groups (sorted group ids cut into k runs, sizes differing by <= 1),
     one SGD step each on the decoupled PPO loss (AReaL eq. 3) with the minibatch's own token mean.
     ``recompute``: pi_prox is the policy before the first step, for every minibatch; ``loglinear``:
-    A-3PO's interpolation with the trainer's version at that step. A minibatch whose samples all
+    A-3PO's interpolation between the token's version and the trainer's at that step, at the
+    version before the first step. A minibatch whose samples all
     have zero advantage makes no step. Returns the weights, the last step's clipped gradients, the
     losses, the loss tokens of the steps and the number of steps."""
     model, _ = load_causal_lm(str(model_dir))
@@ -131,9 +132,12 @@ def reference_minibatch_sgd(model_dir, batch, k, prox_mode):
         if prox_mode == "recompute":
             prox = prox_before
         else:
+            # AReaL's definition (prox.py): the policy before the first step, version CURRENT_VERSION,
+            # interpolated between the token's version and this step's.
             d = (version - batch["versions"]).float()
-            alpha = torch.where(d >= 1, 1.0 / d.clamp(min=1), torch.zeros_like(d))
-            prox = (alpha * behav + (1 - alpha) * logp.detach()).detach()
+            gap = (CURRENT_VERSION - batch["versions"]).float()
+            alpha = torch.where(d >= 1, gap / d.clamp(min=1), torch.zeros_like(d)).clamp(0, 1)
+            prox = (behav + alpha * (logp.detach() - behav)).detach()
         w = torch.exp(prox - behav)
         u = torch.exp(logp - prox)
         per_token = -w * torch.minimum(u * adv, u.clamp(1 - EPS, 1 + EPS) * adv)

@@ -77,10 +77,10 @@ def reference_gradients(model_dir, batch, loss_name, *, normalize_batch=False):
     if loss_name == "aipo":
         weight = torch.exp(logp - behav).clamp(max=RHO).detach()
         per_token = -weight * A * logp
-    else:  # decoupled PPO with A-3PO log-linear prox: alpha = 1/d (d >= 1), 0 at d = 0
+    else:  # decoupled PPO with the log-linear prox; one minibatch: the weights are the proximal
+        # policy's (v_theta = v_prox), so prox = sg[logp] on stale tokens and mu's on fresh ones (prox.py)
         d = (CURRENT_VERSION - batch["versions"]).float()
-        alpha = torch.where(d >= 1, 1.0 / d.clamp(min=1), torch.zeros_like(d))
-        prox = (alpha * behav + (1 - alpha) * logp.detach()).detach()
+        prox = torch.where(d >= 1, logp.detach(), behav).detach()
         w = torch.exp(prox - behav)
         u = torch.exp(logp - prox)
         per_token = -w * torch.minimum(u * A, u.clamp(1 - EPS, 1 + EPS) * A)

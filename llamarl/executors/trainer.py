@@ -8,10 +8,11 @@ Input (channel ``scored``, SCATTERed so prompt groups are whole on each rank): r
 
 Each batch:
 1. advantages from the group baseline (``--algo.advantage``), over whole groups;
-2. with ``--algo.prox recompute``, the proximal log-probs of every row the loss will forward, ONCE,
-   with the weights before the first minibatch (no-grad, ``sequence_logprobs``); A-3PO's
-   ``loglinear`` prox is computed inside each micro-batch from the behaviour log-probs, the current
-   log-probs and the token's staleness at that optimizer step;
+2. the proximal policy is the one before the batch's first optimizer step (``algorithms/prox.py``,
+   AReaL's definition): with ``--algo.prox recompute`` its log-probs of every row the loss will
+   forward, ONCE (no-grad, ``sequence_logprobs``); A-3PO's ``loglinear`` approximates them inside
+   each micro-batch from the behaviour log-probs, the current log-probs and the versions of the
+   token, of the proximal policy and of the current weights;
 3. the prompt groups of the whole batch (every rank's) are cut into k minibatches in group-id order
    (``minibatches``: the split does not depend on the number of ranks), and each is one optimizer
    step (``train_minibatch``), every rank taking part in each, with or without rows of it:
@@ -95,6 +96,7 @@ class TrainerExecutor(Executor):
         self.model = None
         self.nonfinite_streak = self.nonfinite_total = 0
         self._prox_timings: list = []  # this batch's proximal-policy timings (``prox_seconds``)
+        self._prox_version = 0  # the version before this batch's first optimizer step (prox.py)
 
     def init(self) -> None:
         torch.set_num_threads(self.config.num_threads)
@@ -248,6 +250,8 @@ class TrainerExecutor(Executor):
         batch = self.prepare(batch.to(self.ctx.device))
         spec = get_policy_loss(self.algo.loss)
         self._prox_timings = []
+        # The proximal policy is the one before this batch's first optimizer step (prox.py).
+        self._prox_version = self.version
         if spec.needs_prox and self.algo.prox == "recompute":
             timer = device_timer(self.ctx.device)
             # Once, with the weights before the first minibatch's update. Rows the loop can forward:
@@ -388,7 +392,8 @@ class TrainerExecutor(Executor):
                 prox = sub["prox_logp"][:, :length]
             else:
                 timer = device_timer(self.ctx.device)
-                prox = loglinear_prox_logp(behav, logp, sub["versions"][:, :length], self.version, mask=mask)
+                prox = loglinear_prox_logp(behav, logp, sub["versions"][:, :length], self.version,
+                                           prox_version=self._prox_version, mask=mask)
                 self._prox_timings.append(timer())
         loss, metrics = spec.fn(logp=logp, behav_logp=behav, prox_logp=prox, advantages=sub["advantages"], mask=mask,
                                 algo=self.algo, num_loss_tokens=total_tokens)
