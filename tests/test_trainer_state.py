@@ -1,5 +1,6 @@
 """Trainer state on disk for what users run: tied embeddings, and a save before the first update."""
 
+import json
 import sys
 from pathlib import Path
 
@@ -74,3 +75,14 @@ def test_the_trainer_refuses_batches_whose_groups_it_cannot_trust(tied, tmp_path
     assert no_size.startswith("trainer input: the batch has no metadata['group_size']")
     # The test batch's first group (id 7) is rows 0-1; without row 0 it has one row.
     assert partial.startswith("trainer input: group 7 has 1 rows, but the batch's group_size is 2")
+
+
+def test_a_forward_without_backward_leaves_every_parameter_sharded(tied, tmp_path):
+    """FSDP2 keeps the root's parameters whole after a forward until a backward; a no-grad forward
+    (the proximal policy's, a reference policy's) has none, and a weight read would copy wrong rows."""
+    tmp, model_dir = tied
+    out = tmp_path / "whole.json"
+    check(run_torchrun("reshard_world.py", nproc=2,
+                       args=[str(model_dir), str(tmp / "batch.safetensors"), str(tmp_path / "c"), str(out), "no-grad"]))
+    for rank in (0, 1):
+        assert json.loads(Path(f"{out}.rank{rank}").read_text()) == []

@@ -32,6 +32,7 @@ from llamarl.algorithms.logprobs import completion_logprobs
 from llamarl.batch import TensorBatch
 from llamarl.data.packing import check_token_counts, pack_microbatches
 from llamarl.models import shared_prefix
+from llamarl.models.sharding import reshard_after_no_grad
 
 __all__ = ["microbatch_inputs", "microbatch_logprobs", "plan_microbatches", "sequence_logprobs"]
 
@@ -141,7 +142,7 @@ def sequence_logprobs(model: torch.nn.Module, batch: TensorBatch, *, temperature
     every rank of the group must call it (a rank with an empty batch runs dummy forwards and gets
     an empty ``[0, L]`` tensor). Each value is exactly what the same micro-batch's forward gives
     inside a training loop with the same packing. The model is used in whatever train / eval mode
-    it is in. ``device``: where the result (and a dummy's inputs) live; the batch should be there.
+    it is in, and an FSDP2 model is left resharded (``reshard_after_no_grad``). ``device``: where the result (and a dummy's inputs) live; the batch should be there.
     ``share_prompts``: forward each distinct context once (``microbatch_logprobs``);
     ``microbatch_rows``: fixed micro-batches (``plan_microbatches``).
     """
@@ -157,4 +158,5 @@ def sequence_logprobs(model: torch.nn.Module, batch: TensorBatch, *, temperature
         if rows is not None:
             index_rows = torch.tensor(rows, dtype=torch.long, device=out.device)
             out[index_rows, : ids.shape[1]] = torch.where(mask.bool(), logp.float(), 0.0).to(out.device)
+    reshard_after_no_grad(model)  # no backward follows these forwards
     return out

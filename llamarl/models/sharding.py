@@ -7,7 +7,7 @@ a critic) and by the weight channel.
 from __future__ import annotations
 
 import torch
-from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 
 
@@ -24,6 +24,18 @@ def shard_model(model: torch.nn.Module, mesh, *, param_dtype: torch.dtype | None
         fully_shard(layer, mesh=mesh, mp_policy=mp_policy)
     fully_shard(model, mesh=mesh, mp_policy=mp_policy)
     return model
+
+
+def reshard_after_no_grad(model: torch.nn.Module) -> None:
+    """Put an FSDP2 model's parameters back into their shards after forwards without a backward.
+
+    FSDP2 leaves the root module's parameters (embeddings, final norm, lm_head) unsharded after a
+    forward, expecting the backward to need them; with no backward (a no-grad proximal or
+    reference forward, an evaluation), ``named_parameters()`` would keep returning the whole
+    tensors, and a weight read (DDMA, checkpoint, export) would copy wrong rows. A no-op for a
+    model that is not FSDP2-sharded or is already resharded."""
+    if isinstance(model, FSDPModule):
+        model.reshard()
 
 
 def full_named_parameters(model: torch.nn.Module) -> dict[str, torch.Tensor]:

@@ -5,6 +5,8 @@ save: one training step, then ``save_checkpoint(CKPT_DIR)``. load: ``load_checkp
 train: one training step only. save-train: ``save_checkpoint(CKPT_DIR)`` before any step, then one
 step (a save must not change what the step does). bad-groups: ``train_on`` a batch without
 ``group_size`` and one missing a group's row; OUT is then a text file of the two error messages.
+no-grad: ``sequence_logprobs`` (the proximal forward, no backward follows); OUT is then a JSON
+list of the parameters that are not DTensors afterwards (each rank: OUT.rank<r>).
 Either way rank 0 then writes the full parameters and the full AdamW state (``exp_avg.<name>``,
 ``exp_avg_sq.<name>``, ``step.<name>``) to OUT, and the version in its metadata.
 """
@@ -14,6 +16,7 @@ import os
 import sys
 from pathlib import Path
 
+import torch
 from safetensors.torch import load_file, save_file
 from torch.distributed.tensor import DTensor
 
@@ -45,6 +48,16 @@ def main() -> None:
             except ValueError as exc:
                 errors.append(str(exc))
         Path(out).write_text("\n".join(errors))
+        ctx.destroy()
+        return
+    if mode == "no-grad":
+        from llamarl.models.microbatch import sequence_logprobs
+
+        with torch.no_grad():
+            sequence_logprobs(trainer.model, trainer.prepare(shard), temperature=0.8, max_tokens_per_microbatch=4096,
+                              group=ctx.group, device=ctx.device)
+        whole = [n for n, p in trainer.model.named_parameters() if not isinstance(p, DTensor)]
+        Path(f"{out}.rank{ctx.rank}").write_text(json.dumps(whole))
         ctx.destroy()
         return
     if mode == "load":
