@@ -17,6 +17,7 @@ from pathlib import Path
 
 from huggingface_hub import constants, try_to_load_from_cache
 
+from llamarl.checkpoint import resolve_resume
 from llamarl.config import RLConfig
 from llamarl.models.loading import KNOWN_ALIASES
 
@@ -90,6 +91,11 @@ def validate_config(config: RLConfig, *, world_size: int) -> None:
     output = Path(config.run.output_dir or "runs")
     if not _writable(output):
         raise ValueError(f"--run.output-dir {output}: not writable")
+    resume = config.checkpoint.resume
+    if resume is not None and resume != "latest":
+        # A checkpoint path is checked here, before any process group: the one-line error of
+        # resolve_resume, not a traceback from every rank once the world exists.
+        resolve_resume(resume, Path(resume).parent)
     generator, trainer = config.generator, config.trainer
     if generator.max_new_tokens >= trainer.max_tokens_per_microbatch:
         raise ValueError(f"--generator.max-new-tokens {generator.max_new_tokens} leaves no room for a prompt in "
