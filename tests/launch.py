@@ -34,3 +34,18 @@ def check(proc: subprocess.CompletedProcess) -> None:
     if proc.returncode != 0:
         raise AssertionError(f"torchrun exited {proc.returncode}\n--- stdout ---\n{proc.stdout[-4000:]}"
                              f"\n--- stderr ---\n{proc.stderr[-8000:]}")
+
+
+def run_colocated_runs(runs: list[list[str]], *, plan_file: Path, env: dict[str, str] | None = None,
+                       timeout_s: float = 600) -> subprocess.CompletedProcess:
+    """Run several one-process colocated ``recipes.arithmetic`` runs (each a flag list) one after the
+    other in ONE Python process (``tests/worlds/colocated_runs.py``: a 1-rank world each, imports
+    paid once; what ``torchrun --nproc-per-node 1`` does for one run). ``plan_file`` gets the plan."""
+    import json
+
+    plan_file.write_text(json.dumps(runs))
+    python_path = os.pathsep.join(filter(None, [str(REPO), str(REPO / "tests"), os.environ.get("PYTHONPATH")]))
+    full_env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": python_path, "HF_HUB_OFFLINE": "1",
+                "TOKENIZERS_PARALLELISM": "false", **(env or {})}
+    return subprocess.run([sys.executable, str(REPO / "tests" / "worlds" / "colocated_runs.py"), str(plan_file)],
+                          cwd=REPO, env=full_env, capture_output=True, text=True, timeout=timeout_s, check=False)

@@ -126,19 +126,8 @@ def test_colocated_learns_the_tiny_task(tmp_path, model_dir):
     assert [r["gen_version"] for r in generator][:3] == [0, 1, 2]
 
 
-def test_colocated_resume_is_exact(tmp_path, model_dir):
-    """4 ticks straight == 2 ticks, checkpoint, resume for 2 more: the same final weights bitwise."""
-    import torch
-
-    common = ["--run.schedule", "colocated", "--run.max-steps", "4", "--checkpoint.every", "2",
-              "--generator.token-budget", "5", "--trainer.lr", "1e-3", "--export.every", "2"]
-    straight = run(tmp_path, model_dir, "straight", nproc=1, args=common)
-    resumed = run(tmp_path, model_dir, "resumed", nproc=1, args=[
-        *common, "--checkpoint.resume", str(straight / "checkpoints" / "step_2")])
-    a, b = exported(straight), exported(resumed)
-    middle = exported(straight, "step_2")
-    assert any(not torch.equal(middle[k], a[k]) for k in a), "ticks 2-3 did not train"
-    assert all(torch.equal(a[k], b[k]) for k in a)
+# Colocated checkpoint -> exact resume: tests/test_model_families.py (every family) and
+# tests/test_default_model.py (SmolLM2).
 
 
 def test_evaluations_do_not_change_training(tmp_path, model_dir):

@@ -9,7 +9,7 @@ import torch
 from safetensors.torch import load_file
 
 sys.path.insert(0, str(Path(__file__).parent))
-from launch import check, run_torchrun
+from launch import check, run_colocated_runs
 
 # Keys that measure time, not what was computed.
 TIMING = ("seconds", "per_s", "time")
@@ -29,10 +29,10 @@ def test_smollm2_checkpoints_and_resumes_to_the_same_run(tmp_path):
     # A reward SmolLM2's answers split on (the first character's parity), so every tick trains.
     env = {"LLAMARL_TEST_SCORER": "scorers_for_tests:first_char_even"}
     straight, resumed = tmp_path / "straight", tmp_path / "resumed"
-    check(run_torchrun("e2e_arithmetic.py", nproc=1, timeout_s=400, env=env,
-                       args=[*common, "--run.output-dir", str(straight)]))
-    check(run_torchrun("e2e_arithmetic.py", nproc=1, timeout_s=400, env=env, args=[
-        *common, "--run.output-dir", str(resumed), "--checkpoint.resume", str(straight / "checkpoints" / "step_1")]))
+    check(run_colocated_runs([
+        [*common, "--run.output-dir", str(straight)],
+        [*common, "--run.output-dir", str(resumed), "--checkpoint.resume", str(straight / "checkpoints" / "step_1")],
+    ], plan_file=tmp_path / "runs.json", env=env, timeout_s=400))
     # The tied pair is one tensor in the checkpoint (no "share memory" crash), once in the export.
     assert (straight / "checkpoints" / "step_1" / "COMPLETE.json").is_file()
     final, again = load_file(str(straight / "hf" / "final" / "model.safetensors")), \

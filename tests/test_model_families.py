@@ -4,9 +4,10 @@ Per family (tied and untied Llama, Qwen2, Qwen3, Mistral, Gemma2; SmolLM2's chat
 
 - in process: the native engine's greedy tokens == HF ``generate`` and its log-probs == a forward;
   the trainer's shared-prompt and per-row log-probs == a plain forward;
-- a 3-rank world (``tp_world.py``): a TP-2 generator gives the TP-1 greedy tokens, and DDMA from
+- one 3-rank world for all families (``tp_world.py``): a TP-2 generator gives the TP-1 greedy tokens, and DDMA from
   an FSDP2 trainer gives it the trainer's weights bitwise, each TP rank exactly its shard;
-- a colocated recipe run with a checkpoint after tick 1, and a run resumed from it: bitwise the
+- a colocated recipe run with a checkpoint after tick 1, and a run resumed from it (every family's
+  runs in one process, ``colocated_runs.py``, so the imports are paid once): bitwise the
   same final weights; the final HF export loads with ``from_pretrained`` and HF ``generate`` on it
   writes the run's own final greedy evaluation, text for text.
 """
@@ -20,7 +21,7 @@ import torch
 from safetensors.torch import load_file
 
 sys.path.insert(0, str(Path(__file__).parent))
-from launch import check, run_torchrun
+from launch import check, run_colocated_runs, run_torchrun
 from model_families import FAMILIES, build_family, chat_tokenizer, save_family
 
 from llamarl.algorithms.logprobs import completion_logprobs
@@ -33,13 +34,52 @@ from recipes.arithmetic import prompt_fn
 
 QUESTIONS = ["What is 12 + 7?", "Name a colour.", "2 + 2 ="]
 TEMPERATURE = 0.7
+NAMES = list(FAMILIES)
+# One colocated run: 2 ticks with a checkpoint after each, fp32 generation (its weights are then
+# the trainer's exactly, so the final evaluation is what the export must reproduce).
+COLOCATED = ["--run.schedule", "colocated", "--run.max-steps", "2", "--checkpoint.every", "1",
+             "--checkpoint.keep", "0", "--generator.dtype", "float32", "--generator.max-new-tokens", "6",
+             "--generator.num-prompts-per-step", "2", "--generator.temperature", "1.0", "--trainer.lr", "1e-3",
+             "--reward.num-workers", "0", "--run.num-eval-problems", "3", "--run.device-guard"]
 
 
-@pytest.fixture(scope="module", params=list(FAMILIES))
-def family(request, tmp_path_factory):
-    """``(name, HF directory)`` of each family's tiny model."""
-    name = request.param
-    return name, save_family(tmp_path_factory.mktemp(name) / "model", name)
+@pytest.fixture(scope="module")
+def family_dirs(tmp_path_factory):
+    """``{family: HF directory}`` of every family's tiny model."""
+    root = tmp_path_factory.mktemp("families")
+    return {name: save_family(root / name / "model", name) for name in NAMES}
+
+
+@pytest.fixture(scope="module")
+def tp_worlds(family_dirs, tmp_path_factory):
+    """Every family through ``tp_world.py`` in one 3-rank world: ``{family: output directory}``."""
+    root = tmp_path_factory.mktemp("tp")
+    outs = {name: root / name for name in NAMES}
+    args = []
+    for name in NAMES:
+        outs[name].mkdir()
+        args += [str(family_dirs[name]), str(outs[name])]
+    check(run_torchrun("tp_world.py", nproc=3, args=args, timeout_s=400))
+    return outs
+
+
+@pytest.fixture(scope="module")
+def colocated_runs(family_dirs, tmp_path_factory):
+    """Per family, a colocated run straight through and one resumed from its tick-1 checkpoint, all in
+    one process (``colocated_runs.py``): ``{family: (straight run dir, resumed run dir)}``."""
+    root = tmp_path_factory.mktemp("colocated")
+    runs, plan = {}, []
+    for name in NAMES:
+        straight, resumed = root / name / "straight", root / name / "resumed"
+        runs[name] = (straight, resumed)
+        model = ["--model.name", str(family_dirs[name])]
+        plan.append([*model, *COLOCATED, "--run.output-dir", str(straight)])
+        plan.append([*model, *COLOCATED, "--run.output-dir", str(resumed),
+                     "--checkpoint.resume", str(straight / "checkpoints" / "step_1")])
+    proc = run_colocated_runs(plan, plan_file=root / "runs.json",
+                              env={"LLAMARL_TEST_SCORER": "scorers_for_tests:first_char_even"})
+    check(proc)
+    return runs
 
 
 def prompts() -> list[list[int]]:
@@ -53,8 +93,8 @@ def hf_greedy(model, prompt: list[int], max_new_tokens: int) -> list[int]:
     return out[0, ids.shape[1]:].tolist()
 
 
-def test_native_greedy_equals_hf_generate_and_its_logprobs_a_forward(family):
-    name, _ = family
+@pytest.mark.parametrize("name", NAMES)
+def test_native_greedy_equals_hf_generate_and_its_logprobs_a_forward(name):
     model = build_family(name)
     engine = TorchEngine(model, eos_token_ids=stop_token_ids(model, chat_tokenizer()), pad_token_id=0)
     outs = engine.generate([Request(i, p) for i, p in enumerate(prompts())],
@@ -68,8 +108,8 @@ def test_native_greedy_equals_hf_generate_and_its_logprobs_a_forward(family):
         torch.testing.assert_close(torch.tensor(out.logprobs), want, rtol=0, atol=1e-4)
 
 
-def test_trainer_logprobs_shared_and_per_row_equal_a_plain_forward(family):
-    name, _ = family
+@pytest.mark.parametrize("name", NAMES)
+def test_trainer_logprobs_shared_and_per_row_equal_a_plain_forward(name):
     model = build_family(name)
     gen = torch.Generator().manual_seed(0)
     rows = [(p, torch.randint(10, 40000, (int(k),), generator=gen).tolist())
@@ -99,11 +139,9 @@ def test_trainer_logprobs_shared_and_per_row_equal_a_plain_forward(family):
             torch.testing.assert_close(shared, expected, rtol=1e-5, atol=1e-4)
 
 
-def test_tp2_generator_and_ddma_match_tp1_and_the_trainer(family, tmp_path):
-    _, model_dir = family
-    out = tmp_path / "tp"
-    out.mkdir()
-    check(run_torchrun("tp_world.py", nproc=3, args=[str(model_dir), str(out)], timeout_s=240))
+@pytest.mark.parametrize("name", NAMES)
+def test_tp2_generator_and_ddma_match_tp1_and_the_trainer(name, tp_worlds):
+    out = tp_worlds[name]
     read = lambda name: json.loads((out / name).read_text())
     for phase in ("greedy", "greedy2"):
         want = read(f"{phase}_tp1.json")
@@ -128,19 +166,10 @@ def test_tp2_generator_and_ddma_match_tp1_and_the_trainer(family, tmp_path):
     assert sharded >= 2 * 2 * 7  # 2 ranks x 2 layers x 7 projections at least
 
 
-def test_colocated_checkpoint_resume_and_export(family, tmp_path):
-    _, model_dir = family
-    common = ["--model.name", str(model_dir), "--run.schedule", "colocated", "--run.max-steps", "2",
-              "--checkpoint.every", "1", "--generator.dtype", "float32", "--generator.max-new-tokens", "6",
-              "--generator.num-prompts-per-step", "2", "--generator.temperature", "1.0", "--trainer.lr", "1e-3",
-              "--reward.num-workers", "0", "--run.num-eval-problems", "3", "--run.device-guard"]
-    env = {"LLAMARL_TEST_SCORER": "scorers_for_tests:first_char_even"}
-    runs = {}
-    for name, extra in (("straight", []), ("resumed", ["--checkpoint.resume", "STRAIGHT/checkpoints/step_1"])):
-        runs[name] = tmp_path / name
-        extra = [a.replace("STRAIGHT", str(runs["straight"])) for a in extra]
-        check(run_torchrun("e2e_arithmetic.py", nproc=1, timeout_s=300, env=env,
-                           args=[*common, "--run.output-dir", str(runs[name]), *extra]))
+@pytest.mark.parametrize("name", NAMES)
+def test_colocated_checkpoint_resume_and_export(name, family_dirs, colocated_runs):
+    runs = dict(zip(("straight", "resumed"), colocated_runs[name]))
+    model_dir = family_dirs[name]
     straight, resumed = (load_file(str(runs[n] / "hf" / "final" / "model.safetensors")) for n in runs)
     assert sorted(straight) == sorted(resumed)
     for param, tensor in straight.items():

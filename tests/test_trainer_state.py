@@ -35,15 +35,19 @@ def world(tmp, model_dir, ckpt, out, mode, nproc):
         return {k: f.get_tensor(k) for k in f.keys()}  # noqa: SIM118 - safe_open is not iterable
 
 
-@pytest.mark.parametrize(("save_ranks", "load_ranks"), [(2, 1), (1, 2)])
+@pytest.mark.parametrize(("save_ranks", "load_ranks"), [(2, 1), (1, 2), (2, 2)])
 def test_tied_model_saves_once_and_reloads_bitwise_on_any_ranks(tied, tmp_path, save_ranks, load_ranks):
+    """Weights and every AdamW moment saved by N ranks load onto M ranks unchanged."""
     tmp, model_dir = tied
     ckpt = tmp_path / "ckpt"
     before = world(tmp, model_dir, ckpt, tmp_path / "saved.st", "save", save_ranks)
     after = world(tmp, model_dir, ckpt, tmp_path / "loaded.st", "load", load_ranks)
     assert sorted(before) == sorted(after) and "exp_avg.model.embed_tokens.weight" in before
+    assert any(k.startswith("exp_avg_sq.") for k in before)
     for key, tensor in before.items():
         assert torch.equal(after[key], tensor), key
+    # Nothing in the checkpoint needs unpickling: only safetensors and JSON files.
+    assert {p.suffix for p in (ckpt / "state").iterdir()} == {".safetensors", ".json"}
     # The tied tensor is stored once; the other key is recorded as its alias.
     with safe_open(str(ckpt / "state" / "rank0.safetensors"), "pt") as f:
         stored = set(f.keys())

@@ -1,6 +1,9 @@
 """Tensor-parallel generator (tp=2) next to a 1-rank trainer, in one 3-rank gloo world.
 
-usage: tp_world.py MODEL_DIR OUT_DIR
+usage: tp_world.py MODEL_DIR OUT_DIR [MODEL_DIR OUT_DIR ...]
+
+Each (MODEL_DIR, OUT_DIR) pair is run in turn in the same world (the model-family matrix runs
+every family through one world start-up).
 
 Ranks 0-1 are the generator (``ExecutorSpec("generator", 2, tp=2)``: one TP group), rank 2 the
 trainer. Every rank writes ``OUT_DIR/mesh<rank>.json`` (its mesh and coordinates). Then:
@@ -132,7 +135,7 @@ def run_generator(ctx, model_dir: str, out: Path) -> None:
 
 
 def main() -> None:
-    model_dir, out = sys.argv[1], Path(sys.argv[2])
+    out = Path(sys.argv[2])  # the first pair's directory gets the mesh files
     ctx = ExecutorContext.create([ExecutorSpec("generator", 2, tp=2), ExecutorSpec("trainer", 1)], timeout_s=60,
                                  channel_endpoints=[("trainer", "generator")])
     mesh = ctx.mesh
@@ -142,10 +145,13 @@ def main() -> None:
         "mesh": mesh.mesh.tolist(), "tp_rank": ctx.tp_rank, "dp_rank": ctx.dp_rank, "tp_size": ctx.tp_size,
         "dp_size": ctx.dp_size, "tp_mesh": tp_mesh.mesh.tolist() if tp_mesh is not None else None,
         "tp_mesh_rank": tp_mesh.get_local_rank() if tp_mesh is not None else None})
-    if ctx.executor == "trainer":
-        run_trainer(ctx, model_dir, out)
-    else:
-        run_generator(ctx, model_dir, out)
+    pairs = list(zip(sys.argv[1::2], sys.argv[2::2]))
+    for model_dir, out in pairs:
+        out = Path(out)
+        if ctx.executor == "trainer":
+            run_trainer(ctx, model_dir, out)
+        else:
+            run_generator(ctx, model_dir, out)
     ctx.destroy()
 
 

@@ -1,0 +1,47 @@
+"""Several one-process colocated recipe runs in one Python process (the imports paid once).
+
+usage: colocated_runs.py RUNS.json
+
+RUNS.json: a list of argument lists for ``recipes.arithmetic`` (each a whole run; ``STRAIGHT`` style
+placeholders must already be resolved). Each run gets a world of its own: RANK 0 of WORLD_SIZE 1 on
+a fresh ``MASTER_PORT``, made and destroyed by the run itself, as under ``torchrun
+--nproc-per-node 1``. ``LLAMARL_TEST_SCORER`` swaps the scorer as in ``e2e_arithmetic.py``.
+"""
+
+import json
+import os
+import socket
+import sys
+
+import tyro
+
+from llamarl.executors.pipelines import run_rl
+from recipes.arithmetic import ArithmeticConfig, main, prompt_fn
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run(args: list[str]) -> None:
+    os.environ.update({"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "LOCAL_WORLD_SIZE": "1",
+                       "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())})
+    config = tyro.cli(ArithmeticConfig, args=args)
+    scorer = os.environ.get("LLAMARL_TEST_SCORER")
+    if scorer is None:
+        main(config)
+        return
+    from llamarl.data.arithmetic import ArithmeticTask
+    from llamarl.rewards import resolve_scorer
+
+    task = ArithmeticTask(num_digits=config.task.num_digits, seed=config.run.seed)
+    run_rl(config, recipe="arithmetic", task=task, heldout=task.heldout(config.run.num_eval_problems),
+           score=resolve_scorer(scorer), scorer=scorer, prompt_fn=prompt_fn)
+
+
+if __name__ == "__main__":
+    with open(sys.argv[1]) as f:
+        for arguments in json.load(f):
+            run(arguments)
