@@ -19,7 +19,7 @@ RUN_ARGS ?=
 
 .PHONY: run run-async test test-vllm test-gpu gsm8k-smoke lint
 # One process, colocated, both cores for whichever phase runs: on this 2-core machine the fastest to
-# 0.70 held-out accuracy on both CPU models measured (README, "Asynchrony on this machine": it learns
+# 0.70 held-out accuracy on both CPU models measured (docs/benchmarks.md, "Asynchrony on this machine": it learns
 # more per tick than async, whose ticks are shorter only where 2 threads scale poorly).
 run: .venv/.installed
 	OMP_NUM_THREADS=2 .venv/bin/torchrun --standalone --nproc-per-node 1 -m recipes.arithmetic \

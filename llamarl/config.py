@@ -72,7 +72,7 @@ class GeneratorConfig:
     same for few rows as for many (measured on one H100: 64 rows 103 ms, 512 rows 115 ms; LlamaRL
     Assumption 7.1), so carrying the long tail into the next tick's full batch beats decoding it
     in a shrinking batch while the trainer waits. Off on CPU, where a decode step costs in
-    proportion to its rows and partial rollouts were measured slower (README). ``off``: only an
+    proportion to its rows and partial rollouts were measured slower (docs/benchmarks.md). ``off``: only an
     explicit budget turns them on."""
     dtype: Literal["float32", "bfloat16"] = "float32"
     """Generator weights dtype; the weight channel casts the trainer's weights to it."""
@@ -245,7 +245,7 @@ class RunConfig:
     """Off-policy lag of ``async``. 1 (default): rollouts are scored within the tick they were
     generated (the reward step is milliseconds) and trained at the next, so the trainer starts at
     tick 1 and trains on data exactly one version old — measured faster per tick and to 0.70 held-out
-    accuracy than 2 on this project's benchmark (README, "Asynchrony on this machine"). 2: LlamaRL's
+    accuracy than 2 on this project's benchmark (docs/benchmarks.md, "Asynchrony on this machine"). 2: LlamaRL's
     Algorithm 1 as written (every channel delivers at the next tick: scored one tick, trained the
     next); worth it only when scoring is as slow as generating (a judge model), so that it too
     overlaps."""

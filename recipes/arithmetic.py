@@ -31,7 +31,7 @@ class ArithmeticConfig(RLConfig):
     """RL on seeded integer-addition problems (generated on the fly, no download)."""
 
     task: ArithmeticTaskConfig = field(default_factory=ArithmeticTaskConfig)
-    # Defaults tuned for `make run` on 2 CPU cores (see README): bf16 compute on both sides, the
+    # Defaults tuned for `make run` on 2 CPU cores (see docs/benchmarks.md): bf16 compute on both sides, the
     # trainer (the bottleneck) gets 2 threads, small frequent batches.
     generator: GeneratorConfig = field(default_factory=lambda: GeneratorConfig(
         num_prompts_per_step=16, samples_per_prompt=4, max_new_tokens=12, temperature=0.8, dtype="bfloat16",
