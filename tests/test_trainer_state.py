@@ -28,11 +28,31 @@ def tied(tmp_path_factory):
     return tmp, model_dir
 
 
-def world(tmp, model_dir, ckpt, out, mode, nproc):
-    check(run_torchrun("reshard_world.py", nproc=nproc,
-                       args=[str(model_dir), str(tmp / "batch.safetensors"), str(ckpt), str(out), mode]))
-    with safe_open(str(out), "pt") as f:
-        return {k: f.get_tensor(k) for k in f.keys()}  # noqa: SIM118 - safe_open is not iterable
+def world(tmp, model_dir, nproc, *jobs):
+    """Run ``reshard_world.py`` jobs ``(ckpt, out, mode)`` in one world; the tensors each OUT holds."""
+    args = [str(model_dir), str(tmp / "batch.safetensors")]
+    for ckpt, out, mode in jobs:
+        args += [str(ckpt), str(out), mode]
+    check(run_torchrun("reshard_world.py", nproc=nproc, args=args))
+    results = []
+    for _, out, mode in jobs:
+        if mode in ("save", "load", "train", "save-train"):
+            with safe_open(str(out), "pt") as f:
+                results.append({k: f.get_tensor(k) for k in f.keys()})  # noqa: SIM118 - not iterable
+    return results
+
+
+@pytest.fixture(scope="module")
+def one_rank(tied, tmp_path_factory):
+    """One 1-rank world: a step; a save before the step, then the step; a load of that save; batches
+    the trainer must refuse. ``(plain, saved_first, loaded, error lines)``."""
+    tmp, model_dir = tied
+    out = tmp_path_factory.mktemp("one_rank")
+    plain, saved_first, loaded = world(tmp, model_dir, 1, (out / "unused", out / "plain.st", "train"),
+                                       (out / "ckpt", out / "saved_first.st", "save-train"),
+                                       (out / "ckpt", out / "loaded.st", "load"),
+                                       (out / "unused", out / "errors.txt", "bad-groups"))
+    return plain, saved_first, loaded, (out / "errors.txt").read_text().splitlines()
 
 
 @pytest.mark.parametrize(("save_ranks", "load_ranks"), [(2, 1), (1, 2), (2, 2)])
@@ -40,8 +60,8 @@ def test_tied_model_saves_once_and_reloads_bitwise_on_any_ranks(tied, tmp_path, 
     """Weights and every AdamW moment saved by N ranks load onto M ranks unchanged."""
     tmp, model_dir = tied
     ckpt = tmp_path / "ckpt"
-    before = world(tmp, model_dir, ckpt, tmp_path / "saved.st", "save", save_ranks)
-    after = world(tmp, model_dir, ckpt, tmp_path / "loaded.st", "load", load_ranks)
+    (before,) = world(tmp, model_dir, save_ranks, (ckpt, tmp_path / "saved.st", "save"))
+    (after,) = world(tmp, model_dir, load_ranks, (ckpt, tmp_path / "loaded.st", "load"))
     assert sorted(before) == sorted(after) and "exp_avg.model.embed_tokens.weight" in before
     assert any(k.startswith("exp_avg_sq.") for k in before)
     for key, tensor in before.items():
@@ -54,28 +74,23 @@ def test_tied_model_saves_once_and_reloads_bitwise_on_any_ranks(tied, tmp_path, 
     assert "model/model.embed_tokens.weight" in stored and "model/lm_head.weight" not in stored
 
 
-def test_a_save_before_the_first_step_does_not_change_the_step(tied, tmp_path):
+def test_a_save_before_the_first_step_does_not_change_the_step(tied, one_rank):
     """AdamW state must not be created by a save: the first update is then the same as without it."""
-    tmp, model_dir = tied
-    plain = world(tmp, model_dir, tmp_path / "unused", tmp_path / "plain.st", "train", 1)
-    saved_first = world(tmp, model_dir, tmp_path / "ckpt", tmp_path / "saved_first.st", "save-train", 1)
+    _, model_dir = tied
+    plain, saved_first, loaded, _ = one_rank
     assert sorted(plain) == sorted(saved_first)
     for key, tensor in plain.items():
         assert torch.equal(saved_first[key], tensor), key
     assert plain["step.model.embed_tokens.weight"].item() == 1
     # ...and that checkpoint loads (model only; the optimizer starts fresh, as it had not stepped).
-    loaded = world(tmp, model_dir, tmp_path / "ckpt", tmp_path / "loaded.st", "load", 1)
     assert not any(k.startswith("exp_avg") for k in loaded)
     initial, _ = load_causal_lm(str(model_dir))
     for name, param in initial.named_parameters():
         assert torch.equal(loaded[name], param.detach()), name
 
 
-def test_the_trainer_refuses_batches_whose_groups_it_cannot_trust(tied, tmp_path):
-    tmp, model_dir = tied
-    check(run_torchrun("reshard_world.py", nproc=1, args=[str(model_dir), str(tmp / "batch.safetensors"),
-                                                          str(tmp_path / "c"), str(tmp_path / "e.txt"), "bad-groups"]))
-    no_size, partial = (tmp_path / "e.txt").read_text().splitlines()
+def test_the_trainer_refuses_batches_whose_groups_it_cannot_trust(one_rank):
+    no_size, partial = one_rank[3]
     assert no_size.startswith("trainer input: the batch has no metadata['group_size']")
     # The test batch's first group (id 7) is rows 0-1; without row 0 it has one row.
     assert partial.startswith("trainer input: group 7 has 1 rows, but the batch's group_size is 2")
@@ -86,7 +101,6 @@ def test_a_forward_without_backward_leaves_every_parameter_sharded(tied, tmp_pat
     (the proximal policy's, a reference policy's) has none, and a weight read would copy wrong rows."""
     tmp, model_dir = tied
     out = tmp_path / "whole.json"
-    check(run_torchrun("reshard_world.py", nproc=2,
-                       args=[str(model_dir), str(tmp / "batch.safetensors"), str(tmp_path / "c"), str(out), "no-grad"]))
+    world(tmp, model_dir, 2, (tmp_path / "c", out, "no-grad"))
     for rank in (0, 1):
         assert json.loads(Path(f"{out}.rank{rank}").read_text()) == []

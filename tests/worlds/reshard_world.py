@@ -1,6 +1,9 @@
 """Trainer checkpoint save on N ranks / load on M ranks (the whole world is the trainer).
 
-usage: reshard_world.py MODEL_DIR BATCH.safetensors CKPT_DIR OUT.safetensors save|load|train|save-train
+usage: reshard_world.py MODEL_DIR BATCH.safetensors CKPT_DIR OUT MODE [CKPT_DIR OUT MODE ...]
+
+Each (CKPT_DIR, OUT, MODE) runs in turn on a freshly built trainer in the same world (one start-up
+for several checks). MODE: save|load|train|save-train|bad-groups|no-grad.
 save: one training step, then ``save_checkpoint(CKPT_DIR)``. load: ``load_checkpoint(CKPT_DIR)``.
 train: one training step only. save-train: ``save_checkpoint(CKPT_DIR)`` before any step, then one
 step (a save must not change what the step does). bad-groups: ``train_on`` a batch without
@@ -31,14 +34,12 @@ def full(t):
     return t.full_tensor() if isinstance(t, DTensor) else t
 
 
-def main() -> None:
-    model_dir, batch_path, ckpt, out, mode = sys.argv[1:6]
-    ctx = ExecutorContext.create([ExecutorSpec("trainer", int(os.environ["WORLD_SIZE"]))], timeout_s=60)
+def run_mode(ctx, model_dir: str, batch: TensorBatch, ckpt: str, out: str, mode: str) -> None:
+    """One MODE (see the module docstring) on a freshly built trainer."""
     trainer = TrainerExecutor(ctx, model_config=ModelConfig(name=model_dir),
                               config=TrainerConfig(lr=1e-2, grad_clip=0.5), algo=AlgoConfig(), temperature=0.8)
     trainer.init()
     directory = Path(ckpt)
-    batch = TensorBatch(load_file(batch_path), {"group_size": 2})
     shard = batch.select(balanced_group_partition(batch, ctx.local_world_size)[ctx.local_rank])
     if mode == "bad-groups":
         errors = []
@@ -48,7 +49,6 @@ def main() -> None:
             except ValueError as exc:
                 errors.append(str(exc))
         Path(out).write_text("\n".join(errors))
-        ctx.destroy()
         return
     if mode == "no-grad":
         from llamarl.models.microbatch import sequence_logprobs
@@ -58,7 +58,6 @@ def main() -> None:
                               group=ctx.group, device=ctx.device)
         whole = [n for n, p in trainer.model.named_parameters() if not isinstance(p, DTensor)]
         Path(f"{out}.rank{ctx.rank}").write_text(json.dumps(whole))
-        ctx.destroy()
         return
     if mode == "load":
         trainer.load_checkpoint(directory)
@@ -78,6 +77,15 @@ def main() -> None:
     if ctx.rank == 0:
         save_file({k: v.contiguous() for k, v in tensors.items()}, out,
                   metadata={"version": json.dumps(trainer.version)})
+
+
+def main() -> None:
+    model_dir, batch_path = sys.argv[1:3]
+    ctx = ExecutorContext.create([ExecutorSpec("trainer", int(os.environ["WORLD_SIZE"]))], timeout_s=60)
+    batch = TensorBatch(load_file(batch_path), {"group_size": 2})
+    jobs = sys.argv[3:]
+    for i in range(0, len(jobs), 3):
+        run_mode(ctx, model_dir, batch, *jobs[i:i + 3])
     ctx.destroy()
 
 
