@@ -31,6 +31,44 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
 from trl import GRPOConfig, GRPOTrainer
 
 
+def grpo_config(spec: dict, out: Path, **overrides) -> GRPOConfig:
+    """The matched ``GRPOConfig`` (``overrides`` replace fields: benchmarks/grad_parity.py turns off the
+    gradient clip, or bf16, to compare one step's gradient)."""
+    batch = spec["prompts_per_step"] * spec["samples_per_prompt"]
+    kwargs = {
+        "output_dir": str(out / "trainer"), "use_cpu": True, "seed": spec["seed"], "report_to": [], "save_strategy": "no",
+        "logging_steps": 1, "max_steps": spec["steps"], "num_train_epochs": 1,
+        # Same batch: 16 prompts x 4 samples per optimizer step, one generation per step, no accumulation.
+        "per_device_train_batch_size": batch, "num_generations": spec["samples_per_prompt"], "steps_per_generation": 1,
+        "gradient_accumulation_steps": 1, "shuffle_dataset": False,
+        "max_completion_length": spec["max_new_tokens"], "temperature": spec["temperature"], "top_p": 1.0, "top_k": 0,
+        # Matched optimizer: AdamW, constant lr, no warmup / decay, same clip and weight decay.
+        "learning_rate": spec["lr"], "lr_scheduler_type": "constant", "warmup_steps": 0, "weight_decay": 0.0,
+        "max_grad_norm": 1.0, "adam_beta1": 0.9, "adam_beta2": 0.999, "adam_epsilon": 1e-8,
+        "optim": "adamw_torch",  # TRL's default is the fused AdamW; llamarl's is torch.optim.AdamW (foreach)
+        # TRL defaults that differ from llamarl's run, set to match: gradient checkpointing on by
+        # default (off here), bf16 autocast (llamarl: bf16 compute, fp32 master weights: the same).
+        "gradient_checkpointing": False, "bf16": True,
+        # The loss: one policy update per generation (ratio 1, on-policy, as llamarl colocated), no KL,
+        # GRPO group mean/std, token-level mean over the batch ("dapo", TRL's default; llamarl's AIPO
+        # also divides by the global token count).
+        "num_iterations": 1, "beta": 0.0, "scale_rewards": "group", "loss_type": "dapo", "epsilon": 0.2,
+        "mask_truncated_completions": False, "disable_dropout": True,
+        "dataloader_num_workers": 0, "remove_unused_columns": False,
+    }
+    kwargs.update(overrides)
+    return GRPOConfig(**kwargs)
+
+
+def prompt_dataset(spec: dict) -> Dataset:
+    """The prompts file as TRL's conversational dataset: one user turn, question + instruction (the
+    chat prompt llamarl's ``build_chat_prompt`` makes), in file order."""
+    rows = [json.loads(line) for line in Path(spec["prompts"]).read_text().splitlines()]
+    return Dataset.from_list([
+        {"prompt": [{"role": "user", "content": f"{r['question']} {spec['instruction']}"}], "answer": r["answer"]}
+        for r in rows])
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--spec", required=True)
@@ -41,36 +79,13 @@ def main() -> None:
     torch.set_num_threads(spec["threads"])
     out = Path(spec["out"])
     out.mkdir(parents=True, exist_ok=True)
-    rows = [json.loads(line) for line in Path(spec["prompts"]).read_text().splitlines()]
-    dataset = Dataset.from_list([
-        {"prompt": [{"role": "user", "content": f"{r['question']} {spec['instruction']}"}], "answer": r["answer"]}
-        for r in rows])
+    dataset = prompt_dataset(spec)
 
     def reward(completions, answer, **kwargs):
         return [score(c[-1]["content"] if isinstance(c, list) else c, a) for c, a in zip(completions, answer)]
 
     batch = spec["prompts_per_step"] * spec["samples_per_prompt"]
-    args = GRPOConfig(
-        output_dir=str(out / "trainer"), use_cpu=True, seed=spec["seed"], report_to=[], save_strategy="no",
-        logging_steps=1, max_steps=spec["steps"], num_train_epochs=1,
-        # Same batch: 16 prompts x 4 samples per optimizer step, one generation per step, no accumulation.
-        per_device_train_batch_size=batch, num_generations=spec["samples_per_prompt"], steps_per_generation=1,
-        gradient_accumulation_steps=1, shuffle_dataset=False,
-        max_completion_length=spec["max_new_tokens"], temperature=spec["temperature"], top_p=1.0, top_k=0,
-        # Matched optimizer: AdamW, constant lr, no warmup / decay, same clip and weight decay.
-        learning_rate=spec["lr"], lr_scheduler_type="constant", warmup_steps=0, weight_decay=0.0,
-        max_grad_norm=1.0, adam_beta1=0.9, adam_beta2=0.999, adam_epsilon=1e-8,
-        optim="adamw_torch",  # TRL's default is the fused AdamW; llamarl's is torch.optim.AdamW (foreach)
-        # TRL defaults that differ from llamarl's run, set to match: gradient checkpointing on by
-        # default (off here), bf16 autocast (llamarl: bf16 compute, fp32 master weights: the same).
-        gradient_checkpointing=False, bf16=True,
-        # The loss: one policy update per generation (ratio 1, on-policy, as llamarl colocated), no KL,
-        # GRPO group mean/std, token-level mean over the batch ("dapo", TRL's default; llamarl's AIPO
-        # also divides by the global token count).
-        num_iterations=1, beta=0.0, scale_rewards="group", loss_type="dapo", epsilon=0.2,
-        mask_truncated_completions=False, disable_dropout=True,
-        dataloader_num_workers=0, remove_unused_columns=False,
-    )
+    args = grpo_config(spec, out)
     model = AutoModelForCausalLM.from_pretrained(spec["model"], dtype=torch.float32)
     tokenizer = AutoTokenizer.from_pretrained(spec["model"])
     if tokenizer.pad_token is None:

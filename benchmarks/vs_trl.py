@@ -1,6 +1,8 @@
 """llamarl vs TRL's GRPOTrainer on the same machine, task, prompts and hyper-parameters.
 
     .venv/bin/python benchmarks/vs_trl.py --trl-venv /work/trl-venv   # table on stdout; runs/vs_trl/vs_trl.{json,png}
+    .venv/bin/python benchmarks/vs_trl.py --trl-venv /work/trl-venv --seeds 0,1,2 --jobs 2 --threads 1 \
+        --out runs/vs_trl3                                     # + mean +- std over seeds: vs_trl_seeds.{json,png}
 
 Both sides: SmolLM2-135M-Instruct, two-digit addition in the chat format of ``recipes.arithmetic``,
 the same prompts in the same order (llamarl's ``ArithmeticTask(seed)`` stream, TRL with
@@ -22,7 +24,10 @@ constant), ``learning_rate`` (1e-6 -> 1.5e-5), ``optim`` (fused AdamW -> ``adamw
 anyway), ``loss_type`` (kept at its default "dapo": token-level mean over the batch, which is what
 llamarl's loss does); ``beta`` 0 (no KL), ``scale_rewards="group"``, ``num_iterations`` 1 are TRL's
 defaults already. llamarl runs its default loss, AIPO (rho 4): on-policy its ratio is 1 up to the
-bf16 generator's rounding, so its gradient is TRL's. TRL generates with HF ``generate`` on the
+bf16 generator's rounding, so its gradient is TRL's (``benchmarks/grad_parity.py`` measures one
+step on the same batch: cosine 0.995 to TRL's gradient, TRL's own bf16 autocast is at 0.999 of the
+fp32 objective; the norms differ by TRL's unbiased group std, a constant 0.866 at 4 samples, which
+the gradient clip and AdamW's normalisation remove). TRL generates with HF ``generate`` on the
 training model (no vLLM on CPU); llamarl with its own KV-cached engine on a bf16 copy updated in place.
 TRL's chunked (fused) output layer for log-probs is always on in 1.16 and cannot be turned off; it
 computes the same log-probs as a full ``lm_head`` (less memory, similar time at 12 tokens).
@@ -35,6 +40,15 @@ same code (``llamarl.data.passk.evaluate_policy``) on the policies both sides sa
 evaluated step that reaches it. The JSON also records ``uptime`` before and after (the machine may
 be shared), the wall time of each side, the exact llamarl command, and where a step's time goes
 (generation, scoring, training, weight sync) on both sides.
+
+``--seeds 0,1,2``: the same comparison at each seed (the same seed on both sides: prompt stream,
+held-out problems, sampling and trainer seeds), each in ``<out>/seed<s>`` with its own single-seed
+report, then the mean and sample std over seeds of each side's accuracy at every evaluated step,
+the llamarl - TRL difference paired by seed, and whether llamarl trails by more than one std
+(``vs_trl_seeds.{json,png}``, table on stdout). An interrupted run resumes: finished sides and
+evaluated checkpoints are kept. ``--jobs 2`` runs two (seed, side) trainings at once, each with
+``--threads`` threads (accuracy does not depend on it: every side is on-policy and synchronous; the
+step times then come from a machine shared with the other side's run).
 """
 
 from __future__ import annotations
@@ -81,6 +95,22 @@ def ensure_trl_venv(path: Path) -> Path:
         subprocess.run([str(python), "-m", "pip", "install", "-q", *TRL_REQUIREMENTS], check=True)
         marker.touch()
     return python
+
+
+def uptime() -> str:
+    return subprocess.run(["uptime"], capture_output=True, text=True, check=False).stdout.strip()
+
+
+def write_prompts(args, out: Path) -> Path:
+    """``out/prompts.jsonl``: llamarl's prompt stream at ``args.seed``, in the order it draws them
+    (TRL reads it unshuffled); makes ``out/trl`` and ``out/llamarl``."""
+    task = ArithmeticTask(num_digits=2, seed=args.seed)
+    (out / "trl").mkdir(parents=True, exist_ok=True)
+    (out / "llamarl").mkdir(parents=True, exist_ok=True)
+    prompts = out / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps({"question": p.question, "answer": p.answer}) + "\n"
+                               for p in (task.sample(i) for i in range(args.steps * args.prompts))))
+    return prompts
 
 
 def run_trl(args, python: Path, out: Path, prompts: Path, model_dir: Path) -> None:
@@ -247,6 +277,14 @@ def main() -> None:
     parser.add_argument("--target", type=float, default=0.65, help="accuracy for the time-to-target column")
     parser.add_argument("--warmup", type=int, default=1, help="steps left out of the steady-state rates")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--seeds", type=str, default=None,
+                        help="comma-separated seeds (e.g. 0,1,2): both sides for each, the same seed on both (prompt "
+                             "stream, held-out problems, sampling / trainer seeds); per-seed runs in <out>/seed<s>, "
+                             "resumable (a finished side or evaluation is not redone); mean +- std per evaluated step")
+    parser.add_argument("--jobs", type=int, default=1,
+                        help="with --seeds: training runs (each followed by its evaluations) at once, each with "
+                             "--threads threads; >1 runs the two sides side by side, so per-step times are not "
+                             "those of an otherwise idle machine")
     parser.add_argument("--skip", choices=["trl", "llamarl"], action="append", default=[],
                         help="reuse that side's results already in --out")
     parser.add_argument("--report-only", action="store_true",
@@ -256,22 +294,25 @@ def main() -> None:
         parser.error("--steps must be a multiple of --eval-every")
     start = time.time()
     out = args.out.resolve()
+    if args.seeds is not None:
+        seeds = [int(x) for x in args.seeds.split(",") if x.strip()]
+        if len(set(seeds)) != len(seeds) or not seeds:
+            parser.error("--seeds must list distinct integers")
+        if args.skip:
+            parser.error("--skip is for single-seed runs (--seeds resumes by itself)")
+        if args.report_only:
+            report_seeds(args, out, seeds, json.loads((out / "vs_trl_seeds.json").read_text()).get("record", {}))
+        else:
+            run_seeds(args, out, seeds)
+        return
     if args.report_only:
         report(args, out, json.loads((out / "vs_trl.json").read_text()))
         return
 
-    def uptime() -> str:
-        return subprocess.run(["uptime"], capture_output=True, text=True, check=False).stdout.strip()
-
     uptime_start = uptime()
     print(f"vs_trl: uptime at start: {uptime_start}", flush=True)
     model_dir = resolve_model_path(MODEL)
-    task = ArithmeticTask(num_digits=2, seed=args.seed)
-    (out / "trl").mkdir(parents=True, exist_ok=True)
-    (out / "llamarl").mkdir(parents=True, exist_ok=True)
-    prompts = out / "prompts.jsonl"
-    prompts.write_text("".join(json.dumps({"question": p.question, "answer": p.answer}) + "\n"
-                               for p in (task.sample(i) for i in range(args.steps * args.prompts))))
+    prompts = write_prompts(args, out)
     walls, uptimes = {}, {}
     if "llamarl" not in args.skip:
         print("vs_trl: running llamarl:", shlex.join(llamarl_command(args, out / "llamarl")), flush=True)
@@ -310,6 +351,240 @@ def main() -> None:
         # llamarl's own in-run evaluations (its generation model, same problems): a cross-check.
         "llamarl_own_evals": llamarl_summary.get("evals"),
         "curves": curves})
+
+
+def llamarl_done(args, out: Path) -> bool:
+    """llamarl's run in ``out`` finished: every step's metrics, the last export and its summary."""
+    return ((out / "llamarl" / "summary.json").exists() and (out / "llamarl" / "hf" / f"step_{args.steps}").is_dir()
+            and len(llamarl_steps(out / "llamarl")) >= args.steps)
+
+
+def trl_done(args, out: Path) -> bool:
+    path = out / "trl" / "steps.jsonl"
+    return ((out / "trl" / f"step_{args.steps}" / "model.safetensors").exists() and path.exists()
+            and len(path.read_text().splitlines()) >= args.steps)
+
+
+def run_seeds(args, out: Path, seeds: list[int]) -> None:
+    """Both sides at each seed in ``out/seed<s>`` (the single-seed layout), then mean +- std over seeds.
+
+    Resumable: a side whose run finished is not run again (an unfinished one is wiped and rerun from
+    scratch, so its step times stay those of one uninterrupted run), and each evaluated checkpoint's
+    accuracy is kept in ``seed<s>/accuracy.json``. A job is one (seed, side): train it if needed, then
+    evaluate its checkpoints (the base model once per seed, with llamarl's side: the held-out problems
+    depend on the seed). ``--jobs 1``: one job at a time; more: TRL's jobs in one lane, one after
+    another (memory), llamarl's in ``jobs - 1`` lanes beside it. Evaluations take turns.
+    """
+    import copy
+    import shutil
+    import threading
+    from concurrent.futures import ThreadPoolExecutor
+
+    start = time.time()
+    out.mkdir(parents=True, exist_ok=True)
+    model_dir = resolve_model_path(MODEL)
+    python = ensure_trl_venv(args.trl_venv)  # once, before any worker
+    lock, evaluating = threading.Lock(), threading.Lock()
+    seed_args = {}
+    for seed in seeds:
+        sargs = copy.copy(args)
+        sargs.seed, sargs.out = seed, out / f"seed{seed}"
+        seed_args[seed] = sargs
+        if not (sargs.out / "prompts.jsonl").exists():
+            write_prompts(sargs, sargs.out)
+
+    def update(path: Path, fn) -> dict:
+        with lock:
+            data = json.loads(path.read_text()) if path.exists() else {}
+            fn(data)
+            path.write_text(json.dumps(data, indent=2))
+            return data
+
+    def job(seed: int, side: str) -> None:
+        sargs = seed_args[seed]
+        sout = sargs.out
+        record_path, accuracy_path = sout / "record.json", sout / "accuracy.json"
+        done = llamarl_done if side == "llamarl" else trl_done
+        if not done(sargs, sout):
+            shutil.rmtree(sout / side, ignore_errors=True)
+            (sout / side).mkdir(parents=True)
+            before = uptime()
+            print(f"vs_trl: seed {seed}: running {side}"
+                  + (f": {shlex.join(llamarl_command(sargs, sout / 'llamarl'))}" if side == "llamarl" else ""), flush=True)
+            t0 = time.time()
+            if side == "llamarl":
+                run_llamarl(sargs, sout / "llamarl")
+            else:
+                run_trl(sargs, python, sout / "trl", sout / "prompts.jsonl", model_dir)
+            wall, after = time.time() - t0, uptime()
+
+            def note(data):
+                data.setdefault("wall_seconds", {})[side] = wall
+                data.setdefault("ended_at", {})[side] = time.time()
+                data.setdefault("uptime_between", {})[f"before_{side}"] = before
+                data["uptime_between"][f"after_{side}"] = after
+            update(record_path, note)
+            print(f"vs_trl: seed {seed}: {side} finished in {wall:.0f} s", flush=True)
+        saved = {s: ((sout / "llamarl" / "hf" / f"step_{s}", None) if side == "llamarl" else
+                     (model_dir, sout / "trl" / f"step_{s}"))
+                 for s in range(args.eval_every, args.steps + 1, args.eval_every)}
+        todo = [("base", 0, (model_dir, None))] if side == "llamarl" else []
+        todo += [(side, step, where) for step, where in saved.items()]
+        with lock:
+            cached = json.loads(accuracy_path.read_text()) if accuracy_path.exists() else {}
+        t0 = time.time()
+        for key, step, where in todo:
+            if str(step) in cached.get(key, {}):
+                continue
+            with evaluating:  # one at a time: HF loading is not thread-safe (its meta-device init is global)
+                acc = accuracy_curve(sargs, {step: where})[step]
+
+            def store(data, key=key, step=step, acc=acc):
+                data.setdefault(key, {})[str(step)] = acc
+            update(accuracy_path, store)
+        update(record_path, lambda data: data.setdefault("evaluation_seconds", {}).__setitem__(
+            side, data.get("evaluation_seconds", {}).get(side, 0.0) + time.time() - t0))
+
+    print(f"vs_trl: seeds {seeds}, {args.jobs} job(s) at once, {args.threads} thread(s) each; uptime {uptime()}",
+          flush=True)
+    if args.jobs <= 1:
+        for seed in seeds:
+            for side in ("trl", "llamarl"):
+                job(seed, side)
+    else:
+        # TRL's process peaks at ~10 GB resident here (two at once were OOM-killed on a 24 GB
+        # machine): its runs go one after another in one lane, llamarl's in the other lane(s).
+        def lane(side: str) -> None:
+            for seed in seeds:
+                job(seed, side)
+
+        def llamarl_lane(part: list[int]) -> None:
+            for seed in part:
+                job(seed, "llamarl")
+
+        workers = max(args.jobs - 1, 1)
+        with ThreadPoolExecutor(max_workers=workers + 1) as pool:
+            futures = [pool.submit(lane, "trl")]
+            futures += [pool.submit(llamarl_lane, seeds[i::workers]) for i in range(workers)]
+            errors = []
+            for future in futures:  # every lane runs to its end; then the first failure is raised
+                try:
+                    future.result()
+                except Exception as exc:  # noqa: BLE001 -- re-raised below, after the other lanes
+                    errors.append(exc)
+            if errors:
+                raise errors[0]
+    # A resumed run adds its invocation to those before it (their walls add up to the measurement's).
+    previous = out / "vs_trl_seeds.json"
+    invocations = json.loads(previous.read_text()).get("record", {}).get("invocations", []) if previous.exists() else []
+    invocations.append({"command": shlex.join([sys.executable, *sys.argv]), "wall_seconds": time.time() - start,
+                        "uptime_end": uptime()})
+    record = {"cpu_count": os.cpu_count(), "jobs": args.jobs, "threads": args.threads, "invocations": invocations,
+              "wall_seconds_total": sum(i["wall_seconds"] for i in invocations)}
+    report_seeds(args, out, seeds, record)
+
+
+def mean_std(values: list[float]) -> tuple[float, float]:
+    """Mean and sample standard deviation (n - 1; 0 for one value)."""
+    return statistics.fmean(values), statistics.stdev(values) if len(values) > 1 else 0.0
+
+
+def report_seeds(args, out: Path, seeds: list[int], record: dict) -> None:
+    """Per-seed reports (``seed<s>/vs_trl.json``, as a single-seed run writes) and the mean +- std
+    over seeds of each side's held-out accuracy per evaluated step: ``vs_trl_seeds.{json,png}``."""
+    import copy
+
+    per_seed, curves = {}, {"llamarl": {}, "trl": {}}
+    for seed in seeds:
+        sargs = copy.copy(args)
+        sargs.seed = seed
+        sout = out / f"seed{seed}"
+        accuracy = json.loads((sout / "accuracy.json").read_text())
+        seed_record = json.loads((sout / "record.json").read_text()) if (sout / "record.json").exists() else {}
+        between, ended = seed_record.get("uptime_between", {}), seed_record.get("ended_at", {})
+        first = min(ended, key=lambda side: ended[side] - seed_record["wall_seconds"][side], default="trl")
+        seed_record.setdefault("uptime_start", between.get(f"before_{first}"))
+        seed_record.setdefault("uptime_end", between.get(f"after_{max(ended, key=ended.get, default='llamarl')}"))
+        seed_curves = {side: {int(k): v for k, v in {**accuracy["base"], **accuracy[side]}.items()}
+                       for side in ("llamarl", "trl")}
+        print(f"\n== seed {seed} ==")
+        report(sargs, sout, {**seed_record, "llamarl_command": shlex.join(llamarl_command(sargs, sout / "llamarl")),
+                             "curves": seed_curves})
+        results = json.loads((sout / "vs_trl.json").read_text())["results"]
+        per_seed[seed] = {side: {"accuracy": seed_curves[side], "samples_per_s": r["samples_per_s"],
+                                 "fastest_samples_per_s": r["fastest_samples_per_s"],
+                                 "seconds_per_step": r["seconds_per_step"], "steps_to_target": r["steps_to_target"],
+                                 "time_to_target_s": r["time_to_target_s"]}
+                          for side, r in zip(("llamarl", "trl"), results)}
+        for side, curve in seed_curves.items():
+            curves[side][seed] = curve
+    steps = sorted(set.intersection(*(set(c) for side in curves.values() for c in side.values())))
+    accuracy = {side: {step: dict(zip(("mean", "std"), mean_std([curves[side][s][step] for s in seeds])),
+                             values=[curves[side][s][step] for s in seeds]) for step in steps}
+                for side in curves}
+    paired = {step: dict(zip(("mean", "std"), mean_std([curves["llamarl"][s][step] - curves["trl"][s][step]
+                                                       for s in seeds]))) for step in steps}
+    speed = {side: {key: dict(zip(("mean", "std"), mean_std([per_seed[s][side][key] for s in seeds])))
+                    for key in ("samples_per_s", "fastest_samples_per_s", "seconds_per_step")} for side in curves}
+    reached = {side: [per_seed[s][side]["steps_to_target"] for s in seeds] for side in curves}
+    summary = {"seeds": seeds, "std": "sample standard deviation over seeds (n - 1)",
+               "args": {k: str(v) for k, v in vars(args).items()}, "record": record,
+               "accuracy": {side: {str(k): v for k, v in a.items()} for side, a in accuracy.items()},
+               "paired_difference_llamarl_minus_trl": {str(k): v for k, v in paired.items()},
+               "speed": speed, "steps_to_target": reached, "per_seed": per_seed}
+    (out / "vs_trl_seeds.json").write_text(json.dumps(summary, indent=2))
+    print(f"\n== {len(seeds)} seeds ({', '.join(map(str, seeds))}): held-out greedy accuracy, mean +- std over seeds ==\n")
+    print(seeds_table(args, seeds, accuracy, paired))
+    for side, name in (("llamarl", "llamarl"), ("trl", "TRL")):
+        sp = speed[side]
+        hits = [r for r in reached[side] if r is not None]
+        print(f"{name}: samples/s (median step) {sp['samples_per_s']['mean']:.2f} +- {sp['samples_per_s']['std']:.2f}, "
+              f"fastest step {sp['fastest_samples_per_s']['mean']:.2f} +- {sp['fastest_samples_per_s']['std']:.2f}; "
+              f"reached {args.target:.2f} in {len(hits)}/{len(seeds)} seeds (steps {reached[side]})")
+    walls = record.get("wall_seconds_total")
+    print(f"\njson + png in {out}" + (f"; wall {walls:.0f} s" if walls else ""))
+    plot_seeds(accuracy, curves, seeds, out / "vs_trl_seeds.png", target=args.target)
+
+
+def seeds_table(args, seeds, accuracy, paired) -> str:
+    def cell(a):
+        return f"{100 * a['mean']:.1f} ± {100 * a['std']:.1f}"
+
+    lines = [(f"| step (samples) | llamarl mean ± std (%) | TRL mean ± std (%) | llamarl − TRL, paired by seed (%) "
+              f"| llamarl trails by > 1 std | per seed {'/'.join(map(str, seeds))}: llamarl; TRL |"),
+             "|---|---|---|---|---|---|"]
+    for step in sorted(accuracy["llamarl"]):
+        lo, tr = accuracy["llamarl"][step], accuracy["trl"][step]
+        gap = tr["mean"] - lo["mean"]
+        trails = "yes" if gap > max(lo["std"], tr["std"]) else "no"
+        values = "/".join(f"{100 * v:.0f}" for v in lo["values"]) + "; " + "/".join(f"{100 * v:.0f}" for v in tr["values"])
+        lines.append(f"| {step} ({step * args.prompts * args.samples}) | {cell(lo)} | {cell(tr)} | "
+                     f"{cell(paired[step])} | {trails} | {values} |")
+    return "\n".join(lines)
+
+
+def plot_seeds(accuracy, curves, seeds, path: Path, *, target: float) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6.5, 4))
+    for side, name, color in (("llamarl", "llamarl", "C0"), ("trl", "TRL 1.16", "C1")):
+        steps = sorted(accuracy[side])
+        mean = [accuracy[side][s]["mean"] for s in steps]
+        std = [accuracy[side][s]["std"] for s in steps]
+        ax.plot(steps, mean, "o-", color=color, label=f"{name} (mean ± std, {len(seeds)} seeds)")
+        ax.fill_between(steps, [m - d for m, d in zip(mean, std)], [m + d for m, d in zip(mean, std)],
+                        color=color, alpha=0.2)
+        for seed in seeds:
+            ax.plot(steps, [curves[side][seed][s] for s in steps], "-", color=color, alpha=0.35, lw=0.8)
+    ax.axhline(target, color="grey", ls=":", label=f"target {target:.2f}")
+    ax.set_xlabel("optimizer step")
+    ax.set_ylabel("held-out greedy accuracy")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
 
 
 def report(args, out: Path, record: dict) -> None:

@@ -33,7 +33,9 @@ def group_advantages(
     With ``mean_g`` / ``std_g`` the group mean / population std (``unbiased=False``, so a group of
     identical rewards gives exactly 0 in any dtype, and group_size 1 is allowed):
 
-    * ``"grpo"``: ``(r - mean_g) / (std_g + eps)``                  (GRPO, arXiv:2402.03300)
+    * ``"grpo"``: ``(r - mean_g) / (std_g + eps)``                  (GRPO, arXiv:2402.03300;
+      TRL divides by the unbiased std instead, a factor sqrt((G-1)/G) on every advantage, which
+      gradient clipping and AdamW make immaterial: docs/benchmarks.md, "Side by side with TRL")
     * ``"rloo"``: ``r_i - mean_{j != i} r_j = G / (G - 1) * (r_i - mean_g)``
       (RLOO leave-one-out baseline, arXiv:2402.14740; needs ``group_size >= 2``)
     * ``"mean"``: ``r - mean_g``                                      (Dr. GRPO, arXiv:2503.20783)
