@@ -33,8 +33,8 @@ run-async: .venv/.installed
 
 # Two pytest workers, a test file each at a time (module fixtures stay whole): most tests are
 # one-threaded processes (OMP_NUM_THREADS=1) or worlds that wait on each other, so one worker leaves
-# a core idle. Measured with the whole suite: 18.0 min with 2 workers on a machine loaded by two
-# other benchmark processes, vs 19.9 min serially on an idle one.
+# a core idle. Measured with the whole suite: 12.0 min with 2 workers on an idle machine (593 tests,
+# 2026-11-23) vs 19.9 min serially before the model-family tests were merged into shared worlds.
 test: .venv/.installed
 	OMP_NUM_THREADS=1 $(PY) -m pytest -q tests --ignore=tests/test_vllm_engine.py --ignore=tests/gpu -n 2 --dist loadfile
 
