@@ -188,12 +188,18 @@ def _check_sync(ctx, channel, holder: _Holder, *, version: int, expected_bytes: 
 
 
 def _gather(obj) -> list:
-    """``obj`` of every rank, in rank order (a collective over the world)."""
+    """``obj`` (JSON-serialisable) of every rank, in rank order (a collective over the world).
+
+    JSON bytes in uint8 tensors, not ``all_gather_object``: nothing is unpickled from the wire."""
     import torch.distributed as dist
 
-    out: list = [None] * dist.get_world_size()
-    dist.all_gather_object(out, obj)
-    return out
+    payload = torch.frombuffer(bytearray(json.dumps(obj).encode()), dtype=torch.uint8)
+    sizes = [torch.zeros(1, dtype=torch.int64) for _ in range(dist.get_world_size())]
+    dist.all_gather(sizes, torch.tensor([payload.numel()], dtype=torch.int64))
+    width = max(int(size) for size in sizes)
+    buffers = [torch.zeros(width, dtype=torch.uint8) for _ in sizes]
+    dist.all_gather(buffers, torch.nn.functional.pad(payload, (0, width - payload.numel())))
+    return [json.loads(bytes(buf[: int(size)].tolist()).decode()) for buf, size in zip(buffers, sizes)]
 
 
 def _raise_if(errors: list[str | None]) -> None:
