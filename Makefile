@@ -1,4 +1,6 @@
 # `make run` trains the default recipe; `make test` runs the whole suite. Each bootstraps .venv.
+# The run targets start torchrun through torchrun/local.sh, which checks the configuration once
+# first (llamarl/preflight.py): a bad flag is one line and exit 2, before any rank starts.
 PY := .venv/bin/python
 NPROC ?= 3
 RUN_ARGS ?=
@@ -22,13 +24,13 @@ RUN_ARGS ?=
 # 0.70 held-out accuracy on both CPU models measured (docs/benchmarks.md, "Asynchrony on this machine": it learns
 # more per tick than async, whose ticks are shorter only where 2 threads scale poorly).
 run: .venv/.installed
-	OMP_NUM_THREADS=2 .venv/bin/torchrun --standalone --nproc-per-node 1 -m recipes.arithmetic \
+	OMP_NUM_THREADS=2 NPROC_PER_NODE=1 torchrun/local.sh recipes.arithmetic \
 		--run.schedule colocated --generator.num-threads 2 --trainer.num-threads 2 \
 		--run.max-steps 25 --run.eval-every 5 $(RUN_ARGS)
 
 # The same task on separate executors (generator, reward, trainer ranks), async lag 1, one thread each.
 run-async: .venv/.installed
-	OMP_NUM_THREADS=1 .venv/bin/torchrun --standalone --nproc-per-node $(NPROC) -m recipes.arithmetic \
+	OMP_NUM_THREADS=1 NPROC_PER_NODE=$(NPROC) torchrun/local.sh recipes.arithmetic \
 		--trainer.num-threads 1 --run.eval-every 10 $(RUN_ARGS)
 
 # Two pytest workers, a test file each at a time (module fixtures stay whole): most tests are
@@ -52,4 +54,4 @@ test-gpu: .venv/.installed
 # GSM8K on SmolLM2-135M-Instruct, 3 CPU ranks, a few ticks (data: ../shared/data/gsm8k); writes
 # runs/gsm8k-*/summary.json with the base and final test accuracy (and pass@1 / pass@4 on 8 problems).
 gsm8k-smoke: .venv/.installed
-	OMP_NUM_THREADS=1 .venv/bin/torchrun --standalone --nproc-per-node 3 -m recipes.gsm8k cpu-smoke
+	OMP_NUM_THREADS=1 NPROC_PER_NODE=3 torchrun/local.sh recipes.gsm8k cpu-smoke

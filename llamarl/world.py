@@ -25,6 +25,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
+from llamarl.preflight import stop_after_checks
+
 # Set once this process starts to make the world; never reset (llamarl/errors.py: what counts as a
 # configuration error).
 _world_made = False
@@ -134,6 +136,7 @@ class ExecutorContext:
                     raise ValueError(f"channel {outbound}->{inbound} names unknown executor {end!r}; have {list(ranges)}")
             if outbound == inbound:
                 raise ValueError(f"channel {outbound}->{inbound} connects an executor to itself")
+        stop_after_checks()  # ``python -m llamarl.preflight``: every pre-world check has passed
         backend = backend or default_backend()
         timeout = timedelta(seconds=timeout_s)
         global _world_made

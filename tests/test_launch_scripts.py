@@ -126,3 +126,38 @@ def test_slurm_script_runs_one_agent_per_node_at_the_first_node(tmp_path):
     assert "NNODES=2 MASTER_ADDR=gpu-a17 RDZV_ID=llamarl-4242 NPROC_PER_NODE=8" in line
     outside = script("slurm.sbatch", "recipes.gsm8k", env={"SLURM_JOB_ID": ""})
     assert outside.returncode == 2 and "not inside a SLURM job" in outside.stderr
+
+
+BAD_SPLIT = ["recipes.arithmetic", "--generator.num-ranks", "5"]
+BAD_SPLIT_LINE = ("llamarl: config error: --generator.num-ranks 5 + --reward.num-ranks 1 + at least 1 trainer rank = 7 "
+                  "> the world size 3 (torchrun --nproc-per-node); or use --run.schedule colocated\n")
+
+
+def test_a_config_error_through_the_launcher_is_one_line_and_exit_2():
+    """The preflight (llamarl/preflight.py) finds the error in one process: torchrun never starts, so
+    the job prints exactly the config-error line (no torchrun failure report) and exits 2."""
+    proc = script("local.sh", *BAD_SPLIT, env={"NPROC_PER_NODE": "3", "LLAMARL_PREFLIGHT": "1"})
+    assert (proc.returncode, proc.stdout, proc.stderr) == (2, "", BAD_SPLIT_LINE)
+
+
+def test_multinode_prints_the_config_error_on_the_first_node_only():
+    env = {"NNODES": "1:1", "MASTER_ADDR": "127.0.0.1", "NPROC_PER_NODE": "3", "LLAMARL_PREFLIGHT": "1"}
+    first = script("multinode.sh", *BAD_SPLIT, env=env)
+    assert (first.returncode, first.stdout, first.stderr) == (2, "", BAD_SPLIT_LINE)
+    other = script("multinode.sh", *BAD_SPLIT, env={**env, "NODE_RANK": "1"})
+    assert (other.returncode, other.stdout, other.stderr) == (2, "", "")
+
+
+def test_preflight_outcomes():
+    """0 and silent for a configuration that passes (it stops where the world would be made); 2 with
+    tyro's own box, once, for a flag tyro rejects; 3 (cannot judge, so the launcher goes on to
+    torchrun) for a program that makes its own process group."""
+    def preflight(*target):
+        return subprocess.run([sys.executable, "-m", "llamarl.preflight", "--world-size", "3", "--", *target],
+                              cwd=REPO, capture_output=True, text=True, timeout=120, check=False)
+    ok = preflight("-m", "recipes.arithmetic", "--run.max-steps", "1")
+    assert (ok.returncode, ok.stdout, ok.stderr) == (0, "", "")
+    unknown = preflight("-m", "recipes.arithmetic", "--no-such-flag")
+    assert unknown.returncode == 2 and unknown.stderr.count("--no-such-flag") == 1, unknown.stderr
+    own_world = preflight(str(WORLD))
+    assert own_world.returncode == 3 and own_world.stdout == "", own_world.stdout

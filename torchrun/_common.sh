@@ -46,6 +46,31 @@ parse_common_args() {
     TORCHRUN_CMD=(torchrun)
   fi
   export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"
+  # The Python beside torchrun runs the preflight (TORCHRUN may itself be "python -m ...").
+  if [[ "${TORCHRUN_CMD[0]}" == */torchrun || "${TORCHRUN_CMD[0]}" == torchrun ]]; then
+    local dir; dir="$(dirname "$(command -v "${TORCHRUN_CMD[0]}" || echo "${TORCHRUN_CMD[0]}")")"
+    if [[ -x "$dir/python" ]]; then PREFLIGHT_PY="$dir/python"; else PREFLIGHT_PY=python3; fi
+  else
+    PREFLIGHT_PY="${TORCHRUN_CMD[0]}"
+  fi
+}
+
+# Check the recipe's configuration once, in one process, before torchrun starts (llamarl/preflight.py):
+# a configuration error is then the job's only output (one line, exit 2). Skipped for --dry-run,
+# --help and LLAMARL_PREFLIGHT=0. Args: the job's world size, then torchrun's program and its args.
+preflight() {
+  local world_size="$1"; shift
+  [[ "$DRY_RUN" == 1 || "${LLAMARL_PREFLIGHT:-1}" == 0 ]] && return 0
+  local arg
+  for arg in "$@"; do [[ "$arg" == -h || "$arg" == --help ]] && return 0; done
+  local rc=0
+  if [[ "${PREFLIGHT_QUIET:-0}" == 1 ]]; then
+    "$PREFLIGHT_PY" -m llamarl.preflight --world-size "$world_size" -- "$@" >/dev/null 2>&1 || rc=$?
+  else
+    "$PREFLIGHT_PY" -m llamarl.preflight --world-size "$world_size" -- "$@" || rc=$?
+  fi
+  if [[ "$rc" == 2 ]]; then exit 2; fi
+  return 0
 }
 
 run_or_print() {

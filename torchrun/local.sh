@@ -17,6 +17,10 @@ Variables:
 
 --dry-run prints the torchrun command instead of running it.
 
+Before torchrun starts, the recipe's configuration is checked once in one process
+(llamarl/preflight.py): a configuration error is printed as one line and the script exits 2
+without starting torchrun. LLAMARL_PREFLIGHT=0 skips the check.
+
 Examples:
   torchrun/local.sh recipes.gsm8k cpu-smoke
   NPROC_PER_NODE=1 torchrun/local.sh recipes.gsm8k qwen2.5-0.5b-1gpu
@@ -31,6 +35,7 @@ set -- "${REMAINING[@]}"
 NPROC_PER_NODE="${NPROC_PER_NODE:-$(default_nproc)}"
 require_positive_int NPROC_PER_NODE "$NPROC_PER_NODE"
 
+preflight "$NPROC_PER_NODE" "${TARGET[@]}" "$@"
 # shellcheck disable=SC2206
 cmd=("${TORCHRUN_CMD[@]}" --standalone --nproc-per-node "$NPROC_PER_NODE" ${EXTRA_TORCHRUN_ARGS:-} "${TARGET[@]}" "$@")
 run_or_print "${cmd[@]}"

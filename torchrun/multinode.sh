@@ -22,7 +22,9 @@ Variables (optional):
   RDZV_TIMEOUT     seconds to wait for all nodes (default 900)
   TORCHRUN, OMP_NUM_THREADS, EXTRA_TORCHRUN_ARGS   as in torchrun/local.sh
 
---dry-run prints the torchrun command instead of running it.
+--dry-run prints the torchrun command instead of running it. Before torchrun starts, every node
+checks the recipe's configuration once (llamarl/preflight.py; the first node prints an error, as one
+line, and every node exits 2); LLAMARL_PREFLIGHT=0 skips the check.
 
 Example (two 8-GPU nodes, run on both):
   NNODES=2 MASTER_ADDR=node001 NPROC_PER_NODE=8 torchrun/multinode.sh recipes.gsm8k qwen2.5-1.5b-8gpu \
@@ -52,6 +54,11 @@ if [[ -n "${NODE_RANK:-}" ]]; then
 fi
 
 # shellcheck disable=SC2206
+# Every node checks the configuration (same flags, same error); only the first node prints it, so a
+# SLURM job's merged output holds it once. Ranks are global: the world is NNODES (its maximum) x NPROC.
+[[ "${SLURM_NODEID:-${NODE_RANK:-0}}" == 0 ]] || PREFLIGHT_QUIET=1
+preflight "$(( ${NNODES##*:} * NPROC_PER_NODE ))" "${TARGET[@]}" "$@"
+
 cmd=("${TORCHRUN_CMD[@]}" --nnodes "$NNODES" --nproc-per-node "$NPROC_PER_NODE" "${node_rank[@]}"
      --rdzv-backend c10d --rdzv-endpoint "$MASTER_ADDR:$MASTER_PORT" --rdzv-id "$RDZV_ID"
      --rdzv-conf "join_timeout=$RDZV_TIMEOUT" --max-restarts 0 ${EXTRA_TORCHRUN_ARGS:-} "${TARGET[@]}" "$@")
