@@ -22,6 +22,11 @@ The schedules of the generator -> reward -> trainer -> generator pipeline are ca
   another; generation at tick t uses the weights of training at t-1: strictly on-policy.
   Timeline: [weights] [gen] [rollouts] [rew] [scored] [train].
 
+Co-resident executors (stages sharing ranks, ``llamarl/pipeline.py``): a rank hosting several
+executors steps each of them at its place in the data order, with its own context and tick record;
+a channel between two of them is handed over in memory on the rank (``llamarl/channels/in_memory.py``:
+data channels where the network channel would run, weights at the end of the tick).
+
 A rank whose executor raises prints one line naming the executor, global / local rank, step and
 the exception, then exits the process with code 1 at once; torchrun (or the test harness) then
 tears the other ranks down, and every group's collective timeout bounds any wait on a dead peer.
@@ -36,14 +41,14 @@ import sys
 import threading
 import time
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
-from llamarl.channels.base import CommunicationChannel
+from llamarl.channels.in_memory import InMemoryChannel, InMemoryWeights
 from llamarl.checkpoint import commit_step, partial_dir, prune
 from llamarl.errors import exception_text
 from llamarl.executors.base import Executor
@@ -64,12 +69,14 @@ class TickRecord:
 
 
 class ExecutorController:
-    """Runs ``executor`` (this rank's) under ``channels`` for ``max_steps`` ticks.
+    """Runs this rank's executor(s) under ``channels`` for ``max_steps`` ticks.
 
+    ``ctx`` / ``executor`` are this rank's context and executor, or, on a rank hosting co-resident
+    executors, mappings from executor name to each (same keys; every context of the same rank).
     ``executor_order`` is the data order of executor names (same-tick channels follow it).
     ``init_channels`` run once after ``init`` (e.g. initial weights). ``on_tick`` is called on
-    every rank after each tick with (step, executor, TickRecord) for metrics / progress.
-    Checkpoints (``checkpoint_every`` ticks, 0 disables): every executor writes into
+    every rank after each tick with (step, {executor name: (executor, TickRecord)}) for metrics /
+    progress. Checkpoints (``checkpoint_every`` ticks, 0 disables): every executor writes into
     ``checkpoint_dir/step_{n}.partial/{executor name}``; after a WORLD barrier global rank 0 renames
     it to ``step_{n}`` and writes its completion marker, then deletes complete checkpoints beyond the
     newest ``checkpoint_keep`` (0 keeps all) and leftovers of interrupted saves. ``step_{n}`` holds
@@ -81,19 +88,21 @@ class ExecutorController:
     that long ends the job with a line naming it, independently of the collective timeout.
     """
 
+    _active: str | None = None  # the executor this rank is working for now (failure lines)
+
     def __init__(
         self,
-        ctx: ExecutorContext,
-        executor: Executor,
-        channels: list[CommunicationChannel],
+        ctx: ExecutorContext | Mapping[str, ExecutorContext],
+        executor: Executor | Mapping[str, Executor],
+        channels: list,
         *,
         max_steps: int,
         executor_order: list[str],
-        init_channels: list[CommunicationChannel] | None = None,
+        init_channels: list | None = None,
         start_step: int = 0,
         checkpoint_every: int = 0,
         checkpoint_dir: Path | None = None,
-        on_tick: Callable[[int, Executor, TickRecord], None] | None = None,
+        on_tick: Callable[[int, dict[str, tuple[Executor, TickRecord]]], None] | None = None,
         resume_dir: Path | None = None,
         device_guard: bool = False,
         checkpoint_keep: int = 0,
@@ -104,19 +113,26 @@ class ExecutorController:
     ) -> None:
         if max_steps < 0:
             raise ValueError(f"max_steps must be >= 0, got {max_steps}")
+        contexts = dict(ctx) if isinstance(ctx, Mapping) else {getattr(ctx, "executor", None): ctx}
+        executors = dict(executor) if isinstance(executor, Mapping) else {getattr(ctx, "executor", None): executor}
+        ranks = next(iter(contexts.values())).ranks
         unknown = [c.name for c in channels + (init_channels or [])
-                   if c.outbound not in ctx.ranks or c.inbound not in ctx.ranks]
-        if unknown or set(executor_order) != set(ctx.ranks):
+                   if c.outbound not in ranks or c.inbound not in ranks]
+        if unknown or set(executor_order) != set(ranks):
             raise ValueError(f"channels {unknown} or executor order {executor_order} do not match "
-                             f"the world's executors {list(ctx.ranks)}")
+                             f"the world's executors {list(ranks)}")
         if checkpoint_every and checkpoint_dir is None:
             raise ValueError("checkpoint_every > 0 needs a checkpoint_dir")
-        self.ctx, self.executor, self.channels = ctx, executor, channels
-        self.init_channels = init_channels or []
         backward = [c.name for c in channels if getattr(c, "same_tick", False)
                     and executor_order.index(c.outbound) >= executor_order.index(c.inbound)]
         if backward:
             raise ValueError(f"same-tick channels {backward} must go forward in the executor order {executor_order}")
+        if set(contexts) != set(executors):
+            raise ValueError(f"contexts for {sorted(contexts)} but executors for {sorted(executors)}")
+        self.contexts, self.executors = contexts, executors
+        self.ctx, self.executor = next(iter(contexts.values())), next(iter(executors.values()))
+        self.channels = channels
+        self.init_channels = init_channels or []
         self.max_steps, self.start_step = max_steps, start_step
         self.executor_order = executor_order
         self.checkpoint_every, self.checkpoint_dir = checkpoint_every, checkpoint_dir
@@ -126,9 +142,15 @@ class ExecutorController:
         self.checkpoint_keep = checkpoint_keep
         self.export_every, self.export_dir = export_every, export_dir
         self.before_loop = before_loop
-        self.heartbeat = Heartbeat(rank=ctx.rank, world_size=ctx.world_size, timeout_s=liveness_timeout_s,
-                                   executor_of={r: name for name, rs in ctx.ranks.items() for r in rs}) \
-            if liveness_timeout_s is not None else None
+        if liveness_timeout_s is not None:
+            executor_of: dict[int, str] = {}
+            for name, rs in ranks.items():  # co-resident executors share a rank: name them all
+                for r in rs:
+                    executor_of[r] = f"{executor_of[r]}+{name}" if r in executor_of else name
+            self.heartbeat = Heartbeat(rank=self.ctx.rank, world_size=self.ctx.world_size,
+                                       timeout_s=liveness_timeout_s, executor_of=executor_of)
+        else:
+            self.heartbeat = None
         self._phase, self.step_index = "init", start_step
 
     @property
@@ -150,15 +172,16 @@ class ExecutorController:
         try:
             if self.heartbeat is not None:
                 self.heartbeat.start()
-            self.phase = "init"
-            self.executor.init()
+            for name, executor in self.executors.items():
+                self._active, self.phase = name, "init"
+                executor.init()
             if self.resume_dir is not None:
-                self.phase = "load_checkpoint"
-                self.executor.load_checkpoint(Path(self.resume_dir) / self.ctx.executor)
+                for name, executor in self.executors.items():
+                    self._active, self.phase = name, "load_checkpoint"
+                    executor.load_checkpoint(Path(self.resume_dir) / name)
             with self.guard():
                 for channel in self.init_channels:
-                    self.phase = f"init channel {channel.name!r} ({channel.outbound} -> {channel.inbound})"
-                    channel.communicate(self.ctx, self.executor)
+                    self._communicate(channel, None, label="init channel")
                 if self.before_loop is not None:
                     self.phase = "before_loop"
                     self.before_loop()
@@ -166,8 +189,9 @@ class ExecutorController:
                 self.step_index = step
                 self._tick(step)
             if self.export_dir is not None:
-                self.phase = "export"
-                self.executor.export(Path(self.export_dir) / "final")
+                for name, executor in self.executors.items():
+                    self._active, self.phase = name, "export"
+                    executor.export(Path(self.export_dir) / "final")
         except BaseException as exc:  # noqa: BLE001 - any failure must take the world down
             self.abort(exc)
 
@@ -176,7 +200,7 @@ class ExecutorController:
         themselves: say where this rank was and which executor owns which ranks, so torchrun's
         "root cause: rank r" line can be read as an executor."""
         owners = ", ".join(f"{name} {ranks}" for name, ranks in self.ctx.ranks.items())
-        print(f"llamarl: executor {self.ctx.executor!r} (rank {self.ctx.rank}, local rank {self.ctx.local_rank}) "
+        print(f"llamarl: executor {self._active or self.ctx.executor!r} (rank {self.ctx.rank}, local rank {self.ctx.local_rank}) "
               f"stopped at step {self.step_index} during {self.phase}: terminated by torchrun after another rank "
               f"ended; executors by rank: {owners}", file=sys.stderr, flush=True)
         os._exit(128 + signum)
@@ -196,30 +220,40 @@ class ExecutorController:
         return torch.device("meta") if self.device_guard else contextlib.nullcontext()
 
     def _tick(self, step: int) -> None:
-        record = TickRecord(step=step, channel_seconds=0.0, step_seconds=0.0, start=time.time())
-        self.phase = "set_step"
-        self.executor.set_step(step)
-        self._communicate([c for c in self.channels if not getattr(c, "same_tick", False)], record)
+        records = {name: TickRecord(step=step, channel_seconds=0.0, step_seconds=0.0, start=time.time())
+                   for name in self.executors}
+        for name, executor in self.executors.items():
+            self._active, self.phase = name, "set_step"
+            executor.set_step(step)
+        for channel in self.channels:
+            if not getattr(channel, "same_tick", False) and not isinstance(channel, InMemoryWeights):
+                self._communicate(channel, records)
         for name in self.executor_order:
-            self._communicate([c for c in self.channels if getattr(c, "same_tick", False) and c.inbound == name],
-                              record)
-            if name == self.ctx.executor:
-                self._step(record)
+            for channel in self.channels:
+                if getattr(channel, "same_tick", False) and channel.inbound == name:
+                    self._communicate(channel, records)
+            if name in self.executors:
+                self._step(name, records[name])
+        for channel in self.channels:  # co-resident weights: the new policy before checkpoint / eval
+            if isinstance(channel, InMemoryWeights):
+                self._communicate(channel, records)
         if self.checkpoint_every and (step + 1) % self.checkpoint_every == 0:
             self._checkpoint(step + 1)
         if self.export_every and (step + 1) % self.export_every == 0 and self.export_dir is not None:
-            self.phase = "export"
-            self.executor.export(Path(self.export_dir) / f"step_{step + 1}")
+            for name, executor in self.executors.items():
+                self._active, self.phase = name, "export"
+                executor.export(Path(self.export_dir) / f"step_{step + 1}")
         if self.on_tick is not None:
-            self.on_tick(step, self.executor, record)
+            self.on_tick(step, {name: (self.executors[name], records[name]) for name in self.executors})
 
     def _checkpoint(self, step: int) -> None:
         """Atomic across executors: partial directory, WORLD barrier, then rename + marker on rank 0."""
-        self.phase = "checkpoint"
         root = Path(self.checkpoint_dir)
-        directory = partial_dir(root, step) / self.ctx.executor
-        directory.mkdir(parents=True, exist_ok=True)
-        self.executor.save_checkpoint(directory)
+        for name, executor in self.executors.items():
+            self._active, self.phase = name, "checkpoint"
+            directory = partial_dir(root, step) / name
+            directory.mkdir(parents=True, exist_ok=True)
+            executor.save_checkpoint(directory)
         self.phase = "checkpoint barrier"
         dist.barrier()  # every executor's files are on disk (WORLD: all ranks checkpoint together)
         if self.ctx.rank == 0:
@@ -227,23 +261,38 @@ class ExecutorController:
                                      "time": time.time()})
             prune(root, keep=self.checkpoint_keep, current=step)
 
-    def _communicate(self, channels: list[CommunicationChannel], record: TickRecord) -> None:
-        for channel in channels:
-            # The endpoints name the executor at fault when a peer died mid-exchange.
-            self.phase = f"channel {channel.name!r} ({channel.outbound} -> {channel.inbound})"
-            if not channel.involves(self.ctx):
-                continue
-            start, start_wall = time.perf_counter(), time.time()
-            with self.guard():
-                channel.communicate(self.ctx, self.executor)
-            record.channel_seconds += time.perf_counter() - start
-            record.channel_spans.append((channel.name, start_wall, time.time()))
+    def _communicate(self, channel, records: dict[str, TickRecord] | None, *, label: str = "channel") -> None:
+        """Run ``channel`` for whichever of this rank's executors it involves: in memory when it joins
+        two of them, else over the network for its end here; a no-op when it involves none. The
+        time goes to the inbound executor's record when it is here, else to the outbound's."""
+        # The endpoints name the executor at fault when a peer died mid-exchange.
+        self.phase = f"{label} {channel.name!r} ({channel.outbound} -> {channel.inbound})"
+        ends = [name for name in (channel.inbound, channel.outbound) if name in self.executors]
+        if not ends:
+            return
+        self._active = ends[0]
+        start, start_wall = time.perf_counter(), time.time()
+        with self.guard():
+            if isinstance(channel, (InMemoryChannel, InMemoryWeights)):
+                channel.hand_over(self.executors[channel.outbound], self.executors[channel.inbound])
+            else:
+                channel.communicate(self.contexts[ends[0]], self.executors[ends[0]])
+        if records is not None:
+            records[ends[0]].channel_seconds += time.perf_counter() - start
+            records[ends[0]].channel_spans.append((channel.name, start_wall, time.time()))
 
-    def _step(self, record: TickRecord) -> None:
-        self.phase = "step"
+    def communicate_now(self, channel) -> None:
+        """Run ``channel`` once outside the tick loop (the final weights before the last evaluation)."""
+        self._communicate(channel, None, label="final channel")
+
+    def _step(self, name: str, record: TickRecord) -> None:
+        self._active, self.phase = name, "step"
+        executor = self.executors[name]
+        if getattr(executor, "num_threads", None):  # co-resident executors each run with their own
+            torch.set_num_threads(executor.num_threads)
         start_wall, start = time.time(), time.perf_counter()
         with self.guard():
-            self.executor.step()
+            executor.step()
         record.step_seconds += time.perf_counter() - start
         record.step_spans.append((start_wall, time.time()))
 
@@ -252,8 +301,10 @@ class ExecutorController:
         the exception's type and its whole message on one line (``errors.exception_text``), so that a
         message whose first line is empty still says what happened."""
         text = exception_text(exc)
-        return (f"llamarl: executor {self.ctx.executor!r} (rank {self.ctx.rank}, local rank "
-                f"{self.ctx.local_rank}) failed at step {self.step_index} during {self.phase}: "
+        name = self._active or self.ctx.executor
+        ctx = getattr(self, "contexts", {}).get(name, self.ctx)
+        return (f"llamarl: executor {name!r} (rank {ctx.rank}, local rank "
+                f"{ctx.local_rank}) failed at step {self.step_index} during {self.phase}: "
                 f"{type(exc).__name__}{': ' + text if text else ''}")
 
     def abort(self, exc: BaseException) -> None:

@@ -139,9 +139,9 @@ def write_chrome_trace(run_dir: Path, spans: list[dict], *, out_name: str = "tim
 
 
 def write_timeline_png(run_dir: Path, spans: list[dict], *, title: str = "", out_name: str = "timeline.png") -> Path:
-    """The picture of LlamaRL's Figure 2: one row per rank (labelled with its executor); per tick its
-    busy step (solid), its channels (hatched; weight syncs in their own colour) and, as the gaps,
-    the time it waited. ``spans`` as for ``write_chrome_trace`` with ``kind`` = ``step`` or a channel name."""
+    """The picture of LlamaRL's Figure 2: one row per executor on each rank (co-resident executors
+    get a row each); per tick its busy step (solid), its evaluations (solid, their own colour), its
+    channels (hatched; weight syncs in their own colour) and, as the gaps, the time it waited. ``spans`` as for ``write_chrome_trace`` with ``kind`` = ``step`` or a channel name."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -150,19 +150,20 @@ def write_timeline_png(run_dir: Path, spans: list[dict], *, title: str = "", out
     origin = min((s["start"] for s in spans), default=0.0)
     rows = sorted({(s["rank"], s["executor"]) for s in spans})
     fig, ax = plt.subplots(figsize=(12, 0.6 * len(rows) + 1.5))
-    colours = {"step": "tab:blue", "weights": "tab:red"}
+    colours = {"step": "tab:blue", "weights": "tab:red", "eval": "tab:green"}
     for y, (rank, executor) in enumerate(rows):
-        for s in (s for s in spans if s["rank"] == rank):
+        for s in (s for s in spans if s["rank"] == rank and s["executor"] == executor):
             kind = s.get("kind", "step")
             ax.barh(y, s["end"] - s["start"], left=s["start"] - origin, height=0.6,
-                    color=colours.get(kind, "tab:gray"), hatch=None if kind == "step" else "//",
+                    color=colours.get(kind, "tab:gray"), hatch=None if kind in ("step", "eval") else "//",
                     edgecolor="black", linewidth=0.3)
     ax.set_yticks(range(len(rows)), [f"{executor} (rank {rank})" for rank, executor in rows])
     ax.invert_yaxis()
     ax.set_xlabel("seconds since the first span (gaps: waiting)")
     from matplotlib.patches import Patch
 
-    ax.legend(handles=[Patch(color="tab:blue", label="step (busy)"), Patch(color="tab:red", label="weight sync (incl. waiting for the peer)"),
+    ax.legend(handles=[Patch(color="tab:blue", label="step (busy)"), Patch(color="tab:green", label="evaluation"),
+                       Patch(color="tab:red", label="weight sync (incl. waiting for the peer)"),
                        Patch(color="tab:gray", label="data channel (incl. waiting for the peer)")], loc="upper right", fontsize=8)
     ax.set_title(title)
     fig.tight_layout()

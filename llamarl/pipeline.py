@@ -24,10 +24,11 @@ evaluation. Every other kind is a ``CommunicationChannel``.
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING
 
 from llamarl.channels.base import BROADCAST, GATHER, SCATTER, CommunicationChannel
+from llamarl.channels.in_memory import InMemoryChannel, InMemoryWeights
 from llamarl.channels.weights import MODES, WeightsChannel
 from llamarl.world import ExecutorSpec
 
@@ -54,6 +55,10 @@ class Stage:
     """Tensor-parallel degree: the stage's mesh is 2-D ``(dp, tp)`` when > 1."""
     headline: tuple[str, ...] = ()
     """Metric keys of this executor shown on rank 0's progress bar (those it reports each tick)."""
+    colocate_with: str | None = None
+    """Another (earlier) stage whose ranks this one shares: both executors live on each of those
+    ranks and step one after the other in stage order; channels between them hand batches over in
+    memory and a weights channel copies in place. ``num_ranks`` is then ignored. None: ranks of its own."""
 
     def __post_init__(self) -> None:
         if not self.name or "/" in self.name:
@@ -93,8 +98,12 @@ class ChannelSpec:
         if self.outbound == self.inbound:
             raise ValueError(f"channel {self.name!r} goes from {self.outbound!r} to itself")
 
-    def build(self) -> CommunicationChannel | WeightsChannel:
-        """The channel object the controller runs."""
+    def build(self, *, in_memory: bool = False):
+        """The channel object the controller runs; ``in_memory`` for one between co-resident stages
+        (``llamarl/channels/in_memory.py``)."""
+        if in_memory:
+            cls = InMemoryWeights if self.kind == "weights" else InMemoryChannel
+            return cls(self.name, self.outbound, self.inbound, same_tick=self.same_tick)
         if self.kind == "weights":
             return WeightsChannel(self.name, self.outbound, self.inbound, mode=self.weights_mode,
                                   same_tick=self.same_tick)
@@ -124,7 +133,12 @@ class Pipeline:
             raise ValueError("a pipeline needs at least one stage")
         if len(set(names)) != len(names):
             raise ValueError(f"stage names must be unique, got {names}")
-        if sum(s.num_ranks is None for s in self.stages) > 1:
+        for index, stage in enumerate(self.stages):
+            host = next((s for s in self.stages[:index] if s.name == stage.colocate_with), None)
+            if stage.colocate_with is not None and (host is None or host.colocate_with is not None):
+                raise ValueError(f"stage {stage.name!r} shares the ranks of {stage.colocate_with!r}, which must be an "
+                                 f"earlier stage with ranks of its own; stages {names}")
+        if sum(s.num_ranks is None for s in self.stages if s.colocate_with is None) > 1:
             raise ValueError("at most one stage may take the remaining ranks (num_ranks=None)")
         channel_names = [c.name for c in self.channels]
         if len(set(channel_names)) != len(channel_names):
@@ -135,6 +149,9 @@ class Pipeline:
                     raise ValueError(f"channel {channel.name!r} names stage {end!r}, which is not one of {names}")
             if channel.same_tick and names.index(channel.outbound) >= names.index(channel.inbound):
                 raise ValueError(f"same-tick channel {channel.name!r} must go forward in the stage order {names}")
+            if self.in_memory(channel) and channel.kind == "weights" and self.stage(channel.inbound).tp != 1:
+                raise ValueError(f"weights channel {channel.name!r} between co-resident stages copies in place and "
+                                 f"needs stage {channel.inbound!r} at tp 1, got tp {self.stage(channel.inbound).tp}")
         if self.evaluator is not None and self.evaluator not in names:
             raise ValueError(f"evaluator {self.evaluator!r} is not one of the stages {names}")
 
@@ -150,17 +167,49 @@ class Pipeline:
                 return stage
         raise KeyError(f"no stage {name!r} in {self.order}")
 
-    def specs(self, world_size: int) -> list[ExecutorSpec]:
-        """Rank counts for ``world_size`` ranks (the ``None`` stage gets what the others leave).
+    def host(self, name: str) -> str:
+        """The stage whose ranks stage ``name`` runs on (itself unless co-resident)."""
+        return self.stage(name).colocate_with or name
 
-        Raises ValueError naming the stages when the split does not fit the world."""
-        fixed = sum(s.num_ranks for s in self.stages if s.num_ranks is not None)
+    def in_memory(self, channel: ChannelSpec) -> bool:
+        """Whether ``channel`` joins two co-resident stages (handed over in memory on each rank)."""
+        return self.host(channel.outbound) == self.host(channel.inbound)
+
+    def colocated(self) -> Pipeline:
+        """This pipeline with every stage on every rank (``--run.schedule colocated``): the first
+        stage takes the whole world, the others share its ranks; channels and order unchanged."""
+        first, *rest = self.stages
+        stages = [replace(first, num_ranks=None, colocate_with=None),
+                  *(replace(s, colocate_with=first.name) for s in rest)]
+        return replace(self, stages=stages)
+
+    def specs(self, world_size: int) -> list[ExecutorSpec]:
+        """Rank counts for ``world_size`` ranks (the ``None`` stage gets what the others leave; a
+        co-resident stage its host's).
+
+        Raises ValueError naming the stages when the split does not fit the world, or when a
+        broadcast / gather channel joins co-resident stages on more than one rank (in memory, each
+        rank keeps its own batch: the meaning of scatter between equal rank sets, not of those)."""
+        hosts = [s for s in self.stages if s.colocate_with is None]
+        fixed = sum(s.num_ranks for s in hosts if s.num_ranks is not None)
         rest = world_size - fixed
-        if any(s.num_ranks is None for s in self.stages) and rest < 1:
-            split = ", ".join(f"{s.name} {s.num_ranks}" for s in self.stages if s.num_ranks is not None)
+        if any(s.num_ranks is None for s in hosts) and rest < 1:
+            split = ", ".join(f"{s.name} {s.num_ranks}" for s in hosts if s.num_ranks is not None)
             raise ValueError(f"{world_size} ranks leave none for stage "
-                             f"{next(s.name for s in self.stages if s.num_ranks is None)!r} ({split})")
-        return [ExecutorSpec(s.name, rest if s.num_ranks is None else s.num_ranks, tp=s.tp) for s in self.stages]
+                             f"{next(s.name for s in hosts if s.num_ranks is None)!r} ({split})")
+        counts = {s.name: rest if s.num_ranks is None else s.num_ranks for s in hosts}
+        for channel in self.channels:
+            if self.in_memory(channel) and channel.kind in ("broadcast", "gather") \
+                    and counts[self.host(channel.inbound)] > 1:
+                raise ValueError(f"{channel.kind} channel {channel.name!r} joins co-resident stages on "
+                                 f"{counts[self.host(channel.inbound)]} ranks; use scatter (each rank keeps its rows) "
+                                 "or give one stage ranks of its own")
+        return [ExecutorSpec(s.name, counts[self.host(s.name)], tp=s.tp, colocate_with=s.colocate_with)
+                for s in self.stages]
+
+    def build_channels(self) -> list:
+        """Every channel's object, in memory between co-resident stages."""
+        return [c.build(in_memory=self.in_memory(c)) for c in self.channels]
 
     def headline_keys(self) -> list[tuple[str, str]]:
         """``(stage, metric)`` pairs on the progress bar, in stage order."""

@@ -37,16 +37,16 @@ class Progress:
 
             self.bar = tqdm(total=max_steps, initial=start_step, desc="llamarl", unit="tick", dynamic_ncols=True)
 
-    def update(self, step: int, *, executor: str, metrics: dict[str, float], reports: bool) -> dict[str, float]:
-        """Collective over WORLD: every rank calls it once per tick. ``reports``: this rank is its
-        executor's reporter (first rank). Returns the gathered ``stage/metric`` values on rank 0
-        (only those reported this tick), an empty dict elsewhere."""
+    def update(self, step: int, *, reported: dict[str, dict[str, float]]) -> dict[str, float]:
+        """Collective over WORLD: every rank calls it once per tick. ``reported``: executor name ->
+        its metrics, for each executor this rank reports for (their first rank; several when
+        executors are co-resident, none elsewhere). Returns the gathered ``stage/metric`` values on
+        rank 0 (only those reported this tick), an empty dict elsewhere."""
         values = torch.zeros(2 * len(self.keys), dtype=torch.float64, device=self.device)
-        if reports:
-            for index, (stage, key) in enumerate(self.keys):
-                if stage == executor and key in metrics:
-                    values[index] = float(metrics[key])
-                    values[len(self.keys) + index] = 1.0
+        for index, (stage, key) in enumerate(self.keys):
+            if key in reported.get(stage, {}):
+                values[index] = float(reported[stage][key])
+                values[len(self.keys) + index] = 1.0
         if self.keys:
             dist.all_reduce(values)
         if self.rank != 0:

@@ -55,6 +55,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from llamarl.channels.in_memory import InMemoryWeights
 from llamarl.channels.weights import WeightsChannel
 from llamarl.checkpoint import (
     COMPLETE_MARKER,
@@ -97,10 +98,11 @@ def run_pipeline(pipeline: Pipeline, config, *, recipe: str, heldout: list[Probl
     wall_start = time.time()
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     run = config.run
-    channels = [spec.build() for spec in pipeline.channels]
-    ctx = ExecutorContext.create(pipeline.specs(world_size), timeout_s=run.collective_timeout_s,
-                                 channel_endpoints=[(c.outbound, c.inbound) for c in channels])
-    setup_logging(executor=ctx.executor, rank=ctx.rank)
+    channels = pipeline.build_channels()
+    contexts = ExecutorContext.create_all(pipeline.specs(world_size), timeout_s=run.collective_timeout_s,
+                                          channel_endpoints=[(c.outbound, c.inbound) for c in channels])
+    ctx = next(iter(contexts.values()))  # rank-wide facts (rank, device, ranks) are the same in each
+    setup_logging(executor="+".join(contexts), rank=ctx.rank)
     run_dir = _shared_run_dir(run.output_dir, recipe, ctx.device)
     checkpoint_dir = run_dir / "checkpoints"
     resume_dir, start_step = resolve_resume(config.checkpoint.resume, checkpoint_dir) \
@@ -122,8 +124,8 @@ def run_pipeline(pipeline: Pipeline, config, *, recipe: str, heldout: list[Probl
                 logger.info("resuming at step %d: moved what an abandoned run left after it (%s) to %s",
                             start_step, ", ".join(archived[1]), archived[0])
         dist.barrier()  # ... and no rank reads the run directory before it is one timeline again
-    executor = pipeline.stage(ctx.executor).build(ctx)
-    init_channels = [c for c in channels if isinstance(c, WeightsChannel)]
+    executors = {name: pipeline.stage(name).build(context) for name, context in contexts.items()}
+    init_channels = [c for c in channels if isinstance(c, (WeightsChannel, InMemoryWeights))]
     run_dir.mkdir(parents=True, exist_ok=True)
     if ctx.rank == 0:
         (run_dir / "config.json").write_text(json.dumps(asdict(config), indent=2))
@@ -140,16 +142,16 @@ def run_pipeline(pipeline: Pipeline, config, *, recipe: str, heldout: list[Probl
     # Seconds the run had spent up to the state resumed from: wall time and evaluation times continue.
     elapsed_before = float(restored.get("elapsed_seconds", 0.0))
     resumed_from = [*restored.get("resumed_from_step", []), start_step] if resume_dir is not None else []
-    leader = ctx.local_rank == 0
+    leaders = {name: context.local_rank == 0 for name, context in contexts.items()}
     # Evaluation is collective over a TP group, so every rank of the evaluator's first replica runs it.
-    evaluates = ctx.executor == pipeline.evaluator and ctx.dp_rank == 0
+    evaluates = pipeline.evaluator in contexts and contexts[pipeline.evaluator].dp_rank == 0
+    evaluator = executors.get(pipeline.evaluator)
     loggers: dict[str, MetricsLogger] = {}
     spans: list[dict] = []
     summary: dict = {}
     evals: list[dict] = list(restored.get("evals", []))
     progress = Progress(keys=pipeline.headline_keys(), max_steps=run.max_steps, start_step=start_step,
                         rank=ctx.rank, device=ctx.device)
-    weight_inbound = [c for c in init_channels if c.inbound == ctx.executor]
 
     def elapsed() -> float:
         return elapsed_before + time.time() - wall_start
@@ -160,18 +162,29 @@ def run_pipeline(pipeline: Pipeline, config, *, recipe: str, heldout: list[Probl
     if reporter and config.checkpoint.every:
         # The runner's state goes into the checkpoint with the reporter's executor state, before the
         # controller's WORLD barrier: a committed checkpoint always holds it.
-        save_executor = executor.save_checkpoint
+        carrier = evaluator if evaluator is not None else next(iter(executors.values()))
+        save_executor = carrier.save_checkpoint
 
         def save_checkpoint(directory: Path) -> None:
             save_executor(directory)
             write_json(directory.parent / RUNNER_STATE, runner_state())
 
-        executor.save_checkpoint = save_checkpoint
+        carrier.save_checkpoint = save_checkpoint
+
+    def evaluate(step: int, samples_name: str) -> float:
+        """The evaluator's held-out accuracy now, drawn on the timeline as a span of kind ``eval``."""
+        start = time.time()
+        if getattr(evaluator, "num_threads", None):
+            torch.set_num_threads(evaluator.num_threads)
+        accuracy = evaluator.evaluate(heldout, score, samples_path=run_dir / samples_name)
+        spans.append({"executor": pipeline.evaluator, "rank": ctx.rank, "step": step, "start": start,
+                      "end": time.time(), "kind": "eval"})
+        return accuracy
 
     def record_eval(step: int, accuracy: float) -> None:
-        version = getattr(executor, "version", None)
+        version = getattr(evaluator, "version", None)
         evals.append({"step": step, "seconds": elapsed(), "accuracy": accuracy, "version": version})
-        if leader:
+        if leaders[pipeline.evaluator]:
             logger.info("eval after %d ticks: greedy accuracy %.1f%% (weights version %s, %.0f s into the run)",
                         step, 100 * accuracy, version, evals[-1]["seconds"])
 
@@ -180,19 +193,21 @@ def run_pipeline(pipeline: Pipeline, config, *, recipe: str, heldout: list[Probl
         every = run.eval_every
         return pipeline.evaluator is not None and every > 0 and step % every == 0 and 0 < step < run.max_steps
 
-    def on_tick(step, ex, record):
-        spans.extend({"executor": ctx.executor, "rank": ctx.rank, "step": step, "start": a, "end": b, "kind": "step"}
-                     for a, b in record.step_spans)
-        spans.extend({"executor": ctx.executor, "rank": ctx.rank, "step": step, "start": a, "end": b, "kind": name}
-                     for name, a, b in record.channel_spans)
-        # An executor that hosts several roles (colocated) reports one metric section per role.
-        # Each is reduced over the executor's ranks as its metrics declare (collective over the group).
-        specs = getattr(ex, "metric_specs", {})
-        sections = {section: reduce_metrics(values or {}, specs, group=ctx.group, device=ctx.device,
-                                            size=ctx.local_world_size)
-                    for section, values in (getattr(ex, "metric_sections", None) or {ctx.executor: ex.metrics}).items()}
-        flat = {key: value for values in sections.values() for key, value in values.items()}
-        progress.update(step, executor=ctx.executor, metrics=flat, reports=leader)
+    def on_tick(step, ticked):
+        sections_of = {}
+        for name, (ex, record) in ticked.items():
+            spans.extend({"executor": name, "rank": ctx.rank, "step": step, "start": a, "end": b, "kind": "step"}
+                         for a, b in record.step_spans)
+            spans.extend({"executor": name, "rank": ctx.rank, "step": step, "start": a, "end": b, "kind": kind}
+                         for kind, a, b in record.channel_spans)
+            # An executor may report one metric section per role it hosts (``metric_sections``).
+            # Each is reduced over the executor's ranks as its metrics declare (collective over the group).
+            context, specs = contexts[name], getattr(ex, "metric_specs", {})
+            sections_of[name] = {section: reduce_metrics(values or {}, specs, group=context.group,
+                                                         device=ctx.device, size=context.local_world_size)
+                                 for section, values in (getattr(ex, "metric_sections", None) or {name: ex.metrics}).items()}
+        progress.update(step, reported={name: {k: v for values in sections.values() for k, v in values.items()}
+                                        for name, sections in sections_of.items() if leaders[name]})
         checkpointed = config.checkpoint.every and (step + 1) % config.checkpoint.every == 0
         if eval_due(step + 1):
             if checkpointed and reporter_rank != 0:
@@ -200,30 +215,31 @@ def run_pipeline(pipeline: Pipeline, config, *, recipe: str, heldout: list[Probl
                 dist.barrier()
             if evaluates:
                 with controller.guard():  # collective over a TP group: every rank of the replica runs it
-                    accuracy = executor.evaluate(heldout, score,
-                                                 samples_path=run_dir / f"eval_step_{step + 1}.jsonl")
+                    accuracy = evaluate(step + 1, f"eval_step_{step + 1}.jsonl")
                 record_eval(step + 1, accuracy)
             if checkpointed and reporter:
                 # The evaluation after the checkpoint's tick belongs to its history: a run resumed
                 # from it must list it (its weights are the generator's of then, not the resumed run's).
                 write_json(step_dir(checkpoint_dir, step + 1) / RUNNER_STATE, runner_state())
-        if not leader:
-            return
-        for index, (section, values) in enumerate(sections.items()):
-            if not values:
+        for name, (ex, record) in ticked.items():
+            if not leaders[name]:
                 continue
-            metrics = {**values, "channel_seconds": record.channel_seconds, "step_seconds": record.step_seconds}
-            if weight_inbound and index == 0:
-                metrics["weight_sync_seconds"] = sum(c.last_seconds for c in weight_inbound)
-                metrics["weight_sync_skipped"] = float(all(c.last_skipped for c in weight_inbound))
-            if section not in loggers:
-                loggers[section] = MetricsLogger(run_dir, section, start_step=start_step, specs=specs)
-            loggers[section].log(step, metrics)
+            weight_inbound = [c for c in init_channels if c.inbound == name]
+            for index, (section, values) in enumerate(sections_of[name].items()):
+                if not values:
+                    continue
+                metrics = {**values, "channel_seconds": record.channel_seconds, "step_seconds": record.step_seconds}
+                if weight_inbound and index == 0:
+                    metrics["weight_sync_seconds"] = sum(c.last_seconds for c in weight_inbound)
+                    metrics["weight_sync_skipped"] = float(all(c.last_skipped for c in weight_inbound))
+                if section not in loggers:
+                    loggers[section] = MetricsLogger(run_dir, section, start_step=start_step,
+                                                     specs=getattr(ex, "metric_specs", {}))
+                loggers[section].log(step, metrics)
 
     def base_evaluation():
         if resume_dir is None:
-            summary["base_accuracy"] = executor.evaluate(heldout, score,
-                                                         samples_path=run_dir / "eval_base.jsonl")
+            summary["base_accuracy"] = evaluate(0, "eval_base.jsonl")
             record_eval(0, summary["base_accuracy"])
             return
         # A resumed run's weights are not the base model's: reuse the first run's base evaluation.
@@ -236,11 +252,10 @@ def run_pipeline(pipeline: Pipeline, config, *, recipe: str, heldout: list[Probl
             summary["base_accuracy"] = base
         if eval_due(start_step) and not any(e["step"] == start_step for e in evals):
             # Due after the checkpoint's tick but not recorded: the interrupted run died before it.
-            record_eval(start_step, executor.evaluate(heldout, score,
-                                                      samples_path=run_dir / f"eval_step_{start_step}.jsonl"))
+            record_eval(start_step, evaluate(start_step, f"eval_step_{start_step}.jsonl"))
 
     export_dir = run_dir / "hf" if config.export.final or config.export.every else None
-    controller = ExecutorController(ctx, executor, channels, max_steps=run.max_steps,
+    controller = ExecutorController(contexts, executors, channels, max_steps=run.max_steps,
                                     executor_order=pipeline.order, init_channels=init_channels,
                                     checkpoint_every=config.checkpoint.every, checkpoint_keep=config.checkpoint.keep,
                                     checkpoint_dir=checkpoint_dir, on_tick=on_tick,
@@ -254,17 +269,17 @@ def run_pipeline(pipeline: Pipeline, config, *, recipe: str, heldout: list[Probl
     try:
         with controller.guard():
             for channel in init_channels:  # the final policy, for the final evaluation
-                channel.communicate(ctx, executor)
+                controller.communicate_now(channel)
             if evaluates:
-                summary["final_accuracy"] = executor.evaluate(heldout, score,
-                                                              samples_path=run_dir / "eval_final.jsonl")
+                summary["final_accuracy"] = evaluate(run.max_steps, "eval_final.jsonl")
                 record_eval(run.max_steps, summary["final_accuracy"])
                 summary["evals"] = evals
     except BaseException as exc:  # noqa: BLE001 - same failure contract as the loop
         controller.abort(exc)
-    close = getattr(executor, "close", None)
-    if close is not None:
-        close()
+    for executor in executors.values():
+        close = getattr(executor, "close", None)
+        if close is not None:
+            close()
     (run_dir / "timeline").mkdir(exist_ok=True)
     (run_dir / "timeline" / f"rank{ctx.rank}.json").write_text(json.dumps(spans))
     for metrics_logger in loggers.values():

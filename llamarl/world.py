@@ -44,35 +44,52 @@ class ExecutorSpec:
 
     ``tp > 1`` makes the executor's mesh 2-D ``(dp, tp)`` with ``dp = num_ranks // tp``;
     ``num_ranks`` must then be a multiple of ``tp`` (checked by ``plan_ranks``).
+    ``colocate_with`` names an earlier executor whose ranks this one shares (co-resident: both run
+    on each of those ranks, stepping in spec order); ``num_ranks`` is then that executor's.
     """
 
     name: str
     num_ranks: int
     tp: int = 1
+    colocate_with: str | None = None
 
 
 def plan_ranks(specs: list[ExecutorSpec], world_size: int) -> dict[str, list[int]]:
-    """Assign consecutive global rank ranges to executors in the given order.
+    """Assign consecutive global rank ranges to executors in the given order; a co-resident
+    executor (``colocate_with``) gets its host's range and takes none of its own.
 
-    Raises ValueError (before any collective) on an empty executor, a duplicate name, or a split
-    that does not add up to ``world_size``.
+    Raises ValueError (before any collective) on an empty executor, a duplicate name, a host that
+    is not an earlier executor with ranks of its own, or a split that does not add up to ``world_size``.
     """
     if not specs:
         raise ValueError("at least one executor is needed")
     names = [s.name for s in specs]
     if len(set(names)) != len(names):
         raise ValueError(f"executor names must be unique, got {names}")
-    for spec in specs:
+    hosts = [s for s in specs if s.colocate_with is None]
+    for index, spec in enumerate(specs):
+        if spec.colocate_with is not None:
+            earlier = {s.name: s for s in specs[:index]}
+            host = earlier.get(spec.colocate_with)
+            if host is None or host.colocate_with is not None:
+                raise ValueError(f"executor {spec.name!r} shares the ranks of {spec.colocate_with!r}, which must be an "
+                                 f"earlier executor with ranks of its own; have {[h.name for h in hosts]}")
+            if spec.num_ranks != host.num_ranks:
+                raise ValueError(f"executor {spec.name!r} shares the {host.num_ranks} ranks of {host.name!r} but "
+                                 f"declares {spec.num_ranks}")
         if spec.num_ranks < 1:
             raise ValueError(f"executor {spec.name!r} has {spec.num_ranks} ranks; every executor needs >= 1")
         if spec.tp < 1 or spec.num_ranks % spec.tp:
             raise ValueError(f"executor {spec.name!r}: num_ranks ({spec.num_ranks}) must be a multiple of tp ({spec.tp})")
-    total = sum(s.num_ranks for s in specs)
+    total = sum(s.num_ranks for s in hosts)
     if total != world_size:
-        split = " + ".join(f"{s.name}={s.num_ranks}" for s in specs)
+        split = " + ".join(f"{s.name}={s.num_ranks}" for s in hosts)
         raise ValueError(f"rank split {split} = {total} does not match the world size {world_size}")
     ranges, start = {}, 0
     for spec in specs:
+        if spec.colocate_with is not None:
+            ranges[spec.name] = ranges[spec.colocate_with]
+            continue
         ranges[spec.name] = list(range(start, start + spec.num_ranks))
         start += spec.num_ranks
     return ranges
@@ -122,11 +139,26 @@ class ExecutorContext:
         backend: str | None = None,
         channel_endpoints: list[tuple[str, str]] | None = None,
     ) -> ExecutorContext:
-        """Initialise torch.distributed (from torchrun env vars) and split the world.
+        """Initialise torch.distributed (from torchrun env vars), split the world, and return the
+        context of this rank's first executor (``create_all`` returns every co-resident one's)."""
+        return next(iter(ExecutorContext.create_all(specs, timeout_s=timeout_s, backend=backend,
+                                                    channel_endpoints=channel_endpoints).values()))
+
+    @staticmethod
+    def create_all(
+        specs: list[ExecutorSpec],
+        *,
+        timeout_s: float = 300.0,
+        backend: str | None = None,
+        channel_endpoints: list[tuple[str, str]] | None = None,
+    ) -> dict[str, ExecutorContext]:
+        """Initialise torch.distributed (from torchrun env vars) and split the world; return the
+        context of each executor on this rank (several when executors are co-resident), in spec order.
 
         ``channel_endpoints`` lists the (outbound, inbound) executor names of every channel so
         that an unknown name fails here, before any process group is made. ``timeout_s`` is the
         collective timeout of every group: a peer that died turns into an error, not a hang.
+        Co-resident executors share their host's process group.
         """
         world_size = int(os.environ.get("WORLD_SIZE", "1"))
         ranges = plan_ranks(specs, world_size)
@@ -159,22 +191,26 @@ class ExecutorContext:
         groups = {}
         # new_group is collective over WORLD: every rank creates every group, in spec order.
         for spec in specs:
-            groups[spec.name] = dist.new_group(ranges[spec.name], timeout=timeout, backend=backend)
-        executor = next(name for name, rs in ranges.items() if rank in rs)
-        group = groups[executor]
-        mesh = DeviceMesh.from_group(group, device.type, mesh=ranges[executor])
+            if spec.colocate_with is not None:
+                groups[spec.name] = groups[spec.colocate_with]
+            else:
+                groups[spec.name] = dist.new_group(ranges[spec.name], timeout=timeout, backend=backend)
+        mine = [spec.name for spec in specs if rank in ranges[spec.name]]
+        meshes = {name: DeviceMesh.from_group(groups[name], device.type, mesh=ranges[name]) for name in mine}
         # Then every TP / DP group of every TP executor, again on every rank in spec order.
         for spec in specs:
             if spec.tp == 1:
                 continue
             grid = tp_grid(ranges[spec.name], spec.tp)
             tp_group, dp_group = _grid_groups(grid, rank=rank, timeout=timeout, backend=backend)
-            if spec.name == executor:
+            if spec.name in mine:
                 # from_group takes this rank's group per mesh dim: no further collective.
-                mesh = DeviceMesh.from_group([dp_group, tp_group], device.type, mesh=grid, mesh_dim_names=("dp", "tp"))
-        return ExecutorContext(rank=rank, world_size=world_size, executor=executor, ranks=ranges, group=group,
-                               mesh=mesh, device=device,
-                               tp_sizes={s.name: s.tp for s in specs})
+                meshes[spec.name] = DeviceMesh.from_group([dp_group, tp_group], device.type, mesh=grid,
+                                                          mesh_dim_names=("dp", "tp"))
+        tp_sizes = {s.name: s.tp for s in specs}
+        return {name: ExecutorContext(rank=rank, world_size=world_size, executor=name, ranks=ranges,
+                                      group=groups[name], mesh=meshes[name], device=device, tp_sizes=tp_sizes)
+                for name in mine}
 
     @property
     def local_rank(self) -> int:

@@ -41,7 +41,8 @@ than ``--judge.max-tokens-per-microbatch`` or the judge's context is not judged:
 counted as ``judge_too_long`` (a running total per rank) and warned about.
 
 Schedules: ``async`` (default) and ``sync`` deliver as ``rl_pipeline``; the ``ruled`` hop (reward
--> judge) is always same-tick, so the judge adds no lag. ``colocated`` is refused.
+-> judge) is always same-tick, so the judge adds no lag. ``colocated`` runs every stage, the judge
+included, on every rank (one process suffices).
 
 Metrics (``metrics/judge.jsonl``): ``judge_reward_mean``, ``judge_yes_prob_mean``,
 ``judge_answer_mass_mean``, ``judge_agreement`` (the share of samples where the thresholded verdict
@@ -70,7 +71,14 @@ from llamarl.data.prompts import Problem, build_chat_prompt
 from llamarl.errors import config_errors, parse_flags
 from llamarl.executors.base import Executor
 from llamarl.executors.generator import PromptFn, Task
-from llamarl.executors.pipelines import generator_stage, reward_stage, schedule_title, trainer_stage
+from llamarl.executors.pipelines import (
+    generator_stage,
+    place,
+    reward_stage,
+    schedule_config,
+    schedule_title,
+    trainer_stage,
+)
 from llamarl.executors.reward import set_balance_tokens
 from llamarl.executors.validate import validate_config
 from llamarl.metrics import MetricSpec
@@ -376,14 +384,12 @@ def llm_judge_pipeline(config: LLMJudgeConfig, *, task: Task, scorer: str, promp
     """generator -> reward ("ruled") -> judge ("scored") -> trainer, weights trainer -> generator.
 
     Delivery follows ``--run.schedule`` like ``rl_pipeline`` (``ruled`` always same-tick: the judge
-    adds no lag). Raises ValueError for ``--run.schedule colocated``.
+    adds no lag); colocated puts every stage, the judge included, on every rank.
     """
+    config = schedule_config(config)
     schedule = config.run.schedule
-    if schedule == "colocated":
-        raise ValueError("--run.schedule colocated is not supported by recipes.llm_judge: the judge is an executor "
-                         "on its own ranks; use --run.schedule async or sync")
-    sync = schedule == "sync"
-    return Pipeline(
+    sync = schedule in ("sync", "colocated")
+    return place(Pipeline(
         stages=[generator_stage(config, task=task, prompt_fn=prompt_fn),
                 reward_stage(config, scorer=scorer, output="ruled"),
                 judge_stage(config, task=task, input_name="ruled", output="scored"),
@@ -394,20 +400,12 @@ def llm_judge_pipeline(config: LLMJudgeConfig, *, task: Task, scorer: str, promp
                   ChannelSpec("weights", "trainer", "generator", "weights", weights_mode=config.weights.mode)],
         evaluator="generator", title=f"{schedule_title(config)}, LLM judge",
         summary={"schedule": schedule, "loss": config.algo.loss, "judge": config.judge.model or config.model.name,
-                 "judge_hard": config.judge.hard})
+                 "judge_hard": config.judge.hard}), config)
 
 
 def validate_llm_judge(config: LLMJudgeConfig, *, world_size: int) -> None:
     """``validate_config`` plus the judge's checks: one line naming the flag."""
-    validate_config(config, world_size=world_size)
-    if config.run.schedule == "colocated":
-        raise ValueError("--run.schedule colocated is not supported by recipes.llm_judge: the judge is an executor "
-                         "on its own ranks; use --run.schedule async or sync")
-    needed = config.generator.num_ranks + config.reward.num_ranks + config.judge.num_ranks + 1
-    if world_size < needed:
-        raise ValueError(f"--generator.num-ranks {config.generator.num_ranks} + --reward.num-ranks "
-                         f"{config.reward.num_ranks} + --judge.num-ranks {config.judge.num_ranks} + at least 1 trainer "
-                         f"rank = {needed} > the world size {world_size} (torchrun --nproc-per-node)")
+    validate_config(config, world_size=world_size, extra_ranks={"--judge.num-ranks": config.judge.num_ranks})
     name = config.judge.model
     if name is not None and name not in KNOWN_ALIASES:
         path = Path(name).expanduser()

@@ -33,7 +33,7 @@ bf16 noise).
 Schedules: ``async`` (default) and ``sync`` deliver as ``rl_pipeline`` does, with the extra hop
 ``scored`` (reward -> ref) always same-tick, so the lag of every trained token is the standard
 pipeline's (``--run.async-lag``) and ``--algo.stale-policy wait`` plans with the right one.
-``colocated`` is refused: the reference is its own executor on its own ranks.
+``colocated`` runs every stage, the reference included, on every rank (one process suffices).
 
 With ``--algo.advantage grpo`` (the default) the group's std divides the shaped rewards: in a
 group whose raw rewards tie, the advantage comes from the KL alone and is rescaled to unit size,
@@ -66,7 +66,14 @@ from llamarl.data.prompts import Problem
 from llamarl.errors import config_errors, parse_flags
 from llamarl.executors.base import Executor
 from llamarl.executors.generator import PromptFn, Task
-from llamarl.executors.pipelines import generator_stage, reward_stage, schedule_title, trainer_stage
+from llamarl.executors.pipelines import (
+    generator_stage,
+    place,
+    reward_stage,
+    schedule_config,
+    schedule_title,
+    trainer_stage,
+)
 from llamarl.executors.reward import set_balance_tokens
 from llamarl.executors.validate import validate_config
 from llamarl.metrics import MetricSpec
@@ -246,14 +253,12 @@ def ref_kl_pipeline(config: RefKLConfig, *, task: Task, scorer: str, prompt_fn: 
 
     Delivery follows ``--run.schedule`` like ``rl_pipeline``: ``rollouts`` same-tick under sync or
     ``--run.async-lag 1``, ``shaped`` same-tick under sync, ``scored`` always same-tick (the
-    reference adds no lag). Raises ValueError for ``--run.schedule colocated``.
+    reference adds no lag); colocated puts every stage, the reference included, on every rank.
     """
+    config = schedule_config(config)
     schedule = config.run.schedule
-    if schedule == "colocated":
-        raise ValueError("--run.schedule colocated is not supported by recipes.ref_kl: the reference policy is an "
-                         "executor on its own ranks; use --run.schedule async or sync")
-    sync = schedule == "sync"
-    return Pipeline(
+    sync = schedule in ("sync", "colocated")
+    return place(Pipeline(
         stages=[generator_stage(config, task=task, prompt_fn=prompt_fn),
                 reward_stage(config, scorer=scorer, output="scored"),
                 ref_stage(config, input_name="scored", output="shaped"),
@@ -264,20 +269,12 @@ def ref_kl_pipeline(config: RefKLConfig, *, task: Task, scorer: str, prompt_fn: 
                   ChannelSpec("weights", "trainer", "generator", "weights", weights_mode=config.weights.mode)],
         evaluator="generator", title=f"{schedule_title(config)}, KL to reference",
         summary={"schedule": schedule, "loss": config.algo.loss, "kl_coef": config.ref.kl_coef,
-                 "kl_estimator": config.ref.kl_estimator})
+                 "kl_estimator": config.ref.kl_estimator}), config)
 
 
 def validate_ref_kl(config: RefKLConfig, *, world_size: int) -> None:
     """``validate_config`` plus the checks of the reference stage: one line naming the flag."""
-    validate_config(config, world_size=world_size)
-    if config.run.schedule == "colocated":
-        raise ValueError("--run.schedule colocated is not supported by recipes.ref_kl: the reference policy is an "
-                         "executor on its own ranks; use --run.schedule async or sync")
-    needed = config.generator.num_ranks + config.reward.num_ranks + config.ref.num_ranks + 1
-    if world_size < needed:
-        raise ValueError(f"--generator.num-ranks {config.generator.num_ranks} + --reward.num-ranks "
-                         f"{config.reward.num_ranks} + --ref.num-ranks {config.ref.num_ranks} + at least 1 trainer "
-                         f"rank = {needed} > the world size {world_size} (torchrun --nproc-per-node)")
+    validate_config(config, world_size=world_size, extra_ranks={"--ref.num-ranks": config.ref.num_ranks})
     budget = config.ref.max_tokens_per_microbatch
     if budget is not None and budget < config.trainer.max_tokens_per_microbatch:
         raise ValueError(f"--ref.max-tokens-per-microbatch {budget} is below --trainer.max-tokens-per-microbatch "

@@ -81,8 +81,12 @@ def test_colocated_equals_sync_at_learning_rate_zero(tmp_path, model_dir, coloca
     summary = json.loads((colocated / "summary.json").read_text())
     assert summary["schedule"] == "colocated"
     assert summary["final_accuracy"] == json.loads((sync / "summary.json").read_text())["final_accuracy"]
+    # Every stage on every rank: the timeline shows each one's spans, and the evaluations by name.
     trace = json.loads((colocated / "timeline.json").read_text())
-    assert {e["pid"] for e in trace["traceEvents"]} == {"colocated"}
+    assert {e["pid"] for e in trace["traceEvents"]} == {"generator", "reward", "trainer"}
+    names = [e["name"] for e in trace["traceEvents"]]
+    assert "generator eval 0" in names and "generator eval 3" in names, names
+    assert all(f"{stage} step {step}" in names for stage in ("generator", "reward", "trainer") for step in range(3))
 
 
 def test_async_lag1_scores_the_same_samples_as_sync_at_learning_rate_zero(tmp_path, model_dir):

@@ -165,9 +165,10 @@ def test_config_and_schedule_are_checked(tmp_path):
         with pytest.raises(ValueError, match=message):
             JudgeConfig(**kwargs)
     config = LLMJudgeConfig()
-    config.run.schedule = "colocated"
-    with pytest.raises(ValueError, match="colocated is not supported by recipes.llm_judge"):
-        llm_judge_pipeline(config, task=None, scorer="arithmetic", prompt_fn=None)
+    config.run.schedule = "colocated"  # every stage, the judge included, on every rank
+    pipeline = llm_judge_pipeline(config, task=None, scorer="arithmetic", prompt_fn=None)
+    assert [s.num_ranks for s in pipeline.specs(1)] == [1, 1, 1, 1]
+    assert all(pipeline.in_memory(c) for c in pipeline.channels)
     config = LLMJudgeConfig()
     config.run.output_dir = str(tmp_path)
     with pytest.raises(ValueError, match=r"--judge.num-ranks 1 \+ at least 1 trainer rank = 4 > the world size 3"):

@@ -138,9 +138,10 @@ def test_config_and_schedule_are_checked():
         with pytest.raises(ValueError, match=message):
             RefConfig(**kwargs)
     config = RefKLConfig()
-    config.run.schedule = "colocated"
-    with pytest.raises(ValueError, match="colocated is not supported by recipes.ref_kl"):
-        ref_kl_pipeline(config, task=None, scorer="arithmetic", prompt_fn=None)
+    config.run.schedule = "colocated"  # every stage, the reference included, on every rank
+    pipeline = ref_kl_pipeline(config, task=None, scorer="arithmetic", prompt_fn=None)
+    assert [s.num_ranks for s in pipeline.specs(1)] == [1, 1, 1, 1]
+    assert all(pipeline.in_memory(c) for c in pipeline.channels)
     config = RefKLConfig()
     config.run.output_dir = "/tmp"
     with pytest.raises(ValueError, match=r"--ref.num-ranks 1 \+ at least 1 trainer rank = 4 > the world size 3"):

@@ -29,6 +29,10 @@ class Executor:
     executor's ranks of each metric it reports in ``self.metrics`` (undeclared keys are logged with
     the first rank's value)."""
 
+    num_threads: int | None = None
+    """torch threads while this executor steps (set by the controller before each step, so that
+    co-resident executors each run with their own); None leaves the process's setting."""
+
     def __init__(self, ctx: ExecutorContext) -> None:
         self.ctx = ctx
         self.current_step = 0

@@ -139,6 +139,11 @@ class GeneratorExecutor(Executor):
     name = "generator"
     metric_specs: ClassVar[dict] = GENERATOR_METRICS
 
+    @property
+    def num_threads(self) -> int:
+        """``--generator.num-threads``, set by the controller before each step."""
+        return self.config.num_threads
+
     def __init__(self, ctx, *, model_config: ModelConfig, config: GeneratorConfig, task: Task,
                  prompt_fn: PromptFn, output_name: str = "rollouts", seed: int = 0,
                  max_sequence_tokens: int | None = None, algo: AlgoConfig | None = None,

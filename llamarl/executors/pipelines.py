@@ -14,12 +14,17 @@ Schedules (channel delivery, see llamarl/controller.py for each tick's timeline)
   same-tick (scored right after generation), scored and weights next tick: data one version old.
 - ``sync``: rollouts and scored same-tick, weights next tick: strictly on-policy, one executor
   busy at a time.
-- ``colocated``: one stage on every rank that generates, scores and trains, with the weights
-  updated in place (llamarl/executors/colocated.py); no channels. Strictly on-policy.
+- ``colocated``: the ``sync`` pipeline with every stage on every rank (``Pipeline.colocated``):
+  each rank generates, scores and trains in turn, the batches are handed over in memory and the
+  weights copied into the generation model in place at the end of each tick. Strictly on-policy,
+  the same samples as ``sync``. Any pipeline runs so, a recipe's own stages included
+  (``place``). The phases never overlap, so each runs with every thread the rank was given: the
+  larger of ``--generator.num-threads`` and ``--trainer.num-threads`` (``schedule_config``).
 """
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import logging
 import os
@@ -27,7 +32,6 @@ from collections.abc import Callable
 
 from llamarl.config import RLConfig
 from llamarl.data.prompts import Problem
-from llamarl.executors.colocated import ColocatedExecutor
 from llamarl.executors.generator import GeneratorExecutor, PromptFn, Task, auto_token_budget
 from llamarl.executors.reward import RewardExecutor
 from llamarl.executors.trainer import TrainerExecutor
@@ -100,28 +104,38 @@ def schedule_title(config: RLConfig) -> str:
     return f"async (lag {config.run.async_lag})" if config.run.schedule == "async" else config.run.schedule
 
 
+def schedule_config(config: RLConfig) -> RLConfig:
+    """``config`` with what its schedule implies resolved once: colocated, the generator and the
+    trainer both get the larger of their thread counts (they never run at the same time)."""
+    if config.run.schedule != "colocated":
+        return config
+    threads = max(config.generator.num_threads, config.trainer.num_threads)
+    # Shallow copies with one field set: no second validation of values the caller already holds.
+    resolved, generator, trainer = copy.copy(config), copy.copy(config.generator), copy.copy(config.trainer)
+    generator.num_threads = trainer.num_threads = threads
+    resolved.generator, resolved.trainer = generator, trainer
+    return resolved
+
+
+def place(pipeline: Pipeline, config: RLConfig) -> Pipeline:
+    """``pipeline`` placed for ``--run.schedule``: colocated puts every stage on every rank (its
+    channels must then be those of ``sync``: data same-tick, weights next tick); else unchanged."""
+    return pipeline.colocated() if config.run.schedule == "colocated" else pipeline
+
+
 def rl_pipeline(config: RLConfig, *, task: Task, scorer: str, prompt_fn: PromptFn) -> Pipeline:
     """The generator -> reward -> trainer pipeline of ``config.run.schedule`` (module docstring)."""
+    config = schedule_config(config)
     summary = {"schedule": config.run.schedule, "loss": config.algo.loss}
-    if config.run.schedule == "colocated":
-        if config.generator.tp != 1:
-            raise ValueError(f"--run.schedule colocated needs --generator.tp 1, got {config.generator.tp}")
-        generator, trainer = _generator(config, task=task, prompt_fn=prompt_fn), _trainer(config)
-
-        def build(ctx) -> ColocatedExecutor:
-            return ColocatedExecutor(ctx, generator=generator(ctx), trainer=trainer(ctx), reward=config.reward,
-                                     scorer=scorer)
-        stage = Stage("colocated", build=build, num_ranks=None,
-                      headline=GENERATOR_HEADLINE + REWARD_HEADLINE + TRAINER_HEADLINE)
-        return Pipeline([stage], [], evaluator="colocated", title="colocated", summary=summary)
-    sync = config.run.schedule == "sync"
-    return Pipeline(
+    sync = config.run.schedule in ("sync", "colocated")
+    pipeline = Pipeline(
         stages=[generator_stage(config, task=task, prompt_fn=prompt_fn), reward_stage(config, scorer=scorer),
                 trainer_stage(config)],
         channels=[ChannelSpec("rollouts", "generator", "reward", "scatter", same_tick=sync or config.run.async_lag == 1),
                   ChannelSpec("scored", "reward", "trainer", "scatter", same_tick=sync),
                   ChannelSpec("weights", "trainer", "generator", "weights", weights_mode=config.weights.mode)],
         evaluator="generator", title=schedule_title(config), summary=summary)
+    return place(pipeline, config)
 
 
 def run_rl(config: RLConfig, *, recipe: str, task: Task, heldout: list[Problem],

@@ -67,6 +67,7 @@ def score_rollouts(pool: RewardPool, batch: TensorBatch) -> tuple[TensorBatch, d
 class RewardExecutor(Executor):
     name = "reward"
     metric_specs: ClassVar[dict] = REWARD_METRICS
+    num_threads = 1  # scoring runs in the pool's processes (or inline, pure Python)
 
     def __init__(self, ctx, *, config: RewardConfig, scorer: str, input_name: str = "rollouts",
                  output_name: str = "scored") -> None:

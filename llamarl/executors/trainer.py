@@ -87,6 +87,11 @@ class TrainerExecutor(Executor):
         declared = get_policy_loss(self.algo.loss).metrics
         return {**{key: MetricSpec("loss", "max") for key in declared}, **TRAINER_METRICS}
 
+    @property
+    def num_threads(self) -> int:
+        """``--trainer.num-threads``, set by the controller before each step."""
+        return self.config.num_threads
+
     def __init__(self, ctx, *, model_config: ModelConfig, config: TrainerConfig, algo: AlgoConfig,
                  temperature: float, input_name: str = "scored", seed: int = 0) -> None:
         super().__init__(ctx)

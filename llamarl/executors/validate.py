@@ -84,8 +84,12 @@ def expected_lag(config: RLConfig) -> int:
     return lag * k + k - 1
 
 
-def validate_config(config: RLConfig, *, world_size: int) -> None:
-    """Raise ValueError (one line, naming the flag and the value) for a configuration that cannot run."""
+def validate_config(config: RLConfig, *, world_size: int, extra_ranks: dict[str, int] | None = None) -> None:
+    """Raise ValueError (one line, naming the flag and the value) for a configuration that cannot run.
+
+    ``extra_ranks`` (``{flag: ranks}``, e.g. ``{"--ref.num-ranks": 1}``) are the ranks of a recipe's
+    own stages with ranks of their own: the rank split (generator + reward + those + at least one
+    trainer rank within the world, unless colocated) is checked here, for every recipe."""
     name = config.model.name
     check_model(name)
     output = Path(config.run.output_dir or "runs")
@@ -114,8 +118,10 @@ def validate_config(config: RLConfig, *, world_size: int) -> None:
                          f"--run.async-lag {config.run.async_lag}, --trainer.num-minibatches "
                          f"{config.trainer.num_minibatches}): --algo.stale-policy wait could never train one")
     if config.run.schedule != "colocated":
-        needed = generator.num_ranks + config.reward.num_ranks + 1
+        stages = {"--generator.num-ranks": generator.num_ranks, "--reward.num-ranks": config.reward.num_ranks,
+                  **(extra_ranks or {})}
+        needed = sum(stages.values()) + 1
         if world_size < needed:
-            raise ValueError(f"--generator.num-ranks {generator.num_ranks} + --reward.num-ranks "
-                             f"{config.reward.num_ranks} + at least 1 trainer rank = {needed} > the world size "
+            split = " + ".join(f"{flag} {ranks}" for flag, ranks in stages.items())
+            raise ValueError(f"{split} + at least 1 trainer rank = {needed} > the world size "
                              f"{world_size} (torchrun --nproc-per-node); or use --run.schedule colocated")
