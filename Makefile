@@ -2,7 +2,7 @@
 # The run targets start torchrun through torchrun/local.sh, which checks the configuration once
 # first (llamarl/preflight.py): a bad flag is one line and exit 2, before any rank starts.
 PY := .venv/bin/python
-NPROC ?= 3
+NPROC ?= 2
 RUN_ARGS ?=
 
 .venv/.installed: pyproject.toml
@@ -28,7 +28,8 @@ run: .venv/.installed
 		--run.schedule colocated --generator.num-threads 2 --trainer.num-threads 2 \
 		--run.max-steps 25 --run.eval-every 5 $(RUN_ARGS)
 
-# The same task on separate executors (generator, reward, trainer ranks), async lag 1, one thread each.
+# The same task async (lag 1), one thread each: the generator on rank 0, the trainer on the others,
+# the reward on the trainer's ranks (the default placement; --reward.num-ranks 1 gives it its own).
 run-async: .venv/.installed
 	OMP_NUM_THREADS=1 NPROC_PER_NODE=$(NPROC) torchrun/local.sh recipes.arithmetic \
 		--trainer.num-threads 1 --run.eval-every 10 $(RUN_ARGS)

@@ -117,6 +117,8 @@ def command(name: str, seed: int, run_dir: Path, args) -> tuple[list[str], int]:
 
     nproc, gen, train, flags, worker = config_flags(name, args)
     entry = [str(REPO / "benchmarks" / "async_quality.py"), "--recipe-worker"] if worker else ["-m", "recipes.arithmetic"]
+    # A rank each for generator, reward and trainer: the split these measurements were taken with.
+    flags = [*flags, "--reward.num-ranks", "1"]
     cmd = [str(PYTHON), "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc), *entry, *flags,
            "--generator.num-threads", str(gen), "--trainer.num-threads", str(train), "--run.max-steps", str(args.ticks),
            "--run.seed", str(seed), "--run.output-dir", str(run_dir), "--run.eval-every", str(args.eval_every),

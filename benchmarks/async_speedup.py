@@ -174,6 +174,9 @@ def recipe_args(workload: str, args) -> list[str]:
 def command(spec: RunSpec, run_dir: Path, args, *, ticks: int, eval_every: int = 0, heldout: int = 0) -> list[str]:
     return [str(PYTHON), "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(spec.nproc),
             *recipe_args(spec.workload, args), *spec.flags,
+            # The split these measurements were taken with (generator, reward, trainer: a rank each);
+            # the default since 2026-11-23 runs the reward on the trainer's ranks.
+            *(["--reward.num-ranks", "1"] if spec.nproc == 3 else []),
             "--generator.num-threads", str(spec.gen_threads), "--trainer.num-threads", str(spec.train_threads),
             "--run.max-steps", str(ticks), "--run.seed", str(args.seed), "--run.output-dir", str(run_dir),
             "--run.eval-every", str(eval_every), "--run.num-eval-problems", str(heldout), "--export.no-final"]

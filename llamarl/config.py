@@ -105,15 +105,18 @@ class GeneratorConfig:
 class RewardConfig:
     """The reward executor: its ranks and the scoring process pool (workers, per-sample timeout)."""
 
-    num_ranks: int = 1
-    """Ranks given to the reward executor (after the generator's)."""
+    num_ranks: int = 0
+    """0 (default): the reward executor runs on the trainer's ranks, in the trainer's processes
+    (LlamaRL's placement: no rank, no GPU of its own idles between scorings; under ``async`` it
+    scores after the trainer's step, while the generator generates). N > 0: N ranks of its own,
+    after the generator's (scoring then overlaps training; worth it for slow scorers)."""
     num_workers: int = 1
     """Scoring processes per reward rank (0 scores inline, without timeouts)."""
     timeout_s: float = 5.0
     """Per-sample scoring timeout; a timeout scores 0 and is counted."""
 
     def __post_init__(self) -> None:
-        _check(self.num_ranks >= 1, f"--reward.num-ranks must be >= 1, got {self.num_ranks}")
+        _check(self.num_ranks >= 0, f"--reward.num-ranks must be >= 0 (0: on the trainer's ranks), got {self.num_ranks}")
         _check(self.num_workers >= 0, "--reward.num-workers must be >= 0")
         _check(self.timeout_s > 0, "--reward.timeout-s must be > 0")
 

@@ -16,6 +16,11 @@ everything it needs is in the description.
 
 Stages take consecutive global ranks in the order listed, which is also the data order the
 controller walks each tick (a same-tick channel must go forward in it, see llamarl/controller.py).
+
+Placement: a stage with ``colocate_with="trainer"`` takes no ranks of its own and runs on the
+trainer's, in the same processes (co-resident); it steps at its place in the stage order, and a
+channel between co-resident stages is handed over in memory (``llamarl/channels/in_memory.py``).
+``Pipeline.colocated()`` puts every stage on every rank: the one-process / one-GPU placement.
 A ``weights`` channel is a ``WeightsChannel`` (DDMA by default): it also runs once after ``init``,
 so both ends start from bit-identical weights, and once after the last tick, before the final
 evaluation. Every other kind is a ``CommunicationChannel``.
@@ -56,8 +61,8 @@ class Stage:
     headline: tuple[str, ...] = ()
     """Metric keys of this executor shown on rank 0's progress bar (those it reports each tick)."""
     colocate_with: str | None = None
-    """Another (earlier) stage whose ranks this one shares: both executors live on each of those
-    ranks and step one after the other in stage order; channels between them hand batches over in
+    """Another stage (one with ranks of its own) whose ranks this one shares: both executors live on
+    each of those ranks and step one after the other in stage order; channels between them hand batches over in
     memory and a weights channel copies in place. ``num_ranks`` is then ignored. None: ranks of its own."""
 
     def __post_init__(self) -> None:
@@ -133,11 +138,11 @@ class Pipeline:
             raise ValueError("a pipeline needs at least one stage")
         if len(set(names)) != len(names):
             raise ValueError(f"stage names must be unique, got {names}")
-        for index, stage in enumerate(self.stages):
-            host = next((s for s in self.stages[:index] if s.name == stage.colocate_with), None)
+        for stage in self.stages:
+            host = next((s for s in self.stages if s.name == stage.colocate_with), None)
             if stage.colocate_with is not None and (host is None or host.colocate_with is not None):
-                raise ValueError(f"stage {stage.name!r} shares the ranks of {stage.colocate_with!r}, which must be an "
-                                 f"earlier stage with ranks of its own; stages {names}")
+                raise ValueError(f"stage {stage.name!r} shares the ranks of {stage.colocate_with!r}, which must be a "
+                                 f"stage with ranks of its own; stages {names}")
         if sum(s.num_ranks is None for s in self.stages if s.colocate_with is None) > 1:
             raise ValueError("at most one stage may take the remaining ranks (num_ranks=None)")
         channel_names = [c.name for c in self.channels]

@@ -44,8 +44,9 @@ class ExecutorSpec:
 
     ``tp > 1`` makes the executor's mesh 2-D ``(dp, tp)`` with ``dp = num_ranks // tp``;
     ``num_ranks`` must then be a multiple of ``tp`` (checked by ``plan_ranks``).
-    ``colocate_with`` names an earlier executor whose ranks this one shares (co-resident: both run
-    on each of those ranks, stepping in spec order); ``num_ranks`` is then that executor's.
+    ``colocate_with`` names another executor, one with ranks of its own, whose ranks this one shares
+    (co-resident: both run on each of those ranks, stepping in spec order); ``num_ranks`` is then
+    that executor's.
     """
 
     name: str
@@ -55,25 +56,24 @@ class ExecutorSpec:
 
 
 def plan_ranks(specs: list[ExecutorSpec], world_size: int) -> dict[str, list[int]]:
-    """Assign consecutive global rank ranges to executors in the given order; a co-resident
-    executor (``colocate_with``) gets its host's range and takes none of its own.
+    """Assign consecutive global rank ranges to the executors with ranks of their own, in the given
+    order; a co-resident executor (``colocate_with``) gets its host's range.
 
     Raises ValueError (before any collective) on an empty executor, a duplicate name, a host that
-    is not an earlier executor with ranks of its own, or a split that does not add up to ``world_size``.
+    is not an executor with ranks of its own, or a split that does not add up to ``world_size``.
     """
     if not specs:
         raise ValueError("at least one executor is needed")
     names = [s.name for s in specs]
     if len(set(names)) != len(names):
         raise ValueError(f"executor names must be unique, got {names}")
-    hosts = [s for s in specs if s.colocate_with is None]
-    for index, spec in enumerate(specs):
+    hosts = {s.name: s for s in specs if s.colocate_with is None}
+    for spec in specs:
         if spec.colocate_with is not None:
-            earlier = {s.name: s for s in specs[:index]}
-            host = earlier.get(spec.colocate_with)
-            if host is None or host.colocate_with is not None:
+            host = hosts.get(spec.colocate_with)
+            if host is None:
                 raise ValueError(f"executor {spec.name!r} shares the ranks of {spec.colocate_with!r}, which must be an "
-                                 f"earlier executor with ranks of its own; have {[h.name for h in hosts]}")
+                                 f"executor with ranks of its own; have {list(hosts)}")
             if spec.num_ranks != host.num_ranks:
                 raise ValueError(f"executor {spec.name!r} shares the {host.num_ranks} ranks of {host.name!r} but "
                                  f"declares {spec.num_ranks}")
@@ -81,18 +81,15 @@ def plan_ranks(specs: list[ExecutorSpec], world_size: int) -> dict[str, list[int
             raise ValueError(f"executor {spec.name!r} has {spec.num_ranks} ranks; every executor needs >= 1")
         if spec.tp < 1 or spec.num_ranks % spec.tp:
             raise ValueError(f"executor {spec.name!r}: num_ranks ({spec.num_ranks}) must be a multiple of tp ({spec.tp})")
-    total = sum(s.num_ranks for s in hosts)
+    total = sum(s.num_ranks for s in hosts.values())
     if total != world_size:
-        split = " + ".join(f"{s.name}={s.num_ranks}" for s in hosts)
+        split = " + ".join(f"{s.name}={s.num_ranks}" for s in hosts.values())
         raise ValueError(f"rank split {split} = {total} does not match the world size {world_size}")
-    ranges, start = {}, 0
-    for spec in specs:
-        if spec.colocate_with is not None:
-            ranges[spec.name] = ranges[spec.colocate_with]
-            continue
-        ranges[spec.name] = list(range(start, start + spec.num_ranks))
+    own, start = {}, 0
+    for spec in hosts.values():
+        own[spec.name] = list(range(start, start + spec.num_ranks))
         start += spec.num_ranks
-    return ranges
+    return {spec.name: own[spec.colocate_with or spec.name] for spec in specs}
 
 
 def tp_grid(ranks: list[int], tp: int) -> list[list[int]]:
@@ -191,10 +188,11 @@ class ExecutorContext:
         groups = {}
         # new_group is collective over WORLD: every rank creates every group, in spec order.
         for spec in specs:
+            if spec.colocate_with is None:
+                groups[spec.name] = dist.new_group(ranges[spec.name], timeout=timeout, backend=backend)
+        for spec in specs:
             if spec.colocate_with is not None:
                 groups[spec.name] = groups[spec.colocate_with]
-            else:
-                groups[spec.name] = dist.new_group(ranges[spec.name], timeout=timeout, backend=backend)
         mine = [spec.name for spec in specs if rank in ranges[spec.name]]
         meshes = {name: DeviceMesh.from_group(groups[name], device.type, mesh=ranges[name]) for name in mine}
         # Then every TP / DP group of every TP executor, again on every rank in spec order.

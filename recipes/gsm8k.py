@@ -22,7 +22,8 @@ Presets, and the reference numbers to compare with:
   quick-start (prompt 512 / response 256 tokens there; lr 1e-6; batch 256). verl reports
   36.4 -> 56.7 test accuracy with PPO (critic) after 15 epochs; here GRPO (no critic).
 - ``qwen2.5-1.5b-8gpu``: Qwen2.5-1.5B-Instruct on one 8-GPU node, split: 4 vLLM generator
-  replicas (TP 1), 1 reward rank, FSDP2 over 3 trainer ranks; decoupled PPO with staleness 2, from
+  replicas (TP 1), FSDP2 over 4 trainer ranks which also score (4 scoring processes each);
+  decoupled PPO with staleness 2, from
   AReaL's ``gsm8k_grpo`` example (256 prompts x 4 samples, 1024 new tokens, lr 1.7e-5, weight
   decay 0.017, behaviour importance weight capped at 5, one minibatch), whose eval reward reaches
   ~0.78-0.80.
@@ -128,14 +129,14 @@ PRESETS: dict[str, tuple[str, GSM8KConfig]] = {
                               run=RunConfig(schedule="colocated", max_steps=350, num_eval_problems=1319),
                               checkpoint=CheckpointConfig(every=50),
                               eval=EvalConfig(pass_k=[1, 8], pass_k_problems=1319, chunk=512))),
-    "qwen2.5-1.5b-8gpu": ("Qwen2.5-1.5B-Instruct, one 8-GPU node: 4 vLLM generators, 1 reward, 3 FSDP trainers.",
+    "qwen2.5-1.5b-8gpu": ("Qwen2.5-1.5B-Instruct, one 8-GPU node: 4 vLLM generators, 4 FSDP trainers (the reward on their ranks).",
                           GSM8KConfig(
                               model=ModelConfig(name="Qwen/Qwen2.5-1.5B-Instruct"),
                               # num_prompts_per_step is per generator replica: 4 x 64 = 256 prompts a tick.
                               generator=GeneratorConfig(num_ranks=4, engine="vllm", kv_cache_gib=40.0,
                                                         num_prompts_per_step=64, samples_per_prompt=4,
                                                         max_new_tokens=1024, temperature=1.0, dtype="bfloat16"),
-                              reward=RewardConfig(num_ranks=1, num_workers=16),
+                              reward=RewardConfig(num_workers=4),  # on each trainer rank: 16 scorers
                               trainer=TrainerConfig(lr=1.7e-5, weight_decay=0.017, param_dtype="bfloat16",
                                                     max_tokens_per_microbatch=32768),
                               # AReaL caps the behaviour importance weight at 5 (behav_imp_weight_cap: 5.0).

@@ -100,14 +100,14 @@ PRESETS: dict[str, tuple[str, MathConfig]] = {
                               run=RunConfig(schedule="colocated", max_steps=300, num_eval_problems=500),
                               checkpoint=CheckpointConfig(every=50),
                               eval=EvalConfig(pass_k=[1, 8], pass_k_problems=500, chunk=512))),
-    "qwen2.5-1.5b-8gpu": ("Qwen2.5-1.5B-Instruct, one 8-GPU node: 4 vLLM generators, 1 reward, 3 FSDP trainers, AIPO.",
+    "qwen2.5-1.5b-8gpu": ("Qwen2.5-1.5B-Instruct, one 8-GPU node: 4 vLLM generators, 4 FSDP trainers (the reward on their ranks), AIPO.",
                           MathConfig(
                               model=ModelConfig(name="Qwen/Qwen2.5-1.5B-Instruct"),
                               # Per generator replica: 4 x 64 = 256 prompts (x 8 samples) a tick.
                               generator=GeneratorConfig(num_ranks=4, engine="vllm", kv_cache_gib=40.0,
                                                         num_prompts_per_step=64, samples_per_prompt=8,
                                                         max_new_tokens=2048, temperature=1.0, dtype="bfloat16"),
-                              reward=RewardConfig(num_ranks=1, num_workers=16, timeout_s=10.0),
+                              reward=RewardConfig(num_workers=4, timeout_s=10.0),  # on each trainer rank
                               trainer=TrainerConfig(lr=1e-6, param_dtype="bfloat16", max_tokens_per_microbatch=32768),
                               algo=AlgoConfig(loss="aipo", rho=4.0),
                               run=RunConfig(schedule="async", max_steps=300, num_eval_problems=500),

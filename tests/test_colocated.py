@@ -89,15 +89,22 @@ def test_colocated_equals_sync_at_learning_rate_zero(tmp_path, model_dir, coloca
     assert all(f"{stage} step {step}" in names for stage in ("generator", "reward", "trainer") for step in range(3))
 
 
-def test_async_lag1_scores_the_same_samples_as_sync_at_learning_rate_zero(tmp_path, model_dir):
+@pytest.mark.parametrize("reward_ranks", ["1", "0"])  # its own rank; on the trainer's two ranks
+def test_async_lag1_scores_the_same_samples_as_sync_at_learning_rate_zero(tmp_path, model_dir, reward_ranks):
     """Asynchrony changes when things run, not what is sampled: with a frozen policy, async lag 1
     (rollouts scored within their tick) generates and scores exactly sync's completions, and its
-    generator and reward metrics match step for step (the trainer's differ: it starts a tick later)."""
+    generator and reward metrics match step for step (the trainer's differ: it starts a tick later).
+    Placement does not change it either: the reward on a rank of its own, or on the trainer's ranks
+    (``--reward.num-ranks 0``, co-resident: it scores in the trainer's processes after it trains)."""
     common = ["--run.max-steps", "3", "--generator.token-budget", "5", "--trainer.param-dtype", "float32"]
     env = {"LLAMARL_TEST_ZERO_LR": "1"}
     sync = run(tmp_path, model_dir, "sync", nproc=3, env=env, args=[*common, "--run.schedule", "sync"])
     lag1 = run(tmp_path, model_dir, "lag1", nproc=3, env=env,
-               args=[*common, "--run.schedule", "async", "--run.async-lag", "1"])
+               args=[*common, "--run.schedule", "async", "--run.async-lag", "1", "--reward.num-ranks", reward_ranks])
+    if reward_ranks == "0":
+        trace = json.loads((lag1 / "timeline.json").read_text())
+        assert {(e["pid"], e["tid"]) for e in trace["traceEvents"] if e["pid"] == "reward"} == \
+            {("reward", 1), ("reward", 2)}, "the reward runs on the trainer's ranks 1 and 2"
     got, expected = samples(tmp_path, "lag1"), samples(tmp_path, "sync")
     assert len(expected) > 2 * 4 and got == expected
 

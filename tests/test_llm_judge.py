@@ -171,8 +171,8 @@ def test_config_and_schedule_are_checked(tmp_path):
     assert all(pipeline.in_memory(c) for c in pipeline.channels)
     config = LLMJudgeConfig()
     config.run.output_dir = str(tmp_path)
-    with pytest.raises(ValueError, match=r"--judge.num-ranks 1 \+ at least 1 trainer rank = 4 > the world size 3"):
-        validate_llm_judge(config, world_size=3)
+    with pytest.raises(ValueError, match=r"--judge.num-ranks 1 \+ at least 1 trainer rank = 3 > the world size 2"):
+        validate_llm_judge(config, world_size=2)
     config.judge.model = str(tmp_path / "no-such-judge")
     with pytest.raises(ValueError, match="--judge.model .*no such model directory"):
         validate_llm_judge(config, world_size=4)

@@ -144,8 +144,8 @@ def test_config_and_schedule_are_checked():
     assert all(pipeline.in_memory(c) for c in pipeline.channels)
     config = RefKLConfig()
     config.run.output_dir = "/tmp"
-    with pytest.raises(ValueError, match=r"--ref.num-ranks 1 \+ at least 1 trainer rank = 4 > the world size 3"):
-        validate_ref_kl(config, world_size=3)
+    with pytest.raises(ValueError, match=r"--ref.num-ranks 1 \+ at least 1 trainer rank = 3 > the world size 2"):
+        validate_ref_kl(config, world_size=2)
     config.ref.max_tokens_per_microbatch = 100
     with pytest.raises(ValueError, match="--ref.max-tokens-per-microbatch 100 is below"):
         validate_ref_kl(config, world_size=4)

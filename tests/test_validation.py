@@ -49,7 +49,7 @@ def config(model_dir, tmp_path, **sections):
     (lambda: GeneratorConfig(samples_per_prompt=0), "--generator.samples-per-prompt must be >= 1"),
     (lambda: GeneratorConfig(num_ranks=3, tp=2), "must be a multiple of --generator.tp"),
     (lambda: GeneratorConfig(num_threads=0), "--generator.num-threads must be >= 1"),
-    (lambda: RewardConfig(num_ranks=0), "--reward.num-ranks must be >= 1, got 0"),
+    (lambda: RewardConfig(num_ranks=-1), "--reward.num-ranks must be >= 0 \\(0: on the trainer's ranks\\), got -1"),
     (lambda: RunConfig(max_steps=-1), "--run.max-steps must be >= 0, got -1"),
     (lambda: RunConfig(num_eval_problems=-2), "--run.num-eval-problems must be >= 0, got -2"),
     (lambda: AlgoConfig(loss="grpo++"), "--algo.loss 'grpo\\+\\+' is not registered; known: \\['aipo'"),
@@ -95,7 +95,11 @@ def test_rloo_needs_groups_and_the_split_needs_ranks(model_dir, tmp_path):
         validate_config(config(model_dir, tmp_path, algo=AlgoConfig(advantage="rloo"),
                                generator=GeneratorConfig(samples_per_prompt=1)), world_size=3)
     with pytest.raises(ValueError, match="= 3 > the world size 2 .*or use --run.schedule colocated"):
-        validate_config(config(model_dir, tmp_path), world_size=2)
+        validate_config(config(model_dir, tmp_path, reward=RewardConfig(num_ranks=1)), world_size=2)
+    # The reward on the trainer's ranks (the default): a generator rank and a trainer rank suffice.
+    validate_config(config(model_dir, tmp_path), world_size=2)
+    with pytest.raises(ValueError, match=r"--reward.num-ranks 0 \+ at least 1 trainer rank = 2 > the world size 1"):
+        validate_config(config(model_dir, tmp_path), world_size=1)
 
 
 def test_wait_needs_a_staleness_bound_the_schedule_can_meet(model_dir, tmp_path):
@@ -130,7 +134,7 @@ def test_a_config_error_is_one_line_for_the_whole_job(case, tmp_path):
     out = tmp_path / "run"
     (tmp_path / "file").write_text("x")
     flags, message = {
-        "rank split": (["--generator.num-ranks", "5"], "+ at least 1 trainer rank = 7 > the world size 3"),
+        "rank split": (["--generator.num-ranks", "5"], "+ at least 1 trainer rank = 6 > the world size 3"),
         "model path": (["--model.name", str(tmp_path / "nope")], f"--model.name {tmp_path}/nope: no such model"),
         "output dir": (["--run.output-dir", str(tmp_path / "file" / "run")], "/file/run: not writable"),
     }[case]
@@ -163,8 +167,8 @@ def test_without_torchrun_a_config_error_exits_2_with_the_line_alone(tmp_path):
                           env={**env, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True, timeout=120,
                           check=False)
     assert proc.returncode == 2
-    assert proc.stderr == ("llamarl: config error: --generator.num-ranks 5 + --reward.num-ranks 1 + at least 1 "
-                           "trainer rank = 7 > the world size 1 (torchrun --nproc-per-node); or use --run.schedule "
+    assert proc.stderr == ("llamarl: config error: --generator.num-ranks 5 + --reward.num-ranks 0 + at least 1 "
+                           "trainer rank = 6 > the world size 1 (torchrun --nproc-per-node); or use --run.schedule "
                            "colocated\n"), proc.stderr
 
 

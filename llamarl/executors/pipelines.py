@@ -87,10 +87,13 @@ def generator_stage(config: RLConfig, *, task: Task, prompt_fn: PromptFn, name: 
 
 def reward_stage(config: RLConfig, *, scorer: str, name: str = "reward", input_name: str = "rollouts",
                  output: str = "scored") -> Stage:
-    """The rule-based scorer (``scorer`` by registry name) on ``--reward.num-ranks`` ranks: reads
-    ``input_name``, adds ``rewards``, sends on ``output``."""
+    """The rule-based scorer (``scorer`` by registry name) on ``--reward.num-ranks`` ranks, or on the
+    trainer's (stage ``trainer``) with ``--reward.num-ranks 0``: reads ``input_name``, adds
+    ``rewards``, sends on ``output``."""
     def build(ctx) -> RewardExecutor:
         return RewardExecutor(ctx, config=config.reward, scorer=scorer, input_name=input_name, output_name=output)
+    if config.reward.num_ranks == 0:
+        return Stage(name, build=build, num_ranks=None, colocate_with="trainer", headline=REWARD_HEADLINE)
     return Stage(name, build=build, num_ranks=config.reward.num_ranks, headline=REWARD_HEADLINE)
 
 
@@ -117,6 +120,20 @@ def schedule_config(config: RLConfig) -> RLConfig:
     return resolved
 
 
+def data_order(stages: list[Stage], config: RLConfig) -> list[Stage]:
+    """``stages`` (listed in data order) in the order they step within a tick: under ``async`` a
+    stage on the trainer's ranks whose output reaches the trainer at the next tick (the reward with
+    ``--reward.num-ranks 0``) steps after the trainer, so that the trainer trains while the
+    generator generates instead of waiting with the scorer for this tick's rollouts."""
+    if config.run.schedule != "async":
+        return stages
+    trainer = next((s for s in stages if s.name == "trainer"), None)
+    if trainer is None:
+        return stages
+    later = [s for s in stages if s.colocate_with == "trainer"]
+    return [s for s in stages if s not in later and s is not trainer] + [trainer] + later
+
+
 def place(pipeline: Pipeline, config: RLConfig) -> Pipeline:
     """``pipeline`` placed for ``--run.schedule``: colocated puts every stage on every rank (its
     channels must then be those of ``sync``: data same-tick, weights next tick); else unchanged."""
@@ -128,14 +145,13 @@ def rl_pipeline(config: RLConfig, *, task: Task, scorer: str, prompt_fn: PromptF
     config = schedule_config(config)
     summary = {"schedule": config.run.schedule, "loss": config.algo.loss}
     sync = config.run.schedule in ("sync", "colocated")
-    pipeline = Pipeline(
-        stages=[generator_stage(config, task=task, prompt_fn=prompt_fn), reward_stage(config, scorer=scorer),
-                trainer_stage(config)],
+    return place(Pipeline(
+        stages=data_order([generator_stage(config, task=task, prompt_fn=prompt_fn), reward_stage(config, scorer=scorer),
+                           trainer_stage(config)], config),
         channels=[ChannelSpec("rollouts", "generator", "reward", "scatter", same_tick=sync or config.run.async_lag == 1),
                   ChannelSpec("scored", "reward", "trainer", "scatter", same_tick=sync),
                   ChannelSpec("weights", "trainer", "generator", "weights", weights_mode=config.weights.mode)],
-        evaluator="generator", title=schedule_title(config), summary=summary)
-    return place(pipeline, config)
+        evaluator="generator", title=schedule_title(config), summary=summary), config)
 
 
 def run_rl(config: RLConfig, *, recipe: str, task: Task, heldout: list[Problem],
