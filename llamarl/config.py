@@ -111,7 +111,7 @@ class RewardConfig:
     scores after the trainer's step, while the generator generates). N > 0: N ranks of its own,
     after the generator's (scoring then overlaps training; worth it for slow scorers)."""
     num_workers: int = 1
-    """Scoring processes per reward rank (0 scores inline, without timeouts)."""
+    """Scoring processes per rank the reward runs on (its own or the trainer's; 0 scores inline, without timeouts)."""
     timeout_s: float = 5.0
     """Per-sample scoring timeout; a timeout scores 0 and is counted."""
 
