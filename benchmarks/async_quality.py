@@ -73,7 +73,7 @@ def pg_uncorrected_loss(*, logp, behav_logp, prox_logp, advantages, mask, algo, 
         denominator = torch.as_tensor(num_loss_tokens, dtype=lp.dtype, device=lp.device).clamp_min(1.0)
     loss = (-adv * torch.where(keep, lp, 0.0)).sum() / denominator
     with torch.no_grad():
-        _, metrics = aipo_loss(logp.detach(), behav_logp, advantages, mask, rho=algo.rho)
+        _, metrics = aipo_loss(logp=logp.detach(), behav_logp=behav_logp, advantages=advantages, mask=mask, rho=algo.rho)
     return loss, metrics
 
 

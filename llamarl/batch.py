@@ -49,7 +49,7 @@ DTYPES: dict[str, torch.dtype] = {
     "uint8": torch.uint8,
     "bool": torch.bool,
 }
-_DTYPE_NAMES = {dtype: name for name, dtype in DTYPES.items()}
+DTYPE_NAMES = {dtype: name for name, dtype in DTYPES.items()}
 _STRING_KEY = "__string_fields__"
 
 MAX_HEADER_BYTES = 1 << 24
@@ -146,7 +146,7 @@ class TensorBatch:
         for name, size in sizes.items():
             if size is None:
                 raise ValueError(f"TensorBatch field {name!r} is 0-d; every field needs a leading row dim")
-            if self.fields[name].dtype not in _DTYPE_NAMES:
+            if self.fields[name].dtype not in DTYPE_NAMES:
                 raise ValueError(f"TensorBatch field {name!r} has unsupported dtype "
                                  f"{self.fields[name].dtype}")
         if len(set(sizes.values())) > 1:
@@ -276,7 +276,7 @@ class TensorBatch:
         specs, chunks, offset = [], [], 0
         for name, tensor in self.fields.items():
             raw = tensor.detach().to(device).contiguous().reshape(-1).view(torch.uint8)
-            specs.append({"name": name, "dtype": _DTYPE_NAMES[tensor.dtype], "shape": list(tensor.shape),
+            specs.append({"name": name, "dtype": DTYPE_NAMES[tensor.dtype], "shape": list(tensor.shape),
                           "offset": offset, "nbytes": raw.numel()})
             chunks.append(raw)
             offset += raw.numel()

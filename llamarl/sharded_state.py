@@ -49,9 +49,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from torch.distributed.tensor import DTensor
 
-from llamarl.channels.ddma_plan import _dtensor_box
-
-Box = list[list[int]]  # [[offset, length], ...] per dim
+from llamarl.boxes import BoxLike, dtensor_box, intersect
 
 
 def _flatten(model: torch.nn.Module, optimizer: torch.optim.Optimizer, *,
@@ -70,9 +68,9 @@ def _flatten(model: torch.nn.Module, optimizer: torch.optim.Optimizer, *,
     return flat, optim["param_groups"]
 
 
-def _local(key: str, tensor: torch.Tensor) -> tuple[torch.Tensor, Box]:
+def _local(key: str, tensor: torch.Tensor) -> tuple[torch.Tensor, BoxLike]:
     if isinstance(tensor, DTensor):
-        return tensor.to_local(), _dtensor_box(key, tensor)
+        return tensor.to_local(), dtensor_box(key, tensor)
     return tensor, [[0, int(s)] for s in tensor.shape]
 
 
@@ -134,16 +132,6 @@ def _read_json(path: Path):
         raise ValueError(f"cannot read checkpoint file {path}: {exc}") from None
 
 
-def _intersect(a: Box, b: Box) -> Box | None:
-    out = []
-    for (ao, al), (bo, bl) in zip(a, b):
-        lo, hi = max(ao, bo), min(ao + al, bo + bl)
-        if hi <= lo:
-            return None
-        out.append([lo, hi - lo])
-    return out
-
-
 def load_sharded_state(directory: Path, *, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
     """Restore what ``save_sharded_state`` wrote, onto this rank's current sharding (any size)."""
     meta = _read_json(directory / "meta.json")
@@ -183,7 +171,7 @@ def load_sharded_state(directory: Path, *, model: torch.nn.Module, optimizer: to
         for r, entry in saved:
             if covered == volume:
                 break
-            part = _intersect(box, entry["box"]) if box else []
+            part = intersect(box, entry["box"]) if box else []
             if part is None:
                 continue
             try:

@@ -30,18 +30,11 @@ from llamarl.batch import TensorBatch
 from llamarl.data.arithmetic import ArithmeticTask
 from llamarl.errors import config_errors, parse_flags
 from llamarl.executors.base import Executor
-from llamarl.executors.pipelines import (
-    generator_stage,
-    place,
-    reward_stage,
-    schedule_config,
-    schedule_title,
-    trainer_stage,
-)
+from llamarl.executors.pipelines import stage_before_trainer
 from llamarl.executors.reward import set_balance_tokens
 from llamarl.executors.validate import validate_config
 from llamarl.metrics import MetricSpec
-from llamarl.pipeline import ChannelSpec, Pipeline, Stage
+from llamarl.pipeline import Pipeline, Stage
 from llamarl.rewards.arithmetic import score
 from llamarl.runner import run_pipeline
 from recipes.arithmetic import ArithmeticConfig, prompt_fn
@@ -106,17 +99,8 @@ def filter_stage(config: DapoFilterConfig) -> Stage:
 def dapo_filter_pipeline(config: DapoFilterConfig, *, task: ArithmeticTask, scorer: str = "arithmetic") -> Pipeline:
     """The pipeline for ``--run.schedule`` (``filtered`` same-tick under sync and colocated, as
     ``scored`` in ``rl_pipeline``; ``scored`` always same-tick: the filter adds no lag)."""
-    config = schedule_config(config)
-    sync = config.run.schedule in ("sync", "colocated")
-    return place(Pipeline(
-        stages=[generator_stage(config, task=task, prompt_fn=prompt_fn), reward_stage(config, scorer=scorer),
-                filter_stage(config), trainer_stage(config, input_name="filtered")],
-        channels=[ChannelSpec("rollouts", "generator", "reward", "scatter", same_tick=sync or config.run.async_lag == 1),
-                  ChannelSpec("scored", "reward", "filter", "scatter", same_tick=True),
-                  ChannelSpec("filtered", "filter", "trainer", "scatter", same_tick=sync),
-                  ChannelSpec("weights", "trainer", "generator", "weights", weights_mode=config.weights.mode)],
-        evaluator="generator", title=f"{schedule_title(config)}, DAPO filter",
-        summary={"schedule": config.run.schedule, "loss": config.algo.loss}), config)
+    return stage_before_trainer(config, filter_stage(config), task=task, scorer=scorer, prompt_fn=prompt_fn,
+                                reward_output="scored", output="filtered", title="DAPO filter", summary={})
 
 
 def main(config: DapoFilterConfig, *, world_size: int | None = None) -> dict | None:

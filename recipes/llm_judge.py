@@ -71,19 +71,12 @@ from llamarl.data.prompts import Problem, build_chat_prompt
 from llamarl.errors import config_errors, parse_flags
 from llamarl.executors.base import Executor
 from llamarl.executors.generator import PromptFn, Task
-from llamarl.executors.pipelines import (
-    generator_stage,
-    place,
-    reward_stage,
-    schedule_config,
-    schedule_title,
-    trainer_stage,
-)
+from llamarl.executors.pipelines import stage_before_trainer
 from llamarl.executors.reward import set_balance_tokens
 from llamarl.executors.validate import validate_config
 from llamarl.metrics import MetricSpec
 from llamarl.models.loading import KNOWN_ALIASES, load_causal_lm
-from llamarl.pipeline import ChannelSpec, Pipeline, Stage
+from llamarl.pipeline import Pipeline, Stage
 from llamarl.rewards.arithmetic import score as arithmetic_score
 from llamarl.runner import run_pipeline
 from recipes.arithmetic import ArithmeticConfig, prompt_fn
@@ -277,7 +270,6 @@ class JudgeExecutor(Executor):
     every rank judges its own rows with its own replica.
     """
 
-    name = "judge"
     metric_specs: ClassVar[dict] = JUDGE_METRICS
 
     def __init__(self, ctx, *, config: JudgeConfig, model_name: str, question_of: Callable[[int], str],
@@ -386,21 +378,11 @@ def llm_judge_pipeline(config: LLMJudgeConfig, *, task: Task, scorer: str, promp
     Delivery follows ``--run.schedule`` like ``rl_pipeline`` (``ruled`` always same-tick: the judge
     adds no lag); colocated puts every stage, the judge included, on every rank.
     """
-    config = schedule_config(config)
-    schedule = config.run.schedule
-    sync = schedule in ("sync", "colocated")
-    return place(Pipeline(
-        stages=[generator_stage(config, task=task, prompt_fn=prompt_fn),
-                reward_stage(config, scorer=scorer, output="ruled"),
-                judge_stage(config, task=task, input_name="ruled", output="scored"),
-                trainer_stage(config, input_name="scored")],
-        channels=[ChannelSpec("rollouts", "generator", "reward", "scatter", same_tick=sync or config.run.async_lag == 1),
-                  ChannelSpec("ruled", "reward", "judge", "scatter", same_tick=True),
-                  ChannelSpec("scored", "judge", "trainer", "scatter", same_tick=sync),
-                  ChannelSpec("weights", "trainer", "generator", "weights", weights_mode=config.weights.mode)],
-        evaluator="generator", title=f"{schedule_title(config)}, LLM judge",
-        summary={"schedule": schedule, "loss": config.algo.loss, "judge": config.judge.model or config.model.name,
-                 "judge_hard": config.judge.hard}), config)
+    return stage_before_trainer(config, judge_stage(config, task=task, input_name="ruled", output="scored"), task=task,
+                                scorer=scorer, prompt_fn=prompt_fn, reward_output="ruled", output="scored",
+                                title="LLM judge",
+                                summary={"judge": config.judge.model or config.model.name,
+                                         "judge_hard": config.judge.hard})
 
 
 def validate_llm_judge(config: LLMJudgeConfig, *, world_size: int) -> None:

@@ -66,21 +66,14 @@ from llamarl.data.prompts import Problem
 from llamarl.errors import config_errors, parse_flags
 from llamarl.executors.base import Executor
 from llamarl.executors.generator import PromptFn, Task
-from llamarl.executors.pipelines import (
-    generator_stage,
-    place,
-    reward_stage,
-    schedule_config,
-    schedule_title,
-    trainer_stage,
-)
+from llamarl.executors.pipelines import stage_before_trainer
 from llamarl.executors.reward import set_balance_tokens
 from llamarl.executors.validate import validate_config
 from llamarl.metrics import MetricSpec
 from llamarl.models.loading import load_causal_lm
 from llamarl.models.microbatch import sequence_logprobs
 from llamarl.models.sharding import shard_model
-from llamarl.pipeline import ChannelSpec, Pipeline, Stage
+from llamarl.pipeline import Pipeline, Stage
 from llamarl.rewards.arithmetic import score as arithmetic_score
 from llamarl.runner import run_pipeline
 from recipes.arithmetic import ArithmeticConfig, prompt_fn
@@ -197,7 +190,6 @@ class RefPolicyExecutor(Executor):
     beyond the pending outputs the base class saves).
     """
 
-    name = "ref"
     metric_specs: ClassVar[dict] = REF_METRICS
 
     def __init__(self, ctx, *, model_config: ModelConfig, config: RefConfig, temperature: float,
@@ -255,21 +247,10 @@ def ref_kl_pipeline(config: RefKLConfig, *, task: Task, scorer: str, prompt_fn: 
     ``--run.async-lag 1``, ``shaped`` same-tick under sync, ``scored`` always same-tick (the
     reference adds no lag); colocated puts every stage, the reference included, on every rank.
     """
-    config = schedule_config(config)
-    schedule = config.run.schedule
-    sync = schedule in ("sync", "colocated")
-    return place(Pipeline(
-        stages=[generator_stage(config, task=task, prompt_fn=prompt_fn),
-                reward_stage(config, scorer=scorer, output="scored"),
-                ref_stage(config, input_name="scored", output="shaped"),
-                trainer_stage(config, input_name="shaped")],
-        channels=[ChannelSpec("rollouts", "generator", "reward", "scatter", same_tick=sync or config.run.async_lag == 1),
-                  ChannelSpec("scored", "reward", "ref", "scatter", same_tick=True),
-                  ChannelSpec("shaped", "ref", "trainer", "scatter", same_tick=sync),
-                  ChannelSpec("weights", "trainer", "generator", "weights", weights_mode=config.weights.mode)],
-        evaluator="generator", title=f"{schedule_title(config)}, KL to reference",
-        summary={"schedule": schedule, "loss": config.algo.loss, "kl_coef": config.ref.kl_coef,
-                 "kl_estimator": config.ref.kl_estimator}), config)
+    return stage_before_trainer(config, ref_stage(config, input_name="scored", output="shaped"), task=task,
+                                scorer=scorer, prompt_fn=prompt_fn, reward_output="scored", output="shaped",
+                                title="KL to reference",
+                                summary={"kl_coef": config.ref.kl_coef, "kl_estimator": config.ref.kl_estimator})
 
 
 def validate_ref_kl(config: RefKLConfig, *, world_size: int) -> None:

@@ -41,14 +41,6 @@ def test_group_size_two_and_constant_group():
     close(group_advantages(r, 2, "rloo"), [-2.0, 2.0, 0.0, 0.0])
 
 
-def test_normalize_batch_by_hand():
-    # "mean" advantages [-2, -1, 0, 3, -.5, -.5, .5, .5] have batch mean 0 and population
-    # variance (4 + 1 + 0 + 9 + 4 * 0.25) / 8 = 15/8.
-    s = math.sqrt(15 / 8)
-    expected = [-2 / s, -1 / s, 0.0, 3 / s, -0.5 / s, -0.5 / s, 0.5 / s, 0.5 / s]
-    close(group_advantages(REWARDS, 4, "mean", normalize_batch=True), expected)
-
-
 def test_group_size_one_and_integer_rewards():
     assert torch.equal(group_advantages(torch.tensor([3.0, -1.0]), 1, "grpo"), torch.zeros(2))
     out = group_advantages(torch.tensor([0, 1, 1, 1]), 2, "mean")

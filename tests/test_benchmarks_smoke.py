@@ -155,7 +155,7 @@ def test_uncorrected_loss_is_aipo_without_the_weight():
     assert torch.allclose(logp.grad, expected)
     assert {"importance_weight_mean", "approx_kl", "clip_fraction"} <= set(metrics)
     from llamarl.algorithms.losses import aipo_loss
-    on_policy, _ = aipo_loss(logp.detach(), logp.detach(), adv, mask, num_loss_tokens=20)
+    on_policy, _ = aipo_loss(logp=logp.detach(), behav_logp=logp.detach(), advantages=adv, mask=mask, num_loss_tokens=20)
     mine, _ = quality.pg_uncorrected_loss(logp=logp.detach(), behav_logp=logp.detach(), prox_logp=None,
                                           advantages=adv, mask=mask, algo=algo, num_loss_tokens=20)
     assert torch.allclose(on_policy, mine)

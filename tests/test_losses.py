@@ -7,7 +7,15 @@ import math
 import pytest
 import torch
 
-from llamarl.algorithms.losses import LOSSES, aipo_loss, decoupled_ppo_loss, ppo_loss
+from llamarl.algorithms.losses import aipo_loss, decoupled_ppo_loss, ppo_loss
+
+LOSS_FNS = {"aipo": aipo_loss, "decoupled_ppo": decoupled_ppo_loss, "ppo": ppo_loss}
+
+
+def call(name, *, logp, prox, behav, adv, mask, **kwargs):
+    """The loss ``name`` on these tensors (keyword-only, one order; prox only where it is used)."""
+    extra = {"prox_logp": prox} if name == "decoupled_ppo" else {}
+    return LOSS_FNS[name](logp=logp, **extra, behav_logp=behav, advantages=adv, mask=mask, **kwargs)
 from llamarl.algorithms.prox import loglinear_prox_logp
 
 F64 = torch.float64
@@ -121,7 +129,7 @@ def test_batch_hits_every_branch():
 def test_aipo_matches_reference(seed):
     logp, behav, _, adv, mask = make_batch(seed)
     n = int(mask.sum())
-    loss, metrics = aipo_loss(logp, behav, adv, mask, rho=RHO)
+    loss, metrics = aipo_loss(logp=logp, behav_logp=behav, advantages=adv, mask=mask, rho=RHO)
     exp_loss, exp_grad, exp_clip = ref_aipo(logp.detach(), behav, adv, mask, RHO, n)
     assert_close(loss, exp_loss)
     assert_close(grad_of(loss, logp), exp_grad)
@@ -138,7 +146,8 @@ def test_aipo_matches_reference(seed):
 def test_decoupled_ppo_matches_reference(seed, cap):
     logp, behav, prox, adv, mask = make_batch(seed)
     n = int(mask.sum())
-    loss, metrics = decoupled_ppo_loss(logp, prox, behav, adv, mask, eps_clip=EPS, behav_weight_cap=cap)
+    loss, metrics = decoupled_ppo_loss(logp=logp, prox_logp=prox, behav_logp=behav, advantages=adv, mask=mask,
+                                       eps_clip=EPS, behav_weight_cap=cap)
     exp_loss, exp_grad, exp_clip, exp_capped = ref_decoupled(
         logp.detach(), prox, behav, adv, mask, EPS, cap, n
     )
@@ -159,7 +168,7 @@ def test_decoupled_ppo_matches_reference(seed, cap):
 def test_ppo_matches_reference(seed):
     logp, behav, _, adv, mask = make_batch(seed)
     n = int(mask.sum())
-    loss, metrics = ppo_loss(logp, behav, adv, mask, eps_clip=EPS)
+    loss, metrics = ppo_loss(logp=logp, behav_logp=behav, advantages=adv, mask=mask, eps_clip=EPS)
     exp_loss, exp_grad, exp_clip, _ = ref_decoupled(logp.detach(), behav, behav, adv, mask, EPS, None, n)
     assert_close(loss, exp_loss)
     assert_close(grad_of(loss, logp), exp_grad)
@@ -172,7 +181,7 @@ def test_ppo_clip_branches_by_hand():
     r = torch.tensor([[1.5, 1.5, 0.5, 0.5]], dtype=F64)
     adv = torch.tensor([[1.0, -1.0, 1.0, -1.0]], dtype=F64)
     logp = r.log().requires_grad_()
-    loss, metrics = ppo_loss(logp, behav, adv, torch.ones(1, 4, dtype=torch.bool))
+    loss, metrics = ppo_loss(logp=logp, behav_logp=behav, advantages=adv, mask=torch.ones(1, 4, dtype=torch.bool))
     # Per-token -min(rA, clip(r)A): [-1.2 (clip), +1.5 (unclipped), -0.5 (unclipped), +0.8 (clip)].
     assert_close(loss, (-1.2 + 1.5 - 0.5 + 0.8) / 4)
     # d/dlogp of -rA = -rA where unclipped, 0 where clipped.
@@ -184,7 +193,7 @@ def test_aipo_clip_by_hand():
     behav = torch.zeros(1, 3, dtype=F64)
     logp = torch.tensor([[math.log(8.0), math.log(0.5), -1.0]], dtype=F64, requires_grad=True)
     adv = torch.tensor([2.0], dtype=F64)  # [B] advantages broadcast over T
-    loss, metrics = aipo_loss(logp, behav, adv, torch.ones(1, 3), rho=4.0)
+    loss, metrics = aipo_loss(logp=logp, behav_logp=behav, advantages=adv, mask=torch.ones(1, 3), rho=4.0)
     w = [4.0, 0.5, math.exp(-1.0)]  # 8 is clipped to rho = 4
     lp = [math.log(8.0), math.log(0.5), -1.0]
     assert_close(loss, sum(-wi * 2.0 * li for wi, li in zip(w, lp)) / 3)
@@ -197,9 +206,8 @@ def test_aipo_clip_by_hand():
 def test_per_sample_advantages_broadcast(name):
     logp, behav, prox, _, mask = make_batch(4)
     adv_b = torch.randn(logp.shape[0], dtype=F64)
-    args = (logp, prox, behav) if name == "decoupled_ppo" else (logp, behav)
-    loss_b, _ = LOSSES[name](*args, adv_b, mask)
-    loss_bt, _ = LOSSES[name](*args, adv_b[:, None].expand_as(logp), mask)
+    loss_b, _ = call(name, logp=logp, prox=prox, behav=behav, adv=adv_b, mask=mask)
+    loss_bt, _ = call(name, logp=logp, prox=prox, behav=behav, adv=adv_b[:, None].expand_as(logp), mask=mask)
     assert_close(loss_b, loss_bt)
     assert loss_b.abs() > 0
 
@@ -208,8 +216,7 @@ def test_per_sample_advantages_broadcast(name):
 def test_all_masked_gives_zero_loss_zero_grad(name):
     logp, behav, prox, adv, _ = make_batch(5)
     mask = torch.zeros_like(adv, dtype=torch.bool)
-    args = (logp, prox, behav) if name == "decoupled_ppo" else (logp, behav)
-    loss, metrics = LOSSES[name](*args, adv, mask)
+    loss, metrics = call(name, logp=logp, prox=prox, behav=behav, adv=adv, mask=mask)
     assert loss.item() == 0.0
     assert torch.equal(grad_of(loss, logp), torch.zeros_like(adv))
     for key, value in metrics.items():
@@ -224,8 +231,8 @@ def test_num_loss_tokens_sums_over_microbatches(name):
 
     def run(rows, n):
         lp = logp.detach()[rows].clone().requires_grad_()
-        args = (lp, prox[rows], behav[rows]) if name == "decoupled_ppo" else (lp, behav[rows])
-        loss, _ = LOSSES[name](*args, adv[rows], mask[rows], num_loss_tokens=n)
+        loss, _ = call(name, logp=lp, prox=prox[rows], behav=behav[rows], adv=adv[rows], mask=mask[rows],
+                       num_loss_tokens=n)
         return loss, grad_of(loss, lp)
 
     full_loss, full_grad = run(slice(0, 6), None)
@@ -241,16 +248,14 @@ def test_num_loss_tokens_sums_over_microbatches(name):
 @pytest.mark.parametrize("name", ["aipo", "decoupled_ppo", "ppo"])
 def test_garbage_on_padding_does_not_leak(name):
     logp, behav, prox, adv, mask = make_batch(7)
-    args = (logp, prox, behav) if name == "decoupled_ppo" else (logp, behav)
-    clean_loss, _ = LOSSES[name](*args, adv, mask)
+    clean_loss, _ = call(name, logp=logp, prox=prox, behav=behav, adv=adv, mask=mask)
     clean_grad = grad_of(clean_loss, logp)
     # Extreme log-ratios (exp overflows) and inf advantages on non-loss tokens only.
     bad_logp = torch.where(mask, logp.detach(), 0.0).requires_grad_()
     bad_behav = torch.where(mask, behav, -1e4)
     bad_prox = torch.where(mask, prox, -5e3)
     bad_adv = torch.where(mask, adv, math.inf)
-    args = (bad_logp, bad_prox, bad_behav) if name == "decoupled_ppo" else (bad_logp, bad_behav)
-    loss, metrics = LOSSES[name](*args, bad_adv, mask)
+    loss, metrics = call(name, logp=bad_logp, prox=bad_prox, behav=bad_behav, adv=bad_adv, mask=mask)
     assert_close(loss, clean_loss)
     assert_close(grad_of(loss, bad_logp), clean_grad)
     assert all(torch.isfinite(v) for v in metrics.values())
@@ -259,7 +264,7 @@ def test_garbage_on_padding_does_not_leak(name):
 def test_low_precision_logp_is_upcast():
     logp, behav, _, adv, mask = make_batch(8)
     lp16 = logp.detach().to(torch.bfloat16).requires_grad_()
-    loss, _ = aipo_loss(lp16, behav.to(torch.bfloat16), adv, mask)
+    loss, _ = aipo_loss(logp=lp16, behav_logp=behav.to(torch.bfloat16), advantages=adv, mask=mask)
     assert loss.dtype == torch.float32
     assert grad_of(loss, lp16).dtype == torch.bfloat16
 
@@ -267,19 +272,22 @@ def test_low_precision_logp_is_upcast():
 def test_user_errors():
     logp, behav, prox, adv, mask = make_batch(0)
     with pytest.raises(ValueError, match="rho"):
-        aipo_loss(logp, behav, adv, mask, rho=0.0)
+        aipo_loss(logp=logp, behav_logp=behav, advantages=adv, mask=mask, rho=0.0)
     with pytest.raises(ValueError, match="eps_clip"):
-        ppo_loss(logp, behav, adv, mask, eps_clip=1.5)
+        ppo_loss(logp=logp, behav_logp=behav, advantages=adv, mask=mask, eps_clip=1.5)
     with pytest.raises(ValueError, match="behav_weight_cap"):
-        decoupled_ppo_loss(logp, prox, behav, adv, mask, behav_weight_cap=-1.0)
+        decoupled_ppo_loss(logp=logp, prox_logp=prox, behav_logp=behav, advantages=adv, mask=mask,
+                           behav_weight_cap=-1.0)
     with pytest.raises(ValueError, match="advantages"):
-        ppo_loss(logp, behav, adv[:, :3], mask)
+        ppo_loss(logp=logp, behav_logp=behav, advantages=adv[:, :3], mask=mask)
     with pytest.raises(ValueError, match="mask"):
-        ppo_loss(logp, behav, adv, mask[:, :3])
+        ppo_loss(logp=logp, behav_logp=behav, advantages=adv, mask=mask[:, :3])
     with pytest.raises(ValueError, match="prox_logp"):
-        decoupled_ppo_loss(logp, prox[:2], behav, adv, mask)
+        decoupled_ppo_loss(logp=logp, prox_logp=prox[:2], behav_logp=behav, advantages=adv, mask=mask)
     with pytest.raises(ValueError, match="num_loss_tokens"):
-        aipo_loss(logp, behav, adv, mask, num_loss_tokens=-3)
+        aipo_loss(logp=logp, behav_logp=behav, advantages=adv, mask=mask, num_loss_tokens=-3)
+    with pytest.raises(TypeError):  # keyword-only: tensors cannot be passed in the wrong order
+        aipo_loss(logp, behav, adv, mask)
 
 
 # ----------------------------------------------------------------------------------------------

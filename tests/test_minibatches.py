@@ -42,8 +42,8 @@ def _probe(*, logp, behav_logp, prox_logp, advantages, mask, algo, num_loss_toke
     (registered as ``probe_decoupled_ppo`` in the world only)."""
     gap = torch.where(mask.bool(), (logp.detach() - prox_logp).abs(), 0.0).max()
     PROBES.append((MINIBATCH[0], float(gap)))
-    return decoupled_ppo_loss(logp, prox_logp, behav_logp, advantages, mask, eps_clip=algo.eps_clip,
-                              num_loss_tokens=num_loss_tokens)
+    return decoupled_ppo_loss(logp=logp, prox_logp=prox_logp, behav_logp=behav_logp, advantages=advantages, mask=mask,
+                              eps_clip=algo.eps_clip, num_loss_tokens=num_loss_tokens)
 
 
 def world_main() -> None:

@@ -24,7 +24,6 @@ def group_advantages(
     group_size: int,
     mode: str = "grpo",
     *,
-    normalize_batch: bool = False,
     eps: float = 1e-6,
 ) -> Tensor:
     """Per-sample advantages ``[N]`` from rewards ``[N]`` grouped by prompt.
@@ -40,8 +39,8 @@ def group_advantages(
       (RLOO leave-one-out baseline, arXiv:2402.14740; needs ``group_size >= 2``)
     * ``"mean"``: ``r - mean_g``                                      (Dr. GRPO, arXiv:2503.20783)
 
-    ``normalize_batch=True`` then applies ``(a - a.mean()) / (a.std(unbiased=False) + eps)`` over
-    the whole batch. Returns a detached tensor in rewards' floating dtype (float32 for integer
+    (``--algo.normalize-batch`` rescales these over the whole batch on every trainer rank:
+    ``TrainerExecutor.prepare``.) Returns a detached tensor in rewards' floating dtype (float32 for integer
     rewards). Raises ValueError for non-1-D rewards, ``group_size < 1``, N not divisible by
     ``group_size``, an unknown mode, or ``"rloo"`` with ``group_size < 2``.
     """
@@ -71,10 +70,7 @@ def group_advantages(
     # arithmetic does not guarantee it (the fp32 mean of eight 0.9s is an ulp off 0.9, and GRPO
     # divides that ulp by std + eps into -0.056), so graded rewards would push tied groups.
     tied = (groups == groups[:, :1]).all(dim=1, keepdim=True)
-    adv = torch.where(tied, torch.zeros_like(adv), adv).reshape(-1)
-    if normalize_batch and adv.numel() > 0:
-        adv = (adv - adv.mean()) / (adv.std(unbiased=False) + eps)
-    return adv
+    return torch.where(tied, torch.zeros_like(adv), adv).reshape(-1)
 
 
 def check_groups(sorted_group_ids: Tensor, group_size: int, *, where: str) -> None:

@@ -33,12 +33,10 @@ log-probs on padding cannot produce inf/NaN in the loss or its gradient.
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 import torch
 from torch import Tensor
 
-__all__ = ["LOSSES", "aipo_loss", "decoupled_ppo_loss", "ppo_loss"]
+__all__ = ["aipo_loss", "decoupled_ppo_loss", "ppo_loss"]
 
 Metrics = dict[str, Tensor]
 
@@ -110,11 +108,11 @@ def _behaviour_metrics(log_ratio: Tensor, mask: Tensor) -> Metrics:
 
 
 def aipo_loss(
+    *,
     logp: Tensor,
     behav_logp: Tensor,
     advantages: Tensor,
     mask: Tensor,
-    *,
     rho: float = 4.0,
     num_loss_tokens: float | Tensor | None = None,
 ) -> tuple[Tensor, Metrics]:
@@ -145,12 +143,12 @@ def aipo_loss(
 
 
 def decoupled_ppo_loss(
+    *,
     logp: Tensor,
     prox_logp: Tensor,
     behav_logp: Tensor,
     advantages: Tensor,
     mask: Tensor,
-    *,
     eps_clip: float = 0.2,
     behav_weight_cap: float | None = None,
     num_loss_tokens: float | Tensor | None = None,
@@ -204,11 +202,11 @@ def decoupled_ppo_loss(
 
 
 def ppo_loss(
+    *,
     logp: Tensor,
     behav_logp: Tensor,
     advantages: Tensor,
     mask: Tensor,
-    *,
     eps_clip: float = 0.2,
     num_loss_tokens: float | Tensor | None = None,
 ) -> tuple[Tensor, Metrics]:
@@ -219,17 +217,8 @@ def ppo_loss(
     (so ``w_t = 1``). Same return value, aggregation and metrics (minus the behaviour-weight
     ones, which are trivially 1 / 0 here). Raises ValueError like ``decoupled_ppo_loss``.
     """
-    loss, metrics = decoupled_ppo_loss(
-        logp, behav_logp, behav_logp, advantages, mask, eps_clip=eps_clip, num_loss_tokens=num_loss_tokens
-    )
+    loss, metrics = decoupled_ppo_loss(logp=logp, prox_logp=behav_logp, behav_logp=behav_logp, advantages=advantages,
+                                       mask=mask, eps_clip=eps_clip, num_loss_tokens=num_loss_tokens)
     metrics.pop("behav_weight_mean")
     metrics.pop("behav_capped_fraction")
     return loss, metrics
-
-
-# Name -> loss. Note the signatures differ: "decoupled_ppo" also takes prox_logp.
-LOSSES: dict[str, Callable[..., tuple[Tensor, Metrics]]] = {
-    "aipo": aipo_loss,
-    "decoupled_ppo": decoupled_ppo_loss,
-    "ppo": ppo_loss,
-}

@@ -97,19 +97,22 @@ _BEHAVIOUR_METRICS: dict[str, Reduction] = {"importance_weight_mean": "mean", "i
 
 @register_policy_loss("aipo", metrics=_BEHAVIOUR_METRICS)
 def _aipo(*, logp, behav_logp, prox_logp, advantages, mask, algo, num_loss_tokens):
-    return aipo_loss(logp, behav_logp, advantages, mask, rho=algo.rho, num_loss_tokens=num_loss_tokens)
+    return aipo_loss(logp=logp, behav_logp=behav_logp, advantages=advantages, mask=mask, rho=algo.rho,
+                     num_loss_tokens=num_loss_tokens)
 
 
 @register_policy_loss("decoupled_ppo", needs_prox=True, metrics={
     **_BEHAVIOUR_METRICS, "behav_weight_mean": "mean", "behav_capped_fraction": "mean"})
 def _decoupled_ppo(*, logp, behav_logp, prox_logp, advantages, mask, algo, num_loss_tokens):
-    return decoupled_ppo_loss(logp, prox_logp, behav_logp, advantages, mask, eps_clip=algo.eps_clip,
-                              behav_weight_cap=algo.behav_weight_cap, num_loss_tokens=num_loss_tokens)
+    return decoupled_ppo_loss(logp=logp, prox_logp=prox_logp, behav_logp=behav_logp, advantages=advantages, mask=mask,
+                              eps_clip=algo.eps_clip, behav_weight_cap=algo.behav_weight_cap,
+                              num_loss_tokens=num_loss_tokens)
 
 
 @register_policy_loss("ppo", metrics=_BEHAVIOUR_METRICS)
 def _ppo(*, logp, behav_logp, prox_logp, advantages, mask, algo, num_loss_tokens):
-    return ppo_loss(logp, behav_logp, advantages, mask, eps_clip=algo.eps_clip, num_loss_tokens=num_loss_tokens)
+    return ppo_loss(logp=logp, behav_logp=behav_logp, advantages=advantages, mask=mask, eps_clip=algo.eps_clip,
+                    num_loss_tokens=num_loss_tokens)
 
 
 for _mode in ("grpo", "rloo", "mean"):

@@ -24,29 +24,12 @@ import math
 from dataclasses import dataclass
 
 import torch
-from torch.distributed.tensor import DTensor, Replicate, Shard
-from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+from torch.distributed.tensor import DTensor
 
-from llamarl.batch import DTYPES
+from llamarl.batch import DTYPE_NAMES, DTYPES
+from llamarl.boxes import Box, box_index, dtensor_box, inside, intersect, shift, volume
 
-Box = tuple[tuple[int, int], ...]
-_DTYPE_NAMES = {v: k for k, v in DTYPES.items()}
-
-
-def _dtensor_box(name: str, param: DTensor) -> list[list[int]]:
-    for placement in param.placements:
-        # _StridedShard (FSDP2 + TP) and Partial do not hold one contiguous box per rank.
-        if type(placement) not in (Shard, Replicate):
-            raise ValueError(f"parameter {name!r} has placement {placement}; only Shard and Replicate are supported")
-    # torch computes the offsets with small host tensors made on the default device: pin it to the
-    # host explicitly (this is shape metadata, never device data; it also keeps the device guard,
-    # which sets the default to meta, from tripping on torch's own code).
-    with torch.device("cpu"):
-        shape, offset = compute_local_shape_and_global_offset(param.shape, param.device_mesh, param.placements)
-    local = tuple(param.to_local().shape)
-    if tuple(shape) != local:
-        raise ValueError(f"parameter {name!r}: local shard {list(local)} is not the chunk-rule shape {list(shape)}")
-    return [[int(o), int(s)] for o, s in zip(offset, shape)]
+__all__ = ["Box", "DdmaPlan", "Piece", "box_index", "build_plan", "describe_local_layout", "local_tensor"]
 
 
 def describe_local_layout(
@@ -71,7 +54,7 @@ def describe_local_layout(
         if isinstance(param, DTensor):
             if spec is not None:
                 raise ValueError(f"parameter {name!r} is a DTensor; it cannot also take an explicit slice")
-            shape, box = list(param.shape), _dtensor_box(name, param)
+            shape, box = list(param.shape), dtensor_box(name, param)
         else:
             shape, box = list(param.shape), [[0, s] for s in param.shape]
             if spec is not None:
@@ -85,9 +68,9 @@ def describe_local_layout(
         raise ValueError(f"slice spec names unknown parameter {min(slices)!r}")
     if single_dtype and len(set(dtypes)) > 1:
         raise ValueError(f"generator parameters mix dtypes {sorted(map(str, set(dtypes)))}; cast the model to one dtype")
-    if dtypes and dtypes[0] not in _DTYPE_NAMES:
+    if dtypes and dtypes[0] not in DTYPE_NAMES:
         raise ValueError(f"parameter dtype {dtypes[0]} is not supported by the weight channel")
-    return {"dtype": _DTYPE_NAMES[dtypes[0]] if dtypes else "float32", "params": params}
+    return {"dtype": DTYPE_NAMES[dtypes[0]] if dtypes else "float32", "params": params}
 
 
 def local_tensor(param: torch.Tensor) -> torch.Tensor:
@@ -152,33 +135,6 @@ class Piece:
         return math.prod(self.shape)
 
 
-def box_index(box: Box) -> tuple[slice, ...]:
-    """Basic-indexing slices selecting ``box`` (a view, never a copy)."""
-    return tuple(slice(start, start + length) for start, length in box)
-
-
-def _intersect(a: Box, b: Box) -> Box | None:
-    out = []
-    for (sa, la), (sb, lb) in zip(a, b):
-        start, stop = max(sa, sb), min(sa + la, sb + lb)
-        if stop <= start:
-            return None
-        out.append((start, stop - start))
-    return tuple(out)
-
-
-def _shift(box: Box, origin: Box) -> Box:
-    return tuple((s - o, length) for (s, length), (o, _) in zip(box, origin))
-
-
-def _inside(box: Box, outer: Box) -> bool:
-    return all(so <= s and s + length <= so + lo for (s, length), (so, lo) in zip(box, outer))
-
-
-def _volume(box: Box) -> int:
-    return math.prod(length for _, length in box)
-
-
 @dataclass
 class DdmaPlan:
     """Pieces per (trainer index, generator index) pair and each generator rank's dtype."""
@@ -203,11 +159,11 @@ def _trainer_params(layouts: list[dict], label: str) -> dict[str, tuple[list[int
                 raise ValueError(f"{label}: trainer parameter {p['name']!r} has an unknown global shape")
             params.setdefault(p["name"], (p["shape"], []))[1].append(tuple(tuple(x) for x in p["box"]))
     for name, (shape, boxes) in params.items():
-        distinct = sorted({b for b in boxes if _volume(b) > 0})
+        distinct = sorted({b for b in boxes if volume(b) > 0})
         full = tuple((0, s) for s in shape)
-        overlap = any(_intersect(a, b) is not None for i, a in enumerate(distinct) for b in distinct[i + 1:])
-        inside = all(_inside(b, full) for b in distinct)
-        if overlap or not inside or sum(map(_volume, distinct)) != math.prod(shape):
+        overlap = any(intersect(a, b) is not None for i, a in enumerate(distinct) for b in distinct[i + 1:])
+        within = all(inside(b, full) for b in distinct)
+        if overlap or not within or sum(map(volume, distinct)) != math.prod(shape):
             raise ValueError(f"{label}: the trainer's shards of {name!r} do not tile its shape {shape} exactly")
     return params
 
@@ -221,7 +177,7 @@ def _check_generator_param(label: str, rank: int, p: dict, trainer: dict) -> Box
     if len(gshape) != len(shape) or any(g is not None and g != t for g, t in zip(gshape, shape)):
         shown = ["?" if g is None else g for g in gshape]
         raise ValueError(f"{label}: parameter {name!r} is {shape} on the trainer but {shown} on the generator")
-    if len(box) != len(shape) or not _inside(box, tuple((0, s) for s in shape)):
+    if len(box) != len(shape) or not inside(box, tuple((0, s) for s in shape)):
         raise ValueError(f"{label}: generator rank {rank} holds {[list(b) for b in box]} of parameter {name!r}, "
                          f"outside its trainer shape {shape}")
     return box
@@ -240,7 +196,7 @@ def build_plan(trainer_layouts: list[dict], generator_layouts: list[dict], *, la
     holders = {name: {} for name in trainer}  # name -> {box: [trainer indices]}
     for name, (_, boxes) in trainer.items():
         for index, box in enumerate(boxes):
-            if _volume(box) > 0:
+            if volume(box) > 0:
                 holders[name].setdefault(box, []).append(index)
     pieces: dict[tuple[int, int], list[Piece]] = {}
     offsets: dict[tuple[int, int], int] = {}
@@ -250,11 +206,11 @@ def build_plan(trainer_layouts: list[dict], generator_layouts: list[dict], *, la
         for p in layout["params"]:
             gbox = _check_generator_param(label, g, p, trainer)
             for tbox, owners in sorted(holders[p["name"]].items()):
-                block = _intersect(tbox, gbox)
+                block = intersect(tbox, gbox)
                 if block is None:
                     continue
                 pair = (owners[g % len(owners)], g)
-                piece = Piece(p["name"], _shift(block, tbox), _shift(block, gbox), offsets.get(pair, 0))
+                piece = Piece(p["name"], shift(block, tbox), shift(block, gbox), offsets.get(pair, 0))
                 pieces.setdefault(pair, []).append(piece)
                 offsets[pair] = piece.offset + piece.numel
     return DdmaPlan(pieces=pieces, dtypes=[layout["dtype"] for layout in generator_layouts])

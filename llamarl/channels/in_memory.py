@@ -29,8 +29,8 @@ from llamarl.models.weight_copy import copy_weights_in_place
 
 
 @dataclass
-class InMemoryChannel:
-    """A data channel between co-resident executors (module docstring)."""
+class _InMemory:
+    """What both in-memory channels share: endpoints, delivery, the last hand-over's seconds."""
 
     name: str
     outbound: str
@@ -41,6 +41,10 @@ class InMemoryChannel:
         if self.outbound == self.inbound:
             raise ValueError(f"channel {self.name!r} connects executor {self.outbound!r} to itself")
         self.last_seconds = 0.0
+
+
+class InMemoryChannel(_InMemory):
+    """A data channel between co-resident executors (module docstring)."""
 
     def hand_over(self, source, sink) -> None:
         """Move ``source``'s output ``name`` to ``sink``'s input ``name`` on this rank."""
@@ -53,21 +57,13 @@ class InMemoryChannel:
         self.last_seconds = time.perf_counter() - start
 
 
-@dataclass
-class InMemoryWeights:
+class InMemoryWeights(_InMemory):
     """A weights channel between co-resident executors (module docstring)."""
 
-    name: str
-    outbound: str
-    inbound: str
-    same_tick: bool = False
-
     def __post_init__(self) -> None:
-        if self.outbound == self.inbound:
-            raise ValueError(f"channel {self.name!r} connects executor {self.outbound!r} to itself")
-        self.last_seconds = 0.0
+        super().__post_init__()
         self.last_skipped = False
-        self.bytes_received = 0
+        self.bytes_copied = 0
         self._synced_version: int | None = None
 
     def hand_over(self, source, sink) -> None:
@@ -77,7 +73,7 @@ class InMemoryWeights:
         version = int(source.version)
         self.last_skipped = version == self._synced_version
         if not self.last_skipped:
-            self.bytes_received += copy_weights_in_place(source.get_model(), sink.get_model())
+            self.bytes_copied += copy_weights_in_place(source.get_model(), sink.get_model())
             sink.set_weights_version(version)
             self._synced_version = version
         self.last_seconds = time.perf_counter() - start

@@ -43,7 +43,6 @@ from llamarl.channels.ddma_plan import Piece, box_index, build_plan, describe_lo
 from llamarl.channels.p2p import exchange
 from llamarl.models.sharding import full_named_parameters
 
-_DTYPE_NAMES = {v: k for k, v in DTYPES.items()}
 MODES = ("ddma", "gather_broadcast")
 
 

@@ -12,7 +12,7 @@ import json
 from pathlib import Path
 
 from llamarl.data.prompts import Problem
-from llamarl.rewards.math import boxed_contents
+from llamarl.rewards.boxed import boxed_contents
 
 
 def row_to_problem(row: dict, *, where: str = "row") -> Problem:

@@ -21,9 +21,8 @@ if TYPE_CHECKING:
 
 
 class Executor:
-    """Base class with the paper's surface. ``name`` must match an ExecutorSpec name."""
+    """Base class with the paper's surface. An executor's name is its stage's (``self.ctx.executor``)."""
 
-    name: str = "executor"
     metric_specs: ClassVar[dict] = {}
     """``{metric key: llamarl.metrics.MetricSpec}``: the section and the reduction over this
     executor's ranks of each metric it reports in ``self.metrics`` (undeclared keys are logged with

@@ -136,7 +136,6 @@ def auto_token_budget(config: GeneratorConfig, *, schedule: str, device: torch.d
 class GeneratorExecutor(Executor):
     """Rollout generation with the native engine; weights arrive through a WeightsChannel."""
 
-    name = "generator"
     metric_specs: ClassVar[dict] = GENERATOR_METRICS
 
     @property
@@ -315,9 +314,7 @@ class GeneratorExecutor(Executor):
         n = self.config.samples_per_prompt
         for out in outputs:
             if out.finish_reason == "carried":
-                self.carried.append(Request(sample_id=out.sample_id, prompt_ids=out.prompt_ids,
-                                            completion_ids=out.completion_ids, logprobs=out.logprobs,
-                                            versions=out.versions))
+                self.carried.append(out.to_request())
             else:
                 self.finished.setdefault(out.sample_id // n, []).append(out)
         done = sorted(g for g, outs in self.finished.items() if len(outs) == n)

@@ -154,6 +154,29 @@ def rl_pipeline(config: RLConfig, *, task: Task, scorer: str, prompt_fn: PromptF
         evaluator="generator", title=schedule_title(config), summary=summary), config)
 
 
+def stage_before_trainer(config: RLConfig, stage: Stage, *, task: Task, scorer: str, prompt_fn: PromptFn,
+                         reward_output: str, output: str, title: str, summary: dict) -> Pipeline:
+    """generator -> reward (``reward_output``) -> ``stage`` (``output``) -> trainer, weights trainer ->
+    generator: the standard pipeline with a recipe's own stage between the reward and the trainer
+    (a reference policy, an LLM judge, a filter), placed for ``--run.schedule``.
+
+    Delivery as in ``rl_pipeline``, plus: the reward -> stage hop is always same-tick, so the stage
+    adds no lag; stage -> trainer is same-tick under sync and colocated. ``title`` is appended to the
+    schedule's on the timeline; ``summary`` adds entries to ``summary.json``."""
+    config = schedule_config(config)
+    sync = config.run.schedule in ("sync", "colocated")
+    return place(Pipeline(
+        stages=[generator_stage(config, task=task, prompt_fn=prompt_fn),
+                reward_stage(config, scorer=scorer, output=reward_output), stage,
+                trainer_stage(config, input_name=output)],
+        channels=[ChannelSpec("rollouts", "generator", "reward", "scatter", same_tick=sync or config.run.async_lag == 1),
+                  ChannelSpec(reward_output, "reward", stage.name, "scatter", same_tick=True),
+                  ChannelSpec(output, stage.name, "trainer", "scatter", same_tick=sync),
+                  ChannelSpec("weights", "trainer", "generator", "weights", weights_mode=config.weights.mode)],
+        evaluator="generator", title=f"{schedule_title(config)}, {title}",
+        summary={"schedule": config.run.schedule, "loss": config.algo.loss, **summary}), config)
+
+
 def run_rl(config: RLConfig, *, recipe: str, task: Task, heldout: list[Problem],
            score: Callable[[str, str], float], scorer: str, prompt_fn: PromptFn) -> dict | None:
     """Validate ``config`` (every rank, before any process group) and run ``rl_pipeline``; returns

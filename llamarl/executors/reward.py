@@ -65,7 +65,6 @@ def score_rollouts(pool: RewardPool, batch: TensorBatch) -> tuple[TensorBatch, d
 
 
 class RewardExecutor(Executor):
-    name = "reward"
     metric_specs: ClassVar[dict] = REWARD_METRICS
     num_threads = 1  # scoring runs in the pool's processes (or inline, pure Python)
 

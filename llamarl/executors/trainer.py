@@ -79,7 +79,6 @@ logger = logging.getLogger("llamarl.trainer")
 class TrainerExecutor(Executor):
     """Policy optimisation on the trainer's ranks. ``version`` counts optimizer steps."""
 
-    name = "trainer"
 
     @property
     def metric_specs(self) -> dict[str, MetricSpec]:

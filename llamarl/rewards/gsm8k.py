@@ -18,6 +18,8 @@ from __future__ import annotations
 import re
 from fractions import Fraction
 
+from llamarl.rewards.boxed import boxed_contents
+
 # A number as written in answers: optional sign, optional thousands separators, optional decimals.
 # Thousands groups must be exactly 3 digits so that a list like "3,4" reads as "3".
 # A minus right after a word or ")" is subtraction ("10-5"), not a sign.
@@ -32,22 +34,6 @@ _ANSWER_RE = re.compile(
 )
 _CALCULATOR_RE = re.compile(r"<<[^<>]*>>")
 _LATEX_FRAC_RE = re.compile(r"\\d?frac\{([^{}]*)\}\{([^{}]*)\}")
-
-
-def _boxed_contents(text: str) -> list[str]:
-    """Contents of every ``\\boxed{...}`` in ``text``, honouring nested braces."""
-    contents = []
-    start = text.find("\\boxed{")
-    while start != -1:
-        depth, i = 1, start + len("\\boxed{")
-        begin = i
-        while i < len(text) and depth:
-            depth += {"{": 1, "}": -1}.get(text[i], 0)
-            i += 1
-        if depth == 0:
-            contents.append(text[begin : i - 1])
-        start = text.find("\\boxed{", i)
-    return contents
 
 
 def _first_number(span: str) -> str | None:
@@ -74,7 +60,7 @@ def extract_answer(text: str) -> str | None:
     for span in reversed(_HASH_RE.findall(text)):
         if (found := _first_number(span)) is not None:
             return found
-    for span in reversed(_boxed_contents(text)):
+    for span in reversed(boxed_contents(text)):
         if (found := _first_number(span)) is not None:
             return found
     for match in reversed(list(_ANSWER_RE.finditer(text))):

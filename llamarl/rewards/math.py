@@ -40,39 +40,14 @@ import threading
 from collections import Counter
 from collections.abc import Iterator
 
+from llamarl.rewards.boxed import boxed_contents, braced
+
 DEFAULT_TIMEOUT_S = 2.0
 _MAX_EXPR_CHARS = 300
 _MAX_EXPONENT = 400
 _MAX_LITERAL_DIGITS = 60
 
 # ----------------------------------------------------------------------------- extraction
-
-
-def _braced(text: str, start: int) -> tuple[str, int] | None:
-    """Contents of the brace group opening at ``text[start] == '{'`` and the index after it."""
-    if start >= len(text) or text[start] != "{":
-        return None
-    depth, i = 0, start
-    while i < len(text):
-        depth += {"{": 1, "}": -1}.get(text[i], 0)
-        i += 1
-        if depth == 0:
-            return text[start + 1 : i - 1], i
-    return None
-
-
-def boxed_contents(text: str) -> list[str]:
-    """Contents of every ``\\boxed{...}`` / ``\\fbox{...}`` in ``text`` (also ``\\boxed 5``), in order."""
-    found = []
-    for match in re.finditer(r"\\(?:boxed|fbox)\s*", text):
-        group = _braced(text, match.end())
-        if group is not None:
-            found.append(group[0])
-        else:  # "\boxed 5": up to the next space or "$"
-            bare = re.match(r"[^\s$]+", text[match.end() :])
-            if bare:
-                found.append(bare.group(0))
-    return found
 
 
 _ANSWER_IS_RE = re.compile(r"(?:the\s+)?(?:final\s+)?answer\s*(?:is|:)\s*:?\s*([^\n]+)", re.IGNORECASE)
@@ -133,7 +108,7 @@ def _replace_command_arg(text: str, command: str, fmt: str) -> str:
             out.append(text[i:end])
             i = end
             continue
-        group = _braced(text, end)
+        group = braced(text, end)
         if group is None:
             out.append(text[i:end])
             i = end
@@ -214,22 +189,22 @@ def _replace_frac_sqrt(s: str) -> str:
     for _ in range(50):
         m = re.search(r"\\frac\s*\{", s)
         if m:
-            num = _braced(s, m.end() - 1)
-            den = _braced(s, num[1]) if num else None
+            num = braced(s, m.end() - 1)
+            den = braced(s, num[1]) if num else None
             if num is None or den is None:
                 raise ValueError("unbalanced \\frac")
             s = s[: m.start()] + f"(({_replace_frac_sqrt(num[0])})/({_replace_frac_sqrt(den[0])}))" + s[den[1]:]
             continue
         m = re.search(r"\\sqrt\s*\[([^\]]*)\]\s*\{", s)
         if m:
-            arg = _braced(s, m.end() - 1)
+            arg = braced(s, m.end() - 1)
             if arg is None:
                 raise ValueError("unbalanced \\sqrt")
             s = s[: m.start()] + f"(({_replace_frac_sqrt(arg[0])})**(1/({m.group(1)})))" + s[arg[1]:]
             continue
         m = re.search(r"\\sqrt\s*\{", s)
         if m:
-            arg = _braced(s, m.end() - 1)
+            arg = braced(s, m.end() - 1)
             if arg is None:
                 raise ValueError("unbalanced \\sqrt")
             s = s[: m.start()] + f"sqrt({_replace_frac_sqrt(arg[0])})" + s[arg[1]:]

@@ -24,7 +24,8 @@ from llamarl.world import ExecutorContext, ExecutorSpec
 @register_policy_loss("aipo_x2", metrics={"rows": "sum", "clip_fraction": "mean"})
 def aipo_x2(*, logp, behav_logp, prox_logp, advantages, mask, algo, num_loss_tokens):
     """A loss registered from user code: twice AIPO, with a summed metric (rows per micro-batch)."""
-    loss, metrics = aipo_loss(logp, behav_logp, advantages, mask, rho=algo.rho, num_loss_tokens=num_loss_tokens)
+    loss, metrics = aipo_loss(logp=logp, behav_logp=behav_logp, advantages=advantages, mask=mask, rho=algo.rho,
+                              num_loss_tokens=num_loss_tokens)
     return 2 * loss, {"rows": float(logp.shape[0]), "clip_fraction": metrics["clip_fraction"]}
 
 
