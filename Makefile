@@ -19,7 +19,7 @@ RUN_ARGS ?=
 	$(PY) -m pip uninstall -y -q torchvision torchaudio torchcodec triton
 	touch $@
 
-.PHONY: run run-async test test-vllm test-gpu gsm8k-smoke lint
+.PHONY: run run-async test test-fast test-vllm test-gpu gsm8k-smoke lint
 # One process, colocated, both cores for whichever phase runs: on this 2-core machine the fastest to
 # 0.70 held-out accuracy on both CPU models measured (docs/benchmarks.md, "Asynchrony on this machine": it learns
 # more per tick than async, whose ticks are shorter only where 2 threads scale poorly).
@@ -40,6 +40,11 @@ run-async: .venv/.installed
 # 2026-11-23) vs 19.9 min serially before the model-family tests were merged into shared worlds.
 test: .venv/.installed
 	OMP_NUM_THREADS=1 $(PY) -m pytest -q tests --ignore=tests/test_vllm_engine.py --ignore=tests/gpu -n 2 --dist loadfile
+
+# The unit tests alone: every test that starts no process (no torchrun world, recipe or subprocess;
+# tests/conftest.py marks the others `world`). For a quick loop while editing; `make test` runs all.
+test-fast: .venv/.installed
+	OMP_NUM_THREADS=1 $(PY) -m pytest -q tests -m "not world" --ignore=tests/test_vllm_engine.py --ignore=tests/gpu -n 2
 
 lint: .venv/.installed
 	.venv/bin/ruff check llamarl recipes tests benchmarks

@@ -163,7 +163,8 @@ SCHEDULES = {
          ("generator", 2.2, 6.0, "generate", "generate batch t (weights of update t-1)"),
          ("reward", 1.2, 2.0, "score", "score batch t-1"),
          ("trainer", 2.2, 5.0, "train", "train on batch t-2 -> update t")]),
-    "async, --run.async-lag 1: rollouts same tick, scored and weights next tick": (
+    "async, --run.async-lag 1: rollouts same tick, scored and weights next tick (the default placement runs the "
+    "reward on the trainer's ranks, after its step)": (
         ["generator", "reward", "trainer"],
         [("reward", 0, 0.6, "scored", ""), ("trainer", 0, 0.6, "scored", ""),
          ("trainer", 0.6, 1.0, "weights", ""), ("generator", 0, 1.6, "weights", ""),
@@ -179,11 +180,12 @@ SCHEDULES = {
          ("reward", 7.6, 2.0, "score", "score t"),
          ("reward", 9.6, 0.6, "scored", ""), ("trainer", 1.0, 9.2, "scored", ""),
          ("trainer", 10.2, 5.0, "train", "train on batch t -> update t")]),
-    "colocated: one executor on every rank, no channels (on-policy)": (
-        ["colocated"],
-        [("colocated", 0, 6.0, "generate", "generate batch t"), ("colocated", 6.0, 2.0, "score", "score t"),
-         ("colocated", 8.0, 5.0, "train", "train on batch t -> update t"),
-         ("colocated", 13.0, 0.8, "copy", "")]),
+    "colocated: every stage on every rank, batches handed over in memory, weights copied in place (on-policy)": (
+        ["generator", "reward", "trainer"],
+        [("generator", 0, 6.0, "generate", "generate batch t"), ("reward", 6.0, 0.3, "rollouts", ""),
+         ("reward", 6.3, 2.0, "score", "score t"), ("trainer", 8.3, 0.3, "scored", ""),
+         ("trainer", 8.6, 5.0, "train", "train on batch t -> update t"),
+         ("trainer", 13.6, 0.8, "weights", ""), ("generator", 13.6, 0.8, "weights", "")]),
 }
 
 

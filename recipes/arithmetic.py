@@ -8,6 +8,8 @@ after training and writes ``summary.json`` into the run directory.
 
 from __future__ import annotations
 
+import os
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import tyro
@@ -17,7 +19,9 @@ from llamarl.data.arithmetic import ArithmeticTask
 from llamarl.data.prompts import ARITHMETIC_INSTRUCTION, build_chat_prompt
 from llamarl.errors import config_errors, parse_flags
 from llamarl.executors.pipelines import run_rl
+from llamarl.pipeline import Pipeline
 from llamarl.rewards.arithmetic import score
+from llamarl.runner import run_pipeline
 
 
 @dataclass
@@ -43,6 +47,22 @@ class ArithmeticConfig(RLConfig):
 
 def prompt_fn(tokenizer, question: str) -> list[int]:
     return build_chat_prompt(tokenizer, question, instruction_suffix=ARITHMETIC_INSTRUCTION)
+
+
+def run_variant(config: ArithmeticConfig, *, recipe: str, build_pipeline: Callable[..., Pipeline],
+                validate: Callable[..., None], scorer: str = "arithmetic", score: Callable[[str, str], float] = score,
+                edit: Callable[[Pipeline], None] | None = None) -> dict | None:
+    """An arithmetic recipe with a pipeline of its own (``recipes/ref_kl.py``, ``llm_judge.py``,
+    ``dapo_filter.py``): ``validate(config, world_size=...)`` on every rank before any process group,
+    ``build_pipeline(config, task=..., scorer=..., prompt_fn=...)``, ``edit(pipeline)`` if given (a
+    test's taps), then ``run_pipeline``. Returns the summary on global rank 0, else None."""
+    validate(config, world_size=int(os.environ.get("WORLD_SIZE", "1")))
+    task = ArithmeticTask(num_digits=config.task.num_digits, seed=config.run.seed)
+    pipeline = build_pipeline(config, task=task, scorer=scorer, prompt_fn=prompt_fn)
+    if edit is not None:
+        edit(pipeline)
+    return run_pipeline(pipeline, config, recipe=recipe, heldout=task.heldout(config.run.num_eval_problems),
+                        score=score)
 
 
 def main(config: ArithmeticConfig) -> None:

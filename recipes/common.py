@@ -19,7 +19,21 @@ import torch
 
 from llamarl.config import RLConfig
 from llamarl.data.passk import evaluate_policy, load_policy
+from llamarl.data.problem_list import ListTask
 from llamarl.data.prompts import Problem
+from llamarl.executors.pipelines import run_rl
+
+
+@dataclass
+class TrainSubsetConfig:
+    """What the dataset recipes' ``--data`` sections share (each adds its paths / hub datasets)."""
+
+    max_train_problems: int | None = None
+    """Use only the first this many training problems (None: all)."""
+
+    def __post_init__(self) -> None:
+        if self.max_train_problems is not None and self.max_train_problems < 1:
+            raise ValueError(f"--data.max-train-problems must be >= 1, got {self.max_train_problems}")
 
 
 @dataclass
@@ -90,3 +104,18 @@ def run_pass_k(config: RLConfig, eval_config: EvalConfig, *, summary: dict | Non
                    for k in sorted(set(eval_config.pass_k)))
     print(f"llamarl: {ks} on {summary['pass_k_problems']} test problems", flush=True)
     return summary
+
+
+def run_dataset_recipe(config: RLConfig, *, recipe: str, train: list[Problem], test: list[Problem], score,
+                       prompt_fn) -> dict | None:
+    """A dataset recipe's run (GSM8K, MATH): RL on ``train`` with the scorer registered as ``recipe``,
+    greedy held-out accuracy on the first ``--run.num-eval-problems`` of ``test``, then pass@k if
+    asked (``config.eval``). Returns the summary on global rank 0, else None. ValueError (a config
+    error) when the test split has fewer problems than asked for."""
+    if config.run.num_eval_problems > len(test):
+        raise ValueError(f"--run.num-eval-problems ({config.run.num_eval_problems}) exceeds the "
+                         f"{len(test)} test problems")
+    prepare_pass_k(config, config.eval, recipe)
+    summary = run_rl(config, recipe=recipe, task=ListTask(train, seed=config.run.seed),
+                     heldout=test[: config.run.num_eval_problems], score=score, scorer=recipe, prompt_fn=prompt_fn)
+    return run_pass_k(config, config.eval, summary=summary, problems=test, prompt_fn=prompt_fn, score=score)

@@ -30,14 +30,13 @@ from llamarl.batch import TensorBatch
 from llamarl.data.arithmetic import ArithmeticTask
 from llamarl.errors import config_errors, parse_flags
 from llamarl.executors.base import Executor
+from llamarl.executors.generator import PromptFn
 from llamarl.executors.pipelines import stage_before_trainer
 from llamarl.executors.reward import set_balance_tokens
 from llamarl.executors.validate import validate_config
 from llamarl.metrics import MetricSpec
 from llamarl.pipeline import Pipeline, Stage
-from llamarl.rewards.arithmetic import score
-from llamarl.runner import run_pipeline
-from recipes.arithmetic import ArithmeticConfig, prompt_fn
+from recipes.arithmetic import ArithmeticConfig, prompt_fn, run_variant
 
 
 @dataclass
@@ -96,21 +95,22 @@ def filter_stage(config: DapoFilterConfig) -> Stage:
                  headline=("filter_groups_kept",))
 
 
-def dapo_filter_pipeline(config: DapoFilterConfig, *, task: ArithmeticTask, scorer: str = "arithmetic") -> Pipeline:
+def dapo_filter_pipeline(config: DapoFilterConfig, *, task: ArithmeticTask, scorer: str = "arithmetic",
+                         prompt_fn: PromptFn = prompt_fn) -> Pipeline:
     """The pipeline for ``--run.schedule`` (``filtered`` same-tick under sync and colocated, as
     ``scored`` in ``rl_pipeline``; ``scored`` always same-tick: the filter adds no lag)."""
     return stage_before_trainer(config, filter_stage(config), task=task, scorer=scorer, prompt_fn=prompt_fn,
                                 reward_output="scored", output="filtered", title="DAPO filter", summary={})
 
 
-def main(config: DapoFilterConfig, *, world_size: int | None = None) -> dict | None:
-    import os
+def validate_dapo_filter(config: DapoFilterConfig, *, world_size: int) -> None:
+    """``validate_config`` with the filter's ranks in the split."""
+    validate_config(config, world_size=world_size, extra_ranks={"--filter.num-ranks": config.filter.num_ranks})
 
-    world_size = int(os.environ.get("WORLD_SIZE", "1")) if world_size is None else world_size
-    validate_config(config, world_size=world_size, extra_ranks=config.filter.num_ranks)
-    task = ArithmeticTask(num_digits=config.task.num_digits, seed=config.run.seed)
-    return run_pipeline(dapo_filter_pipeline(config, task=task), config, recipe="dapo_filter",
-                        heldout=task.heldout(config.run.num_eval_problems), score=score)
+
+def main(config: DapoFilterConfig) -> dict | None:
+    """The arithmetic task with the rule-based scorer and the filter."""
+    return run_variant(config, recipe="dapo_filter", build_pipeline=dapo_filter_pipeline, validate=validate_dapo_filter)
 
 
 if __name__ == "__main__":

@@ -48,12 +48,10 @@ from llamarl.config import (
 )
 from llamarl.data.gsm8k import Problems, load_gsm8k_jsonl
 from llamarl.data.hub import load_hub_problems
-from llamarl.data.problem_list import ListTask
 from llamarl.data.prompts import Problem, build_chat_prompt
 from llamarl.errors import config_errors, parse_flags
-from llamarl.executors.pipelines import run_rl
 from llamarl.rewards.gsm8k import score
-from recipes.common import EvalConfig, prepare_pass_k, run_pass_k
+from recipes.common import EvalConfig, TrainSubsetConfig, run_dataset_recipe
 
 # verl's GSM8K instruction; the scorer reads "#### N" first (then \boxed, "the answer is", last number).
 GSM8K_INSTRUCTION = "Let's think step by step and output the final answer after \"####\"."
@@ -61,7 +59,7 @@ SHARED_GSM8K = "../shared/data/gsm8k/train.jsonl"
 
 
 @dataclass
-class GSM8KDataConfig:
+class GSM8KDataConfig(TrainSubsetConfig):
     path: str | None = None
     """Training JSONL in GSM8K's format (``{"question", "answer"}`` a line, answer ending in
     ``#### N``); None loads ``--data.hub-dataset`` from the Hugging Face hub."""
@@ -71,12 +69,6 @@ class GSM8KDataConfig:
     """Hugging Face dataset used when no path is given (needs ``pip install datasets`` and network)."""
     hub_config: str = "main"
     """Subset of the hub dataset."""
-    max_train_problems: int | None = None
-    """Use only the first this many training problems (None: all)."""
-
-    def __post_init__(self) -> None:
-        if self.max_train_problems is not None and self.max_train_problems < 1:
-            raise ValueError(f"--data.max-train-problems must be >= 1, got {self.max_train_problems}")
 
 
 @dataclass
@@ -150,14 +142,8 @@ PRESETS: dict[str, tuple[str, GSM8KConfig]] = {
 
 def main(config: GSM8KConfig) -> dict | None:
     """Load the data, run RL, then pass@k if asked; returns the summary on global rank 0."""
-    train, test = load_split(config.data, "train"), load_split(config.data, "test")
-    if config.run.num_eval_problems > len(test):
-        raise ValueError(f"--run.num-eval-problems ({config.run.num_eval_problems}) exceeds the "
-                         f"{len(test)} test problems")
-    prepare_pass_k(config, config.eval, "gsm8k")
-    summary = run_rl(config, recipe="gsm8k", task=ListTask(train, seed=config.run.seed),
-                     heldout=test[: config.run.num_eval_problems], score=score, scorer="gsm8k", prompt_fn=prompt_fn)
-    return run_pass_k(config, config.eval, summary=summary, problems=test, prompt_fn=prompt_fn, score=score)
+    return run_dataset_recipe(config, recipe="gsm8k", train=load_split(config.data, "train"),
+                              test=load_split(config.data, "test"), score=score, prompt_fn=prompt_fn)
 
 
 if __name__ == "__main__":

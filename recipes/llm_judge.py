@@ -53,7 +53,6 @@ equals the rule scorer's: reward >= 0.5 counts as correct), ``rule_reward_mean``
 from __future__ import annotations
 
 import logging
-import os
 import string
 import time
 from collections.abc import Callable, Sequence
@@ -66,8 +65,7 @@ import tyro
 
 from llamarl.batch import TensorBatch
 from llamarl.checkpoint import read_json, write_json
-from llamarl.data.arithmetic import ArithmeticTask
-from llamarl.data.prompts import Problem, build_chat_prompt
+from llamarl.data.prompts import build_chat_prompt
 from llamarl.errors import config_errors, parse_flags
 from llamarl.executors.base import Executor
 from llamarl.executors.generator import PromptFn, Task
@@ -77,9 +75,7 @@ from llamarl.executors.validate import validate_config
 from llamarl.metrics import MetricSpec
 from llamarl.models.loading import KNOWN_ALIASES, load_causal_lm
 from llamarl.pipeline import Pipeline, Stage
-from llamarl.rewards.arithmetic import score as arithmetic_score
-from llamarl.runner import run_pipeline
-from recipes.arithmetic import ArithmeticConfig, prompt_fn
+from recipes.arithmetic import ArithmeticConfig, run_variant
 
 logger = logging.getLogger("llamarl.llm_judge")
 
@@ -396,21 +392,9 @@ def validate_llm_judge(config: LLMJudgeConfig, *, world_size: int) -> None:
                              f"{', '.join(KNOWN_ALIASES)})")
 
 
-def run(config: LLMJudgeConfig, *, task: Task, heldout: list[Problem], score: Callable[[str, str], float],
-        scorer: str, prompt_fn: PromptFn = prompt_fn, recipe: str = "llm_judge") -> dict | None:
-    """Validate (every rank, before any process group) and run the pipeline on this rank; returns
-    the summary dict on global rank 0, else None. ``score`` (held-out evaluation) and ``scorer``
-    (the auditing reward stage) are the rule-based ones."""
-    validate_llm_judge(config, world_size=int(os.environ.get("WORLD_SIZE", "1")))
-    return run_pipeline(llm_judge_pipeline(config, task=task, scorer=scorer, prompt_fn=prompt_fn), config,
-                        recipe=recipe, heldout=heldout, score=score)
-
-
-def main(config: LLMJudgeConfig) -> None:
+def main(config: LLMJudgeConfig) -> dict | None:
     """The arithmetic task, judged by the LLM, audited and evaluated by the arithmetic scorer."""
-    task = ArithmeticTask(num_digits=config.task.num_digits, seed=config.run.seed)
-    run(config, task=task, heldout=task.heldout(config.run.num_eval_problems), score=arithmetic_score,
-        scorer="arithmetic")
+    return run_variant(config, recipe="llm_judge", build_pipeline=llm_judge_pipeline, validate=validate_llm_judge)
 
 
 if __name__ == "__main__":

@@ -32,19 +32,17 @@ from llamarl.config import (
 )
 from llamarl.data.hub import load_hub_problems
 from llamarl.data.math import load_math_jsonl, row_to_problem
-from llamarl.data.problem_list import ListTask
 from llamarl.data.prompts import Problem, build_chat_prompt
 from llamarl.errors import config_errors, parse_flags
-from llamarl.executors.pipelines import run_rl
 from llamarl.rewards.math import score
-from recipes.common import EvalConfig, prepare_pass_k, run_pass_k
+from recipes.common import EvalConfig, TrainSubsetConfig, run_dataset_recipe
 
 # The Qwen2.5-Math / DeepSeek instruction; the scorer reads the last \boxed{} first.
 MATH_INSTRUCTION = "Please reason step by step, and put your final answer within \\boxed{}."
 
 
 @dataclass
-class MathDataConfig:
+class MathDataConfig(TrainSubsetConfig):
     path: str | None = None
     """Training JSONL (``problem``/``question`` + ``answer`` or a ``solution`` with ``\\boxed{}``);
     None loads ``--data.hub-train``."""
@@ -54,12 +52,6 @@ class MathDataConfig:
     """Hub dataset (``train`` split) used when ``--data.path`` is not given."""
     hub_test: str = "HuggingFaceH4/MATH-500"
     """Hub dataset (``test`` split) used when ``--data.test-path`` is not given."""
-    max_train_problems: int | None = None
-    """Use only the first this many training problems (None: all)."""
-
-    def __post_init__(self) -> None:
-        if self.max_train_problems is not None and self.max_train_problems < 1:
-            raise ValueError(f"--data.max-train-problems must be >= 1, got {self.max_train_problems}")
 
 
 @dataclass
@@ -118,14 +110,8 @@ PRESETS: dict[str, tuple[str, MathConfig]] = {
 
 def main(config: MathConfig) -> dict | None:
     """Load the data, run RL, then pass@k if asked; returns the summary on global rank 0."""
-    train, test = load_split(config.data, "train"), load_split(config.data, "test")
-    if config.run.num_eval_problems > len(test):
-        raise ValueError(f"--run.num-eval-problems ({config.run.num_eval_problems}) exceeds the "
-                         f"{len(test)} test problems")
-    prepare_pass_k(config, config.eval, "math")
-    summary = run_rl(config, recipe="math", task=ListTask(train, seed=config.run.seed),
-                     heldout=test[: config.run.num_eval_problems], score=score, scorer="math", prompt_fn=prompt_fn)
-    return run_pass_k(config, config.eval, summary=summary, problems=test, prompt_fn=prompt_fn, score=score)
+    return run_dataset_recipe(config, recipe="math", train=load_split(config.data, "train"),
+                              test=load_split(config.data, "test"), score=score, prompt_fn=prompt_fn)
 
 
 if __name__ == "__main__":

@@ -49,9 +49,7 @@ sample), ``ref_samples``, ``ref_tokens``, ``ref_seconds``. Each shaped batch als
 from __future__ import annotations
 
 import logging
-import os
 import time
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import ClassVar, Literal
 
@@ -61,8 +59,6 @@ import tyro
 from llamarl.algorithms.advantages import KL_KINDS, kl_penalty
 from llamarl.batch import TensorBatch
 from llamarl.config import ModelConfig
-from llamarl.data.arithmetic import ArithmeticTask
-from llamarl.data.prompts import Problem
 from llamarl.errors import config_errors, parse_flags
 from llamarl.executors.base import Executor
 from llamarl.executors.generator import PromptFn, Task
@@ -74,9 +70,7 @@ from llamarl.models.loading import load_causal_lm
 from llamarl.models.microbatch import sequence_logprobs
 from llamarl.models.sharding import shard_model
 from llamarl.pipeline import Pipeline, Stage
-from llamarl.rewards.arithmetic import score as arithmetic_score
-from llamarl.runner import run_pipeline
-from recipes.arithmetic import ArithmeticConfig, prompt_fn
+from recipes.arithmetic import ArithmeticConfig, run_variant
 
 logger = logging.getLogger("llamarl.ref_kl")
 
@@ -262,20 +256,9 @@ def validate_ref_kl(config: RefKLConfig, *, world_size: int) -> None:
                          f"{config.trainer.max_tokens_per_microbatch}: a sample the trainer admits would not fit")
 
 
-def run(config: RefKLConfig, *, task: Task, heldout: list[Problem], score: Callable[[str, str], float],
-        scorer: str, prompt_fn: PromptFn = prompt_fn, recipe: str = "ref_kl") -> dict | None:
-    """Validate (every rank, before any process group) and run the pipeline on this rank; returns
-    the summary dict on global rank 0, else None."""
-    validate_ref_kl(config, world_size=int(os.environ.get("WORLD_SIZE", "1")))
-    return run_pipeline(ref_kl_pipeline(config, task=task, scorer=scorer, prompt_fn=prompt_fn), config,
-                        recipe=recipe, heldout=heldout, score=score)
-
-
-def main(config: RefKLConfig) -> None:
+def main(config: RefKLConfig) -> dict | None:
     """The arithmetic task with the rule-based scorer and the KL penalty."""
-    task = ArithmeticTask(num_digits=config.task.num_digits, seed=config.run.seed)
-    run(config, task=task, heldout=task.heldout(config.run.num_eval_problems), score=arithmetic_score,
-        scorer="arithmetic")
+    return run_variant(config, recipe="ref_kl", build_pipeline=ref_kl_pipeline, validate=validate_ref_kl)
 
 
 if __name__ == "__main__":

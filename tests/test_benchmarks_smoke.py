@@ -6,7 +6,6 @@ changed by every sync). No test asserts a duration."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import sys
 from pathlib import Path
@@ -14,24 +13,13 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from conftest import BENCH, load_benchmark
 
-BENCH = Path(__file__).resolve().parents[1] / "benchmarks"
 sys.path.insert(0, str(Path(__file__).parent))
 from tiny_model import build_tiny_llama, tiny_tokenizer
 
-
-def _load(name: str):
-    if str(BENCH) not in sys.path:
-        sys.path.insert(0, str(BENCH))  # async_quality imports async_speedup by name
-    spec = importlib.util.spec_from_file_location(name, BENCH / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules.setdefault(name, module)
-    spec.loader.exec_module(module)
-    return sys.modules[name]
-
-
-speedup = _load("async_speedup")
-quality = _load("async_quality")
+speedup = load_benchmark("async_speedup")
+quality = load_benchmark("async_quality")
 
 
 def test_parse_and_commands():
@@ -164,7 +152,7 @@ def test_uncorrected_loss_is_aipo_without_the_weight():
 def test_decode_scaling_prints_one_row_per_batch_size(capsys):
     """benchmarks/generation.py --decode-scaling on a tiny model: one row per batch size, ratios to
     the smallest batch, and a one-line error for a token count that leaves no decode step to time."""
-    generation = _load("generation")
+    generation = load_benchmark("generation")
     tok = tiny_tokenizer()
     tok.chat_template = "{% for m in messages %}{{ m['content'] }}{% endfor %}"
     model = build_tiny_llama(seed=0, vocab_size=128).eval()
@@ -177,7 +165,7 @@ def test_decode_scaling_prints_one_row_per_batch_size(capsys):
 
 def test_generation_counts_the_tokens_it_timed():
     """Each timed call returns the tokens it produced, rows x new_tokens; an early stop raises."""
-    generation = _load("generation")
+    generation = load_benchmark("generation")
     tok = tiny_tokenizer()
     tok.chat_template = "{% for m in messages %}{{ m['content'] }}{% endfor %}"
     model = build_tiny_llama(seed=0, vocab_size=128).eval()
@@ -195,7 +183,7 @@ def test_generation_counts_the_tokens_it_timed():
 
 def test_weight_sync_checks_catch_a_sync_that_moved_nothing():
     """The per-sync check (skip, bytes, version, values) and the memcpy floor, on synthetic inputs."""
-    ws = _load("weight_sync")
+    ws = load_benchmark("weight_sync")
     assert len({ws.pattern_value(i, 3) for i in range(251)}) == 251  # distinct per parameter
     assert all(ws.pattern_value(i, 3) != ws.pattern_value(i, 4) for i in range(251))  # and per version
     model = ws.meta_llama("tiny", dtype=torch.bfloat16).to_empty(device="cpu")
@@ -227,7 +215,7 @@ def test_weight_sync_checks_catch_a_sync_that_moved_nothing():
 def test_weight_sync_runs_real_syncs(tmp_path, monkeypatch, capsys):
     """weight_sync.py end to end on the tiny size, 1 trainer -> 2 TP generator ranks, 2 repeats: every
     sync was checked inside the run, and each row records the bytes its layout must move."""
-    ws = _load("weight_sync")
+    ws = load_benchmark("weight_sync")
     out = tmp_path / "ws.json"
     monkeypatch.setattr(sys, "argv", ["weight_sync.py", "--sizes", "tiny", "--layouts", "1->2tp",
                                       "--repeats", "2", "--out", str(out), "--plot", str(tmp_path / "ws.png"),

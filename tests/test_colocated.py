@@ -11,21 +11,12 @@ from pathlib import Path
 import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))
+from conftest import read_jsonl
 from launch import check, run_torchrun
-from tiny_model import save_tiny_model
 
 # Keys that measure time, not what was computed: they differ between any two runs. Weight-sync
 # keys too: sync moves weights at the start of the next tick, colocated at the end of this one.
 TIMING = ("seconds", "per_s", "time", "step", "weight_sync")
-
-
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    return save_tiny_model(tmp_path_factory.mktemp("colocated") / "model")
-
-
-def read_jsonl(path):
-    return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
 
 
 def run(tmp_path, model_dir, name, *, nproc, args, env=None):

@@ -11,28 +11,22 @@ import json
 import sys
 from pathlib import Path
 
-import pytest
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
 sys.path.insert(0, str(Path(__file__).parent / "worlds"))
 from launch import check, run_torchrun
 from taps import read_taps
-from tiny_model import save_tiny_model
 
 from llamarl.batch import TensorBatch
 from recipes.dapo_filter import DapoFilterConfig, FilterExecutor, dapo_filter_pipeline, zero_signal_groups
 
 
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    return save_tiny_model(tmp_path_factory.mktemp("dapo_filter") / "model")
-
-
 def run_world(tmp_path, model_dir, name, *, nproc, args=()):
     out, taps = tmp_path / name, tmp_path / f"{name}_taps"
-    check(run_torchrun("dapo_filter_world.py", nproc=nproc, timeout_s=300,
+    check(run_torchrun("stage_recipe_world.py", nproc=nproc, timeout_s=300,
                        env={"LLAMARL_TEST_TAPS": str(taps), "LLAMARL_TEST_ZERO_LR": "1"}, args=[
+        "--recipe", "dapo_filter", "--tap", "filter", "--tap", "trainer", "--",
         "--model.name", str(model_dir), "--run.output-dir", str(out), "--run.num-eval-problems", "4",
         "--run.max-steps", "3", "--generator.num-prompts-per-step", "4", "--generator.dtype", "float32",
         "--trainer.param-dtype", "float32", "--reward.num-workers", "0", "--export.no-final",

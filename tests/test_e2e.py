@@ -11,20 +11,11 @@ from pathlib import Path
 import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))
+from conftest import read_jsonl
 from launch import check, run_torchrun
 from scorers_for_tests import first_char_even
-from tiny_model import save_tiny_model
 
 MAX_STEPS = 5
-
-
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    return save_tiny_model(tmp_path_factory.mktemp("e2e") / "model")
-
-
-def read_jsonl(path):
-    return [json.loads(line) for line in path.read_text().splitlines()]
 
 
 @pytest.mark.parametrize(("schedule", "extra"), [

@@ -11,7 +11,6 @@
 
 from __future__ import annotations
 
-import json
 import sys
 from pathlib import Path
 from types import SimpleNamespace
@@ -21,6 +20,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
 sys.path.insert(0, str(Path(__file__).parent / "worlds"))
+from conftest import read_jsonl
 from launch import check, run_torchrun
 from scorers_for_tests import first_char_even
 from taps import read_taps
@@ -55,10 +55,6 @@ def models(tmp_path_factory):
 def judge(models):
     model, tokenizer = load_causal_lm(str(models[1]), dtype=torch.float32)
     return model, tokenizer
-
-
-def read_jsonl(path):
-    return [json.loads(line) for line in path.read_text().splitlines()]
 
 
 def prompts_for(tokenizer, completions, question="What is 12 + 30?", reference="42"):
@@ -191,7 +187,8 @@ def test_config_and_schedule_are_checked(tmp_path):
 def test_four_executor_world_trains_on_the_judges_rewards(tmp_path, models, judge):
     policy_dir, judge_dir = models
     out, taps_dir = tmp_path / "run", tmp_path / "taps"
-    check(run_torchrun("llm_judge_world.py", nproc=4, timeout_s=300, env={"LLAMARL_TEST_TAPS": str(taps_dir)}, args=[
+    check(run_torchrun("stage_recipe_world.py", nproc=4, timeout_s=300, env={"LLAMARL_TEST_TAPS": str(taps_dir)}, args=[
+        "--recipe", "llm_judge", "--tap", "trainer", "--",
         "--model.name", str(policy_dir), "--judge.model", str(judge_dir), "--run.max-steps", "3",
         "--run.schedule", "async", "--run.async-lag", "1", "--run.num-eval-problems", "4",
         "--run.output-dir", str(out), "--generator.num-prompts-per-step", "4", "--reward.num-workers", "0",

@@ -21,11 +21,11 @@ import torch
 from safetensors.torch import load_file
 
 sys.path.insert(0, str(Path(__file__).parent))
+from conftest import rows_batch
 from launch import check, run_colocated_runs, run_torchrun
 from model_families import FAMILIES, build_family, chat_tokenizer, save_family
 
 from llamarl.algorithms.logprobs import completion_logprobs
-from llamarl.batch import TensorBatch
 from llamarl.engines.torch_engine import Request, SamplingParams, TorchEngine
 from llamarl.models.loading import load_causal_lm, stop_token_ids
 from llamarl.models.microbatch import microbatch_inputs
@@ -114,14 +114,7 @@ def test_trainer_logprobs_shared_and_per_row_equal_a_plain_forward(name):
     gen = torch.Generator().manual_seed(0)
     rows = [(p, torch.randint(10, 40000, (int(k),), generator=gen).tolist())
             for p in prompts() for k in (3, 5)]  # a group of 2 samples per prompt
-    width = max(len(p) + len(c) for p, c in rows) + 1
-    ids = torch.zeros(len(rows), width, dtype=torch.long)
-    loss_mask = torch.zeros(len(rows), width, dtype=torch.uint8)
-    for r, (p, c) in enumerate(rows):
-        ids[r, :len(p) + len(c)] = torch.tensor(p + c)
-        loss_mask[r, len(p):len(p) + len(c)] = 1
-    batch = TensorBatch({"input_ids": ids, "loss_mask": loss_mask,
-                         "num_tokens": torch.tensor([len(p) + len(c) for p, c in rows])})
+    batch = rows_batch(rows)
     ids, attention, mask, start, _ = microbatch_inputs(batch, list(range(len(batch))), device="cpu")
     with torch.no_grad():
         per_row = completion_logprobs(model, ids, attention, start=start, temperature=TEMPERATURE) * mask

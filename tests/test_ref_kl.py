@@ -11,7 +11,6 @@ gloo worlds on a tiny random Llama (generator, reward, ref, trainer: four execut
 
 from __future__ import annotations
 
-import json
 import sys
 from pathlib import Path
 
@@ -20,10 +19,10 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
 sys.path.insert(0, str(Path(__file__).parent / "worlds"))
+from conftest import read_jsonl
 from launch import check, run_torchrun
 from scorers_for_tests import first_char_even
 from taps import read_taps
-from tiny_model import save_tiny_model
 
 from llamarl.algorithms.advantages import kl_penalty
 from llamarl.algorithms.logprobs import completion_logprobs
@@ -34,18 +33,10 @@ TEMPERATURE = 0.8  # ArithmeticConfig's default, which the worlds keep
 REF_KEYS = ("kl_mean", "kl_penalty_mean", "reward_raw_mean", "reward_shaped_mean", "ref_samples", "ref_tokens")
 
 
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    return save_tiny_model(tmp_path_factory.mktemp("ref_kl") / "model")
-
-
-def read_jsonl(path):
-    return [json.loads(line) for line in path.read_text().splitlines()]
-
-
 def run_world(tmp_path, model_dir, name, *, nproc=4, args=()):
     out, taps = tmp_path / name, tmp_path / f"{name}_taps"
-    check(run_torchrun("ref_kl_world.py", nproc=nproc, timeout_s=300, env={"LLAMARL_TEST_TAPS": str(taps)}, args=[
+    check(run_torchrun("stage_recipe_world.py", nproc=nproc, timeout_s=300, env={"LLAMARL_TEST_TAPS": str(taps)}, args=[
+        "--recipe", "ref_kl", "--tap", "trainer", "--",
         "--model.name", str(model_dir), "--run.output-dir", str(out), "--run.num-eval-problems", "4",
         "--generator.num-prompts-per-step", "4", "--generator.dtype", "float32", "--trainer.param-dtype", "float32",
         "--reward.num-workers", "0", "--export.no-final", "--run.device-guard", *args]))

@@ -15,7 +15,6 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))
 from launch import check, run_torchrun
-from tiny_model import save_tiny_model
 
 STEPS = 3
 
@@ -39,11 +38,6 @@ def summary(out):
 
 def ticks(path):
     return [json.loads(line)["step"] for line in path.read_text().splitlines()]
-
-
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    return save_tiny_model(tmp_path_factory.mktemp("resume") / "model")
 
 
 @pytest.fixture(scope="module")

@@ -7,6 +7,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import pytest
 import torch
+from conftest import rows_batch
 
 from llamarl.algorithms.logprobs import completion_logprobs
 from llamarl.batch import TensorBatch
@@ -24,15 +25,9 @@ def _batch(seed: int = 0) -> TensorBatch:
     prompts = [torch.randint(3, 128, (n,), generator=gen).tolist() for n in (7, 4, 7)]
     rows = [(p, torch.randint(3, 128, (int(torch.randint(1, 9, (1,), generator=gen)),), generator=gen).tolist())
             for p in (prompts[0], prompts[1], prompts[0], prompts[2], prompts[1], prompts[0], prompts[2])]
-    width = max(len(p) + len(c) for p, c in rows) + 2
-    ids = torch.zeros(len(rows), width, dtype=torch.long)
-    loss_mask = torch.zeros(len(rows), width, dtype=torch.uint8)
-    for r, (p, c) in enumerate(rows):
-        ids[r, : len(p) + len(c)] = torch.tensor(p + c)
-        loss_mask[r, len(p): len(p) + len(c)] = 1
-    loss_mask[5, len(rows[5][0]) + 1:len(rows[5][0]) + 2] = 0  # a hole after the first loss token
-    num_tokens = torch.tensor([len(p) + len(c) for p, c in rows])
-    return TensorBatch({"input_ids": ids, "loss_mask": loss_mask, "num_tokens": num_tokens})
+    batch = rows_batch(rows, width=max(len(p) + len(c) for p, c in rows) + 2)
+    batch["loss_mask"][5, len(rows[5][0]) + 1:len(rows[5][0]) + 2] = 0  # a hole after the first loss token
+    return batch
 
 
 def _per_row_and_shared(model, batch):

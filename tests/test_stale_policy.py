@@ -25,7 +25,6 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
 from launch import check, run_torchrun
-from tiny_model import save_tiny_model
 
 from llamarl.batch import TensorBatch
 from llamarl.config import AlgoConfig, GeneratorConfig, ModelConfig
@@ -62,11 +61,6 @@ def oldest_versions(batch: TensorBatch) -> list[int]:
 
 
 # ----- the generator alone -----
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    return save_tiny_model(tmp_path_factory.mktemp("stale") / "model")
-
-
 def run_generator(model_dir, *, policy, eta=2, lag=1, ticks=14):
     torch.manual_seed(0)
     ctx = SimpleNamespace(device=torch.device("cpu"), dp_rank=0, dp_size=1, tp_rank=0, tp_size=1, local_rank=0)

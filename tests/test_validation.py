@@ -15,7 +15,6 @@ from huggingface_hub import constants as hf_constants
 
 sys.path.insert(0, str(Path(__file__).parent))
 from launch import REPO, run_torchrun
-from tiny_model import save_tiny_model
 
 from llamarl import errors
 from llamarl.config import (
@@ -29,11 +28,6 @@ from llamarl.config import (
 )
 from llamarl.controller import ExecutorController
 from llamarl.executors.validate import validate_config
-
-
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    return save_tiny_model(tmp_path_factory.mktemp("validate") / "model")
 
 
 def config(model_dir, tmp_path, **sections):

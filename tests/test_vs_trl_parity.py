@@ -4,7 +4,6 @@ read from synthetic per-seed run directories laid out as the real runs write the
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import math
 import sys
@@ -12,19 +11,9 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
+from conftest import load_benchmark
 
-BENCH = Path(__file__).resolve().parents[1] / "benchmarks"
-
-
-def _load(name: str):
-    spec = importlib.util.spec_from_file_location(name, BENCH / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules.setdefault(name, module)
-    spec.loader.exec_module(module)
-    return sys.modules[name]
-
-
-vs_trl = _load("vs_trl")
+vs_trl = load_benchmark("vs_trl")
 
 STEPS, EVERY = 4, 2
 # seed -> side -> accuracy per evaluated step (step 0: the base model, shared by both sides)
