@@ -51,7 +51,7 @@ import torch.distributed as dist
 from llamarl.channels.in_memory import InMemoryChannel, InMemoryWeights
 from llamarl.checkpoint import commit_step, partial_dir, prune
 from llamarl.errors import exception_text
-from llamarl.executors.base import Executor
+from llamarl.executor import Executor
 from llamarl.liveness import Heartbeat
 from llamarl.world import ExecutorContext
 
@@ -68,6 +68,31 @@ class TickRecord:
     channel_spans: list[tuple[str, float, float]] = field(default_factory=list)  # (channel, start, end), wall
 
 
+@dataclass
+class Upkeep:
+    """What the controller does around the ticks besides stepping: checkpoints, exports, the device
+    guard and the liveness watch (each off by default)."""
+
+    checkpoint_every: int = 0
+    """Checkpoint after every this many ticks (0: never); needs ``checkpoint_dir``."""
+    checkpoint_keep: int = 0
+    """Complete checkpoints kept (the newest; 0 keeps all)."""
+    checkpoint_dir: Path | None = None
+    """Where ``step_<n>`` checkpoints go."""
+    export_every: int = 0
+    """Export after every this many ticks (0: only the final export, when ``export_dir`` is set)."""
+    export_dir: Path | None = None
+    """Where ``step_<n>`` / ``final`` exports go (None: no export)."""
+    device_guard: bool = False
+    """torch's default device is ``meta`` inside steps, channels and evaluations (see ``guard``)."""
+    liveness_timeout_s: float | None = None
+    """A rank silent this long ends the job (llamarl/liveness.py); None: no watch."""
+
+    def __post_init__(self) -> None:
+        if self.checkpoint_every and self.checkpoint_dir is None:
+            raise ValueError("checkpoint_every > 0 needs a checkpoint_dir")
+
+
 class ExecutorController:
     """Runs this rank's executor(s) under ``channels`` for ``max_steps`` ticks.
 
@@ -76,16 +101,19 @@ class ExecutorController:
     ``executor_order`` is the data order of executor names (same-tick channels follow it).
     ``init_channels`` run once after ``init`` (e.g. initial weights). ``on_tick`` is called on
     every rank after each tick with (step, {executor name: (executor, TickRecord)}) for metrics /
-    progress. Checkpoints (``checkpoint_every`` ticks, 0 disables): every executor writes into
+    progress. ``upkeep`` (``Upkeep``) says what happens around the ticks. Checkpoints
+    (``upkeep.checkpoint_every`` ticks, 0 disables): every executor writes into
     ``checkpoint_dir/step_{n}.partial/{executor name}``; after a WORLD barrier global rank 0 renames
     it to ``step_{n}`` and writes its completion marker, then deletes complete checkpoints beyond the
     newest ``checkpoint_keep`` (0 keeps all) and leftovers of interrupted saves. ``step_{n}`` holds
     the state after ``n`` ticks, so a run resumes from it with ``resume_dir=.../step_{n}`` and
     ``start_step=n``. Exports (``export_every`` ticks, and once after the last tick when
     ``export_dir`` is set): ``executor.export(export_dir/step_{n})`` / ``export_dir/final`` on every rank.
-    ``before_loop`` runs on this rank after init and the init channels (e.g. a base evaluation).
-    ``liveness_timeout_s`` (None: off) starts a ``Heartbeat`` (llamarl/liveness.py): a rank silent
-    that long ends the job with a line naming it, independently of the collective timeout.
+    ``before_loop`` runs on this rank after init and the init channels (e.g. a base evaluation);
+    ``on_checkpoint(partial step directory)`` after this rank's executors saved, before the barrier
+    that commits the checkpoint (e.g. the runner's own state).
+    ``upkeep.liveness_timeout_s`` (None: off) starts a ``Heartbeat`` (llamarl/liveness.py): a rank
+    silent that long ends the job with a line naming it, independently of the collective timeout.
     """
 
     _active: str | None = None  # the executor this rank is working for now (failure lines)
@@ -100,16 +128,11 @@ class ExecutorController:
         executor_order: list[str],
         init_channels: list | None = None,
         start_step: int = 0,
-        checkpoint_every: int = 0,
-        checkpoint_dir: Path | None = None,
-        on_tick: Callable[[int, dict[str, tuple[Executor, TickRecord]]], None] | None = None,
         resume_dir: Path | None = None,
-        device_guard: bool = False,
-        checkpoint_keep: int = 0,
-        export_every: int = 0,
-        export_dir: Path | None = None,
+        upkeep: Upkeep | None = None,
+        on_tick: Callable[[int, dict[str, tuple[Executor, TickRecord]]], None] | None = None,
+        on_checkpoint: Callable[[Path], None] | None = None,
         before_loop: Callable[[], None] | None = None,
-        liveness_timeout_s: float | None = None,
     ) -> None:
         if max_steps < 0:
             raise ValueError(f"max_steps must be >= 0, got {max_steps}")
@@ -121,8 +144,6 @@ class ExecutorController:
         if unknown or set(executor_order) != set(ranks):
             raise ValueError(f"channels {unknown} or executor order {executor_order} do not match "
                              f"the world's executors {list(ranks)}")
-        if checkpoint_every and checkpoint_dir is None:
-            raise ValueError("checkpoint_every > 0 needs a checkpoint_dir")
         backward = [c.name for c in channels if getattr(c, "same_tick", False)
                     and executor_order.index(c.outbound) >= executor_order.index(c.inbound)]
         if backward:
@@ -135,20 +156,22 @@ class ExecutorController:
         self.init_channels = init_channels or []
         self.max_steps, self.start_step = max_steps, start_step
         self.executor_order = executor_order
-        self.checkpoint_every, self.checkpoint_dir = checkpoint_every, checkpoint_dir
-        self.on_tick = on_tick
+        upkeep = upkeep or Upkeep()
+        self.upkeep = upkeep
+        self.checkpoint_every, self.checkpoint_dir = upkeep.checkpoint_every, upkeep.checkpoint_dir
+        self.on_tick, self.on_checkpoint = on_tick, on_checkpoint
         self.resume_dir = resume_dir
-        self.device_guard = device_guard
-        self.checkpoint_keep = checkpoint_keep
-        self.export_every, self.export_dir = export_every, export_dir
+        self.device_guard = upkeep.device_guard
+        self.checkpoint_keep = upkeep.checkpoint_keep
+        self.export_every, self.export_dir = upkeep.export_every, upkeep.export_dir
         self.before_loop = before_loop
-        if liveness_timeout_s is not None:
+        if upkeep.liveness_timeout_s is not None:
             executor_of: dict[int, str] = {}
             for name, rs in ranks.items():  # co-resident executors share a rank: name them all
                 for r in rs:
                     executor_of[r] = f"{executor_of[r]}+{name}" if r in executor_of else name
             self.heartbeat = Heartbeat(rank=self.ctx.rank, world_size=self.ctx.world_size,
-                                       timeout_s=liveness_timeout_s, executor_of=executor_of)
+                                       timeout_s=upkeep.liveness_timeout_s, executor_of=executor_of)
         else:
             self.heartbeat = None
         self._phase, self.step_index = "init", start_step
@@ -254,6 +277,9 @@ class ExecutorController:
             directory = partial_dir(root, step) / name
             directory.mkdir(parents=True, exist_ok=True)
             executor.save_checkpoint(directory)
+        if self.on_checkpoint is not None:
+            self.phase = "checkpoint"
+            self.on_checkpoint(partial_dir(root, step))
         self.phase = "checkpoint barrier"
         dist.barrier()  # every executor's files are on disk (WORLD: all ranks checkpoint together)
         if self.ctx.rank == 0:

@@ -1,7 +1,7 @@
 """How a job reports what stops it: a configuration error once for the whole job, a crash per rank.
 
 A **configuration error** is a ``ValueError`` raised before this process made its part of the world
-(``world.world_made()``): a whole-config check (``llamarl/executors/validate.py``: a rank split that
+(``world.world_made()``): a whole-config check (``llamarl/config_checks.py``: a rank split that
 does not fit, a model that does not exist, an unwritable output directory), a recipe's own checks,
 data that cannot be read, the rank plan of ``world.plan_ranks``. Every rank parses the same flags
 and so finds the same error. Under ``config_errors()`` global rank 0 prints

@@ -38,7 +38,7 @@ from llamarl.channels.weights import MODES, WeightsChannel
 from llamarl.world import ExecutorSpec
 
 if TYPE_CHECKING:
-    from llamarl.executors.base import Executor
+    from llamarl.executor import Executor
     from llamarl.world import ExecutorContext
 
 KINDS = {"broadcast": BROADCAST, "scatter": SCATTER, "gather": GATHER}

@@ -67,12 +67,15 @@ from llamarl.checkpoint import (
     step_dir,
     write_json,
 )
-from llamarl.controller import ExecutorController
+from llamarl.controller import ExecutorController, Upkeep
 from llamarl.data.prompts import Problem
+from llamarl.evaluations import Evaluations
+from llamarl.executor import check_roles
 from llamarl.log import setup_logging
-from llamarl.metrics import MetricsLogger, reduce_metrics, write_chrome_trace, write_timeline_png
+from llamarl.metrics import write_chrome_trace, write_timeline_png
 from llamarl.pipeline import Pipeline
 from llamarl.progress import Progress
+from llamarl.run_log import RunLog
 from llamarl.world import ExecutorContext
 
 logger = logging.getLogger("llamarl.runner")
@@ -105,26 +108,14 @@ def run_pipeline(pipeline: Pipeline, config, *, recipe: str, heldout: list[Probl
     setup_logging(executor="+".join(contexts), rank=ctx.rank)
     run_dir = _shared_run_dir(run.output_dir, recipe, ctx.device)
     checkpoint_dir = run_dir / "checkpoints"
-    resume_dir, start_step = resolve_resume(config.checkpoint.resume, checkpoint_dir) \
-        if config.checkpoint.resume else (None, 0)
     reporter_rank = ctx.ranks[pipeline.evaluator][0] if pipeline.evaluator else 0
     reporter = ctx.rank == reporter_rank
-    if resume_dir is not None:
-        finished = _finished_summary(run_dir, resume_dir, start_step, run.max_steps)
-        if finished is not None:
-            if ctx.rank == 0:
-                logger.info("run already finished at step %d (%s); nothing to do", run.max_steps,
-                            run_dir / "summary.json")
-            ctx.destroy()
-            return finished if reporter else None
-        dist.barrier()  # every rank has resolved its checkpoint before rank 0 moves anything
-        if ctx.rank == 0:
-            archived = archive_after(run_dir, start_step)
-            if archived is not None:
-                logger.info("resuming at step %d: moved what an abandoned run left after it (%s) to %s",
-                            start_step, ", ".join(archived[1]), archived[0])
-        dist.barrier()  # ... and no rank reads the run directory before it is one timeline again
+    resume_dir, start_step, finished = _resume_point(config, run_dir, rank=ctx.rank)
+    if finished is not None:
+        ctx.destroy()
+        return finished if reporter else None
     executors = {name: pipeline.stage(name).build(context) for name, context in contexts.items()}
+    check_roles(executors, channels=channels, evaluator=pipeline.evaluator)
     init_channels = [c for c in channels if isinstance(c, (WeightsChannel, InMemoryWeights))]
     run_dir.mkdir(parents=True, exist_ok=True)
     if ctx.rank == 0:
@@ -138,152 +129,65 @@ def run_pipeline(pipeline: Pipeline, config, *, recipe: str, heldout: list[Probl
         if restored is None:
             logger.warning("%s has no %s (saved by an older llamarl): summary.json describes the evaluations "
                            "and wall time from step %d on", resume_dir, RUNNER_STATE, start_step)
-    restored = restored or {}
-    # Seconds the run had spent up to the state resumed from: wall time and evaluation times continue.
-    elapsed_before = float(restored.get("elapsed_seconds", 0.0))
-    resumed_from = [*restored.get("resumed_from_step", []), start_step] if resume_dir is not None else []
-    leaders = {name: context.local_rank == 0 for name, context in contexts.items()}
     # Evaluation is collective over a TP group, so every rank of the evaluator's first replica runs it.
     evaluates = pipeline.evaluator in contexts and contexts[pipeline.evaluator].dp_rank == 0
-    evaluator = executors.get(pipeline.evaluator)
-    loggers: dict[str, MetricsLogger] = {}
-    spans: list[dict] = []
+    evaluations = Evaluations(evaluator=executors.get(pipeline.evaluator), stage=pipeline.evaluator, heldout=heldout,
+                              score=score, run_dir=run_dir, rank=ctx.rank,
+                              reports=evaluates and contexts[pipeline.evaluator].local_rank == 0,
+                              eval_every=run.eval_every, max_steps=run.max_steps, restored=restored or {},
+                              resumed_at=start_step if resume_dir is not None else None)
+    evaluations.wall_start = wall_start
+    log = RunLog(contexts=contexts, run_dir=run_dir, start_step=start_step, weight_channels=init_channels,
+                 progress=Progress(keys=pipeline.headline_keys(), max_steps=run.max_steps, start_step=start_step,
+                                   rank=ctx.rank, device=ctx.device))
     summary: dict = {}
-    evals: list[dict] = list(restored.get("evals", []))
-    progress = Progress(keys=pipeline.headline_keys(), max_steps=run.max_steps, start_step=start_step,
-                        rank=ctx.rank, device=ctx.device)
 
-    def elapsed() -> float:
-        return elapsed_before + time.time() - wall_start
-
-    def runner_state() -> dict:
-        return {"elapsed_seconds": elapsed(), "evals": evals, "resumed_from_step": resumed_from}
-
-    if reporter and config.checkpoint.every:
-        # The runner's state goes into the checkpoint with the reporter's executor state, before the
-        # controller's WORLD barrier: a committed checkpoint always holds it.
-        carrier = evaluator if evaluator is not None else next(iter(executors.values()))
-        save_executor = carrier.save_checkpoint
-
-        def save_checkpoint(directory: Path) -> None:
-            save_executor(directory)
-            write_json(directory.parent / RUNNER_STATE, runner_state())
-
-        carrier.save_checkpoint = save_checkpoint
-
-    def evaluate(step: int, samples_name: str) -> float:
-        """The evaluator's held-out accuracy now, drawn on the timeline as a span of kind ``eval``."""
-        start = time.time()
-        if getattr(evaluator, "num_threads", None):
-            torch.set_num_threads(evaluator.num_threads)
-        accuracy = evaluator.evaluate(heldout, score, samples_path=run_dir / samples_name)
-        spans.append({"executor": pipeline.evaluator, "rank": ctx.rank, "step": step, "start": start,
-                      "end": time.time(), "kind": "eval"})
-        return accuracy
-
-    def record_eval(step: int, accuracy: float) -> None:
-        version = getattr(evaluator, "version", None)
-        evals.append({"step": step, "seconds": elapsed(), "accuracy": accuracy, "version": version})
-        if leaders[pipeline.evaluator]:
-            logger.info("eval after %d ticks: greedy accuracy %.1f%% (weights version %s, %.0f s into the run)",
-                        step, 100 * accuracy, version, evals[-1]["seconds"])
-
-    def eval_due(step: int) -> bool:
-        """An evaluation between ticks is due after ``step`` ticks (the same answer on every rank)."""
-        every = run.eval_every
-        return pipeline.evaluator is not None and every > 0 and step % every == 0 and 0 < step < run.max_steps
+    def on_checkpoint(partial: Path) -> None:
+        # The runner's state goes into the checkpoint before the controller's WORLD barrier: a
+        # committed checkpoint always holds it.
+        if reporter:
+            write_json(partial / RUNNER_STATE, evaluations.state())
 
     def on_tick(step, ticked):
-        sections_of = {}
-        for name, (ex, record) in ticked.items():
-            spans.extend({"executor": name, "rank": ctx.rank, "step": step, "start": a, "end": b, "kind": "step"}
-                         for a, b in record.step_spans)
-            spans.extend({"executor": name, "rank": ctx.rank, "step": step, "start": a, "end": b, "kind": kind}
-                         for kind, a, b in record.channel_spans)
-            # An executor may report one metric section per role it hosts (``metric_sections``).
-            # Each is reduced over the executor's ranks as its metrics declare (collective over the group).
-            context, specs = contexts[name], getattr(ex, "metric_specs", {})
-            sections_of[name] = {section: reduce_metrics(values or {}, specs, group=context.group,
-                                                         device=ctx.device, size=context.local_world_size)
-                                 for section, values in (getattr(ex, "metric_sections", None) or {name: ex.metrics}).items()}
-        progress.update(step, reported={name: {k: v for values in sections.values() for k, v in values.items()}
-                                        for name, sections in sections_of.items() if leaders[name]})
+        log.reduce(step, ticked)
         checkpointed = config.checkpoint.every and (step + 1) % config.checkpoint.every == 0
-        if eval_due(step + 1):
+        if evaluations.due(step + 1):
             if checkpointed and reporter_rank != 0:
                 # Rank 0 has committed step_<step + 1>, whose runner state the reporter updates below.
                 dist.barrier()
             if evaluates:
                 with controller.guard():  # collective over a TP group: every rank of the replica runs it
-                    accuracy = evaluate(step + 1, f"eval_step_{step + 1}.jsonl")
-                record_eval(step + 1, accuracy)
+                    evaluations.evaluate(step + 1, f"eval_step_{step + 1}.jsonl")
             if checkpointed and reporter:
                 # The evaluation after the checkpoint's tick belongs to its history: a run resumed
                 # from it must list it (its weights are the generator's of then, not the resumed run's).
-                write_json(step_dir(checkpoint_dir, step + 1) / RUNNER_STATE, runner_state())
-        for name, (ex, record) in ticked.items():
-            if not leaders[name]:
-                continue
-            weight_inbound = [c for c in init_channels if c.inbound == name]
-            for index, (section, values) in enumerate(sections_of[name].items()):
-                if not values:
-                    continue
-                metrics = {**values, "channel_seconds": record.channel_seconds, "step_seconds": record.step_seconds}
-                if weight_inbound and index == 0:
-                    metrics["weight_sync_seconds"] = sum(c.last_seconds for c in weight_inbound)
-                    metrics["weight_sync_skipped"] = float(all(c.last_skipped for c in weight_inbound))
-                if section not in loggers:
-                    loggers[section] = MetricsLogger(run_dir, section, start_step=start_step,
-                                                     specs=getattr(ex, "metric_specs", {}))
-                loggers[section].log(step, metrics)
-
-    def base_evaluation():
-        if resume_dir is None:
-            summary["base_accuracy"] = evaluate(0, "eval_base.jsonl")
-            record_eval(0, summary["base_accuracy"])
-            return
-        # A resumed run's weights are not the base model's: reuse the first run's base evaluation.
-        base = next((e["accuracy"] for e in evals if e["step"] == 0), None)
-        earlier = resume_dir.parents[1] / "eval_base.jsonl"
-        if base is None and earlier.is_file():
-            scores = [json.loads(line)["score"] for line in earlier.read_text().splitlines() if line.strip()]
-            base = sum(scores) / max(len(scores), 1)
-        if base is not None:
-            summary["base_accuracy"] = base
-        if eval_due(start_step) and not any(e["step"] == start_step for e in evals):
-            # Due after the checkpoint's tick but not recorded: the interrupted run died before it.
-            record_eval(start_step, evaluate(start_step, f"eval_step_{start_step}.jsonl"))
+                write_json(step_dir(checkpoint_dir, step + 1) / RUNNER_STATE, evaluations.state())
+        log.write(step, ticked)
 
     export_dir = run_dir / "hf" if config.export.final or config.export.every else None
+    upkeep = Upkeep(checkpoint_every=config.checkpoint.every, checkpoint_keep=config.checkpoint.keep,
+                    checkpoint_dir=checkpoint_dir, export_every=config.export.every, export_dir=export_dir,
+                    device_guard=run.device_guard, liveness_timeout_s=run.liveness_timeout_s)
     controller = ExecutorController(contexts, executors, channels, max_steps=run.max_steps,
                                     executor_order=pipeline.order, init_channels=init_channels,
-                                    checkpoint_every=config.checkpoint.every, checkpoint_keep=config.checkpoint.keep,
-                                    checkpoint_dir=checkpoint_dir, on_tick=on_tick,
-                                    resume_dir=resume_dir, start_step=start_step,
-                                    export_every=config.export.every, export_dir=export_dir,
-                                    before_loop=base_evaluation if evaluates else None,
-                                    device_guard=run.device_guard,
-                                    liveness_timeout_s=run.liveness_timeout_s)
+                                    resume_dir=resume_dir, start_step=start_step, upkeep=upkeep, on_tick=on_tick,
+                                    on_checkpoint=on_checkpoint,
+                                    before_loop=(lambda: evaluations.base(summary, resume_dir=resume_dir,
+                                                                          start_step=start_step))
+                                    if evaluates else None)
     controller.run()
-    progress.close()
     try:
         with controller.guard():
             for channel in init_channels:  # the final policy, for the final evaluation
                 controller.communicate_now(channel)
             if evaluates:
-                summary["final_accuracy"] = evaluate(run.max_steps, "eval_final.jsonl")
-                record_eval(run.max_steps, summary["final_accuracy"])
-                summary["evals"] = evals
+                summary["final_accuracy"] = evaluations.evaluate(run.max_steps, "eval_final.jsonl")
+                summary["evals"] = evaluations.records
     except BaseException as exc:  # noqa: BLE001 - same failure contract as the loop
         controller.abort(exc)
     for executor in executors.values():
-        close = getattr(executor, "close", None)
-        if close is not None:
-            close()
-    (run_dir / "timeline").mkdir(exist_ok=True)
-    (run_dir / "timeline" / f"rank{ctx.rank}.json").write_text(json.dumps(spans))
-    for metrics_logger in loggers.values():
-        metrics_logger.close()
+        executor.close()
+    log.close(extra_spans=evaluations.spans, rank=ctx.rank)
     peak_gib = _peak_device_memory_gib(ctx)
     dist.barrier()
     controller.finish()
@@ -298,9 +202,9 @@ def run_pipeline(pipeline: Pipeline, config, *, recipe: str, heldout: list[Probl
         if run.max_steps > start_step and (last / COMPLETE_MARKER).is_file():
             # This run's checkpoint of its last step: with the final evaluation, its state is the
             # whole run's, for a later resume that trains further (--run.max-steps raised).
-            write_json(last / RUNNER_STATE, runner_state())
-        result = {**summary, "num_steps": run.max_steps, "wall_seconds": elapsed(),
-                  "resumed_from_step": resumed_from, **pipeline.summary, **_throughput(run_dir)}
+            write_json(last / RUNNER_STATE, evaluations.state())
+        result = {**summary, "num_steps": run.max_steps, "wall_seconds": evaluations.elapsed(),
+                  "resumed_from_step": evaluations.resumed_from, **pipeline.summary, **_throughput(run_dir)}
         if peak_gib is not None:
             result["peak_gpu_memory_gib"] = peak_gib
         (run_dir / "summary.json").write_text(json.dumps(result, indent=2))
@@ -310,6 +214,32 @@ def run_pipeline(pipeline: Pipeline, config, *, recipe: str, heldout: list[Probl
                         result["num_steps"], result["wall_seconds"], run_dir / "summary.json")
     ctx.destroy()
     return result
+
+
+def _resume_point(config, run_dir: Path, *, rank: int) -> tuple[Path | None, int, dict | None]:
+    """``(checkpoint to resume from or None, its step, the summary of a run that already finished)``.
+
+    Collective (WORLD barriers) when resuming: every rank resolves the checkpoint before global
+    rank 0 moves what an abandoned later timeline left into ``<run>/abandoned-<time>/``, and no rank
+    reads the run directory before it is one timeline again. A finished run (``_finished_summary``)
+    moves nothing."""
+    if not config.checkpoint.resume:
+        return None, 0, None
+    max_steps = config.run.max_steps
+    resume_dir, start_step = resolve_resume(config.checkpoint.resume, run_dir / "checkpoints")
+    finished = _finished_summary(run_dir, resume_dir, start_step, max_steps)
+    if finished is not None:
+        if rank == 0:
+            logger.info("run already finished at step %d (%s); nothing to do", max_steps, run_dir / "summary.json")
+        return resume_dir, start_step, finished
+    dist.barrier()
+    if rank == 0:
+        archived = archive_after(run_dir, start_step)
+        if archived is not None:
+            logger.info("resuming at step %d: moved what an abandoned run left after it (%s) to %s",
+                        start_step, ", ".join(archived[1]), archived[0])
+    dist.barrier()
+    return resume_dir, start_step, None
 
 
 def _finished_summary(run_dir: Path, resume_dir: Path, step: int, max_steps: int) -> dict | None:

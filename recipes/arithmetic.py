@@ -18,9 +18,9 @@ from llamarl.config import GeneratorConfig, RLConfig, RunConfig, TrainerConfig
 from llamarl.data.arithmetic import ArithmeticTask
 from llamarl.data.prompts import ARITHMETIC_INSTRUCTION, build_chat_prompt
 from llamarl.errors import config_errors, parse_flags
-from llamarl.executors.pipelines import run_rl
 from llamarl.pipeline import Pipeline
 from llamarl.rewards.arithmetic import score
+from llamarl.rl_pipeline import run_rl
 from llamarl.runner import run_pipeline
 
 

@@ -21,7 +21,7 @@ from llamarl.config import RLConfig
 from llamarl.data.passk import evaluate_policy, load_policy
 from llamarl.data.problem_list import ListTask
 from llamarl.data.prompts import Problem
-from llamarl.executors.pipelines import run_rl
+from llamarl.rl_pipeline import run_rl
 
 
 @dataclass

@@ -27,15 +27,15 @@ import torch
 import tyro
 
 from llamarl.batch import TensorBatch
+from llamarl.config_checks import validate_config
 from llamarl.data.arithmetic import ArithmeticTask
 from llamarl.errors import config_errors, parse_flags
-from llamarl.executors.base import Executor
+from llamarl.executor import Executor
 from llamarl.executors.generator import PromptFn
-from llamarl.executors.pipelines import stage_before_trainer
 from llamarl.executors.reward import set_balance_tokens
-from llamarl.executors.validate import validate_config
 from llamarl.metrics import MetricSpec
 from llamarl.pipeline import Pipeline, Stage
+from llamarl.rl_pipeline import stage_before_trainer
 from recipes.arithmetic import ArithmeticConfig, prompt_fn, run_variant
 
 

@@ -5,7 +5,7 @@
     torchrun --standalone --nproc-per-node 8 -m recipes.gsm8k qwen2.5-1.5b-8gpu   # one 8-GPU node, split
     torchrun ... -m recipes.gsm8k <preset> --help                                 # every flag
 
-Pipeline (``llamarl.executors.pipelines.run_rl``): generator (native engine, or vLLM with ``--generator.engine
+Pipeline (``llamarl.rl_pipeline.run_rl``): generator (native engine, or vLLM with ``--generator.engine
 vllm``) -> ``rollouts`` SCATTER -> reward (``llamarl.rewards.gsm8k``: ``#### N`` / ``\\boxed{N}`` /
 "the answer is N" / last number, compared exactly) -> ``scored`` SCATTER -> trainer (FSDP2; AIPO or
 ``--algo.loss decoupled_ppo``) -> ``weights`` (DDMA) -> generator. ``--run.schedule colocated`` runs

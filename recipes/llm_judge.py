@@ -65,16 +65,16 @@ import tyro
 
 from llamarl.batch import TensorBatch
 from llamarl.checkpoint import read_json, write_json
+from llamarl.config_checks import validate_config
 from llamarl.data.prompts import build_chat_prompt
 from llamarl.errors import config_errors, parse_flags
-from llamarl.executors.base import Executor
+from llamarl.executor import Executor
 from llamarl.executors.generator import PromptFn, Task
-from llamarl.executors.pipelines import stage_before_trainer
 from llamarl.executors.reward import set_balance_tokens
-from llamarl.executors.validate import validate_config
 from llamarl.metrics import MetricSpec
 from llamarl.models.loading import KNOWN_ALIASES, load_causal_lm
 from llamarl.pipeline import Pipeline, Stage
+from llamarl.rl_pipeline import stage_before_trainer
 from recipes.arithmetic import ArithmeticConfig, run_variant
 
 logger = logging.getLogger("llamarl.llm_judge")

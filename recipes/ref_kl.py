@@ -4,7 +4,7 @@
         [--ref.kl-coef 0.05 --ref.kl-estimator k1 --ref.num-ranks 1 --run.max-steps 40 ...]
 
 A worked extension of the RL pipeline built from the library's public pieces only (``Stage``,
-``ChannelSpec``, the stage builders of ``llamarl/executors/pipelines.py``, ``shard_model``,
+``ChannelSpec``, the stage builders of ``llamarl/rl_pipeline.py``, ``shard_model``,
 ``sequence_logprobs`` and ``kl_penalty``). Four executors, in rank order::
 
     generator --rollouts--> reward --scored--> ref --shaped--> trainer
@@ -59,17 +59,17 @@ import tyro
 from llamarl.algorithms.advantages import KL_KINDS, kl_penalty
 from llamarl.batch import TensorBatch
 from llamarl.config import ModelConfig
+from llamarl.config_checks import validate_config
 from llamarl.errors import config_errors, parse_flags
-from llamarl.executors.base import Executor
+from llamarl.executor import Executor
 from llamarl.executors.generator import PromptFn, Task
-from llamarl.executors.pipelines import stage_before_trainer
 from llamarl.executors.reward import set_balance_tokens
-from llamarl.executors.validate import validate_config
 from llamarl.metrics import MetricSpec
 from llamarl.models.loading import load_causal_lm
 from llamarl.models.microbatch import sequence_logprobs
 from llamarl.models.sharding import shard_model
 from llamarl.pipeline import Pipeline, Stage
+from llamarl.rl_pipeline import stage_before_trainer
 from recipes.arithmetic import ArithmeticConfig, run_variant
 
 logger = logging.getLogger("llamarl.ref_kl")

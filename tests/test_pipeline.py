@@ -71,3 +71,29 @@ def test_four_stage_toy_pipeline_runs_through_the_library_entry_point(tmp_path):
     assert lines and "source/emitted=4" in lines[0] and "audit/audited_total=276" in lines[0] \
         and "sink/received=4" in lines[0], proc.stdout[-2000:]
     assert (run_dir / "timeline.png").is_file()
+
+
+def test_roles_are_checked_with_the_stage_named():
+    """A weights channel's ends and the evaluator must play their roles (llamarl/executor.py)."""
+    from types import SimpleNamespace
+
+    from llamarl.channels.in_memory import InMemoryWeights
+    from llamarl.executor import Executor, check_roles
+
+    class Source(Executor):
+        version = 0
+
+        def get_model(self):
+            return None
+
+    class Sink(Executor):
+        def set_weights_version(self, version):
+            self.version = version
+
+    ctx = SimpleNamespace()
+    weights = [InMemoryWeights("weights", "trainer", "generator")]
+    check_roles({"trainer": Source(ctx), "generator": Sink(ctx)}, channels=weights, evaluator=None)
+    with pytest.raises(TypeError, match=r"stage 'generator' \(Executor\) is the sink of weights channel 'weights'"):
+        check_roles({"trainer": Source(ctx), "generator": Executor(ctx)}, channels=weights, evaluator=None)
+    with pytest.raises(TypeError, match="stage 'generator' .* is the pipeline's evaluator but lacks the Evaluator role"):
+        check_roles({"generator": Sink(ctx)}, channels=[], evaluator="generator")

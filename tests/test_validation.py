@@ -26,8 +26,8 @@ from llamarl.config import (
     RunConfig,
     TrainerConfig,
 )
+from llamarl.config_checks import validate_config
 from llamarl.controller import ExecutorController
-from llamarl.executors.validate import validate_config
 
 
 def config(model_dir, tmp_path, **sections):

@@ -26,7 +26,7 @@ from llamarl.batch import MAX_DATA_BYTES, TensorBatch
 from llamarl.channels.p2p import exchange
 
 if TYPE_CHECKING:
-    from llamarl.executors.base import Executor
+    from llamarl.executor import Executor
     from llamarl.world import ExecutorContext
 
 

@@ -50,7 +50,7 @@ from llamarl.checkpoint import load_rng, read_json, save_rng, write_json
 from llamarl.config import AlgoConfig, GeneratorConfig, ModelConfig
 from llamarl.data.prompts import Problem
 from llamarl.engines.torch_engine import Completion, Request, SamplingParams, TorchEngine
-from llamarl.executors.base import Executor
+from llamarl.executor import Executor
 from llamarl.metrics import MetricSpec
 from llamarl.models.loading import load_causal_lm, stop_token_ids
 from llamarl.models.tensor_parallel import apply_tensor_parallel

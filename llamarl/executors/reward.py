@@ -16,7 +16,7 @@ import torch
 from llamarl.batch import TensorBatch
 from llamarl.checkpoint import read_json, write_json
 from llamarl.config import RewardConfig
-from llamarl.executors.base import Executor
+from llamarl.executor import Executor
 from llamarl.metrics import MetricSpec
 from llamarl.rewards.pool import RewardPool
 

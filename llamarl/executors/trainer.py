@@ -59,7 +59,7 @@ from llamarl.algorithms.registry import get_advantage, get_policy_loss
 from llamarl.batch import TensorBatch
 from llamarl.checkpoint import load_rng, read_json, save_rng, write_json
 from llamarl.config import AlgoConfig, ModelConfig, TrainerConfig
-from llamarl.executors.base import Executor
+from llamarl.executor import Executor
 from llamarl.executors.trainer_metrics import TRAINER_METRICS, combine_minibatch_metrics, device_timer
 from llamarl.metrics import MetricSpec
 from llamarl.models.export import export_hf

@@ -11,7 +11,7 @@ import torch
 
 from llamarl.batch import TensorBatch
 from llamarl.channels.base import BROADCAST, GATHER, SCATTER, CommunicationChannel
-from llamarl.executors.base import Executor
+from llamarl.executor import Executor
 from llamarl.world import ExecutorContext, ExecutorSpec
 
 CASES = {"broadcast": BROADCAST, "scatter": SCATTER, "gather": GATHER}

@@ -15,7 +15,7 @@ import sys
 
 import tyro
 
-from llamarl.executors.pipelines import run_rl
+from llamarl.rl_pipeline import run_rl
 from recipes.arithmetic import ArithmeticConfig, main, prompt_fn
 
 

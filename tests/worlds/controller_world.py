@@ -13,7 +13,7 @@ import torch
 from llamarl.batch import TensorBatch
 from llamarl.channels.base import BROADCAST, SCATTER, CommunicationChannel
 from llamarl.controller import ExecutorController
-from llamarl.executors.base import Executor
+from llamarl.executor import Executor
 from llamarl.world import ExecutorContext, ExecutorSpec
 
 FAIL_RANK = int(sys.argv[4]) if len(sys.argv) > 4 else -1
@@ -77,8 +77,7 @@ def main() -> None:
                 CommunicationChannel("weights", "train", "gen", BROADCAST)]
     ctx = ExecutorContext.create(specs, timeout_s=30, channel_endpoints=[(c.outbound, c.inbound) for c in channels])
     executor = {"gen": Gen, "rew": Rew, "train": Train}[ctx.executor](ctx)
-    ExecutorController(ctx, executor, channels, max_steps=max_steps, executor_order=["gen", "rew", "train"],
-                       checkpoint_every=0).run()
+    ExecutorController(ctx, executor, channels, max_steps=max_steps, executor_order=["gen", "rew", "train"]).run()
     (out / f"rank{ctx.rank}.json").write_text(json.dumps(executor.seen))
     ctx.destroy()
 

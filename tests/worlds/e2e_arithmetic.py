@@ -8,7 +8,7 @@ import os
 
 import tyro
 
-from llamarl.executors.pipelines import run_rl
+from llamarl.rl_pipeline import run_rl
 from recipes.arithmetic import ArithmeticConfig, main, prompt_fn
 
 if __name__ == "__main__":

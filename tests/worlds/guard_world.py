@@ -9,8 +9,8 @@ import sys
 
 import torch
 
-from llamarl.controller import ExecutorController
-from llamarl.executors.base import Executor
+from llamarl.controller import ExecutorController, Upkeep
+from llamarl.executor import Executor
 from llamarl.world import ExecutorContext, ExecutorSpec
 
 
@@ -30,7 +30,8 @@ def main() -> None:
     out, guard = sys.argv[1], sys.argv[2] == "on"
     ctx = ExecutorContext.create([ExecutorSpec("careless", 1)], timeout_s=60)
     executor = Careless(ctx)
-    ExecutorController(ctx, executor, [], max_steps=2, executor_order=["careless"], device_guard=guard).run()
+    ExecutorController(ctx, executor, [], max_steps=2, executor_order=["careless"],
+                       upkeep=Upkeep(device_guard=guard)).run()
     with open(out, "w") as f:
         json.dump(executor.sums, f)
     ctx.destroy()

@@ -9,8 +9,8 @@ import sys
 import time
 from pathlib import Path
 
-from llamarl.controller import ExecutorController
-from llamarl.executors.base import Executor
+from llamarl.controller import ExecutorController, Upkeep
+from llamarl.executor import Executor
 from llamarl.world import ExecutorContext, ExecutorSpec
 
 
@@ -24,7 +24,7 @@ class Idle(Executor):
 def main() -> None:
     ctx = ExecutorContext.create([ExecutorSpec("a", 1), ExecutorSpec("b", 1)], timeout_s=3600)
     ExecutorController(ctx, Idle(ctx), [], max_steps=3000, executor_order=["a", "b"],
-                       liveness_timeout_s=float(sys.argv[2])).run()
+                       upkeep=Upkeep(liveness_timeout_s=float(sys.argv[2]))).run()
     ctx.destroy()
 
 

@@ -17,7 +17,7 @@ import torch
 
 from llamarl.batch import TensorBatch
 from llamarl.config import CheckpointConfig, ExportConfig, RunConfig
-from llamarl.executors.base import Executor
+from llamarl.executor import Executor
 from llamarl.metrics import MetricSpec
 from llamarl.pipeline import ChannelSpec, Pipeline, Stage
 from llamarl.runner import run_pipeline

@@ -32,7 +32,7 @@ from llamarl.channels.weights import WeightsChannel
 from llamarl.config import GeneratorConfig, ModelConfig
 from llamarl.data.prompts import Problem
 from llamarl.engines.torch_engine import Request, SamplingParams, TorchEngine
-from llamarl.executors.base import Executor
+from llamarl.executor import Executor
 from llamarl.executors.generator import GeneratorExecutor
 from llamarl.models.loading import load_causal_lm
 from llamarl.models.sharding import full_named_parameters, shard_model

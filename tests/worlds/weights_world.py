@@ -36,7 +36,7 @@ from torch.distributed.tensor import DTensor, Shard
 
 from llamarl.channels.ddma_plan import llama_tp_slices, local_tensor, narrow_to_slices
 from llamarl.channels.weights import WeightsChannel
-from llamarl.executors.base import Executor
+from llamarl.executor import Executor
 from llamarl.models.loading import build_tiny_llama
 from llamarl.models.sharding import full_named_parameters, shard_model
 from llamarl.world import ExecutorContext, ExecutorSpec

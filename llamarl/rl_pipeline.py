@@ -31,11 +31,11 @@ import os
 from collections.abc import Callable
 
 from llamarl.config import RLConfig
+from llamarl.config_checks import expected_lag, model_context_length, validate_config
 from llamarl.data.prompts import Problem
 from llamarl.executors.generator import GeneratorExecutor, PromptFn, Task, auto_token_budget
 from llamarl.executors.reward import RewardExecutor
 from llamarl.executors.trainer import TrainerExecutor
-from llamarl.executors.validate import expected_lag, model_context_length, validate_config
 from llamarl.pipeline import ChannelSpec, Pipeline, Stage
 from llamarl.runner import run_pipeline
 

@@ -1,14 +1,26 @@
-"""Executor: the unit of work that owns a set of ranks (LlamaRL §4).
+"""Executor: the unit of work that owns a set of ranks (LlamaRL §4), and the roles it may play.
 
 Subclasses implement ``step`` and whatever of ``get_output`` / ``set_input`` their channels
 use. An executor only ever sees its own process group / mesh (``self.ctx.group`` /
 ``self.ctx.mesh``); it never talks to other executors except through channels.
+
+Roles (``typing.Protocol``s; the runner checks them when it builds a pipeline's executors and
+names the stage and what it lacks):
+
+- ``WeightSource``: the outbound end of a ``weights`` channel (the trainer): ``get_model()`` and
+  ``version`` (its optimizer-step count).
+- ``WeightSink``: the inbound end (the generator): ``get_model()`` (whose parameters are written)
+  and ``set_weights_version(version)``; optionally ``get_weight_slices()`` for a tensor-parallel
+  model whose parameters are slices of the trainer's (``llamarl/channels/weights.py``).
+- ``Evaluator``: the pipeline's ``evaluator`` stage: ``evaluate(problems, score, *, samples_path)``
+  returns the greedy held-out accuracy.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING, ClassVar
+from typing import TYPE_CHECKING, ClassVar, Protocol, runtime_checkable
 
 import torch
 from safetensors import SafetensorError
@@ -61,9 +73,16 @@ class Executor:
         """Receive the batch an inbound channel ``name`` delivered (replaces the previous one)."""
         self.inputs[name] = batch
 
+    metric_sections: dict[str, dict[str, float]] | None = None
+    """Set instead of ``metrics`` by an executor hosting several roles: one metric section (and
+    ``metrics/<section>.jsonl``) per role. None: ``metrics`` under the stage's name."""
+
     def get_model(self) -> torch.nn.Module | None:
         """The module a weight channel reads (trainer) or writes (generator)."""
         return None
+
+    def close(self) -> None:
+        """Release what ``init`` started (worker processes, engines); called once after the run."""
 
     def export(self, directory: Path) -> None:
         """Write a deployable artefact of this executor's model into ``directory`` (the trainer: an
@@ -94,3 +113,44 @@ class Executor:
         names = {key.rsplit(".", 1)[0] for key in tensors}
         self.outputs = {name: TensorBatch.decode(tensors[f"{name}.header"], tensors[f"{name}.data"],
                                                  source=str(path)) for name in names}
+
+
+@runtime_checkable
+class WeightSource(Protocol):
+    """The outbound end of a weights channel (module docstring)."""
+
+    version: int
+
+    def get_model(self) -> torch.nn.Module | None: ...
+
+
+@runtime_checkable
+class WeightSink(Protocol):
+    """The inbound end of a weights channel (module docstring)."""
+
+    def get_model(self) -> torch.nn.Module | None: ...
+
+    def set_weights_version(self, version: int) -> None: ...
+
+
+@runtime_checkable
+class Evaluator(Protocol):
+    """The pipeline's evaluator stage (module docstring)."""
+
+    def evaluate(self, problems: list, score: Callable[[str, str], float], *, samples_path: Path | None = None) -> float:
+        ...
+
+
+def check_roles(executors: dict[str, Executor], *, channels: list, evaluator: str | None) -> None:
+    """Raise TypeError naming the stage and the missing role when an executor on this rank is an
+    end of a weights channel, or the evaluator, without what that role needs."""
+    def need(name: str, role: type, what: str) -> None:
+        if name in executors and not isinstance(executors[name], role):
+            raise TypeError(f"stage {name!r} ({type(executors[name]).__name__}) is {what} but lacks the "
+                            f"{role.__name__} role: see llamarl/executor.py")
+    for channel in channels:
+        if getattr(channel, "kind", None) == "weights" or type(channel).__name__ in ("WeightsChannel", "InMemoryWeights"):
+            need(channel.outbound, WeightSource, f"the source of weights channel {channel.name!r}")
+            need(channel.inbound, WeightSink, f"the sink of weights channel {channel.name!r}")
+    if evaluator is not None:
+        need(evaluator, Evaluator, "the pipeline's evaluator")

@@ -1,0 +1,91 @@
+"""A run's evaluations and the history a resumed run continues (part of ``llamarl/runner.py``).
+
+``Evaluations`` owns what ``summary.json`` says about time and accuracy: every evaluation made
+(step, seconds into the run, accuracy, the evaluator's weight version), the wall seconds of every
+segment of a resumed run and the steps it resumed from. Its ``state()`` goes into each checkpoint
+(``runner_state.json``), and a resumed run starts from the state of its checkpoint, so the summary
+describes the whole run (see the runner's module docstring for the rules).
+
+Only the ranks of the evaluator's first data-parallel replica evaluate (collective over a TP
+group); the first of them reports.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+from llamarl.data.prompts import Problem
+
+logger = logging.getLogger("llamarl.runner")
+
+
+class Evaluations:
+    """Greedy held-out evaluations of one run, and its resumable history (module docstring)."""
+
+    def __init__(self, *, evaluator, stage: str | None, heldout: list[Problem] | None,
+                 score: Callable[[str, str], float] | None, run_dir: Path, rank: int, reports: bool,
+                 eval_every: int, max_steps: int, restored: dict, resumed_at: int | None) -> None:
+        self.evaluator, self.stage = evaluator, stage
+        self.heldout, self.score, self.run_dir = heldout, score, run_dir
+        self.rank, self.reports = rank, reports
+        self.eval_every, self.max_steps = eval_every, max_steps
+        self.wall_start = time.time()
+        # Seconds the run had spent up to the state resumed from: wall time and evaluation times continue.
+        self.elapsed_before = float(restored.get("elapsed_seconds", 0.0))
+        self.records: list[dict] = list(restored.get("evals", []))
+        self.resumed_from = [*restored.get("resumed_from_step", []), resumed_at] if resumed_at is not None else []
+        self.spans: list[dict] = []  # one of kind ``eval`` per evaluation, for the timeline
+
+    def elapsed(self) -> float:
+        """Seconds of the whole run so far (every segment)."""
+        return self.elapsed_before + time.time() - self.wall_start
+
+    def state(self) -> dict:
+        """What a checkpoint keeps of the history (``runner_state.json``)."""
+        return {"elapsed_seconds": self.elapsed(), "evals": self.records, "resumed_from_step": self.resumed_from}
+
+    def due(self, step: int) -> bool:
+        """An evaluation between ticks is due after ``step`` ticks (the same answer on every rank)."""
+        every = self.eval_every
+        return self.stage is not None and every > 0 and step % every == 0 and 0 < step < self.max_steps
+
+    def evaluate(self, step: int, samples_name: str) -> float:
+        """The evaluator's held-out accuracy now, recorded and drawn as a span of kind ``eval``."""
+        start = time.time()
+        if getattr(self.evaluator, "num_threads", None):
+            torch.set_num_threads(self.evaluator.num_threads)
+        accuracy = self.evaluator.evaluate(self.heldout, self.score, samples_path=self.run_dir / samples_name)
+        self.spans.append({"executor": self.stage, "rank": self.rank, "step": step, "start": start,
+                           "end": time.time(), "kind": "eval"})
+        self.record(step, accuracy)
+        return accuracy
+
+    def record(self, step: int, accuracy: float) -> None:
+        version = getattr(self.evaluator, "version", None)
+        self.records.append({"step": step, "seconds": self.elapsed(), "accuracy": accuracy, "version": version})
+        if self.reports:
+            logger.info("eval after %d ticks: greedy accuracy %.1f%% (weights version %s, %.0f s into the run)",
+                        step, 100 * accuracy, version, self.records[-1]["seconds"])
+
+    def base(self, summary: dict, *, resume_dir: Path | None, start_step: int) -> None:
+        """Before the first tick: the base model's accuracy into ``summary["base_accuracy"]``. A
+        resumed run's weights are not the base model's: it reuses the first run's base evaluation,
+        and makes the evaluation due at its checkpoint's step if the interrupted run died before it."""
+        if resume_dir is None:
+            summary["base_accuracy"] = self.evaluate(0, "eval_base.jsonl")
+            return
+        base = next((e["accuracy"] for e in self.records if e["step"] == 0), None)
+        earlier = resume_dir.parents[1] / "eval_base.jsonl"
+        if base is None and earlier.is_file():
+            scores = [json.loads(line)["score"] for line in earlier.read_text().splitlines() if line.strip()]
+            base = sum(scores) / max(len(scores), 1)
+        if base is not None:
+            summary["base_accuracy"] = base
+        if self.due(start_step) and not any(e["step"] == start_step for e in self.records):
+            self.evaluate(start_step, f"eval_step_{start_step}.jsonl")
