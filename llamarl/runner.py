@@ -69,7 +69,7 @@ from llamarl.checkpoint import (
 )
 from llamarl.controller import ExecutorController, Upkeep
 from llamarl.data.prompts import Problem
-from llamarl.evaluations import Evaluations
+from llamarl.eval_history import Evaluations
 from llamarl.executor import check_roles
 from llamarl.log import setup_logging
 from llamarl.metrics import write_chrome_trace, write_timeline_png

@@ -18,9 +18,9 @@ from pathlib import Path
 import torch
 
 from llamarl.config import RLConfig
-from llamarl.data.passk import evaluate_policy, load_policy
 from llamarl.data.problem_list import ListTask
 from llamarl.data.prompts import Problem
+from llamarl.evaluation import evaluate_policy, load_policy
 from llamarl.rl_pipeline import run_rl
 
 

@@ -50,6 +50,7 @@ from llamarl.checkpoint import load_rng, read_json, save_rng, write_json
 from llamarl.config import AlgoConfig, GeneratorConfig, ModelConfig
 from llamarl.data.prompts import Problem
 from llamarl.engines.torch_engine import Completion, Request, SamplingParams, TorchEngine
+from llamarl.evaluation import score_samples
 from llamarl.executor import Executor
 from llamarl.metrics import MetricSpec
 from llamarl.models.loading import load_causal_lm, stop_token_ids
@@ -355,18 +356,12 @@ class GeneratorExecutor(Executor):
         JSON line per problem (question, reference, completion, score) for inspection.
         """
         greedy = SamplingParams(temperature=0.0, max_new_tokens=self.config.max_new_tokens)
-        correct = 0.0
-        records = []
-        for lo in range(0, len(problems), chunk):
-            part = problems[lo : lo + chunk]
-            requests = [Request(sample_id=i, prompt_ids=list(self.prompt_fn(self.tokenizer, p.question)))
-                        for i, p in enumerate(part)]
-            outs = self.engine.generate(requests, sampling=greedy, version=self.version)
-            texts = self.tokenizer.batch_decode([o.completion_ids for o in outs], skip_special_tokens=True)
-            scores = [score(t, p.answer) for t, p in zip(texts, part)]
-            correct += sum(scores)
-            records += [{"question": p.question, "reference": p.answer, "completion": t, "score": s}
-                        for p, t, s in zip(part, texts, scores)]
+        prompts = [list(self.prompt_fn(self.tokenizer, p.question)) for p in problems]
+        scores, texts = score_samples(self.engine, self.tokenizer, problems=problems, prompts=prompts, score=score,
+                                      sampling=greedy, chunk=chunk, version=self.version)
+        correct = sum(s[0] for s in scores)
         if samples_path is not None:
-            samples_path.write_text("".join(json.dumps(r) + "\n" for r in records))
+            samples_path.write_text("".join(
+                json.dumps({"question": p.question, "reference": p.answer, "completion": t, "score": s[0]}) + "\n"
+                for p, t, s in zip(problems, texts, scores)))
         return correct / max(len(problems), 1)

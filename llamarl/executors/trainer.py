@@ -289,6 +289,48 @@ class TrainerExecutor(Executor):
         """One optimizer step on this rank's rows of one minibatch (collective over the trainer):
         every rank calls it, an empty part included, and all take the same skip decisions."""
         batch, stats = self.filter_stale(batch)
+        batch, counts = self._rows_with_signal(batch, stats)
+        microbatches, max_mbs = plan_microbatches(batch, max_tokens_per_microbatch=self.config.max_tokens_per_microbatch,
+                                                  group=self.ctx.group, share_prompts=self.config.share_prompts,
+                                                  microbatch_rows=self.config.microbatch_rows)
+        total_tokens, dropped_stale, zero_adv = counts["tokens"], counts["dropped_stale"], counts["zero_advantage"]
+        if dropped_stale and self.ctx.local_rank == 0:
+            wait = self.algo.stale_policy == "wait"
+            (logger.warning if wait else logger.info)(
+                "%d samples dropped at trainer version %d: a token more than --algo.max-staleness %d versions old%s",
+                dropped_stale, self.version, self.algo.max_staleness,
+                " (--algo.stale-policy wait: the generator's expected lag was too short)" if wait else "")
+        if total_tokens == 0:
+            return {"skipped": 1.0, "version": float(self.version), "dropped_stale_samples": dropped_stale}
+        if counts["signal"] == 0:
+            # Every group scored alike: the gradient is exactly zero, and an AdamW step on it would
+            # still move the weights along stale momentum. Skip the update (and the version bump).
+            return {"skipped_no_signal": 1.0, "zero_advantage_samples": zero_adv, "version": float(self.version),
+                    "dropped_stale_samples": dropped_stale}
+        self.optimizer.zero_grad(set_to_none=True)
+        sums, maxes = self._accumulate_gradients(batch, microbatches, max_mbs, total_tokens)
+        grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(),
+                                                   self.config.grad_clip if self.config.grad_clip > 0 else float("inf"))
+        if isinstance(grad_norm, torch.distributed.tensor.DTensor):
+            grad_norm = grad_norm.full_tensor()
+        # Reduced before the step: the non-finite decision below must be the same on every rank.
+        loss, loss_metrics = self._reduce_loss_metrics(sums, maxes)
+        if not (math.isfinite(loss) and math.isfinite(float(grad_norm))):
+            return self._skip_nonfinite(loss=loss, grad_norm=float(grad_norm))
+        self.nonfinite_streak = 0
+        self.optimizer.step()
+        self.version += 1
+        out = {"loss": loss, "grad_norm": float(grad_norm), "num_loss_tokens": total_tokens,
+               "nonfinite_steps": float(self.nonfinite_total),
+               "staleness_mean": counts["staleness_sum"] / total_tokens, "version": float(self.version),
+               "zero_advantage_samples": zero_adv, "dropped_stale_samples": dropped_stale, **loss_metrics}
+        out["staleness_max"] = self._all_reduce([stats.get("staleness_max", 0.0)], op=dist.ReduceOp.MAX)[0]
+        return out
+
+    def _rows_with_signal(self, batch: TensorBatch, stats: dict[str, float]) -> tuple[TensorBatch, dict[str, float]]:
+        """This rank's rows that need a forward, and the minibatch's counts over every trainer rank
+        (``tokens``: loss tokens, the global token mean's denominator; ``staleness_sum``;
+        ``zero_advantage``; ``signal``: rows forwarded; ``dropped_stale``). Collective."""
         num_local_tokens = float(batch["loss_mask"].sum()) if len(batch) else 0.0
         if len(batch):
             # A zero-advantage sample (its group all scored alike) adds exactly zero loss and
@@ -298,30 +340,21 @@ class TrainerExecutor(Executor):
             # Rows the staleness filter masked carry no loss token either: not forwarded, and not
             # counted as signal (else an AdamW step on a zero gradient could still happen).
             batch = batch.select(self._forwarded(batch))
-        total_tokens, staleness_sum, zero_adv, num_signal, dropped_stale = self._all_reduce(
+        tokens, staleness_sum, zero_adv, num_signal, dropped_stale = self._all_reduce(
             [num_local_tokens, stats.get("staleness_sum", 0.0), stats.get("zero_advantage_samples", 0.0),
              float(len(batch)), stats.get("dropped_stale_samples", 0.0)])
-        microbatches, max_mbs = plan_microbatches(batch, max_tokens_per_microbatch=self.config.max_tokens_per_microbatch,
-                                                  group=self.ctx.group, share_prompts=self.config.share_prompts,
-                                                  microbatch_rows=self.config.microbatch_rows)
-        if dropped_stale and self.ctx.local_rank == 0:
-            wait = self.algo.stale_policy == "wait"
-            (logger.warning if wait else logger.info)(
-                "%d samples dropped at trainer version %d: a token more than --algo.max-staleness %d versions old%s",
-                dropped_stale, self.version, self.algo.max_staleness,
-                " (--algo.stale-policy wait: the generator's expected lag was too short)" if wait else "")
-        if total_tokens == 0:
-            return {"skipped": 1.0, "version": float(self.version), "dropped_stale_samples": dropped_stale}
-        if num_signal == 0:
-            # Every group scored alike: the gradient is exactly zero, and an AdamW step on it would
-            # still move the weights along stale momentum. Skip the update (and the version bump).
-            return {"skipped_no_signal": 1.0, "zero_advantage_samples": zero_adv, "version": float(self.version),
-                    "dropped_stale_samples": dropped_stale}
+        return batch, {"tokens": tokens, "staleness_sum": staleness_sum, "zero_advantage": zero_adv,
+                       "signal": num_signal, "dropped_stale": dropped_stale}
+
+    def _accumulate_gradients(self, batch: TensorBatch, microbatches: list, max_mbs: int,
+                              total_tokens: float) -> tuple[dict[str, float], dict[str, float]]:
+        """Forward and backward every micro-batch (``max_mbs`` on every rank: a rank with fewer runs
+        dummy ones, FSDP2 needs every rank in every collective); returns this rank's metric sums
+        (``loss``, ``metric_tokens``, and each loss metric as its declared reduction needs) and maxes."""
         dp_size = self.ctx.local_world_size
         spec = get_policy_loss(self.algo.loss)
         sums: dict[str, float] = {}
         maxes: dict[str, float] = {}
-        self.optimizer.zero_grad(set_to_none=True)
         for index in range(max_mbs):
             rows = microbatches[index] if index < len(microbatches) else None
             loss, metrics, num_tokens = self._microbatch_loss(batch, rows, total_tokens)
@@ -339,32 +372,22 @@ class TrainerExecutor(Executor):
                     sums[key] = sums.get(key, 0.0) + float(value) * num_tokens
             sums["loss"] = sums.get("loss", 0.0) + float(loss.detach())
             sums["metric_tokens"] = sums.get("metric_tokens", 0.0) + num_tokens
-        grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(),
-                                                   self.config.grad_clip if self.config.grad_clip > 0 else float("inf"))
-        if isinstance(grad_norm, torch.distributed.tensor.DTensor):
-            grad_norm = grad_norm.full_tensor()
-        # Every rank reduces the same (declared) keys, even one that only ran dummy micro-batches.
-        # Reduced before the step: the non-finite decision below must be the same on every rank.
+        return sums, maxes
+
+    def _reduce_loss_metrics(self, sums: dict[str, float], maxes: dict[str, float]) -> tuple[float, dict[str, float]]:
+        """The minibatch's loss and the loss's declared metrics over every trainer rank (collective;
+        every rank reduces the same keys, even one that only ran dummy micro-batches)."""
+        spec = get_policy_loss(self.algo.loss)
         keys = sorted(spec.metrics)
         sum_keys = [k for k in keys if spec.metrics[k] != "max"]
         max_keys = [k for k in keys if spec.metrics[k] == "max"]
         reduced = self._all_reduce([sums.get("loss", 0.0), sums.get("metric_tokens", 0.0)]
                                    + [sums.get(k, 0.0) for k in sum_keys])
         reduced_max = self._all_reduce([maxes.get(k, 0.0) for k in max_keys], op=dist.ReduceOp.MAX)
-        if not (math.isfinite(reduced[0]) and math.isfinite(float(grad_norm))):
-            return self._skip_nonfinite(loss=reduced[0], grad_norm=float(grad_norm))
-        self.nonfinite_streak = 0
-        self.optimizer.step()
-        self.version += 1
-        out = {"loss": reduced[0], "grad_norm": float(grad_norm), "num_loss_tokens": total_tokens,
-               "nonfinite_steps": float(self.nonfinite_total),
-               "staleness_mean": staleness_sum / total_tokens, "version": float(self.version),
-               "zero_advantage_samples": zero_adv, "dropped_stale_samples": dropped_stale}
         metric_tokens = max(reduced[1], 1.0)  # token-weighted means over the samples trained on
-        out.update({k: v / metric_tokens if spec.metrics[k] == "mean" else v for k, v in zip(sum_keys, reduced[2:])})
-        out.update(dict(zip(max_keys, reduced_max)))
-        out["staleness_max"] = self._all_reduce([stats.get("staleness_max", 0.0)], op=dist.ReduceOp.MAX)[0]
-        return out
+        metrics = {k: v / metric_tokens if spec.metrics[k] == "mean" else v for k, v in zip(sum_keys, reduced[2:])}
+        metrics.update(dict(zip(max_keys, reduced_max)))
+        return reduced[0], metrics
 
     def _skip_nonfinite(self, *, loss: float, grad_norm: float) -> dict[str, float]:
         """No optimizer step on a non-finite loss or gradient (identical decision on every rank,

@@ -1,4 +1,8 @@
-"""pass@k evaluation with the native engine: k-sample success rates on held-out problems.
+"""Evaluation on held-out problems: one sampling-and-scoring loop for greedy accuracy and pass@k.
+
+``score_samples`` is the loop every evaluation runs: the generator's greedy accuracy during a run
+(``GeneratorExecutor.evaluate``, through whatever engine it holds) and the pass@k of a saved policy
+after it (``evaluate_policy``, with the native engine).
 
 ``pass_at_k(n, c, k)`` is the unbiased estimator of Chen et al. (2021): with ``n`` samples of
 which ``c`` are correct, ``1 - C(n - c, k) / C(n, k)``. ``evaluate_policy`` loads a policy (a base
@@ -52,6 +56,29 @@ def load_policy(base: str, *, weights_dir: str | Path | None = None, dtype: torc
 
 
 @torch.no_grad()
+def score_samples(engine, tokenizer, *, problems: list[Problem], prompts: list[list[int]], score: Score,
+                  sampling: SamplingParams, copies: int = 1, chunk: int = 64, version: int = 0,
+                  generator: torch.Generator | None = None) -> tuple[list[list[float]], list[str]]:
+    """Generate ``copies`` completions of each prompt (``prompts[i]`` is ``problems[i]``'s) with
+    ``engine`` (any engine with ``generate(requests, sampling=, version=, generator=)``), at most
+    ``chunk`` sequences a batch, and score each against its problem's answer. Returns the scores
+    (``[problem][copy]``) and the decoded texts (sample id ``i * copies + j``)."""
+    requests = [Request(sample_id=i * copies + j, prompt_ids=list(prompts[i]))
+                for i in range(len(problems)) for j in range(copies)]
+    scores = [[0.0] * copies for _ in problems]
+    texts: list[str] = [""] * len(requests)
+    for lo in range(0, len(requests), chunk):
+        kwargs = {"generator": generator} if generator is not None else {}
+        outs = engine.generate(requests[lo : lo + chunk], sampling=sampling, version=version, **kwargs)
+        decoded = tokenizer.batch_decode([o.completion_ids for o in outs], skip_special_tokens=True)
+        for out, text in zip(outs, decoded):
+            i, j = divmod(out.sample_id, copies)
+            texts[out.sample_id] = text
+            scores[i][j] = float(score(text, problems[i].answer))
+    return scores, texts
+
+
+@torch.no_grad()
 def evaluate_policy(model, tokenizer, *, problems: list[Problem], prompt_fn, score: Score, ks: list[int],
                     temperature: float, max_new_tokens: int, seed: int = 0, chunk: int = 64,
                     samples_path: Path | None = None) -> dict[str, float]:
@@ -72,19 +99,8 @@ def evaluate_policy(model, tokenizer, *, problems: list[Problem], prompt_fn, sco
     prompts = [list(prompt_fn(tokenizer, p.question)) for p in problems]
 
     def run(sampling: SamplingParams, copies: int) -> tuple[list[list[float]], list[str]]:
-        requests = [Request(sample_id=i * copies + j, prompt_ids=prompts[i])
-                    for i in range(len(problems)) for j in range(copies)]
-        scores = [[0.0] * copies for _ in problems]
-        texts: list[str] = [""] * len(requests)
-        for lo in range(0, len(requests), chunk):
-            outs = engine.generate(requests[lo : lo + chunk], sampling=sampling, version=0,
-                                   generator=None if sampling.temperature == 0 else rng)
-            decoded = tokenizer.batch_decode([o.completion_ids for o in outs], skip_special_tokens=True)
-            for out, text in zip(outs, decoded):
-                i, j = divmod(out.sample_id, copies)
-                texts[out.sample_id] = text
-                scores[i][j] = float(score(text, problems[i].answer))
-        return scores, texts
+        return score_samples(engine, tokenizer, problems=problems, prompts=prompts, score=score, sampling=sampling,
+                             copies=copies, chunk=chunk, generator=None if sampling.temperature == 0 else rng)
 
     greedy, greedy_texts = run(SamplingParams(temperature=0.0, max_new_tokens=max_new_tokens), 1)
     sampled, _ = run(SamplingParams(temperature=temperature, max_new_tokens=max_new_tokens), n)
