@@ -141,16 +141,15 @@ class Evaluator(Protocol):
         ...
 
 
-def check_roles(executors: dict[str, Executor], *, channels: list, evaluator: str | None) -> None:
+def check_roles(executors: dict[str, Executor], *, weight_channels: list, evaluator: str | None) -> None:
     """Raise TypeError naming the stage and the missing role when an executor on this rank is an
-    end of a weights channel, or the evaluator, without what that role needs."""
+    end of one of ``weight_channels``, or the evaluator, without what that role needs."""
     def need(name: str, role: type, what: str) -> None:
         if name in executors and not isinstance(executors[name], role):
             raise TypeError(f"stage {name!r} ({type(executors[name]).__name__}) is {what} but lacks the "
                             f"{role.__name__} role: see llamarl/executor.py")
-    for channel in channels:
-        if getattr(channel, "kind", None) == "weights" or type(channel).__name__ in ("WeightsChannel", "InMemoryWeights"):
-            need(channel.outbound, WeightSource, f"the source of weights channel {channel.name!r}")
-            need(channel.inbound, WeightSink, f"the sink of weights channel {channel.name!r}")
+    for channel in weight_channels:
+        need(channel.outbound, WeightSource, f"the source of weights channel {channel.name!r}")
+        need(channel.inbound, WeightSink, f"the sink of weights channel {channel.name!r}")
     if evaluator is not None:
         need(evaluator, Evaluator, "the pipeline's evaluator")

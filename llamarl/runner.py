@@ -115,8 +115,8 @@ def run_pipeline(pipeline: Pipeline, config, *, recipe: str, heldout: list[Probl
         ctx.destroy()
         return finished if reporter else None
     executors = {name: pipeline.stage(name).build(context) for name, context in contexts.items()}
-    check_roles(executors, channels=channels, evaluator=pipeline.evaluator)
     init_channels = [c for c in channels if isinstance(c, (WeightsChannel, InMemoryWeights))]
+    check_roles(executors, weight_channels=init_channels, evaluator=pipeline.evaluator)
     run_dir.mkdir(parents=True, exist_ok=True)
     if ctx.rank == 0:
         (run_dir / "config.json").write_text(json.dumps(asdict(config), indent=2))

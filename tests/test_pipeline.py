@@ -92,8 +92,8 @@ def test_roles_are_checked_with_the_stage_named():
 
     ctx = SimpleNamespace()
     weights = [InMemoryWeights("weights", "trainer", "generator")]
-    check_roles({"trainer": Source(ctx), "generator": Sink(ctx)}, channels=weights, evaluator=None)
+    check_roles({"trainer": Source(ctx), "generator": Sink(ctx)}, weight_channels=weights, evaluator=None)
     with pytest.raises(TypeError, match=r"stage 'generator' \(Executor\) is the sink of weights channel 'weights'"):
-        check_roles({"trainer": Source(ctx), "generator": Executor(ctx)}, channels=weights, evaluator=None)
+        check_roles({"trainer": Source(ctx), "generator": Executor(ctx)}, weight_channels=weights, evaluator=None)
     with pytest.raises(TypeError, match="stage 'generator' .* is the pipeline's evaluator but lacks the Evaluator role"):
-        check_roles({"generator": Sink(ctx)}, channels=[], evaluator="generator")
+        check_roles({"generator": Sink(ctx)}, weight_channels=[], evaluator="generator")
