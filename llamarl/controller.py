@@ -334,10 +334,21 @@ class ExecutorController:
                 f"{type(exc).__name__}{': ' + text if text else ''}")
 
     def abort(self, exc: BaseException) -> None:
-        """Report ``exc`` (its traceback, then ``failure_line``) and end this process (exit code 1)."""
+        """Report ``exc`` (its traceback, then ``failure_line``) and end this process (exit code 1).
+
+        When the failure was in an exchange (a channel, a barrier) and the heartbeat runs, also name
+        each peer whose heartbeat went silent (``Heartbeat.silent_peers``): a barrier that lost a rank
+        says only "Connection closed by peer", and torchrun may not have stopped this rank yet."""
         message = self.failure_line(exc)
         traceback.print_exc(file=sys.stderr)
         print(message, file=sys.stderr, flush=True)
         sys.stdout.flush()
+        if self.heartbeat is not None and ("channel" in self.phase or "barrier" in self.phase):
+            # An exchange failed: most often a peer died. A WORLD barrier's error names no peer, so
+            # ask the heartbeats which rank went silent and name it (a few seconds, on failure only).
+            for rank, last in self.heartbeat.silent_peers():
+                print(f"llamarl: rank {rank} (executor {self.heartbeat.executor_of.get(rank, '?')!r}) stopped "
+                      f"responding at step {last.get('step', '?')} during {last.get('phase', 'start-up')}; "
+                      f"noticed by rank {self.ctx.rank} when its {self.phase} failed", file=sys.stderr, flush=True)
         # os._exit: never run atexit / destructors that may block on collectives with dead peers.
         os._exit(1)

@@ -11,6 +11,10 @@ naming its rank, executor, last step and phase, and this process exits with code
 tears the job down. gloo already turns a dead peer of a pending exchange into an error at once;
 the heartbeat also covers ranks that were not talking to it (a trainer in a long step).
 
+A rank whose exchange with a peer failed (gloo's "Connection closed by peer", a barrier that lost a
+rank) asks ``silent_peers``, before it exits, which ranks stopped publishing: its failure line then
+names the dead rank and its executor, not only the exchange it was in.
+
 A peer last seen loading, checkpointing or exporting gets ten times the timeout (those phases can
 hold the GIL for long stretches on a healthy rank). A rank that finishes normally marks itself finished (``finish``), so its watcher does not mistake
 its exit for a death.
@@ -69,6 +73,31 @@ class Heartbeat:
         self._stop.set()
         if self._store is not None:
             self._store.set(f"{_PREFIX}{self.rank}", json.dumps({"finished": True}))
+
+    def silent_peers(self, *, wait_s: float | None = None) -> list[tuple[int, dict]]:
+        """The other ranks whose heartbeat did not change over ``wait_s`` (default: two and a half
+        publishing intervals) and that did not finish, with their last ``(step, phase)`` record;
+        [] when the heartbeat is not running or the store cannot be read (the job is ending)."""
+        if self._store is None:
+            return []
+        wait_s = 2.5 * self.interval_s if wait_s is None else wait_s
+        peers = [rank for rank in range(self.world_size) if rank != self.rank]
+        keys = [f"{_PREFIX}{rank}" for rank in peers]
+        try:  # a client of its own: the heartbeat thread keeps using its client meanwhile
+            store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
+                                  timeout=timedelta(seconds=max(5.0, wait_s)))
+            before = [store.get(key) if store.check([key]) else None for key in keys]
+            time.sleep(wait_s)
+            after = [store.get(key) if store.check([key]) else None for key in keys]
+        except Exception as exc:  # noqa: BLE001 - the agent is tearing the job down
+            logger.debug("heartbeat store unreachable: %s", exc)
+            return []
+        silent = []
+        for rank, old, new in zip(peers, before, after):
+            last = json.loads(new) if new is not None else {}
+            if new is not None and old == new and not last.get("finished"):
+                silent.append((rank, last))
+        return silent
 
     def _publish(self) -> None:
         self._store.set(f"{_PREFIX}{self.rank}", json.dumps(

@@ -65,3 +65,30 @@ def test_a_stopped_rank_ends_the_job_with_a_named_line(tmp_path):
     assert proc.returncode != 0
     assert "llamarl: rank 1 (executor 'b') stopped responding at step" in stderr, stderr[-4000:]
     assert "noticed by rank 0" in stderr
+
+
+def test_silent_peers_names_the_rank_that_stopped_publishing_not_a_live_or_finished_one(monkeypatch):
+    """What a rank whose barrier failed asks before it exits: which peers went silent."""
+    import torch.distributed as dist
+    from llamarl.liveness import Heartbeat
+
+    master = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", str(master.port))
+    executor_of = {0: "generator", 1: "reward", 2: "trainer", 3: "trainer"}
+    beats = [Heartbeat(rank=rank, world_size=4, executor_of=executor_of, timeout_s=3600, interval_s=0.1)
+             for rank in range(4)]
+    for beat in beats:
+        assert beat.start()
+    beats[0].update(step=4, phase="step")
+    time.sleep(0.3)
+    beats[0]._stop.set()  # rank 0 dies: its thread stops publishing, no 'finished' mark
+    beats[3].finish()  # rank 3 ended normally
+    time.sleep(0.3)
+    try:
+        silent = beats[1].silent_peers(wait_s=1.0)
+        assert [(rank, last["step"], last["phase"]) for rank, last in silent] == [(0, 4, "step")]
+        assert Heartbeat(rank=0, world_size=2, executor_of={}, timeout_s=1).silent_peers() == []  # not started
+    finally:
+        for beat in beats:
+            beat._stop.set()
