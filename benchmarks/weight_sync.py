@@ -51,6 +51,8 @@ from pathlib import Path
 import torch
 
 REPO = Path(__file__).resolve().parents[1]
+if str(REPO / "tests") not in sys.path:  # tp_layout: the TP stand-in the weight-channel tests use too
+    sys.path.insert(0, str(REPO / "tests"))
 SIZES = {  # name -> LlamaConfig kwargs (vocab_size 32000 unless given)
     "tiny": {"vocab_size": 1024, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
              "num_attention_heads": 4, "num_key_value_heads": 2},
@@ -89,7 +91,7 @@ def meta_llama(size: str, *, dtype: torch.dtype):
 
 def generator_numels(size: str, *, generators: int, tp: bool) -> list[int]:
     """Elements each generator rank holds."""
-    from llamarl.channels.ddma_plan import llama_tp_slices
+    from tp_layout import llama_tp_slices
 
     model = meta_llama(size, dtype=torch.float32)
     total = sum(p.numel() for p in model.parameters())
@@ -266,7 +268,9 @@ def _memcpy_times(nbytes: int, *, repeats: int) -> list[float]:
 
 
 def _build(ctx, size: str, *, tp: bool, trainer_dtype, gen_dtype) -> _Holder:
-    from llamarl.channels.ddma_plan import llama_tp_slices, local_tensor, narrow_to_slices
+    from tp_layout import llama_tp_slices, narrow_to_slices
+
+    from llamarl.channels.ddma_plan import local_tensor
     from llamarl.models.sharding import shard_model
 
     if ctx.executor == "trainer":

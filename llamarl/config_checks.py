@@ -4,7 +4,7 @@ else: a recipe's entry point turns the ValueError into ``llamarl: config error: 
 for the whole job, exit code 2 (``llamarl.errors.config_errors``).
 
 Per-field checks live in each config's ``__post_init__`` (``llamarl/config.py``); the rank split is
-checked by ``world.plan_ranks``, also before any group is made. What only the data can tell (a
+checked by ``Pipeline.specs`` (and ``world.plan_ranks``), also before any group is made. What only the data can tell (a
 prompt too long for the budget, a broken row) is skipped with a warning and counted where it is read.
 """
 
@@ -84,12 +84,11 @@ def expected_lag(config: RLConfig) -> int:
     return lag * k + k - 1
 
 
-def validate_config(config: RLConfig, *, world_size: int, extra_ranks: dict[str, int] | None = None) -> None:
+def validate_config(config: RLConfig) -> None:
     """Raise ValueError (one line, naming the flag and the value) for a configuration that cannot run.
 
-    ``extra_ranks`` (``{flag: ranks}``, e.g. ``{"--ref.num-ranks": 1}``) are the ranks of a recipe's
-    own stages with ranks of their own: the rank split (generator + reward + those + at least one
-    trainer rank within the world, unless colocated) is checked here, for every recipe."""
+    The rank split is not checked here: ``Pipeline.specs`` checks it for every pipeline, naming each
+    stage's ``--*.num-ranks`` flag, before any process group exists."""
     name = config.model.name
     check_model(name)
     output = Path(config.run.output_dir or "runs")
@@ -117,11 +116,3 @@ def validate_config(config: RLConfig, *, world_size: int, extra_ranks: dict[str,
                          f"sample ({expected_lag(config)} versions: --run.schedule {config.run.schedule}, "
                          f"--run.async-lag {config.run.async_lag}, --trainer.num-minibatches "
                          f"{config.trainer.num_minibatches}): --algo.stale-policy wait could never train one")
-    if config.run.schedule != "colocated":
-        stages = {"--generator.num-ranks": generator.num_ranks, "--reward.num-ranks": config.reward.num_ranks,
-                  **(extra_ranks or {})}
-        needed = sum(stages.values()) + 1
-        if world_size < needed:
-            split = " + ".join(f"{flag} {ranks}" for flag, ranks in stages.items())
-            raise ValueError(f"{split} + at least 1 trainer rank = {needed} > the world size "
-                             f"{world_size} (torchrun --nproc-per-node); or use --run.schedule colocated")

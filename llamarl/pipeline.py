@@ -56,6 +56,9 @@ class Stage:
     called only on the stage's own ranks, with their ``ExecutorContext``."""
     num_ranks: int | None = 1
     """Ranks the stage owns; ``None`` for the ranks the other stages leave (at most one stage)."""
+    ranks_flag: str | None = None
+    """The command-line flag that sets ``num_ranks`` (``--ref.num-ranks``): the error for a world too
+    small for the split names it (None: the stage's name)."""
     tp: int = 1
     """Tensor-parallel degree: the stage's mesh is 2-D ``(dp, tp)`` when > 1."""
     headline: tuple[str, ...] = ()
@@ -192,16 +195,19 @@ class Pipeline:
         """Rank counts for ``world_size`` ranks (the ``None`` stage gets what the others leave; a
         co-resident stage its host's).
 
-        Raises ValueError naming the stages when the split does not fit the world, or when a
+        Raises ValueError naming the stages' flags when the split does not fit the world, or when a
         broadcast / gather channel joins co-resident stages on more than one rank (in memory, each
         rank keeps its own batch: the meaning of scatter between equal rank sets, not of those)."""
         hosts = [s for s in self.stages if s.colocate_with is None]
         fixed = sum(s.num_ranks for s in hosts if s.num_ranks is not None)
         rest = world_size - fixed
         if any(s.num_ranks is None for s in hosts) and rest < 1:
-            split = ", ".join(f"{s.name} {s.num_ranks}" for s in hosts if s.num_ranks is not None)
-            raise ValueError(f"{world_size} ranks leave none for stage "
-                             f"{next(s.name for s in hosts if s.num_ranks is None)!r} ({split})")
+            # The one check of the rank split, for every recipe and every user pipeline.
+            split = " + ".join(f"{s.ranks_flag or f'stage {s.name!r}'} {s.num_ranks}" for s in hosts
+                               if s.num_ranks is not None)
+            rest_stage = next(s.name for s in hosts if s.num_ranks is None)
+            raise ValueError(f"{split} + at least 1 {rest_stage} rank = {fixed + 1} > the world size {world_size} "
+                             f"(torchrun --nproc-per-node); or use --run.schedule colocated")
         counts = {s.name: rest if s.num_ranks is None else s.num_ranks for s in hosts}
         for channel in self.channels:
             if self.in_memory(channel) and channel.kind in ("broadcast", "gather") \

@@ -27,7 +27,6 @@ from __future__ import annotations
 import copy
 import dataclasses
 import logging
-import os
 from collections.abc import Callable
 
 from llamarl.config import RLConfig
@@ -82,7 +81,8 @@ def generator_stage(config: RLConfig, *, task: Task, prompt_fn: PromptFn, name: 
     """The policy's sampler on ``--generator.num-ranks`` ranks (``--generator.tp`` per replica),
     emitting whole prompt groups on channel ``output``; it evaluates greedy accuracy."""
     return Stage(name, build=_generator(config, task=task, prompt_fn=prompt_fn, output=output),
-                 num_ranks=config.generator.num_ranks, tp=config.generator.tp, headline=GENERATOR_HEADLINE)
+                 num_ranks=config.generator.num_ranks, ranks_flag="--generator.num-ranks", tp=config.generator.tp,
+                 headline=GENERATOR_HEADLINE)
 
 
 def reward_stage(config: RLConfig, *, scorer: str, name: str = "reward", input_name: str = "rollouts",
@@ -94,7 +94,8 @@ def reward_stage(config: RLConfig, *, scorer: str, name: str = "reward", input_n
         return RewardExecutor(ctx, config=config.reward, scorer=scorer, input_name=input_name, output_name=output)
     if config.reward.num_ranks == 0:
         return Stage(name, build=build, num_ranks=None, colocate_with="trainer", headline=REWARD_HEADLINE)
-    return Stage(name, build=build, num_ranks=config.reward.num_ranks, headline=REWARD_HEADLINE)
+    return Stage(name, build=build, num_ranks=config.reward.num_ranks, ranks_flag="--reward.num-ranks",
+                 headline=REWARD_HEADLINE)
 
 
 def trainer_stage(config: RLConfig, *, name: str = "trainer", input_name: str = "scored") -> Stage:
@@ -182,6 +183,6 @@ def run_rl(config: RLConfig, *, recipe: str, task: Task, heldout: list[Problem],
     """Validate ``config`` (every rank, before any process group) and run ``rl_pipeline``; returns
     the summary dict on global rank 0, else None. A configuration that cannot run raises ValueError
     before any process group: a configuration error under ``llamarl.errors.config_errors``."""
-    validate_config(config, world_size=int(os.environ.get("WORLD_SIZE", "1")))
+    validate_config(config)
     return run_pipeline(rl_pipeline(config, task=task, scorer=scorer, prompt_fn=prompt_fn), config,
                         recipe=recipe, heldout=heldout, score=score)

@@ -8,13 +8,13 @@ after training and writes ``summary.json`` into the run directory.
 
 from __future__ import annotations
 
-import os
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import tyro
 
 from llamarl.config import GeneratorConfig, RLConfig, RunConfig, TrainerConfig
+from llamarl.config_checks import validate_config
 from llamarl.data.arithmetic import ArithmeticTask
 from llamarl.data.prompts import ARITHMETIC_INSTRUCTION, build_chat_prompt
 from llamarl.errors import config_errors, parse_flags
@@ -50,13 +50,16 @@ def prompt_fn(tokenizer, question: str) -> list[int]:
 
 
 def run_variant(config: ArithmeticConfig, *, recipe: str, build_pipeline: Callable[..., Pipeline],
-                validate: Callable[..., None], scorer: str = "arithmetic", score: Callable[[str, str], float] = score,
-                edit: Callable[[Pipeline], None] | None = None) -> dict | None:
+                checks: Callable[[ArithmeticConfig], None] | None = None, scorer: str = "arithmetic",
+                score: Callable[[str, str], float] = score, edit: Callable[[Pipeline], None] | None = None) -> dict | None:
     """An arithmetic recipe with a pipeline of its own (``recipes/ref_kl.py``, ``llm_judge.py``,
-    ``dapo_filter.py``): ``validate(config, world_size=...)`` on every rank before any process group,
+    ``dapo_filter.py``): ``validate_config`` and the recipe's own ``checks(config)`` on every rank
+    before any process group (the rank split, its stages included, is checked by the pipeline),
     ``build_pipeline(config, task=..., scorer=..., prompt_fn=...)``, ``edit(pipeline)`` if given (a
     test's taps), then ``run_pipeline``. Returns the summary on global rank 0, else None."""
-    validate(config, world_size=int(os.environ.get("WORLD_SIZE", "1")))
+    validate_config(config)
+    if checks is not None:
+        checks(config)
     task = ArithmeticTask(num_digits=config.task.num_digits, seed=config.run.seed)
     pipeline = build_pipeline(config, task=task, scorer=scorer, prompt_fn=prompt_fn)
     if edit is not None:

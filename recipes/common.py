@@ -1,4 +1,6 @@
-"""Shared by the GSM8K and MATH recipes: the pass@k evaluation section and the run directory it reads.
+"""Shared by the GSM8K and MATH recipes: the pass@k evaluation section and the run directory it
+reads, the run itself (``run_dataset_recipe``) and the GPU presets' common shape (``qwen_1gpu``,
+``qwen_8gpu``: each recipe passes what differs for its data).
 
 pass@k needs samples from the final policy; ``run_rl`` evaluates greedy accuracy only, so the
 recipe measures pass@k after the run, on global rank 0, from the final HF export
@@ -12,12 +14,21 @@ from __future__ import annotations
 import json
 import os
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import torch
 
-from llamarl.config import RLConfig
+from llamarl.config import (
+    AlgoConfig,
+    CheckpointConfig,
+    GeneratorConfig,
+    ModelConfig,
+    RewardConfig,
+    RLConfig,
+    RunConfig,
+    TrainerConfig,
+)
 from llamarl.data.problem_list import ListTask
 from llamarl.data.prompts import Problem
 from llamarl.evaluation import evaluate_policy, load_policy
@@ -119,3 +130,36 @@ def run_dataset_recipe(config: RLConfig, *, recipe: str, train: list[Problem], t
     summary = run_rl(config, recipe=recipe, task=ListTask(train, seed=config.run.seed),
                      heldout=test[: config.run.num_eval_problems], score=score, scorer=recipe, prompt_fn=prompt_fn)
     return run_pass_k(config, config.eval, summary=summary, problems=test, prompt_fn=prompt_fn, score=score)
+
+
+def qwen_1gpu(config_class: type[RLConfig], *, max_new_tokens: int, lr: float, max_steps: int,
+              num_test_problems: int, **sections) -> RLConfig:
+    """Qwen2.5-0.5B-Instruct colocated on one GPU with vLLM (64 prompts x 8 samples a tick, bf16,
+    eight scoring processes, a checkpoint every 50 ticks; greedy accuracy and pass@1/8 on the first
+    ``num_test_problems`` test problems). ``sections``: the recipe's own (``data=...``)."""
+    return config_class(
+        model=ModelConfig(name="Qwen/Qwen2.5-0.5B-Instruct"),
+        generator=GeneratorConfig(engine="vllm", kv_cache_gib=20.0, num_prompts_per_step=64, samples_per_prompt=8,
+                                  max_new_tokens=max_new_tokens, temperature=1.0, dtype="bfloat16"),
+        reward=RewardConfig(num_workers=8),
+        trainer=TrainerConfig(lr=lr, param_dtype="bfloat16", max_tokens_per_microbatch=16384),
+        run=RunConfig(schedule="colocated", max_steps=max_steps, num_eval_problems=num_test_problems),
+        checkpoint=CheckpointConfig(every=50),
+        eval=EvalConfig(pass_k=[1, 8], pass_k_problems=num_test_problems, chunk=512), **sections)
+
+
+def qwen_8gpu(config_class: type[RLConfig], *, samples_per_prompt: int, max_new_tokens: int, reward: RewardConfig,
+              trainer: TrainerConfig, algo: AlgoConfig, num_test_problems: int, **sections) -> RLConfig:
+    """Qwen2.5-1.5B-Instruct on one 8-GPU node, async: 4 vLLM generator replicas (64 prompts each a
+    tick: 256), 4 FSDP2 trainer ranks which also score (``reward``'s workers on each), a checkpoint
+    every 50 ticks, greedy accuracy and pass@1/8 on the first ``num_test_problems`` test problems.
+    ``trainer`` gets bf16 parameters and a 32,768-token microbatch; ``sections``: the recipe's own."""
+    return config_class(
+        model=ModelConfig(name="Qwen/Qwen2.5-1.5B-Instruct"),
+        generator=GeneratorConfig(num_ranks=4, engine="vllm", kv_cache_gib=40.0, num_prompts_per_step=64,
+                                  samples_per_prompt=samples_per_prompt, max_new_tokens=max_new_tokens,
+                                  temperature=1.0, dtype="bfloat16"),
+        reward=reward, trainer=replace(trainer, param_dtype="bfloat16", max_tokens_per_microbatch=32768), algo=algo,
+        run=RunConfig(schedule="async", max_steps=300, num_eval_problems=num_test_problems),
+        checkpoint=CheckpointConfig(every=50),
+        eval=EvalConfig(pass_k=[1, 8], pass_k_problems=num_test_problems, chunk=512), **sections)

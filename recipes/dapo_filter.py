@@ -27,7 +27,6 @@ import torch
 import tyro
 
 from llamarl.batch import TensorBatch
-from llamarl.config_checks import validate_config
 from llamarl.data.arithmetic import ArithmeticTask
 from llamarl.errors import config_errors, parse_flags
 from llamarl.executor import Executor
@@ -92,6 +91,7 @@ class FilterExecutor(Executor):
 
 def filter_stage(config: DapoFilterConfig) -> Stage:
     return Stage("filter", build=lambda ctx: FilterExecutor(ctx), num_ranks=config.filter.num_ranks,
+                 ranks_flag="--filter.num-ranks",
                  headline=("filter_groups_kept",))
 
 
@@ -103,14 +103,9 @@ def dapo_filter_pipeline(config: DapoFilterConfig, *, task: ArithmeticTask, scor
                                 reward_output="scored", output="filtered", title="DAPO filter", summary={})
 
 
-def validate_dapo_filter(config: DapoFilterConfig, *, world_size: int) -> None:
-    """``validate_config`` with the filter's ranks in the split."""
-    validate_config(config, world_size=world_size, extra_ranks={"--filter.num-ranks": config.filter.num_ranks})
-
-
 def main(config: DapoFilterConfig) -> dict | None:
     """The arithmetic task with the rule-based scorer and the filter."""
-    return run_variant(config, recipe="dapo_filter", build_pipeline=dapo_filter_pipeline, validate=validate_dapo_filter)
+    return run_variant(config, recipe="dapo_filter", build_pipeline=dapo_filter_pipeline)
 
 
 if __name__ == "__main__":

@@ -38,7 +38,6 @@ import tyro
 
 from llamarl.config import (
     AlgoConfig,
-    CheckpointConfig,
     GeneratorConfig,
     ModelConfig,
     RewardConfig,
@@ -51,7 +50,7 @@ from llamarl.data.hub import load_hub_problems
 from llamarl.data.prompts import Problem, build_chat_prompt
 from llamarl.errors import config_errors, parse_flags
 from llamarl.rewards.gsm8k import score
-from recipes.common import EvalConfig, TrainSubsetConfig, run_dataset_recipe
+from recipes.common import EvalConfig, TrainSubsetConfig, qwen_1gpu, qwen_8gpu, run_dataset_recipe
 
 # verl's GSM8K instruction; the scorer reads "#### N" first (then \boxed, "the answer is", last number).
 GSM8K_INSTRUCTION = "Let's think step by step and output the final answer after \"####\"."
@@ -111,32 +110,15 @@ PRESETS: dict[str, tuple[str, GSM8KConfig]] = {
                       data=GSM8KDataConfig(path=SHARED_GSM8K),
                       eval=EvalConfig(pass_k=[1, 4], pass_k_problems=8, chunk=64))),
     "qwen2.5-0.5b-1gpu": ("Qwen2.5-0.5B-Instruct on one GPU, colocated, vLLM (from verl's GSM8K quick-start).",
-                          GSM8KConfig(
-                              model=ModelConfig(name="Qwen/Qwen2.5-0.5B-Instruct"),
-                              generator=GeneratorConfig(engine="vllm", kv_cache_gib=20.0, num_prompts_per_step=64,
-                                                        samples_per_prompt=8, max_new_tokens=512, temperature=1.0,
-                                                        dtype="bfloat16"),
-                              reward=RewardConfig(num_workers=8),
-                              trainer=TrainerConfig(lr=2e-6, param_dtype="bfloat16", max_tokens_per_microbatch=16384),
-                              run=RunConfig(schedule="colocated", max_steps=350, num_eval_problems=1319),
-                              checkpoint=CheckpointConfig(every=50),
-                              eval=EvalConfig(pass_k=[1, 8], pass_k_problems=1319, chunk=512))),
+                          qwen_1gpu(GSM8KConfig, max_new_tokens=512, lr=2e-6, max_steps=350, num_test_problems=1319)),
     "qwen2.5-1.5b-8gpu": ("Qwen2.5-1.5B-Instruct, one 8-GPU node: 4 vLLM generators, 4 FSDP trainers (the reward on their ranks).",
-                          GSM8KConfig(
-                              model=ModelConfig(name="Qwen/Qwen2.5-1.5B-Instruct"),
-                              # num_prompts_per_step is per generator replica: 4 x 64 = 256 prompts a tick.
-                              generator=GeneratorConfig(num_ranks=4, engine="vllm", kv_cache_gib=40.0,
-                                                        num_prompts_per_step=64, samples_per_prompt=4,
-                                                        max_new_tokens=1024, temperature=1.0, dtype="bfloat16"),
-                              reward=RewardConfig(num_workers=4),  # on each trainer rank: 16 scorers
-                              trainer=TrainerConfig(lr=1.7e-5, weight_decay=0.017, param_dtype="bfloat16",
-                                                    max_tokens_per_microbatch=32768),
-                              # AReaL caps the behaviour importance weight at 5 (behav_imp_weight_cap: 5.0).
-                              algo=AlgoConfig(loss="decoupled_ppo", prox="recompute", max_staleness=2,
-                                              behav_weight_cap=5.0),
-                              run=RunConfig(schedule="async", max_steps=300, num_eval_problems=1319),
-                              checkpoint=CheckpointConfig(every=50),
-                              eval=EvalConfig(pass_k=[1, 8], pass_k_problems=1319, chunk=512))),
+                          qwen_8gpu(GSM8KConfig, samples_per_prompt=4, max_new_tokens=1024,
+                                    reward=RewardConfig(num_workers=4),  # on each trainer rank: 16 scorers
+                                    trainer=TrainerConfig(lr=1.7e-5, weight_decay=0.017),
+                                    # AReaL caps the behaviour importance weight at 5 (behav_imp_weight_cap: 5.0).
+                                    algo=AlgoConfig(loss="decoupled_ppo", prox="recompute", max_staleness=2,
+                                                    behav_weight_cap=5.0),
+                                    num_test_problems=1319)),
 }
 
 

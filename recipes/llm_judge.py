@@ -65,14 +65,14 @@ import tyro
 
 from llamarl.batch import TensorBatch
 from llamarl.checkpoint import read_json, write_json
-from llamarl.config_checks import validate_config
+from llamarl.config_checks import check_model
 from llamarl.data.prompts import build_chat_prompt
 from llamarl.errors import config_errors, parse_flags
 from llamarl.executor import Executor
 from llamarl.executors.generator import PromptFn, Task
 from llamarl.executors.reward import set_balance_tokens
 from llamarl.metrics import MetricSpec
-from llamarl.models.loading import KNOWN_ALIASES, load_causal_lm
+from llamarl.models.loading import load_causal_lm
 from llamarl.pipeline import Pipeline, Stage
 from llamarl.rl_pipeline import stage_before_trainer
 from recipes.arithmetic import ArithmeticConfig, run_variant
@@ -365,7 +365,8 @@ def judge_stage(config: LLMJudgeConfig, *, task: Task, name: str = "judge", inpu
         return JudgeExecutor(ctx, config=config.judge, model_name=config.judge.model or config.model.name,
                              question_of=lambda index: task.sample(index).question,
                              input_name=input_name, output_name=output)
-    return Stage(name, build=build, num_ranks=config.judge.num_ranks, headline=JUDGE_HEADLINE)
+    return Stage(name, build=build, num_ranks=config.judge.num_ranks, ranks_flag="--judge.num-ranks",
+                 headline=JUDGE_HEADLINE)
 
 
 def llm_judge_pipeline(config: LLMJudgeConfig, *, task: Task, scorer: str, prompt_fn: PromptFn) -> Pipeline:
@@ -381,20 +382,15 @@ def llm_judge_pipeline(config: LLMJudgeConfig, *, task: Task, scorer: str, promp
                                          "judge_hard": config.judge.hard})
 
 
-def validate_llm_judge(config: LLMJudgeConfig, *, world_size: int) -> None:
-    """``validate_config`` plus the judge's checks: one line naming the flag."""
-    validate_config(config, world_size=world_size, extra_ranks={"--judge.num-ranks": config.judge.num_ranks})
-    name = config.judge.model
-    if name is not None and name not in KNOWN_ALIASES:
-        path = Path(name).expanduser()
-        if (name.startswith((".", "/", "~")) or name.count("/") > 1 or path.exists()) and not path.is_dir():
-            raise ValueError(f"--judge.model {name}: no such model directory (nor a built-in alias: "
-                             f"{', '.join(KNOWN_ALIASES)})")
+def check_llm_judge(config: LLMJudgeConfig) -> None:
+    """The judge's model must name a model as the policy's does (``check_model``)."""
+    if config.judge.model is not None:
+        check_model(config.judge.model, flag="--judge.model")
 
 
 def main(config: LLMJudgeConfig) -> dict | None:
     """The arithmetic task, judged by the LLM, audited and evaluated by the arithmetic scorer."""
-    return run_variant(config, recipe="llm_judge", build_pipeline=llm_judge_pipeline, validate=validate_llm_judge)
+    return run_variant(config, recipe="llm_judge", build_pipeline=llm_judge_pipeline, checks=check_llm_judge)
 
 
 if __name__ == "__main__":

@@ -22,9 +22,7 @@ import tyro
 
 from llamarl.config import (
     AlgoConfig,
-    CheckpointConfig,
     GeneratorConfig,
-    ModelConfig,
     RewardConfig,
     RLConfig,
     RunConfig,
@@ -35,7 +33,7 @@ from llamarl.data.math import load_math_jsonl, row_to_problem
 from llamarl.data.prompts import Problem, build_chat_prompt
 from llamarl.errors import config_errors, parse_flags
 from llamarl.rewards.math import score
-from recipes.common import EvalConfig, TrainSubsetConfig, run_dataset_recipe
+from recipes.common import EvalConfig, TrainSubsetConfig, qwen_1gpu, qwen_8gpu, run_dataset_recipe
 
 # The Qwen2.5-Math / DeepSeek instruction; the scorer reads the last \boxed{} first.
 MATH_INSTRUCTION = "Please reason step by step, and put your final answer within \\boxed{}."
@@ -82,29 +80,12 @@ PRESETS: dict[str, tuple[str, MathConfig]] = {
                 MathConfig(generator=GeneratorConfig(max_new_tokens=512, temperature=1.0),
                            run=RunConfig(num_eval_problems=100))),
     "qwen2.5-0.5b-1gpu": ("Qwen2.5-0.5B-Instruct on one GPU, colocated, vLLM, 1024 new tokens.",
-                          MathConfig(
-                              model=ModelConfig(name="Qwen/Qwen2.5-0.5B-Instruct"),
-                              generator=GeneratorConfig(engine="vllm", kv_cache_gib=20.0, num_prompts_per_step=64,
-                                                        samples_per_prompt=8, max_new_tokens=1024, temperature=1.0,
-                                                        dtype="bfloat16"),
-                              reward=RewardConfig(num_workers=8),
-                              trainer=TrainerConfig(lr=1e-6, param_dtype="bfloat16", max_tokens_per_microbatch=16384),
-                              run=RunConfig(schedule="colocated", max_steps=300, num_eval_problems=500),
-                              checkpoint=CheckpointConfig(every=50),
-                              eval=EvalConfig(pass_k=[1, 8], pass_k_problems=500, chunk=512))),
+                          qwen_1gpu(MathConfig, max_new_tokens=1024, lr=1e-6, max_steps=300, num_test_problems=500)),
     "qwen2.5-1.5b-8gpu": ("Qwen2.5-1.5B-Instruct, one 8-GPU node: 4 vLLM generators, 4 FSDP trainers (the reward on their ranks), AIPO.",
-                          MathConfig(
-                              model=ModelConfig(name="Qwen/Qwen2.5-1.5B-Instruct"),
-                              # Per generator replica: 4 x 64 = 256 prompts (x 8 samples) a tick.
-                              generator=GeneratorConfig(num_ranks=4, engine="vllm", kv_cache_gib=40.0,
-                                                        num_prompts_per_step=64, samples_per_prompt=8,
-                                                        max_new_tokens=2048, temperature=1.0, dtype="bfloat16"),
-                              reward=RewardConfig(num_workers=4, timeout_s=10.0),  # on each trainer rank
-                              trainer=TrainerConfig(lr=1e-6, param_dtype="bfloat16", max_tokens_per_microbatch=32768),
-                              algo=AlgoConfig(loss="aipo", rho=4.0),
-                              run=RunConfig(schedule="async", max_steps=300, num_eval_problems=500),
-                              checkpoint=CheckpointConfig(every=50),
-                              eval=EvalConfig(pass_k=[1, 8], pass_k_problems=500, chunk=512))),
+                          qwen_8gpu(MathConfig, samples_per_prompt=8, max_new_tokens=2048,
+                                    reward=RewardConfig(num_workers=4, timeout_s=10.0),  # on each trainer rank
+                                    trainer=TrainerConfig(lr=1e-6), algo=AlgoConfig(loss="aipo", rho=4.0),
+                                    num_test_problems=500)),
 }
 
 

@@ -59,7 +59,6 @@ import tyro
 from llamarl.algorithms.advantages import KL_KINDS, kl_penalty
 from llamarl.batch import TensorBatch
 from llamarl.config import ModelConfig
-from llamarl.config_checks import validate_config
 from llamarl.errors import config_errors, parse_flags
 from llamarl.executor import Executor
 from llamarl.executors.generator import PromptFn, Task
@@ -231,7 +230,7 @@ def ref_stage(config: RefKLConfig, *, name: str = "ref", input_name: str = "scor
         return RefPolicyExecutor(ctx, model_config=config.model, config=config.ref,
                                  temperature=config.generator.temperature, max_tokens_per_microbatch=budget,
                                  input_name=input_name, output_name=output)
-    return Stage(name, build=build, num_ranks=config.ref.num_ranks, headline=REF_HEADLINE)
+    return Stage(name, build=build, num_ranks=config.ref.num_ranks, ranks_flag="--ref.num-ranks", headline=REF_HEADLINE)
 
 
 def ref_kl_pipeline(config: RefKLConfig, *, task: Task, scorer: str, prompt_fn: PromptFn) -> Pipeline:
@@ -247,9 +246,8 @@ def ref_kl_pipeline(config: RefKLConfig, *, task: Task, scorer: str, prompt_fn: 
                                 summary={"kl_coef": config.ref.kl_coef, "kl_estimator": config.ref.kl_estimator})
 
 
-def validate_ref_kl(config: RefKLConfig, *, world_size: int) -> None:
-    """``validate_config`` plus the checks of the reference stage: one line naming the flag."""
-    validate_config(config, world_size=world_size, extra_ranks={"--ref.num-ranks": config.ref.num_ranks})
+def check_ref_kl(config: RefKLConfig) -> None:
+    """The reference stage's check across sections: one line naming the flag."""
     budget = config.ref.max_tokens_per_microbatch
     if budget is not None and budget < config.trainer.max_tokens_per_microbatch:
         raise ValueError(f"--ref.max-tokens-per-microbatch {budget} is below --trainer.max-tokens-per-microbatch "
@@ -258,7 +256,7 @@ def validate_ref_kl(config: RefKLConfig, *, world_size: int) -> None:
 
 def main(config: RefKLConfig) -> dict | None:
     """The arithmetic task with the rule-based scorer and the KL penalty."""
-    return run_variant(config, recipe="ref_kl", build_pipeline=ref_kl_pipeline, validate=validate_ref_kl)
+    return run_variant(config, recipe="ref_kl", build_pipeline=ref_kl_pipeline, checks=check_ref_kl)
 
 
 if __name__ == "__main__":

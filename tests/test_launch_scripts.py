@@ -129,7 +129,7 @@ def test_slurm_script_runs_one_agent_per_node_at_the_first_node(tmp_path):
 
 
 BAD_SPLIT = ["recipes.arithmetic", "--generator.num-ranks", "5"]
-BAD_SPLIT_LINE = ("llamarl: config error: --generator.num-ranks 5 + --reward.num-ranks 0 + at least 1 trainer rank = 6 "
+BAD_SPLIT_LINE = ("llamarl: config error: --generator.num-ranks 5 + at least 1 trainer rank = 6 "
                   "> the world size 3 (torchrun --nproc-per-node); or use --run.schedule colocated\n")
 
 

@@ -70,6 +70,7 @@ def test_a_stopped_rank_ends_the_job_with_a_named_line(tmp_path):
 def test_silent_peers_names_the_rank_that_stopped_publishing_not_a_live_or_finished_one(monkeypatch):
     """What a rank whose barrier failed asks before it exits: which peers went silent."""
     import torch.distributed as dist
+
     from llamarl.liveness import Heartbeat
 
     master = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)

@@ -35,10 +35,10 @@ from recipes.llm_judge import (
     JudgeExecutor,
     LLMJudgeConfig,
     answer_token_ids,
+    check_llm_judge,
     judge_prompt_ids,
     judge_yes_probability,
     llm_judge_pipeline,
-    validate_llm_judge,
 )
 
 JUDGE_KEYS = ("judge_reward_mean", "judge_yes_prob_mean", "judge_answer_mass_mean", "judge_agreement",
@@ -167,11 +167,12 @@ def test_config_and_schedule_are_checked(tmp_path):
     assert all(pipeline.in_memory(c) for c in pipeline.channels)
     config = LLMJudgeConfig()
     config.run.output_dir = str(tmp_path)
-    with pytest.raises(ValueError, match=r"--judge.num-ranks 1 \+ at least 1 trainer rank = 3 > the world size 2"):
-        validate_llm_judge(config, world_size=2)
+    with pytest.raises(ValueError, match=r"^--generator.num-ranks 1 \+ --judge.num-ranks 1 \+ at least 1 trainer "
+                                         r"rank = 3 > the world size 2"):
+        llm_judge_pipeline(config, task=None, scorer="arithmetic", prompt_fn=None).specs(2)
     config.judge.model = str(tmp_path / "no-such-judge")
     with pytest.raises(ValueError, match="--judge.model .*no such model directory"):
-        validate_llm_judge(config, world_size=4)
+        check_llm_judge(config)
     for schedule, lag, same in [("async", 2, (False, True, False)), ("async", 1, (True, True, False)),
                                 ("sync", 2, (True, True, True))]:
         config = LLMJudgeConfig()

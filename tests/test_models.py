@@ -9,11 +9,12 @@ import importlib.util
 import huggingface_hub.constants
 import pytest
 import torch
+from tiny_model import build_tiny_llama, tiny_llama_config
 from tokenizers import Tokenizer, models, pre_tokenizers
 from transformers import PreTrainedTokenizerFast
 
 from llamarl.engines.torch_engine import Request, SamplingParams, TorchEngine
-from llamarl.models import build_tiny_llama, load_causal_lm, loading, resolve_model_path, tiny_llama_config
+from llamarl.models import load_causal_lm, loading, resolve_model_path
 
 
 def _tiny_tokenizer() -> PreTrainedTokenizerFast:

@@ -27,7 +27,7 @@ from taps import read_taps
 from llamarl.algorithms.advantages import kl_penalty
 from llamarl.algorithms.logprobs import completion_logprobs
 from llamarl.models.loading import load_causal_lm
-from recipes.ref_kl import RefConfig, RefKLConfig, ref_kl_pipeline, validate_ref_kl
+from recipes.ref_kl import RefConfig, RefKLConfig, check_ref_kl, ref_kl_pipeline
 
 TEMPERATURE = 0.8  # ArithmeticConfig's default, which the worlds keep
 REF_KEYS = ("kl_mean", "kl_penalty_mean", "reward_raw_mean", "reward_shaped_mean", "ref_samples", "ref_tokens")
@@ -135,11 +135,12 @@ def test_config_and_schedule_are_checked():
     assert all(pipeline.in_memory(c) for c in pipeline.channels)
     config = RefKLConfig()
     config.run.output_dir = "/tmp"
-    with pytest.raises(ValueError, match=r"--ref.num-ranks 1 \+ at least 1 trainer rank = 3 > the world size 2"):
-        validate_ref_kl(config, world_size=2)
+    with pytest.raises(ValueError, match=r"^--generator.num-ranks 1 \+ --ref.num-ranks 1 \+ at least 1 trainer rank "
+                                         r"= 3 > the world size 2"):
+        ref_kl_pipeline(config, task=None, scorer="arithmetic", prompt_fn=None).specs(2)
     config.ref.max_tokens_per_microbatch = 100
     with pytest.raises(ValueError, match="--ref.max-tokens-per-microbatch 100 is below"):
-        validate_ref_kl(config, world_size=4)
+        check_ref_kl(config)
     # The pipeline: four stages in data order; the reference adds no lag (scored is same-tick).
     for schedule, lag, same in [("async", 2, (False, True, False)), ("async", 1, (True, True, False)),
                                 ("sync", 2, (True, True, True))]:

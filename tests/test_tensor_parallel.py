@@ -18,13 +18,12 @@ from safetensors.torch import load_file
 
 sys.path.insert(0, str(Path(__file__).parent))
 from launch import check, run_torchrun
-from tiny_model import save_tiny_model
+from tiny_model import build_tiny_llama, save_tiny_model
 from worlds.tp_world import PROMPTS, VERSION
 
 from llamarl.config import GeneratorConfig
 from llamarl.data.prompts import Problem
 from llamarl.executors.generator import GeneratorExecutor
-from llamarl.models.loading import build_tiny_llama
 from llamarl.models.tensor_parallel import apply_tensor_parallel
 from llamarl.world import ExecutorContext, ExecutorSpec, plan_ranks, tp_grid
 

@@ -8,6 +8,7 @@ import math
 
 import pytest
 import torch
+from tiny_model import build_tiny_llama
 
 from llamarl.engines.torch_engine import (
     Completion,
@@ -17,7 +18,6 @@ from llamarl.engines.torch_engine import (
     filtered_logprobs,
     sample_tokens,
 )
-from llamarl.models import build_tiny_llama
 
 PROMPT_LENS = [3, 9, 1, 14, 6]
 

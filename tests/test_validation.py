@@ -28,6 +28,7 @@ from llamarl.config import (
 )
 from llamarl.config_checks import validate_config
 from llamarl.controller import ExecutorController
+from llamarl.rl_pipeline import rl_pipeline
 
 
 def config(model_dir, tmp_path, **sections):
@@ -55,14 +56,13 @@ def test_field_errors(make, message):
 
 
 def test_good_config_passes(model_dir, tmp_path):
-    validate_config(config(model_dir, tmp_path), world_size=3)
-    validate_config(config(model_dir, tmp_path, run=RunConfig(schedule="colocated", output_dir=str(tmp_path))),
-                    world_size=1)
+    validate_config(config(model_dir, tmp_path))
+    validate_config(config(model_dir, tmp_path, run=RunConfig(schedule="colocated", output_dir=str(tmp_path))))
 
 
 def test_missing_model_directory(tmp_path):
     with pytest.raises(ValueError, match=f"--model.name {tmp_path}/nope: no such model directory"):
-        validate_config(config(tmp_path / "nope", tmp_path), world_size=3)
+        validate_config(config(tmp_path / "nope", tmp_path))
 
 
 def test_unwritable_output_directory(model_dir, tmp_path):
@@ -70,42 +70,43 @@ def test_unwritable_output_directory(model_dir, tmp_path):
     (tmp_path / "file").write_text("x")
     cfg = config(model_dir, tmp_path, run=RunConfig(output_dir=str(tmp_path / "file" / "run")))
     with pytest.raises(ValueError, match="--run.output-dir .*/file/run: not writable"):
-        validate_config(cfg, world_size=3)
+        validate_config(cfg)
 
 
 def test_completion_budget_against_the_micro_batch_and_the_context(model_dir, tmp_path):
     with pytest.raises(ValueError, match="--generator.max-new-tokens 64 leaves no room for a prompt in "
                                          "--trainer.max-tokens-per-microbatch 64"):
         validate_config(config(model_dir, tmp_path, generator=GeneratorConfig(max_new_tokens=64),
-                               trainer=TrainerConfig(max_tokens_per_microbatch=64)), world_size=3)
+                               trainer=TrainerConfig(max_tokens_per_microbatch=64)))
     context = json.loads((Path(model_dir) / "config.json").read_text())["max_position_embeddings"]
     with pytest.raises(ValueError, match=f"does not fit the model's context of {context} tokens"):
-        validate_config(config(model_dir, tmp_path, generator=GeneratorConfig(max_new_tokens=context)),
-                        world_size=3)
+        validate_config(config(model_dir, tmp_path, generator=GeneratorConfig(max_new_tokens=context)))
 
 
 def test_rloo_needs_groups_and_the_split_needs_ranks(model_dir, tmp_path):
     with pytest.raises(ValueError, match="--algo.advantage rloo needs --generator.samples-per-prompt >= 2, got 1"):
         validate_config(config(model_dir, tmp_path, algo=AlgoConfig(advantage="rloo"),
-                               generator=GeneratorConfig(samples_per_prompt=1)), world_size=3)
-    with pytest.raises(ValueError, match="= 3 > the world size 2 .*or use --run.schedule colocated"):
-        validate_config(config(model_dir, tmp_path, reward=RewardConfig(num_ranks=1)), world_size=2)
+                               generator=GeneratorConfig(samples_per_prompt=1)))
+    with pytest.raises(ValueError, match=r"^--generator.num-ranks 1 \+ --reward.num-ranks 1 \+ at least 1 trainer rank "
+                                         r"= 3 > the world size 2 .*or use --run.schedule colocated$"):
+        rl_pipeline(config(model_dir, tmp_path, reward=RewardConfig(num_ranks=1)), task=None, scorer="arithmetic",
+                    prompt_fn=None).specs(2)
     # The reward on the trainer's ranks (the default): a generator rank and a trainer rank suffice.
-    validate_config(config(model_dir, tmp_path), world_size=2)
-    with pytest.raises(ValueError, match=r"--reward.num-ranks 0 \+ at least 1 trainer rank = 2 > the world size 1"):
-        validate_config(config(model_dir, tmp_path), world_size=1)
+    pipeline = rl_pipeline(config(model_dir, tmp_path), task=None, scorer="arithmetic", prompt_fn=None)
+    assert [(s.name, s.num_ranks) for s in pipeline.specs(2)] == [("generator", 1), ("trainer", 1), ("reward", 1)]
+    with pytest.raises(ValueError, match=r"^--generator.num-ranks 1 \+ at least 1 trainer rank = 2 > the world size 1"):
+        pipeline.specs(1)
 
 
 def test_wait_needs_a_staleness_bound_the_schedule_can_meet(model_dir, tmp_path):
     wait = AlgoConfig(max_staleness=1, stale_policy="wait")
     with pytest.raises(ValueError, match="--algo.max-staleness 1 is below what this schedule's lag makes every "
                                          "sample \\(2 versions: --run.schedule async, --run.async-lag 2"):
-        validate_config(config(model_dir, tmp_path, algo=wait, run=RunConfig(async_lag=2, output_dir=str(tmp_path))),
-                        world_size=3)
-    validate_config(config(model_dir, tmp_path, algo=wait), world_size=3)  # the default lag 1 meets eta 1
+        validate_config(config(model_dir, tmp_path, algo=wait, run=RunConfig(async_lag=2, output_dir=str(tmp_path))))
+    validate_config(config(model_dir, tmp_path, algo=wait))  # the default lag 1 meets eta 1
     with pytest.raises(ValueError, match="\\(3 versions: .* --trainer.num-minibatches 2\\)"):
         validate_config(config(model_dir, tmp_path, algo=wait, run=RunConfig(async_lag=1, output_dir=str(tmp_path)),
-                               trainer=TrainerConfig(num_minibatches=2)), world_size=3)
+                               trainer=TrainerConfig(num_minibatches=2)))
 
 
 def recipe_world(tmp_path, *flags: str, nproc: int = 3) -> tuple[subprocess.CompletedProcess, list[str]]:
@@ -161,7 +162,7 @@ def test_without_torchrun_a_config_error_exits_2_with_the_line_alone(tmp_path):
                           env={**env, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True, timeout=120,
                           check=False)
     assert proc.returncode == 2
-    assert proc.stderr == ("llamarl: config error: --generator.num-ranks 5 + --reward.num-ranks 0 + at least 1 "
+    assert proc.stderr == ("llamarl: config error: --generator.num-ranks 5 + at least 1 "
                            "trainer rank = 6 > the world size 1 (torchrun --nproc-per-node); or use --run.schedule "
                            "colocated\n"), proc.stderr
 
@@ -210,19 +211,19 @@ def test_the_failure_line_carries_a_message_whose_first_line_is_empty():
 def test_an_output_directory_nobody_can_create_is_not_writable(model_dir, tmp_path):
     # /proc passes os.access for root, yet no directory can be made in it.
     with pytest.raises(ValueError, match="--run.output-dir /proc/llamarl-x: not writable"):
-        validate_config(config(model_dir, tmp_path, run=RunConfig(output_dir="/proc/llamarl-x")), world_size=3)
-    validate_config(config(model_dir, tmp_path), world_size=3)
+        validate_config(config(model_dir, tmp_path, run=RunConfig(output_dir="/proc/llamarl-x")))
+    validate_config(config(model_dir, tmp_path))
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".llamarl-probe")]  # the probe is removed
 
 
 def test_an_uncached_hub_id_offline_is_a_missing_model(model_dir, tmp_path, monkeypatch):
     cfg = config(model_dir, tmp_path, model=ModelConfig(name="no-such-org-llamarl/no-such-model"))
     monkeypatch.setattr(hf_constants, "HF_HUB_OFFLINE", False)
-    validate_config(cfg, world_size=3)  # online, a hub id is checked when it is downloaded
+    validate_config(cfg)  # online, a hub id is checked when it is downloaded
     monkeypatch.setattr(hf_constants, "HF_HUB_OFFLINE", True)
     with pytest.raises(ValueError, match="--model.name no-such-org-llamarl/no-such-model: no such model directory, "
                                          "not a built-in alias .* not in the local Hugging Face cache"):
-        validate_config(cfg, world_size=3)
+        validate_config(cfg)
 
 
 def test_a_prompt_too_long_for_the_budget_is_skipped_and_counted(model_dir, tmp_path):

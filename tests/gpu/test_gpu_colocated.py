@@ -6,9 +6,7 @@ import json
 import pytest
 import torch
 from launch import check, run_torchrun
-from tiny_model import save_tiny_model, tiny_tokenizer
-
-from llamarl.models.loading import tiny_llama_config
+from tiny_model import save_tiny_model, tiny_llama_config, tiny_tokenizer
 
 
 def smollm2_shaped(directory):

@@ -2,9 +2,9 @@
 
 import pytest
 import torch
+from tiny_model import build_tiny_llama
 
 from llamarl.engines.torch_engine import Request, SamplingParams, TorchEngine
-from llamarl.models import build_tiny_llama
 
 DEVICE = "cuda"
 

@@ -16,13 +16,13 @@ from scorers_for_tests import first_char_even
 from taps import tap_inputs
 
 from recipes.arithmetic import run_variant
-from recipes.dapo_filter import DapoFilterConfig, dapo_filter_pipeline, validate_dapo_filter
-from recipes.llm_judge import LLMJudgeConfig, llm_judge_pipeline, validate_llm_judge
-from recipes.ref_kl import RefKLConfig, ref_kl_pipeline, validate_ref_kl
+from recipes.dapo_filter import DapoFilterConfig, dapo_filter_pipeline
+from recipes.llm_judge import LLMJudgeConfig, check_llm_judge, llm_judge_pipeline
+from recipes.ref_kl import RefKLConfig, check_ref_kl, ref_kl_pipeline
 
-RECIPES = {"ref_kl": (RefKLConfig, ref_kl_pipeline, validate_ref_kl),
-           "llm_judge": (LLMJudgeConfig, llm_judge_pipeline, validate_llm_judge),
-           "dapo_filter": (DapoFilterConfig, dapo_filter_pipeline, validate_dapo_filter)}
+RECIPES = {"ref_kl": (RefKLConfig, ref_kl_pipeline, check_ref_kl),
+           "llm_judge": (LLMJudgeConfig, llm_judge_pipeline, check_llm_judge),
+           "dapo_filter": (DapoFilterConfig, dapo_filter_pipeline, None)}
 
 if __name__ == "__main__":
     parser = argparse.ArgumentParser()
@@ -30,7 +30,7 @@ if __name__ == "__main__":
     parser.add_argument("--tap", action="append", default=[], help="a stage whose inputs are recorded")
     parser.add_argument("flags", nargs=argparse.REMAINDER)
     args = parser.parse_args()
-    config_class, build_pipeline, validate = RECIPES[args.recipe]
+    config_class, build_pipeline, checks = RECIPES[args.recipe]
     config = tyro.cli(config_class, args=[f for f in args.flags if f != "--"])
     if os.environ.get("LLAMARL_TEST_ZERO_LR") == "1":
         config.trainer.lr = 0.0
@@ -39,5 +39,5 @@ if __name__ == "__main__":
         for stage in args.tap:
             tap_inputs(pipeline, stage, Path(os.environ["LLAMARL_TEST_TAPS"]))
 
-    run_variant(config, recipe=args.recipe, build_pipeline=build_pipeline, validate=validate,
+    run_variant(config, recipe=args.recipe, build_pipeline=build_pipeline, checks=checks,
                 scorer="scorers_for_tests:first_char_even", score=first_char_even, edit=taps)

@@ -31,13 +31,14 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 from safetensors.torch import save_file
+from tiny_model import build_tiny_llama
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard
+from tp_layout import llama_tp_slices, narrow_to_slices
 
-from llamarl.channels.ddma_plan import llama_tp_slices, local_tensor, narrow_to_slices
+from llamarl.channels.ddma_plan import local_tensor
 from llamarl.channels.weights import WeightsChannel
 from llamarl.executor import Executor
-from llamarl.models.loading import build_tiny_llama
 from llamarl.models.sharding import full_named_parameters, shard_model
 from llamarl.world import ExecutorContext, ExecutorSpec
 
