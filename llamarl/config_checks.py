@@ -10,7 +10,6 @@ prompt too long for the budget, a broken row) is skipped with a warning and coun
 
 from __future__ import annotations
 
-import json
 import os
 import tempfile
 from pathlib import Path
@@ -20,19 +19,7 @@ from huggingface_hub import constants, try_to_load_from_cache
 from llamarl.checkpoint import resolve_resume
 from llamarl.config import RLConfig
 from llamarl.models.loading import KNOWN_ALIASES
-
-
-def model_context_length(name: str) -> int | None:
-    """``max_position_embeddings`` of a local HF directory's ``config.json`` (None when unknown:
-    an alias not yet converted, or a hub id)."""
-    config = Path(name).expanduser() / "config.json"
-    if not config.is_file():
-        return None
-    try:
-        value = json.loads(config.read_text()).get("max_position_embeddings")
-    except (OSError, json.JSONDecodeError) as exc:
-        raise ValueError(f"--model.name {name}: cannot read {config}: {exc}") from None
-    return int(value) if isinstance(value, int) else None
+from llamarl.run_plan import check_wait_meets_lag, expected_lag, model_context_length
 
 
 def _writable(path: Path) -> bool:
@@ -74,16 +61,6 @@ def check_model(name: str, flag: str = "--model.name") -> None:
                          f"in the local Hugging Face cache (HF_HUB_OFFLINE is set)")
 
 
-def expected_lag(config: RLConfig) -> int:
-    """Trainer versions between the weights a sample is generated with and the last optimizer step
-    that trains it: the schedule's lag in ticks L (async: ``--run.async-lag``; sync and colocated: 0)
-    times the k = ``--trainer.num-minibatches`` steps per tick, plus the k - 1 steps before the
-    batch's last minibatch. ``--algo.stale-policy wait`` plans with it."""
-    lag = config.run.async_lag if config.run.schedule == "async" else 0
-    k = config.trainer.num_minibatches
-    return lag * k + k - 1
-
-
 def validate_config(config: RLConfig) -> None:
     """Raise ValueError (one line, naming the flag and the value) for a configuration that cannot run.
 
@@ -111,8 +88,5 @@ def validate_config(config: RLConfig) -> None:
         raise ValueError("--algo.advantage rloo needs --generator.samples-per-prompt >= 2, "
                          f"got {generator.samples_per_prompt}")
     algo = config.algo
-    if algo.stale_policy == "wait" and algo.max_staleness is not None and algo.max_staleness < expected_lag(config):
-        raise ValueError(f"--algo.max-staleness {algo.max_staleness} is below what this schedule's lag makes every "
-                         f"sample ({expected_lag(config)} versions: --run.schedule {config.run.schedule}, "
-                         f"--run.async-lag {config.run.async_lag}, --trainer.num-minibatches "
-                         f"{config.trainer.num_minibatches}): --algo.stale-policy wait could never train one")
+    check_wait_meets_lag(algo, expected_lag(config), why=f"--run.schedule {config.run.schedule}, --run.async-lag "
+                         f"{config.run.async_lag}, --trainer.num-minibatches {config.trainer.num_minibatches}")

@@ -30,12 +30,14 @@ class Evaluations:
 
     def __init__(self, *, evaluator, stage: str | None, heldout: list[Problem] | None,
                  score: Callable[[str, str], float] | None, run_dir: Path, rank: int, reports: bool,
-                 eval_every: int, max_steps: int, restored: dict, resumed_at: int | None) -> None:
+                 eval_every: int, max_steps: int, restored: dict, resumed_at: int | None,
+                 wall_start: float) -> None:
+        """``wall_start``: when this segment of the run started (``time.time()``), for ``elapsed``."""
         self.evaluator, self.stage = evaluator, stage
         self.heldout, self.score, self.run_dir = heldout, score, run_dir
         self.rank, self.reports = rank, reports
         self.eval_every, self.max_steps = eval_every, max_steps
-        self.wall_start = time.time()
+        self.wall_start = wall_start
         # Seconds the run had spent up to the state resumed from: wall time and evaluation times continue.
         self.elapsed_before = float(restored.get("elapsed_seconds", 0.0))
         self.records: list[dict] = list(restored.get("evals", []))

@@ -30,12 +30,13 @@ import logging
 from collections.abc import Callable
 
 from llamarl.config import RLConfig
-from llamarl.config_checks import expected_lag, model_context_length, validate_config
+from llamarl.config_checks import validate_config
 from llamarl.data.prompts import Problem
-from llamarl.executors.generator import GeneratorExecutor, PromptFn, Task, auto_token_budget
+from llamarl.executors.generator import GeneratorExecutor, PromptFn, Task
 from llamarl.executors.reward import RewardExecutor
 from llamarl.executors.trainer import TrainerExecutor
 from llamarl.pipeline import ChannelSpec, Pipeline, Stage
+from llamarl.run_plan import plan_run
 from llamarl.runner import run_pipeline
 
 logger = logging.getLogger(__name__)
@@ -45,26 +46,19 @@ REWARD_HEADLINE = ("reward_mean", "accuracy")
 TRAINER_HEADLINE = ("loss", "staleness_mean", "train_tokens_per_s")
 
 
-def _max_sequence_tokens(config: RLConfig) -> int:
-    """Longest prompt + completion a sample may have: the trainer's micro-batch and the model's context."""
-    context = model_context_length(config.model.name)
-    return min(config.trainer.max_tokens_per_microbatch, context or config.trainer.max_tokens_per_microbatch)
-
-
 def _generator(config: RLConfig, *, task: Task, prompt_fn: PromptFn, output: str = "rollouts"):
+    plan = plan_run(config)  # once per pipeline, before the world: what every generator rank runs with
+    generator_config = dataclasses.replace(config.generator, token_budget=plan.token_budget)
+
     def build(ctx) -> GeneratorExecutor:
-        budget = auto_token_budget(config.generator, schedule=config.run.schedule, device=ctx.device)
-        generator_config = config.generator
-        if budget != generator_config.token_budget:
-            generator_config = dataclasses.replace(generator_config, token_budget=budget)
-            if ctx.local_rank == 0:
-                logger.info("partial rollouts on (--generator.partial-rollouts auto: async on %s, up to %d new "
-                            "tokens): --generator.token-budget %d", ctx.device, generator_config.max_new_tokens,
-                            budget)
+        if plan.token_budget != config.generator.token_budget and ctx.local_rank == 0:
+            logger.info("partial rollouts on (--generator.partial-rollouts auto: async on %s, up to %d new "
+                        "tokens): --generator.token-budget %d", ctx.device, generator_config.max_new_tokens,
+                        plan.token_budget)
         return GeneratorExecutor(ctx, model_config=config.model, config=generator_config, task=task,
                                  prompt_fn=prompt_fn, output_name=output, seed=config.run.seed,
-                                 max_sequence_tokens=_max_sequence_tokens(config), algo=config.algo,
-                                 expected_lag=expected_lag(config))
+                                 max_sequence_tokens=plan.max_sequence_tokens, algo=config.algo,
+                                 expected_lag=plan.expected_lag)
     return build
 
 

@@ -4,7 +4,8 @@ Per tick and per executor on this rank: its busy and channel spans (the Chrome t
 ``timeline.png``), its metrics reduced over its ranks as ``metric_specs`` declares (collective over
 its group), the headline metrics on rank 0's progress line (one WORLD all-reduce), and, on its
 first rank, one JSONL / TensorBoard record per metric section. The inbound end of a weights
-channel also logs the sync's ``weight_sync_seconds`` / ``weight_sync_skipped``.
+channel also logs the sync's ``weight_sync_seconds`` / ``weight_sync_skipped`` / ``weight_sync_bytes``
+(the weight bytes this rank received, or copied in place from a co-resident trainer).
 """
 
 from __future__ import annotations
@@ -61,6 +62,7 @@ class RunLog:
                 if weight_inbound and index == 0:
                     metrics["weight_sync_seconds"] = sum(c.last_seconds for c in weight_inbound)
                     metrics["weight_sync_skipped"] = float(all(c.last_skipped for c in weight_inbound))
+                    metrics["weight_sync_bytes"] = float(sum(c.last_bytes_received for c in weight_inbound))
                 if section not in self.loggers:
                     self.loggers[section] = MetricsLogger(self.run_dir, section, start_step=self.start_step,
                                                           specs=getattr(executor, "metric_specs", {}))

@@ -11,7 +11,7 @@ The runner knows nothing about what an executor does. Executors report their met
 role in ``executor.metric_sections``) and declare how each is reduced over their ranks in
 ``executor.metric_specs`` (``llamarl.metrics.MetricSpec``: section, sum / mean / max); the runner
 reduces them over the executor's group every tick and its first rank logs them. The inbound end of a ``weights`` channel also reports the
-sync's ``weight_sync_seconds`` / ``weight_sync_skipped``. The pipeline's ``evaluator`` stage
+sync's ``weight_sync_seconds`` / ``weight_sync_skipped`` / ``weight_sync_bytes``. The pipeline's ``evaluator`` stage
 evaluates greedy accuracy on the held-out problems before training, every ``--run.eval-every``
 ticks and after the last tick (with the final weights), on every rank of its first data-parallel
 replica (collective over a TP group); its first rank writes ``summary.json``.
@@ -135,8 +135,7 @@ def run_pipeline(pipeline: Pipeline, config, *, recipe: str, heldout: list[Probl
                               score=score, run_dir=run_dir, rank=ctx.rank,
                               reports=evaluates and contexts[pipeline.evaluator].local_rank == 0,
                               eval_every=run.eval_every, max_steps=run.max_steps, restored=restored or {},
-                              resumed_at=start_step if resume_dir is not None else None)
-    evaluations.wall_start = wall_start
+                              resumed_at=start_step if resume_dir is not None else None, wall_start=wall_start)
     log = RunLog(contexts=contexts, run_dir=run_dir, start_step=start_step, weight_channels=init_channels,
                  progress=Progress(keys=pipeline.headline_keys(), max_steps=run.max_steps, start_step=start_step,
                                    rank=ctx.rank, device=ctx.device))

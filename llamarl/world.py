@@ -103,9 +103,14 @@ def tp_grid(ranks: list[int], tp: int) -> list[list[int]]:
     return [ranks[i : i + tp] for i in range(0, len(ranks), tp)]
 
 
+def device_type() -> str:
+    """``cuda`` when CUDA is available (each rank then uses its own GPU), else ``cpu``."""
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
 def default_backend() -> str:
-    """``nccl`` when CUDA is available, else ``gloo``."""
-    return "nccl" if torch.cuda.is_available() else "gloo"
+    """``nccl`` on CUDA, else ``gloo``."""
+    return "nccl" if device_type() == "cuda" else "gloo"
 
 
 @dataclass
@@ -129,17 +134,10 @@ class ExecutorContext:
     tp_sizes: dict[str, int] = field(default_factory=dict)
 
     @staticmethod
-    def create(
-        specs: list[ExecutorSpec],
-        *,
-        timeout_s: float = 300.0,
-        backend: str | None = None,
-        channel_endpoints: list[tuple[str, str]] | None = None,
-    ) -> ExecutorContext:
-        """Initialise torch.distributed (from torchrun env vars), split the world, and return the
-        context of this rank's first executor (``create_all`` returns every co-resident one's)."""
-        return next(iter(ExecutorContext.create_all(specs, timeout_s=timeout_s, backend=backend,
-                                                    channel_endpoints=channel_endpoints).values()))
+    def create(specs: list[ExecutorSpec], **options) -> ExecutorContext:
+        """``create_all(specs, **options)``'s context of this rank's first executor (the only one
+        unless executors are co-resident)."""
+        return next(iter(ExecutorContext.create_all(specs, **options).values()))
 
     @staticmethod
     def create_all(

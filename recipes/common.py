@@ -29,6 +29,7 @@ from llamarl.config import (
     RunConfig,
     TrainerConfig,
 )
+from llamarl.data.gsm8k import Problems
 from llamarl.data.problem_list import ListTask
 from llamarl.data.prompts import Problem
 from llamarl.evaluation import evaluate_policy, load_policy
@@ -45,6 +46,15 @@ class TrainSubsetConfig:
     def __post_init__(self) -> None:
         if self.max_train_problems is not None and self.max_train_problems < 1:
             raise ValueError(f"--data.max-train-problems must be >= 1, got {self.max_train_problems}")
+
+    def train_subset(self, problems: list[Problem]) -> list[Problem]:
+        """The first ``max_train_problems`` of ``problems`` (all when None), keeping the loader's
+        ``num_skipped_rows`` count (the generator reports it as ``data_skipped_rows``)."""
+        if not self.max_train_problems:
+            return problems
+        subset = Problems(problems[: self.max_train_problems])
+        subset.num_skipped_rows = getattr(problems, "num_skipped_rows", 0)
+        return subset
 
 
 @dataclass
@@ -68,6 +78,14 @@ class EvalConfig:
             raise ValueError(f"--eval.temperature must be > 0, got {self.temperature}")
         if self.chunk < 1:
             raise ValueError(f"--eval.chunk must be >= 1, got {self.chunk}")
+
+
+@dataclass
+class DatasetRecipeConfig(RLConfig):
+    """What a dataset recipe's top config adds to ``RLConfig``: the pass@k section (each recipe adds
+    its ``--data`` section)."""
+
+    eval: EvalConfig = field(default_factory=EvalConfig)
 
 
 def prepare_pass_k(config: RLConfig, eval_config: EvalConfig, recipe: str) -> None:

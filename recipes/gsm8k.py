@@ -41,16 +41,22 @@ from llamarl.config import (
     GeneratorConfig,
     ModelConfig,
     RewardConfig,
-    RLConfig,
     RunConfig,
     TrainerConfig,
 )
-from llamarl.data.gsm8k import Problems, load_gsm8k_jsonl
+from llamarl.data.gsm8k import load_gsm8k_jsonl
 from llamarl.data.hub import load_hub_problems
 from llamarl.data.prompts import Problem, build_chat_prompt
 from llamarl.errors import config_errors, parse_flags
 from llamarl.rewards.gsm8k import score
-from recipes.common import EvalConfig, TrainSubsetConfig, qwen_1gpu, qwen_8gpu, run_dataset_recipe
+from recipes.common import (
+    DatasetRecipeConfig,
+    EvalConfig,
+    TrainSubsetConfig,
+    qwen_1gpu,
+    qwen_8gpu,
+    run_dataset_recipe,
+)
 
 # verl's GSM8K instruction; the scorer reads "#### N" first (then \boxed, "the answer is", last number).
 GSM8K_INSTRUCTION = "Let's think step by step and output the final answer after \"####\"."
@@ -71,11 +77,10 @@ class GSM8KDataConfig(TrainSubsetConfig):
 
 
 @dataclass
-class GSM8KConfig(RLConfig):
+class GSM8KConfig(DatasetRecipeConfig):
     """RL on GSM8K (see the module docstring for the pipeline and presets)."""
 
     data: GSM8KDataConfig = field(default_factory=GSM8KDataConfig)
-    eval: EvalConfig = field(default_factory=EvalConfig)
 
 
 def load_split(data: GSM8KDataConfig, split: str) -> list[Problem]:
@@ -87,11 +92,7 @@ def load_split(data: GSM8KDataConfig, split: str) -> list[Problem]:
     else:
         problems = load_hub_problems(data.hub_dataset, config=data.hub_config, split=split,
                                      to_problem=lambda row: Problem(question=row["question"], answer=row["answer"]))
-    if split == "train" and data.max_train_problems:
-        skipped = getattr(problems, "num_skipped_rows", 0)
-        problems = Problems(problems[: data.max_train_problems])
-        problems.num_skipped_rows = skipped
-    return problems
+    return data.train_subset(problems) if split == "train" else problems
 
 
 def prompt_fn(tokenizer, question: str) -> list[int]:

@@ -24,7 +24,6 @@ from llamarl.config import (
     AlgoConfig,
     GeneratorConfig,
     RewardConfig,
-    RLConfig,
     RunConfig,
     TrainerConfig,
 )
@@ -33,7 +32,13 @@ from llamarl.data.math import load_math_jsonl, row_to_problem
 from llamarl.data.prompts import Problem, build_chat_prompt
 from llamarl.errors import config_errors, parse_flags
 from llamarl.rewards.math import score
-from recipes.common import EvalConfig, TrainSubsetConfig, qwen_1gpu, qwen_8gpu, run_dataset_recipe
+from recipes.common import (
+    DatasetRecipeConfig,
+    TrainSubsetConfig,
+    qwen_1gpu,
+    qwen_8gpu,
+    run_dataset_recipe,
+)
 
 # The Qwen2.5-Math / DeepSeek instruction; the scorer reads the last \boxed{} first.
 MATH_INSTRUCTION = "Please reason step by step, and put your final answer within \\boxed{}."
@@ -53,11 +58,10 @@ class MathDataConfig(TrainSubsetConfig):
 
 
 @dataclass
-class MathConfig(RLConfig):
+class MathConfig(DatasetRecipeConfig):
     """RL on MATH (see the module docstring)."""
 
     data: MathDataConfig = field(default_factory=MathDataConfig)
-    eval: EvalConfig = field(default_factory=EvalConfig)
 
 
 def load_split(data: MathDataConfig, split: str) -> list[Problem]:
@@ -68,7 +72,7 @@ def load_split(data: MathDataConfig, split: str) -> list[Problem]:
     else:
         problems = load_hub_problems(hub, config=None, split=split,
                                      to_problem=lambda row: row_to_problem(row, where=f"{hub} {split}"))
-    return problems[: data.max_train_problems] if split == "train" and data.max_train_problems else problems
+    return data.train_subset(problems) if split == "train" else problems
 
 
 def prompt_fn(tokenizer, question: str) -> list[int]:

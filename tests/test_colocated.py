@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from safetensors.torch import load_file
 
 sys.path.insert(0, str(Path(__file__).parent))
 from conftest import read_jsonl
@@ -31,7 +32,6 @@ def run(tmp_path, model_dir, name, *, nproc, args, env=None):
 
 def exported(run_dir, name="final"):
     """The weights a run exported as ``hf/<name>`` (``final`` or ``step_<n>``), by parameter name."""
-    from safetensors.torch import load_file
 
     return load_file(str(run_dir / "hf" / name / "model.safetensors"))
 
@@ -126,6 +126,10 @@ def test_colocated_learns_the_tiny_task(tmp_path, model_dir):
     assert len(trainer) >= 10 and all(r["staleness_max"] == 0 for r in trainer)  # strictly on-policy
     generator = read_jsonl(out / "metrics" / "generator.jsonl")
     assert [r["gen_version"] for r in generator][:3] == [0, 1, 2]
+    # Each update is copied in place into the bf16 generator model: the whole policy, every tick.
+    model_bytes = 2 * sum(t.numel() for t in load_file(str(model_dir / "model.safetensors")).values())
+    synced = [r["weight_sync_bytes"] for r in generator if not r["weight_sync_skipped"]]
+    assert len(synced) >= 10 and set(synced) == {model_bytes}, synced
 
 
 # Colocated checkpoint -> exact resume: tests/test_model_families.py (every family) and

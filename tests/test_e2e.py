@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from safetensors.torch import load_file
 
 sys.path.insert(0, str(Path(__file__).parent))
 from conftest import read_jsonl
@@ -60,6 +61,10 @@ def test_recipe_runs_and_reports(tmp_path, model_dir, schedule, extra):
         # the one sent at start-up); from tick 3 every tick follows an update and sends.
         generator = read_jsonl(out / "metrics" / "generator.jsonl")
         assert [r["weight_sync_skipped"] for r in generator] == [1, 1, 1, 0, 0]
+        # A sync moves the whole policy to the one generator rank, in its bf16 (the recipe's default
+        # --generator.dtype); a skipped one moves nothing.
+        model_bytes = 2 * sum(t.numel() for t in load_file(str(model_dir / "model.safetensors")).values())
+        assert [r["weight_sync_bytes"] for r in generator] == [0, 0, 0, model_bytes, model_bytes]
     elif schedule == "async1-minibatches":
         assert all(r["optimizer_steps"] == 2 and r["num_minibatches"] == 2 for r in trainer)
         assert all(r["staleness_max"] <= 3 and r["dropped_stale_samples"] == 0 for r in trainer)

@@ -100,8 +100,8 @@ def test_rloo_needs_groups_and_the_split_needs_ranks(model_dir, tmp_path):
 
 def test_wait_needs_a_staleness_bound_the_schedule_can_meet(model_dir, tmp_path):
     wait = AlgoConfig(max_staleness=1, stale_policy="wait")
-    with pytest.raises(ValueError, match="--algo.max-staleness 1 is below what this schedule's lag makes every "
-                                         "sample \\(2 versions: --run.schedule async, --run.async-lag 2"):
+    with pytest.raises(ValueError, match="--algo.max-staleness 1 is below the pipeline's lag \\(2 versions: "
+                                         "--run.schedule async, --run.async-lag 2"):
         validate_config(config(model_dir, tmp_path, algo=wait, run=RunConfig(async_lag=2, output_dir=str(tmp_path))))
     validate_config(config(model_dir, tmp_path, algo=wait))  # the default lag 1 meets eta 1
     with pytest.raises(ValueError, match="\\(3 versions: .* --trainer.num-minibatches 2\\)"):

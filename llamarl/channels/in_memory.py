@@ -63,7 +63,7 @@ class InMemoryWeights(_InMemory):
     def __post_init__(self) -> None:
         super().__post_init__()
         self.last_skipped = False
-        self.bytes_copied = 0
+        self.last_bytes_received = 0
         self._synced_version: int | None = None
 
     def hand_over(self, source, sink) -> None:
@@ -72,8 +72,9 @@ class InMemoryWeights(_InMemory):
         start = time.perf_counter()
         version = int(source.version)
         self.last_skipped = version == self._synced_version
+        self.last_bytes_received = 0
         if not self.last_skipped:
-            self.bytes_copied += copy_weights_in_place(source.get_model(), sink.get_model())
+            self.last_bytes_received = copy_weights_in_place(source.get_model(), sink.get_model())
             sink.set_weights_version(version)
             self._synced_version = version
         self.last_seconds = time.perf_counter() - start

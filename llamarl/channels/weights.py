@@ -89,6 +89,11 @@ class WeightsChannel:
         self._synced_version: int | None = None
         self.last_skipped = False
 
+    @property
+    def last_bytes_received(self) -> int:
+        """Weight bytes this rank received in the last sync (0 when skipped, or on a trainer rank)."""
+        return 0 if self.last_skipped else sum(self.bytes_received.values())
+
     def involves(self, ctx) -> bool:
         return ctx.executor in (self.outbound, self.inbound)
 

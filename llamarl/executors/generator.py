@@ -55,6 +55,7 @@ from llamarl.executor import Executor
 from llamarl.metrics import MetricSpec
 from llamarl.models.loading import load_causal_lm, stop_token_ids
 from llamarl.models.tensor_parallel import apply_tensor_parallel
+from llamarl.run_plan import check_wait_meets_lag
 
 logger = logging.getLogger("llamarl.generator")
 
@@ -118,22 +119,6 @@ the version are shared."""
 _PER_REPLICA = ("gen_new_tokens", "gen_tokens_per_s", "gen_carried", "gen_restarted_stale", "gen_skipped_prompts")
 
 
-AUTO_PARTIAL_MIN_NEW_TOKENS = 256
-"""``--generator.partial-rollouts auto`` applies from this ``max_new_tokens`` on (long-tail lengths)."""
-
-
-def auto_token_budget(config: GeneratorConfig, *, schedule: str, device: torch.device) -> int | None:
-    """The partial-rollout budget a generator runs with: ``config.token_budget`` when set; else, with
-    ``partial_rollouts == "auto"``, ``max_new_tokens // 2`` for an ``async`` schedule on a CUDA
-    device with ``max_new_tokens >= AUTO_PARTIAL_MIN_NEW_TOKENS``; else None (whole completions)."""
-    if config.token_budget is not None:
-        return config.token_budget
-    if (config.partial_rollouts == "auto" and schedule == "async" and device.type == "cuda"
-            and config.max_new_tokens >= AUTO_PARTIAL_MIN_NEW_TOKENS):
-        return config.max_new_tokens // 2
-    return None
-
-
 class GeneratorExecutor(Executor):
     """Rollout generation with the native engine; weights arrive through a WeightsChannel."""
 
@@ -159,9 +144,7 @@ class GeneratorExecutor(Executor):
             raise ValueError(f"expected_lag must be >= 0, got {expected_lag}")
         self.algo, self.expected_lag = algo, expected_lag
         self.wait = algo is not None and algo.stale_policy == "wait" and algo.max_staleness is not None
-        if self.wait and algo.max_staleness < expected_lag:
-            raise ValueError(f"--algo.max-staleness {algo.max_staleness} is below the pipeline's lag ({expected_lag} "
-                             "versions): with --algo.stale-policy wait no sample could ever be trained")
+        check_wait_meets_lag(algo, expected_lag)
         if self.wait and config.token_budget is not None:
             steps = math.ceil(config.max_new_tokens / config.token_budget)
             if steps - 1 + expected_lag > algo.max_staleness:

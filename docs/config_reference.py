@@ -1,7 +1,7 @@
 """The configuration reference (``docs/configuration.md``), generated from the config dataclasses.
 
-    python -m llamarl.config_reference --write     # regenerate docs/configuration.md
-    python -m llamarl.config_reference             # print it (same text) to stdout
+    python docs/config_reference.py --write     # regenerate docs/configuration.md
+    python docs/config_reference.py             # print it (same text) to stdout
 
 Every field of a config dataclass carries its documentation as an *attribute docstring*: the
 string literal right after the field (what tyro shows in ``--help``). Python keeps no trace of
@@ -44,11 +44,13 @@ import typing
 from dataclasses import dataclass
 from pathlib import Path
 
-logger = logging.getLogger("llamarl.config_reference")
+logger = logging.getLogger("config_reference")
 
 REPO = Path(__file__).resolve().parents[1]
+if str(REPO) not in sys.path:  # run as a script from docs/: the recipes package is at the repository root
+    sys.path.insert(0, str(REPO))
 OUTPUT = REPO / "docs" / "configuration.md"
-COMMAND = "python -m llamarl.config_reference --write"
+COMMAND = "python docs/config_reference.py --write"
 
 
 @dataclass(frozen=True)
@@ -196,8 +198,9 @@ def missing_docstrings(config) -> list[str]:
 
 
 def recipe_configs() -> list[tuple[str, type, dict]]:
-    """``(module, top config class, presets)`` for every ``recipes/*.py`` module that defines an
-    ``RLConfig`` subclass, sorted by module name; ``presets`` is the module's ``PRESETS`` dict
+    """``(module, top config class, presets)`` for every ``recipes/*.py`` recipe (a module with a
+    ``main``: ``recipes/common.py``'s shared base is documented through the recipes that use it)
+    that defines an ``RLConfig`` subclass, sorted by module name; ``presets`` is the module's ``PRESETS`` dict
     (``name -> (description, config instance)``) or ``{}``. Imports every recipe module."""
     import recipes
     from llamarl.config import RLConfig
@@ -205,6 +208,8 @@ def recipe_configs() -> list[tuple[str, type, dict]]:
     found = []
     for info in sorted(pkgutil.iter_modules(recipes.__path__), key=lambda m: m.name):
         module = importlib.import_module(f"recipes.{info.name}")
+        if not callable(getattr(module, "main", None)):
+            continue
         classes = [obj for obj in vars(module).values()
                    if isinstance(obj, type) and issubclass(obj, RLConfig) and obj is not RLConfig
                    and obj.__module__ == module.__name__ and dataclasses.is_dataclass(obj)]
@@ -252,7 +257,7 @@ def render_reference() -> str:
         "",
         f"<!-- Generated from the config dataclasses' field docstrings by `{COMMAND}`; do not edit by hand. -->",
         "",
-        (f"**Generated** by `{COMMAND}` (or `python -m llamarl.config_reference > docs/configuration.md`) "
+        (f"**Generated** by `{COMMAND}` (or `python docs/config_reference.py > docs/configuration.md`) "
          "from the docstrings of the config dataclasses (`llamarl/config.py` and each recipe's top config in "
          "`recipes/`). Edit a field's docstring there and regenerate; `tests/test_docs.py` fails when this "
          "file is stale or a field has no docstring."),
