@@ -1,5 +1,11 @@
-"""SIGKILL the generator mid-run: the job ends with a named line; ``--checkpoint.resume latest``
-continues it, and the consumed prompts, per-step rewards and losses equal an uninterrupted run's."""
+"""Exact resume, the one end-to-end test of it on three ranks: SIGKILL the generator mid-run; the
+job ends with a named line; ``--checkpoint.resume latest`` continues it, and the consumed prompts,
+per-step rewards and losses equal an uninterrupted run's, and so does the final policy, bitwise.
+
+The checkpoints hold carried-over partial samples (5-token budget), rollouts in flight (async lag 2)
+and trained weights + AdamW state, so all of it must round-trip. (One-process colocated resume:
+tests/test_model_families.py for each family, tests/test_default_model.py for SmolLM2, and
+tests/test_resume_semantics.py for what a resume does to the run directory.)"""
 
 import json
 import os
@@ -11,10 +17,16 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
+from safetensors.torch import load_file
+from transformers import AutoModelForCausalLM, AutoTokenizer
 
 sys.path.insert(0, str(Path(__file__).parent))
+from conftest import read_jsonl
 from launch import REPO, check, run_torchrun
 from tiny_model import save_tiny_model
+
+from recipes.arithmetic import prompt_fn
 
 STEPS = 24
 # Whichever notices first: the heartbeat naming the dead rank, a peer whose exchange with it failed,
@@ -29,6 +41,8 @@ def args(model_dir, out):
     return ["--model.name", str(model_dir), "--run.max-steps", str(STEPS), "--run.num-eval-problems", "4",
             "--run.output-dir", str(out), "--generator.num-prompts-per-step", "2", "--reward.num-workers", "1",
             "--checkpoint.every", "2", "--generator.token-budget", "5", "--trainer.lr", "1e-3",
+            "--run.async-lag", "2",  # rollouts in flight across every checkpoint
+            "--generator.dtype", "float32",  # fp32 both sides: the export's greedy text must match
             "--run.liveness-timeout-s", "20"]
 
 
@@ -89,3 +103,21 @@ def test_sigkill_then_resume_latest_equals_an_uninterrupted_run(tmp_path):
     assert [e["step"] for e in summary["evals"]] == [0, STEPS]
     assert summary["base_accuracy"] == json.loads((straight / "summary.json").read_text())["base_accuracy"]
     assert summary["wall_seconds"] > state["elapsed_seconds"]
+    # The final policy, bitwise; the exports are plain safetensors HF directories.
+    final_straight = load_file(str(straight / "hf" / "final" / "model.safetensors"))
+    final_resumed = load_file(str(killed / "hf" / "final" / "model.safetensors"))
+    assert final_straight.keys() == final_resumed.keys()
+    for name, tensor in final_straight.items():
+        assert torch.equal(final_resumed[name], tensor), name
+    # from_pretrained + its tokenizer give the greedy text the generator produced with the trainer's
+    # final weights in the run's final evaluation.
+    hf_model = AutoModelForCausalLM.from_pretrained(straight / "hf" / "final")
+    tokenizer = AutoTokenizer.from_pretrained(straight / "hf" / "final")
+    for record in read_jsonl(straight / "eval_final.jsonl"):
+        ids = torch.tensor([prompt_fn(tokenizer, record["question"])])
+        out = hf_model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=12,
+                                eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
+        assert tokenizer.decode(out[0, ids.shape[1]:], skip_special_tokens=True) == record["completion"]
+    # keep-K (default 2) kept the last two, both complete; nothing partial is left.
+    assert sorted(p.name for p in (straight / "checkpoints").iterdir()) == [f"step_{STEPS - 2}", f"step_{STEPS}"]
+    assert all((straight / "checkpoints" / f"step_{s}" / "COMPLETE.json").is_file() for s in (STEPS - 2, STEPS))
