@@ -48,6 +48,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from llamarl.channels.base import check_delivery_order
 from llamarl.channels.in_memory import InMemoryChannel, InMemoryWeights
 from llamarl.checkpoint import commit_step, partial_dir, prune
 from llamarl.errors import exception_text
@@ -144,10 +145,7 @@ class ExecutorController:
         if unknown or set(executor_order) != set(ranks):
             raise ValueError(f"channels {unknown} or executor order {executor_order} do not match "
                              f"the world's executors {list(ranks)}")
-        backward = [c.name for c in channels if getattr(c, "same_tick", False)
-                    and executor_order.index(c.outbound) >= executor_order.index(c.inbound)]
-        if backward:
-            raise ValueError(f"same-tick channels {backward} must go forward in the executor order {executor_order}")
+        check_delivery_order(channels, executor_order)
         if set(contexts) != set(executors):
             raise ValueError(f"contexts for {sorted(contexts)} but executors for {sorted(executors)}")
         self.contexts, self.executors = contexts, executors

@@ -32,7 +32,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING
 
-from llamarl.channels.base import BROADCAST, GATHER, SCATTER, CommunicationChannel
+from llamarl.channels.base import BROADCAST, GATHER, SCATTER, CommunicationChannel, check_delivery_order
 from llamarl.channels.in_memory import InMemoryChannel, InMemoryWeights
 from llamarl.channels.weights import MODES, WeightsChannel
 from llamarl.world import ExecutorSpec
@@ -155,11 +155,10 @@ class Pipeline:
             for end in (channel.outbound, channel.inbound):
                 if end not in names:
                     raise ValueError(f"channel {channel.name!r} names stage {end!r}, which is not one of {names}")
-            if channel.same_tick and names.index(channel.outbound) >= names.index(channel.inbound):
-                raise ValueError(f"same-tick channel {channel.name!r} must go forward in the stage order {names}")
             if self.in_memory(channel) and channel.kind == "weights" and self.stage(channel.inbound).tp != 1:
                 raise ValueError(f"weights channel {channel.name!r} between co-resident stages copies in place and "
                                  f"needs stage {channel.inbound!r} at tp 1, got tp {self.stage(channel.inbound).tp}")
+        check_delivery_order(self.channels, names)
         if self.evaluator is not None and self.evaluator not in names:
             raise ValueError(f"evaluator {self.evaluator!r} is not one of the stages {names}")
 

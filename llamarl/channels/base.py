@@ -30,6 +30,16 @@ if TYPE_CHECKING:
     from llamarl.world import ExecutorContext
 
 
+def check_delivery_order(channels, order: list[str]) -> None:
+    """ValueError unless every same-tick channel goes forward in ``order`` (its outbound executor
+    steps before its inbound one within the tick, so the batch exists when it is delivered). The
+    one check of it, for a ``Pipeline`` (stage order) and a hand-built controller alike."""
+    backward = [c.name for c in channels if getattr(c, "same_tick", False)
+                and order.index(c.outbound) >= order.index(c.inbound)]
+    if backward:
+        raise ValueError(f"same-tick channels {backward} must go forward in the executor order {order}")
+
+
 class ChannelKind(enum.Enum):
     BROADCAST = "broadcast"
     SCATTER = "scatter"
