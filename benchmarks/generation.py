@@ -29,7 +29,8 @@ import time
 
 import torch
 
-from llamarl.engines.torch_engine import Request, SamplingParams, TorchEngine
+from llamarl.engines.base import Request, SamplingParams
+from llamarl.engines.torch_engine import TorchEngine
 from llamarl.models import load_causal_lm
 
 

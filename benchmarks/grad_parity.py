@@ -144,7 +144,8 @@ def make_batch(args, out: Path):
 
     from llamarl.data.arithmetic import ArithmeticTask
     from llamarl.data.prompts import ARITHMETIC_INSTRUCTION
-    from llamarl.engines.torch_engine import Request, SamplingParams, TorchEngine
+    from llamarl.engines.base import Request, SamplingParams
+    from llamarl.engines.torch_engine import TorchEngine
     from llamarl.executors.generator import completions_to_batch
     from llamarl.models.loading import load_causal_lm, resolve_model_path, stop_token_ids
     from llamarl.rewards.arithmetic import score

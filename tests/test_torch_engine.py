@@ -10,14 +10,8 @@ import pytest
 import torch
 from tiny_model import build_tiny_llama
 
-from llamarl.engines.torch_engine import (
-    Completion,
-    Request,
-    SamplingParams,
-    TorchEngine,
-    filtered_logprobs,
-    sample_tokens,
-)
+from llamarl.engines.base import Completion, Request, SamplingParams
+from llamarl.engines.torch_engine import TorchEngine, filtered_logprobs, sample_tokens
 
 PROMPT_LENS = [3, 9, 1, 14, 6]
 

@@ -29,7 +29,8 @@ if os.environ.get("LLAMARL_TEST_VLLM") != "1" and __name__ != "__main__":
 import vllm  # noqa: F401 - a broken install must fail here, loudly
 from tiny_model import build_tiny_llama
 
-from llamarl.engines.torch_engine import Request, SamplingParams, TorchEngine, filtered_logprobs
+from llamarl.engines.base import Request, SamplingParams
+from llamarl.engines.torch_engine import TorchEngine, filtered_logprobs
 from llamarl.engines.vllm_engine import VLLMEngine
 from llamarl.models.export import export_hf
 
@@ -252,3 +253,19 @@ def _world(model_dir: str, out_dir: str) -> None:
 
 if __name__ == "__main__":
     _world(*sys.argv[1:3])
+
+
+def test_a_stop_token_id_ends_the_completion_where_it_is_sampled(engine):
+    """The engine contract's stop ids on vLLM: greedy, the stopped completion is the free one cut
+    right after the first time the id is sampled (kept, "stop"), with the same log-probs."""
+    greedy = SamplingParams(temperature=0.0, max_new_tokens=12)
+    free = engine.generate(requests(2), sampling=greedy, version=0)
+    ids = free[0].completion_ids
+    position = next(i for i in range(3, len(ids)) if ids[i] not in ids[:i] and ids[i] != EOS)
+    stop = ids[position]
+    stopped = engine.generate(requests(2), sampling=SamplingParams(temperature=0.0, max_new_tokens=12,
+                                                                   stop_token_ids=[stop]), version=0)
+    assert stopped[0].completion_ids == ids[: position + 1] and stopped[0].finish_reason == "stop"
+    assert stopped[0].logprobs == pytest.approx(free[0].logprobs[: position + 1], abs=ATOL)
+    other = free[1].completion_ids
+    assert stopped[1].completion_ids == other[: other.index(stop) + 1 if stop in other else len(other)]

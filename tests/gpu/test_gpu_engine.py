@@ -4,7 +4,8 @@ import pytest
 import torch
 from tiny_model import build_tiny_llama
 
-from llamarl.engines.torch_engine import Request, SamplingParams, TorchEngine
+from llamarl.engines.base import Request, SamplingParams
+from llamarl.engines.torch_engine import TorchEngine
 
 DEVICE = "cuda"
 

@@ -1,0 +1,211 @@
+"""The engine contract: what every generation engine takes and returns, and how one is chosen.
+
+An engine is a class that implements ``GenerationEngine`` plus a registration
+(``@register_engine("name")`` on a builder taking an ``EngineSetup``); ``--generator.engine name``
+then selects it, and the generator executor holds it through this contract only (no branch on
+which engine it is). The native engine (``torch``, llamarl/engines/torch_engine.py) and vLLM
+(``vllm``, llamarl/engines/vllm_engine.py) are the two registered here; a third (SGLang, a remote
+server) is one more module with one registration.
+
+Types (token ids in, token ids out: nothing is re-tokenised, so what the policy sampled is what
+the trainer trains):
+
+- ``SamplingParams``: temperature / top-p / top-k, ``max_new_tokens`` for the whole completion,
+  and ``stop_token_ids``: ids that end a completion besides the model's EOS ids (a tool call's
+  closing token ends a turn). The stop token is kept in the output, ``finish_reason == "stop"``.
+- ``Request``: a prompt, and for a carried (partial) sample its completion so far with the
+  behaviour log-prob and weight version of each of its tokens.
+- ``Completion``: the request's carried part unchanged plus the new tokens, each tagged with the
+  ``version`` of the weights that sampled it; ``finish_reason`` ``stop`` / ``length`` / ``carried``.
+
+Decision: stop *strings* are not part of the contract. Both engines work on token ids without
+detokenising (vLLM runs with ``skip_tokenizer_init``), a string can end inside a token, and
+matching text would re-tokenise what the policy sampled; an environment that needs a textual
+delimiter picks a delimiter that is one token (or ends in one) and passes its id in
+``stop_token_ids``.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from typing import Protocol, runtime_checkable
+
+import torch
+
+FINISH_STOP = "stop"
+FINISH_LENGTH = "length"
+FINISH_CARRIED = "carried"
+
+
+@dataclass
+class SamplingParams:
+    """Decoding settings; ``max_new_tokens`` bounds the whole completion, carried tokens included."""
+
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    max_new_tokens: int = 64
+    stop_token_ids: list[int] = field(default_factory=list)
+    """Ids that end a completion besides the engine's EOS ids (kept in the output, "stop")."""
+
+    def __post_init__(self) -> None:
+        if not (math.isfinite(self.temperature) and self.temperature >= 0):
+            raise ValueError(f"temperature must be a finite number >= 0, got {self.temperature}")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.top_k < 0:
+            raise ValueError(f"top_k must be >= 0 (0 disables it), got {self.top_k}")
+        if self.max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
+        if any(int(t) < 0 for t in self.stop_token_ids):
+            raise ValueError(f"stop_token_ids must be token ids >= 0, got {self.stop_token_ids}")
+
+
+@dataclass
+class Request:
+    """One sample to generate; non-empty ``completion_ids`` resume a carried-over partial output."""
+
+    sample_id: int
+    prompt_ids: list[int]
+    completion_ids: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)  # behaviour log-probs of completion_ids
+    versions: list[int] = field(default_factory=list)  # weight version behind each completion token
+
+
+@dataclass
+class Completion:
+    """A generated sample; ``finish_reason`` is "stop" (a stop id, kept), "length" or "carried"."""
+
+    sample_id: int
+    prompt_ids: list[int]
+    completion_ids: list[int]
+    logprobs: list[float]
+    versions: list[int]
+    finish_reason: str
+
+    def to_request(self) -> Request:
+        """Return a ``Request`` that resumes this (carried) completion where it stopped."""
+        return Request(sample_id=self.sample_id, prompt_ids=list(self.prompt_ids),
+                       completion_ids=list(self.completion_ids), logprobs=list(self.logprobs),
+                       versions=list(self.versions))
+
+
+def stop_ids(eos_token_ids: Iterable[int], sampling: SamplingParams) -> list[int]:
+    """Every id that ends a completion: the engine's EOS ids, then the request's stop ids."""
+    ids = [int(t) for t in eos_token_ids]
+    return ids + [int(t) for t in sampling.stop_token_ids if int(t) not in ids]
+
+
+def check_request(req: Request, *, sampling: SamplingParams, eos_token_ids: list[int], vocab: int) -> None:
+    """Raise ValueError naming the request when it cannot be generated or resumed: empty prompt,
+    carried parts of unequal lengths, more carried tokens than ``max_new_tokens``, already ended
+    with a stop id, or token ids outside the vocabulary. Shared by every engine."""
+    n = len(req.completion_ids)
+    if not req.prompt_ids:
+        raise ValueError(f"request {req.sample_id} has an empty prompt")
+    if len(req.logprobs) != n or len(req.versions) != n:
+        raise ValueError(f"request {req.sample_id}: completion_ids, logprobs and versions must have equal lengths")
+    if n > sampling.max_new_tokens:
+        raise ValueError(
+            f"request {req.sample_id} carries {n} tokens, more than max_new_tokens={sampling.max_new_tokens}"
+        )
+    if n and req.completion_ids[-1] in stop_ids(eos_token_ids, sampling):
+        raise ValueError(f"request {req.sample_id} already ended with a stop id (EOS or stop_token_ids); "
+                         "it cannot be resumed")
+    ids = list(req.prompt_ids) + list(req.completion_ids)
+    if min(ids) < 0 or max(ids) >= vocab:
+        raise ValueError(f"request {req.sample_id} has token ids outside [0, {vocab})")
+    if any(not 0 <= int(t) < vocab for t in sampling.stop_token_ids):
+        raise ValueError(f"stop_token_ids {sampling.stop_token_ids} has ids outside [0, {vocab})")
+
+
+def finish_completion(req: Request, ids: list[int], lps: list[float], version: int, reason: str) -> Completion:
+    """The request's carried-in part unchanged, then the new tokens tagged ``version``."""
+    return Completion(sample_id=req.sample_id, prompt_ids=list(req.prompt_ids),
+                      completion_ids=list(req.completion_ids) + ids, logprobs=list(req.logprobs) + lps,
+                      versions=list(req.versions) + [version] * len(ids), finish_reason=reason)
+
+
+@runtime_checkable
+class GenerationEngine(Protocol):
+    """What the generator executor needs of an engine.
+
+    ``generate``: one ``Completion`` per request, in input order; a request ends on an EOS or stop
+    id ("stop", the id kept), at ``sampling.max_new_tokens`` counting carried tokens ("length"), or
+    after ``token_budget`` new tokens in this call ("carried", resumable with ``to_request``);
+    carried-in tokens come back unchanged and new ones are tagged ``version``; sampling draws from
+    ``generator`` so a seeded generator makes a call reproducible. ``weights_updated(model)``: the
+    live HF model the weight channel writes into (``GeneratorExecutor.get_model``) holds new weights;
+    the next ``generate`` must use only them. ``close``: release threads and memory (idempotent).
+    ``pad_token_id``: what rollout batches are padded with."""
+
+    pad_token_id: int
+
+    def generate(self, requests: list[Request], *, sampling: SamplingParams, version: int,
+                 generator: torch.Generator | None = None, token_budget: int | None = None) -> list[Completion]: ...
+
+    def weights_updated(self, model: torch.nn.Module) -> None: ...
+
+    def close(self) -> None: ...
+
+
+@dataclass(frozen=True)
+class EngineSetup:
+    """What a registered engine is built from (one signature for every engine)."""
+
+    model: torch.nn.Module
+    """The live HF model on ``device`` (the weight channel's receive buffer); the native engine
+    samples from it directly, others copy its weights."""
+    model_path: str
+    """Its HF directory (or hub id), for engines that load the checkpoint themselves."""
+    dtype: str
+    """Compute dtype (``float32`` / ``bfloat16``)."""
+    eos_token_ids: list[int]
+    """Ids that end every completion (the tokenizer's and the generation config's EOS ids)."""
+    pad_token_id: int
+    """Rollout padding id."""
+    seed: int
+    """The engine's own seed (per data-parallel replica)."""
+    device: torch.device
+    """This rank's device (``ctx.device``)."""
+    kv_cache_gib: float = 2.0
+    """KV cache size on CPU (engines that preallocate one)."""
+    gpu_memory_utilization: float = 0.5
+    """Fraction of this rank's GPU an engine that manages memory itself may take."""
+
+
+EngineBuilder = Callable[[EngineSetup], GenerationEngine]
+_ENGINES: dict[str, EngineBuilder] = {}
+
+
+def register_engine(name: str) -> Callable[[EngineBuilder], EngineBuilder]:
+    """Decorator: make ``builder(setup) -> GenerationEngine`` the engine called ``name``
+    (``--generator.engine name``). ValueError when the name is taken."""
+    def register(builder: EngineBuilder) -> EngineBuilder:
+        if name in _ENGINES:
+            raise ValueError(f"engine {name!r} is already registered")
+        _ENGINES[name] = builder
+        return builder
+    return register
+
+
+def engine_names() -> list[str]:
+    """The registered engines' names, sorted."""
+    import llamarl.engines  # noqa: F401 - registers the built-in engines
+
+    return sorted(_ENGINES)
+
+
+def build_engine(name: str, setup: EngineSetup) -> GenerationEngine:
+    """The engine registered as ``name``, built from ``setup``; ValueError listing the known names
+    for an unknown one, TypeError when the builder's result does not implement the contract."""
+    names = engine_names()
+    if name not in _ENGINES:
+        raise ValueError(f"unknown engine {name!r}; registered: {', '.join(names)}")
+    engine = _ENGINES[name](setup)
+    if not isinstance(engine, GenerationEngine):
+        raise TypeError(f"engine {name!r} built a {type(engine).__name__}, which lacks generate / "
+                        "weights_updated / close / pad_token_id (llamarl.engines.base.GenerationEngine)")
+    return engine

@@ -1,0 +1,126 @@
+"""The engine contract (llamarl/engines/base.py): a registry with one signature, the generator
+holding its engine through the contract only, and stop token ids ending a completion."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+from tiny_model import build_tiny_llama
+
+from llamarl.config import GeneratorConfig, ModelConfig
+from llamarl.data.prompts import Problem
+from llamarl.engines import base
+from llamarl.engines.base import (
+    EngineSetup,
+    GenerationEngine,
+    Request,
+    SamplingParams,
+    build_engine,
+    engine_names,
+    register_engine,
+)
+from llamarl.engines.torch_engine import TorchEngine
+from llamarl.executors.generator import GeneratorExecutor
+
+
+@pytest.fixture
+def scratch_registry(monkeypatch):
+    """Registrations made by a test are undone after it."""
+    monkeypatch.setattr(base, "_ENGINES", dict(base._ENGINES))
+
+
+def setup_for(model) -> EngineSetup:
+    return EngineSetup(model=model, model_path="unused", dtype="float32", eos_token_ids=[2], pad_token_id=0,
+                       seed=0, device=torch.device("cpu"))
+
+
+def test_the_built_in_engines_are_registered_and_unknown_names_list_them():
+    assert engine_names() == ["torch", "vllm"]
+    with pytest.raises(ValueError, match="unknown engine 'sglang'; registered: torch, vllm"):
+        build_engine("sglang", setup_for(build_tiny_llama()))
+    with pytest.raises(ValueError, match=r"--generator.engine must be one of \['torch', 'vllm'\], got 'sglang'"):
+        GeneratorConfig(engine="sglang")
+    engine = build_engine("torch", setup_for(build_tiny_llama()))
+    assert isinstance(engine, TorchEngine) and isinstance(engine, GenerationEngine)
+
+
+def test_a_name_is_registered_once_and_a_builder_must_return_an_engine(scratch_registry):
+    with pytest.raises(ValueError, match="engine 'torch' is already registered"):
+        register_engine("torch")(lambda setup: None)
+    register_engine("broken")(lambda setup: object())
+    with pytest.raises(TypeError, match="engine 'broken' built a object, which lacks generate"):
+        build_engine("broken", setup_for(build_tiny_llama()))
+
+
+class CountingEngine:
+    """A user's engine: the native one underneath, counting what the generator asks of it."""
+
+    def __init__(self, setup: EngineSetup) -> None:
+        self.inner = TorchEngine(setup.model, eos_token_ids=setup.eos_token_ids, pad_token_id=setup.pad_token_id)
+        self.pad_token_id = setup.pad_token_id
+        self.calls = {"generate": 0, "weights_updated": 0, "close": 0}
+        self.setup = setup
+
+    def generate(self, requests, **kwargs):
+        self.calls["generate"] += 1
+        return self.inner.generate(requests, **kwargs)
+
+    def weights_updated(self, model) -> None:
+        self.calls["weights_updated"] += 1
+
+    def close(self) -> None:
+        self.calls["close"] += 1
+
+
+class Questions:
+    def sample(self, index: int) -> Problem:
+        return Problem(question=f"{index} + {index} =", answer="")
+
+
+def test_the_generator_builds_and_drives_a_registered_engine_through_the_contract(scratch_registry, model_dir):
+    register_engine("counting")(CountingEngine)
+    ctx = SimpleNamespace(device=torch.device("cpu"), dp_rank=1, dp_size=2, tp_rank=0, tp_size=1, local_rank=0)
+    config = GeneratorConfig(engine="counting", num_prompts_per_step=2, samples_per_prompt=2, max_new_tokens=4)
+    generator = GeneratorExecutor(ctx, model_config=ModelConfig(name=str(model_dir)), config=config,
+                                  task=Questions(), prompt_fn=lambda tok, q: list(tok(q)["input_ids"]), seed=3)
+    generator.init()
+    engine = generator.engine
+    assert isinstance(engine, CountingEngine) and engine.setup.model is generator.get_model()
+    assert engine.setup.seed == 3 * 1000 + 1 and engine.setup.model_path == str(model_dir)
+    generator.step()
+    batch = generator.get_output("rollouts")
+    assert len(batch) == 4 and engine.calls["generate"] == 1
+    generator.set_weights_version(5)
+    assert engine.calls["weights_updated"] == 1 and generator.version == 5
+    generator.close()
+    assert engine.calls["close"] == 1
+
+
+def test_a_stop_token_id_ends_the_completion_where_it_is_sampled():
+    """Greedy: the completion with a stop id is the unstopped one cut right after the first time that
+    id is sampled (kept, "stop"), with the same log-probs; EOS still stops as before."""
+    model = build_tiny_llama(seed=0)
+    engine = TorchEngine(model, eos_token_ids=[2], pad_token_id=0)
+    prompts = [[5, 9, 13, 40], [7, 7, 21]]
+    greedy = SamplingParams(temperature=0.0, max_new_tokens=12)
+    free = engine.generate([Request(sample_id=i, prompt_ids=p) for i, p in enumerate(prompts)], sampling=greedy,
+                           version=0)
+    # The stop id: a token of the first completion that first appears after position 2.
+    ids = free[0].completion_ids
+    position = next(i for i in range(3, len(ids)) if ids[i] not in ids[:i] and ids[i] != 2)
+    stop = ids[position]
+    stopped = engine.generate([Request(sample_id=i, prompt_ids=p) for i, p in enumerate(prompts)],
+                              sampling=SamplingParams(temperature=0.0, max_new_tokens=12, stop_token_ids=[stop]),
+                              version=0)
+    assert stopped[0].completion_ids == ids[: position + 1] and stopped[0].finish_reason == "stop"
+    assert stopped[0].logprobs == pytest.approx(free[0].logprobs[: position + 1], abs=1e-6)
+    other = free[1].completion_ids
+    cut = other.index(stop) + 1 if stop in other else len(other)
+    assert stopped[1].completion_ids == other[:cut]
+    with pytest.raises(ValueError, match="already ended with a stop id"):
+        engine.generate([stopped[0].to_request()], sampling=SamplingParams(max_new_tokens=12, stop_token_ids=[stop]),
+                        version=1)
+    with pytest.raises(ValueError, match="stop_token_ids must be token ids >= 0"):
+        SamplingParams(stop_token_ids=[-1])
