@@ -11,6 +11,7 @@ from typing import Literal
 
 from llamarl.algorithms.registry import ADVANTAGES, POLICY_LOSSES
 from llamarl.engines.base import engine_names
+from llamarl.environments.base import environment_names
 
 
 def resume_step(path: str) -> int | None:
@@ -323,6 +324,28 @@ class ExportConfig:
 
 
 @dataclass
+class EnvConfig:
+    """Multi-turn episodes with an environment and its tools (llamarl/environments/)."""
+
+    name: str | None = None
+    """Registered environment (``calculator``) or ``module:Class``; None: one completion per sample."""
+    max_turns: int = 4
+    """Policy turns per episode at most (a turn ends at one of the environment's stop tokens or EOS)."""
+    tool_timeout_s: float = 5.0
+    """Seconds a tool call may take; past it the call becomes an error observation (counted) and the
+    episode goes on."""
+    num_tool_workers: int = 1
+    """Processes running the tools on each generator rank (0: inline in the generator, for tests)."""
+
+    def __post_init__(self) -> None:
+        if self.name is not None and ":" not in self.name and self.name not in environment_names():
+            raise ValueError(f"--env.name must be one of {environment_names()} or module:Class, got {self.name!r}")
+        _check(self.max_turns >= 1, f"--env.max-turns must be >= 1, got {self.max_turns}")
+        _check(self.tool_timeout_s > 0, f"--env.tool-timeout-s must be > 0, got {self.tool_timeout_s}")
+        _check(self.num_tool_workers >= 0, f"--env.num-tool-workers must be >= 0, got {self.num_tool_workers}")
+
+
+@dataclass
 class RLConfig:
     """Everything a recipe needs; each section is a ``--section.field`` group on the CLI."""
 
@@ -335,6 +358,7 @@ class RLConfig:
     run: RunConfig = field(default_factory=RunConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     export: ExportConfig = field(default_factory=ExportConfig)
+    env: EnvConfig = field(default_factory=EnvConfig)
 
     def __post_init__(self) -> None:
         # The behaviour log-probs are those of the truncated, renormalised distribution, while the

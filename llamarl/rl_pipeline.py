@@ -57,7 +57,7 @@ def _generator(config: RLConfig, *, task: Task, prompt_fn: PromptFn, output: str
                         plan.token_budget)
         return GeneratorExecutor(ctx, model_config=config.model, config=generator_config, task=task,
                                  prompt_fn=prompt_fn, output_name=output, seed=config.run.seed,
-                                 max_sequence_tokens=plan.max_sequence_tokens, algo=config.algo,
+                                 max_sequence_tokens=plan.max_sequence_tokens, algo=config.algo, env=config.env,
                                  expected_lag=plan.expected_lag)
     return build
 

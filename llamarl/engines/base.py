@@ -14,7 +14,9 @@ the trainer trains):
   and ``stop_token_ids``: ids that end a completion besides the model's EOS ids (a tool call's
   closing token ends a turn). The stop token is kept in the output, ``finish_reason == "stop"``.
 - ``Request``: a prompt, and for a carried (partial) sample its completion so far with the
-  behaviour log-prob and weight version of each of its tokens.
+  behaviour log-prob and weight version of each of its tokens, and its ``loss_mask``: 1 for a token
+  the policy sampled, 0 for one an environment inserted (an observation: log-prob 0, version -1,
+  never trained). Empty means every token was sampled.
 - ``Completion``: the request's carried part unchanged plus the new tokens, each tagged with the
   ``version`` of the weights that sampled it; ``finish_reason`` ``stop`` / ``length`` / ``carried``.
 
@@ -72,6 +74,8 @@ class Request:
     completion_ids: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)  # behaviour log-probs of completion_ids
     versions: list[int] = field(default_factory=list)  # weight version behind each completion token
+    loss_mask: list[int] = field(default_factory=list)  # 1 sampled, 0 observation; empty: all sampled
+    episode: dict = field(default_factory=dict)  # an environment episode's JSON state (engines pass it on)
 
 
 @dataclass
@@ -84,12 +88,21 @@ class Completion:
     logprobs: list[float]
     versions: list[int]
     finish_reason: str
+    loss_mask: list[int] = field(default_factory=list)
+    """Per completion token: 1 sampled by the policy, 0 inserted by an environment (always filled)."""
+    episode: dict = field(default_factory=dict)
+    """The request's environment episode state, passed on unchanged by the engine."""
 
     def to_request(self) -> Request:
         """Return a ``Request`` that resumes this (carried) completion where it stopped."""
         return Request(sample_id=self.sample_id, prompt_ids=list(self.prompt_ids),
                        completion_ids=list(self.completion_ids), logprobs=list(self.logprobs),
-                       versions=list(self.versions))
+                       versions=list(self.versions), loss_mask=sampled_mask(self), episode=dict(self.episode))
+
+
+def sampled_mask(sample: Request | Completion) -> list[int]:
+    """``sample.loss_mask``, or all ones when it is empty (a sample without observations)."""
+    return list(sample.loss_mask) if sample.loss_mask else [1] * len(sample.completion_ids)
 
 
 def stop_ids(eos_token_ids: Iterable[int], sampling: SamplingParams) -> list[int]:
@@ -105,13 +118,15 @@ def check_request(req: Request, *, sampling: SamplingParams, eos_token_ids: list
     n = len(req.completion_ids)
     if not req.prompt_ids:
         raise ValueError(f"request {req.sample_id} has an empty prompt")
-    if len(req.logprobs) != n or len(req.versions) != n:
-        raise ValueError(f"request {req.sample_id}: completion_ids, logprobs and versions must have equal lengths")
+    if len(req.logprobs) != n or len(req.versions) != n or (req.loss_mask and len(req.loss_mask) != n):
+        raise ValueError(f"request {req.sample_id}: completion_ids, logprobs, versions (and loss_mask) must have "
+                         "equal lengths")
     if n > sampling.max_new_tokens:
         raise ValueError(
             f"request {req.sample_id} carries {n} tokens, more than max_new_tokens={sampling.max_new_tokens}"
         )
-    if n and req.completion_ids[-1] in stop_ids(eos_token_ids, sampling):
+    # A sampled stop id ended the sample; an observation may well end with the same token.
+    if n and req.completion_ids[-1] in stop_ids(eos_token_ids, sampling) and (not req.loss_mask or req.loss_mask[-1]):
         raise ValueError(f"request {req.sample_id} already ended with a stop id (EOS or stop_token_ids); "
                          "it cannot be resumed")
     ids = list(req.prompt_ids) + list(req.completion_ids)
@@ -125,7 +140,8 @@ def finish_completion(req: Request, ids: list[int], lps: list[float], version: i
     """The request's carried-in part unchanged, then the new tokens tagged ``version``."""
     return Completion(sample_id=req.sample_id, prompt_ids=list(req.prompt_ids),
                       completion_ids=list(req.completion_ids) + ids, logprobs=list(req.logprobs) + lps,
-                      versions=list(req.versions) + [version] * len(ids), finish_reason=reason)
+                      versions=list(req.versions) + [version] * len(ids), finish_reason=reason,
+                      loss_mask=sampled_mask(req) + [1] * len(ids), episode=dict(req.episode))
 
 
 @runtime_checkable

@@ -47,9 +47,12 @@ import torch
 
 from llamarl.batch import TensorBatch
 from llamarl.checkpoint import load_rng, read_json, save_rng, write_json
-from llamarl.config import AlgoConfig, GeneratorConfig, ModelConfig
+from llamarl.config import AlgoConfig, EnvConfig, GeneratorConfig, ModelConfig
 from llamarl.data.prompts import Problem
-from llamarl.engines.base import Completion, EngineSetup, Request, SamplingParams, build_engine
+from llamarl.engines.base import Completion, EngineSetup, Request, SamplingParams, build_engine, sampled_mask
+from llamarl.environments.base import build_environment
+from llamarl.environments.episodes import EpisodeRunner
+from llamarl.environments.tools import ToolRunner
 from llamarl.evaluation import score_samples
 from llamarl.executor import Executor
 from llamarl.metrics import MetricSpec
@@ -85,9 +88,11 @@ def completions_to_batch(completions: list[Completion], *, group_ids: list[int],
     for row, c in enumerate(completions):
         p, n = len(c.prompt_ids), len(c.completion_ids)
         input_ids[row, : p + n] = torch.tensor(c.prompt_ids + c.completion_ids, dtype=torch.int64, device=cpu)
-        loss_mask[row, p : p + n] = 1
+        # Observation tokens an environment inserted are context, never trained (mask 0, version -1).
+        loss_mask[row, p : p + n] = torch.tensor(sampled_mask(c), dtype=torch.uint8, device=cpu)
         behav_logp[row, p : p + n] = torch.tensor(c.logprobs, dtype=torch.float32, device=cpu)
-        versions[row, p : p + n] = torch.tensor(c.versions, dtype=torch.int64, device=cpu)
+        versions[row, p : p + n] = torch.tensor(c.versions, dtype=torch.int64, device=cpu).masked_fill(
+            loss_mask[row, p : p + n] == 0, -1)
     batch = TensorBatch({
         "input_ids": input_ids, "loss_mask": loss_mask, "behav_logp": behav_logp, "versions": versions,
         "num_tokens": torch.tensor(lengths, dtype=torch.int64, device=cpu),
@@ -108,6 +113,9 @@ GENERATOR_METRICS = {
     "gen_emitted_samples": MetricSpec("rollouts", "sum"),
     "gen_carried": MetricSpec("rollouts", "sum"),
     "gen_restarted_stale": MetricSpec("rollouts", "sum"),
+    "env_tool_calls": MetricSpec("environment", "sum"),
+    "env_tool_errors": MetricSpec("environment", "sum"),
+    "env_tool_timeouts": MetricSpec("environment", "sum"),
     "gen_version": MetricSpec("rollouts", "max"),
     "gen_data_position": MetricSpec("data", "max"),
     "gen_skipped_prompts": MetricSpec("data", "sum"),
@@ -116,7 +124,8 @@ GENERATOR_METRICS = {
 """The generator's metrics and their reduction over its ranks: work and counters add up over the
 data-parallel replicas (TP peers do not report them, see ``_PER_REPLICA``); the data position and
 the version are shared."""
-_PER_REPLICA = ("gen_new_tokens", "gen_tokens_per_s", "gen_carried", "gen_restarted_stale", "gen_skipped_prompts")
+_PER_REPLICA = ("gen_new_tokens", "gen_tokens_per_s", "gen_carried", "gen_restarted_stale", "gen_skipped_prompts",
+                "env_tool_calls", "env_tool_errors", "env_tool_timeouts")
 
 
 class GeneratorExecutor(Executor):
@@ -132,8 +141,10 @@ class GeneratorExecutor(Executor):
     def __init__(self, ctx, *, model_config: ModelConfig, config: GeneratorConfig, task: Task,
                  prompt_fn: PromptFn, output_name: str = "rollouts", seed: int = 0,
                  max_sequence_tokens: int | None = None, algo: AlgoConfig | None = None,
-                 expected_lag: int = 1) -> None:
+                 expected_lag: int = 1, env: EnvConfig | None = None) -> None:
         """``algo``: its ``max_staleness`` / ``stale_policy`` (None: no staleness control here).
+        ``env``: with a ``name``, every sample is an episode of that environment
+        (llamarl/environments/episodes.py); None or no name: one completion per sample.
         ``expected_lag``: trainer versions between the weights a sample is generated with and the
         optimizer step that trains it, at most: the schedule's lag in ticks (async 2 or 1, sync and
         colocated 0) with ``--trainer.num-minibatches`` 1; with k minibatches, lag * k + k - 1
@@ -163,6 +174,7 @@ class GeneratorExecutor(Executor):
         # Prompt + max_new_tokens must fit this (the trainer's micro-batch budget, the model's
         # context); a longer prompt is skipped with a warning and counted, never a mid-run crash.
         self.max_sequence_tokens = max_sequence_tokens
+        self.env_config = env if env is not None and env.name is not None else None
         self.skipped_prompts = 0
 
     def init(self) -> None:
@@ -184,6 +196,15 @@ class GeneratorExecutor(Executor):
             model=self.model, model_path=self.model_config.name, dtype=self.config.dtype, eos_token_ids=eos,
             pad_token_id=pad, seed=self.seed * 1000 + self.ctx.dp_rank, device=self.ctx.device,
             kv_cache_gib=self.config.kv_cache_gib, gpu_memory_utilization=self.config.gpu_memory_utilization))
+        if self.env_config is not None:
+            # Episodes: the engine wrapped by the runner, which has the engine's contract (step and
+            # evaluate use it alike); the tools run in worker processes of this rank.
+            env = self.env_config
+            samples = self.config.samples_per_prompt
+            self.engine = EpisodeRunner(
+                self.engine, environment=build_environment(env.name), tokenizer=self.tokenizer,
+                tools=ToolRunner(env.name, timeout_s=env.tool_timeout_s, num_workers=env.num_tool_workers),
+                max_turns=env.max_turns, problem_of=lambda sample_id: self.problems[sample_id // samples])
         # Seeded by the DP replica, not the rank: TP peers must draw the same samples.
         # On ctx.device: the sampler draws its uniforms on the logits' device.
         self.rng = torch.Generator(device=self.ctx.device).manual_seed(self.seed * 1000 + self.ctx.dp_rank)
@@ -195,6 +216,7 @@ class GeneratorExecutor(Executor):
         write_json(directory / f"state_rank{rank}.json", {
             "data_position": self.data_position, "version": self.version, "skipped_prompts": self.skipped_prompts,
             "restarted_stale": self.restarted_stale,
+            "tools": self._tool_counts(),
             "carried": [asdict(r) for r in self.carried],
             "finished": {str(g): [asdict(c) for c in outs] for g, outs in self.finished.items()},
             "problems": {str(g): asdict(p) for g, p in self.problems.items()},
@@ -208,10 +230,19 @@ class GeneratorExecutor(Executor):
         self.data_position, self.version = int(state["data_position"]), int(state["version"])
         self.skipped_prompts = int(state.get("skipped_prompts", 0))
         self.restarted_stale = int(state.get("restarted_stale", 0))
+        if isinstance(self.engine, EpisodeRunner):
+            tools = self.engine.tools
+            tools.num_calls, tools.num_errors, tools.num_timeouts = (
+                int(state.get("tools", {}).get(key, 0)) for key in ("calls", "errors", "timeouts"))
         self.carried = [Request(**r) for r in state["carried"]]
         self.finished = {int(g): [Completion(**c) for c in outs] for g, outs in state["finished"].items()}
         self.problems = {int(g): Problem(**p) for g, p in state["problems"].items()}
         load_rng(directory / f"rng_rank{rank}.safetensors", self.rng)
+
+    def _tool_counts(self) -> dict:
+        tools = getattr(self.engine, "tools", None)
+        return {} if tools is None else {"calls": tools.num_calls, "errors": tools.num_errors,
+                                         "timeouts": tools.num_timeouts}
 
     def get_model(self) -> torch.nn.Module:
         return self.model
@@ -260,7 +291,8 @@ class GeneratorExecutor(Executor):
         n = self.config.samples_per_prompt
         prompts: dict[int, list[int]] = {}
         for sample in self.carried + [c for outs in self.finished.values() for c in outs]:
-            if sample.versions and min(sample.versions) < oldest_allowed:
+            sampled = [v for v in sample.versions if v >= 0]  # observation tokens have no version
+            if sampled and min(sampled) < oldest_allowed:
                 prompts[sample.sample_id // n] = list(sample.prompt_ids)
         stale = {g for g in prompts if any(r.sample_id // n == g for r in self.carried)}
         if not stale:
@@ -281,8 +313,8 @@ class GeneratorExecutor(Executor):
         outputs = self.engine.generate(requests, sampling=self.sampling(), version=self.version,
                                        generator=self.rng, token_budget=self.config.token_budget)
         seconds = time.perf_counter() - start
-        previous = {r.sample_id: len(r.completion_ids) for r in requests}
-        num_new_tokens = sum(len(o.completion_ids) - previous[o.sample_id] for o in outputs)
+        previous = {r.sample_id: sum(sampled_mask(r)) for r in requests}
+        num_new_tokens = sum(sum(sampled_mask(o)) - previous[o.sample_id] for o in outputs)  # observations excluded
         self.carried = []
         n = self.config.samples_per_prompt
         for out in outputs:
@@ -314,6 +346,10 @@ class GeneratorExecutor(Executor):
                         "gen_skipped_prompts": float(self.skipped_prompts),
                         "gen_restarted_stale": float(self.restarted_stale),
                         "data_skipped_rows": float(getattr(self.task, "num_skipped_rows", 0))}
+        if isinstance(self.engine, EpisodeRunner):  # cumulative over the run (a resumed run continues them)
+            tools = self.engine.tools
+            self.metrics.update({"env_tool_calls": float(tools.num_calls), "env_tool_errors": float(tools.num_errors),
+                                 "env_tool_timeouts": float(tools.num_timeouts)})
         if not emits:  # a TP peer repeats its group's first rank's work: counted there only
             for key in _PER_REPLICA:
                 self.metrics.pop(key)
@@ -329,8 +365,14 @@ class GeneratorExecutor(Executor):
         """
         greedy = SamplingParams(temperature=0.0, max_new_tokens=self.config.max_new_tokens)
         prompts = [list(self.prompt_fn(self.tokenizer, p.question)) for p in problems]
-        scores, texts = score_samples(self.engine, self.tokenizer, problems=problems, prompts=prompts, score=score,
-                                      sampling=greedy, chunk=chunk, version=self.version)
+        if isinstance(self.engine, EpisodeRunner):  # evaluation episodes start from these problems
+            training_problems, self.engine.problem_of = self.engine.problem_of, problems.__getitem__
+        try:
+            scores, texts = score_samples(self.engine, self.tokenizer, problems=problems, prompts=prompts,
+                                          score=score, sampling=greedy, chunk=chunk, version=self.version)
+        finally:
+            if isinstance(self.engine, EpisodeRunner):
+                self.engine.problem_of = training_problems
         correct = sum(s[0] for s in scores)
         if samples_path is not None:
             samples_path.write_text("".join(

@@ -1,0 +1,21 @@
+"""Environments for tests, importable by "envs_for_tests:NAME" in tool workers and torchrun worlds."""
+
+from __future__ import annotations
+
+from llamarl.data.prompts import Problem
+from llamarl.environments.base import Turn
+
+
+class DigitsEnv:
+    """A turn ends at any digit (a tiny random model samples one every few tokens); the tool answers
+    " ok" and the episode is done after its third call."""
+
+    def stop_texts(self) -> list[str]:
+        return list("0123456789")
+
+    def reset(self, problem: Problem) -> dict:
+        return {"calls": 0}
+
+    def step(self, state: dict, turn: str) -> Turn:
+        calls = state["calls"] + 1
+        return Turn(observation=" ok", state={"calls": calls}, done=calls >= 3)
