@@ -19,3 +19,18 @@ class DigitsEnv:
     def step(self, state: dict, turn: str) -> Turn:
         calls = state["calls"] + 1
         return Turn(observation=" ok", state={"calls": calls}, done=calls >= 3)
+
+
+class StopAtText:
+    """A turn ends at ``text`` (set by the test; inline tools only); the tool answers " ok"."""
+
+    text = "a"
+
+    def stop_texts(self) -> list[str]:
+        return [self.text]
+
+    def reset(self, problem) -> dict:
+        return {"calls": 0}
+
+    def step(self, state: dict, turn: str) -> Turn:
+        return Turn(observation=" ok", state={"calls": state["calls"] + 1})

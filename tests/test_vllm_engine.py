@@ -256,16 +256,49 @@ if __name__ == "__main__":
 
 
 def test_a_stop_token_id_ends_the_completion_where_it_is_sampled(engine):
-    """The engine contract's stop ids on vLLM: greedy, the stopped completion is the free one cut
-    right after the first time the id is sampled (kept, "stop"), with the same log-probs."""
-    greedy = SamplingParams(temperature=0.0, max_new_tokens=12)
-    free = engine.generate(requests(2), sampling=greedy, version=0)
+    """The engine contract's stop ids on vLLM: with the same request seeds, the stopped completion is
+    the free one cut right after the first time the id is sampled (kept, "stop"), same log-probs."""
+    sampling = SamplingParams(temperature=1.0, max_new_tokens=12)
+    free = engine.generate(requests(2), sampling=sampling, version=0, generator=torch.Generator().manual_seed(5))
     ids = free[0].completion_ids
-    position = next(i for i in range(3, len(ids)) if ids[i] not in ids[:i] and ids[i] != EOS)
+    position = next(i for i in range(2, len(ids)) if ids[i] not in ids[:i] and ids[i] != EOS)
     stop = ids[position]
-    stopped = engine.generate(requests(2), sampling=SamplingParams(temperature=0.0, max_new_tokens=12,
-                                                                   stop_token_ids=[stop]), version=0)
+    stopped = engine.generate(requests(2), sampling=SamplingParams(temperature=1.0, max_new_tokens=12,
+                                                                   stop_token_ids=[stop]), version=0,
+                              generator=torch.Generator().manual_seed(5))
     assert stopped[0].completion_ids == ids[: position + 1] and stopped[0].finish_reason == "stop"
     assert stopped[0].logprobs == pytest.approx(free[0].logprobs[: position + 1], abs=ATOL)
     other = free[1].completion_ids
     assert stopped[1].completion_ids == other[: other.index(stop) + 1 if stop in other else len(other)]
+
+
+def test_an_episode_on_vllm_equals_the_native_engines(engine, hf_model):
+    """The environment loop is engine-independent: greedy fp32 episodes (turns ending at a stop id,
+    observations appended, mask 0) are the same on vLLM as on the native engine with the same weights."""
+    from envs_for_tests import StopAtText
+    from tiny_model import tiny_tokenizer
+
+    from llamarl.environments.episodes import EpisodeRunner
+    from llamarl.environments.tools import ToolRunner
+
+    engine.load_weights(hf_model.named_parameters())  # earlier tests may have loaded other weights
+    tokenizer = tiny_tokenizer()
+    native = TorchEngine(hf_model, eos_token_ids=[EOS], pad_token_id=PAD)
+    greedy = SamplingParams(temperature=0.0, max_new_tokens=30)
+    # A prompt whose first greedy token is a character of the tokenizer: it becomes the turn's stop text.
+    firsts = [o.completion_ids[0] for o in native.generate(requests(8), sampling=greedy, version=0)]
+    index = next(i for i, t in enumerate(firsts) if 3 <= t < len(tokenizer))
+    StopAtText.text = tokenizer.decode([firsts[index]])
+    assert tokenizer(StopAtText.text, add_special_tokens=False)["input_ids"] == [firsts[index]]
+    chosen = [requests(8)[index]]
+    episodes = []
+    for backend in (native, engine):
+        runner = EpisodeRunner(backend, environment=StopAtText(), tools=ToolRunner("envs_for_tests:StopAtText",
+                               timeout_s=5.0, num_workers=0), tokenizer=tokenizer, max_turns=3,
+                               problem_of=lambda sample_id: None)
+        episodes.append(runner.generate([Request(sample_id=r.sample_id, prompt_ids=list(r.prompt_ids)) for r in chosen],
+                                        sampling=greedy, version=1)[0])
+    ours, theirs = episodes
+    assert ours.loss_mask.count(0) >= 3 and ours.episode["state"]["calls"] >= 1
+    assert ours.completion_ids == theirs.completion_ids and ours.loss_mask == theirs.loss_mask
+    torch.testing.assert_close(torch.tensor(ours.logprobs), torch.tensor(theirs.logprobs), atol=ATOL, rtol=0)
