@@ -13,6 +13,9 @@ class DigitsEnv:
     def stop_texts(self) -> list[str]:
         return list("0123456789")
 
+    def end_texts(self) -> list[str]:
+        return []
+
     def reset(self, problem: Problem) -> dict:
         return {"calls": 0}
 
@@ -28,6 +31,9 @@ class StopAtText:
 
     def stop_texts(self) -> list[str]:
         return [self.text]
+
+    def end_texts(self) -> list[str]:
+        return []
 
     def reset(self, problem) -> dict:
         return {"calls": 0}

@@ -47,5 +47,6 @@ def run_colocated_runs(runs: list[list[str]], *, plan_file: Path, env: dict[str,
     python_path = os.pathsep.join(filter(None, [str(REPO), str(REPO / "tests"), os.environ.get("PYTHONPATH")]))
     full_env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": python_path, "HF_HUB_OFFLINE": "1",
                 "TOKENIZERS_PARALLELISM": "false", **(env or {})}
-    return subprocess.run([sys.executable, str(REPO / "tests" / "worlds" / "colocated_runs.py"), str(plan_file)],
+    return subprocess.run([sys.executable, str(REPO / "tests" / "worlds" / "colocated_runs.py"),
+                           "--plan", str(plan_file)],
                           cwd=REPO, env=full_env, capture_output=True, text=True, timeout=timeout_s, check=False)

@@ -17,7 +17,7 @@ from llamarl.channels.base import balanced_group_partition
 @pytest.fixture(scope="module")
 def received(tmp_path_factory):
     out = tmp_path_factory.mktemp("channels")
-    check(run_torchrun("channels_world.py", nproc=4, args=[str(out)]))
+    check(run_torchrun("channels_world.py", nproc=4, args=["--out", str(out)]))
 
     def load(case: str, rank: int) -> TensorBatch:
         header = torch.tensor(list((out / f"{case}_rank{rank}.header").read_bytes()), dtype=torch.uint8)

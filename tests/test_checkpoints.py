@@ -29,11 +29,13 @@ def test_truncated_state_file_is_an_error_naming_it(setup, tmp_path):  # noqa: F
     batch_file = setup[0] / "batch.safetensors"
     ckpt = tmp_path / "ckpt"
     check(run_torchrun("reshard_world.py", nproc=1,
-                       args=[str(model_dir), str(batch_file), str(ckpt), str(tmp_path / "s.st"), "save"]))
+                       args=["--model-dir", str(model_dir), "--batch", str(batch_file),
+                             "--job", str(ckpt), str(tmp_path / "s.st"), "save"]))
     shard = ckpt / "state" / "rank0.safetensors"
     shard.write_bytes(shard.read_bytes()[:1000])
     proc = run_torchrun("reshard_world.py", nproc=1,
-                        args=[str(model_dir), str(batch_file), str(ckpt), str(tmp_path / "l.st"), "load"])
+                        args=["--model-dir", str(model_dir), "--batch", str(batch_file),
+                              "--job", str(ckpt), str(tmp_path / "l.st"), "load"])
     assert proc.returncode != 0
     assert f"cannot read checkpoint file {shard}" in proc.stderr
 

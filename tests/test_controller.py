@@ -15,7 +15,8 @@ MAX_STEPS = 5
 
 
 def run_schedule(tmp_path, schedule):
-    check(run_torchrun("controller_world.py", nproc=4, args=[str(tmp_path), schedule, str(MAX_STEPS)]))
+    check(run_torchrun("controller_world.py", nproc=4,
+                       args=["--out", str(tmp_path), "--schedule", schedule, "--max-steps", str(MAX_STEPS)]))
     return {r: json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(4)}
 
 
@@ -48,7 +49,8 @@ def test_sync_schedule_is_strictly_on_policy(tmp_path):
 def test_a_rank_that_raises_takes_the_world_down_with_a_named_message(tmp_path):
     # No duration is asserted (time is noisy under load); a world that hangs instead of going down
     # hits the subprocess timeout and fails the test.
-    proc = run_torchrun("controller_world.py", nproc=4, args=[str(tmp_path), "async", "8", "3", "3"], timeout_s=120)
+    proc = run_torchrun("controller_world.py", nproc=4, timeout_s=120, args=[
+        "--out", str(tmp_path), "--schedule", "async", "--max-steps", "8", "--fail-rank", "3", "--fail-step", "3"])
     assert proc.returncode != 0
     assert "executor 'train' (rank 3, local rank 1) failed at step 3 during step: RuntimeError: boom" in proc.stderr
     assert not list(tmp_path.glob("rank*.json")), "no rank should have finished normally"

@@ -37,6 +37,9 @@ class FlakyTools:
     def stop_texts(self) -> list[str]:
         return ["="]
 
+    def end_texts(self) -> list[str]:
+        return []
+
     def reset(self, problem: Problem) -> dict:
         return {"n": 0}
 
@@ -70,6 +73,9 @@ class FirstTokenEnvironment:
 
     def stop_texts(self) -> list[str]:
         return [self.stop]
+
+    def end_texts(self) -> list[str]:
+        return []
 
     def reset(self, problem: Problem) -> dict:
         return {"seen": 0, "question": problem.question}

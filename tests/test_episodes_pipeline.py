@@ -32,6 +32,8 @@ def test_episodes_call_the_tools_and_train(tmp_path, model_dir, nproc, schedule)
     calls = [r["env_tool_calls"] for r in generator]
     assert calls == sorted(calls) and calls[-1] >= 8, calls  # cumulative, and the tools were used
     assert all(r["env_tool_errors"] == 0 and r["env_tool_timeouts"] == 0 for r in generator)
+    assert all(0 <= r["env_samples_with_observation"] <= r["gen_emitted_samples"] for r in generator)
+    assert sum(r["env_samples_with_observation"] for r in generator) > 0
     trainer = [r for r in read_jsonl(out / "metrics" / "trainer.jsonl") if "loss" in r]
     assert trainer and all(torch.isfinite(torch.tensor(r["loss"])) for r in trainer)
     assert json.loads((out / "summary.json").read_text())["num_steps"] == 4
@@ -54,3 +56,17 @@ def test_a_run_checkpointed_mid_episode_resumes_to_the_same_policy(tmp_path, mod
     losses = {r["step"]: r["loss"] for r in read_jsonl(straight / "metrics" / "trainer.jsonl") if "loss" in r}
     again = {r["step"]: r["loss"] for r in read_jsonl(resumed / "metrics" / "trainer.jsonl") if "loss" in r}
     assert again and all(losses[step] == loss for step, loss in again.items())
+
+
+def test_the_calculator_recipe_runs_as_documented(tmp_path, model_dir):
+    """``recipes/calculator.py`` end to end on the tiny model (one colocated process, both prompt styles)."""
+    for style in ("plain", "chat"):
+        out = tmp_path / style
+        check(run_torchrun("run_module.py", nproc=1, timeout_s=300, args=["--module", "recipes.calculator", "--",
+            "--model.name", str(model_dir), "--run.schedule", "colocated", "--run.max-steps", "2",
+            "--run.num-eval-problems", "4", "--run.output-dir", str(out), "--generator.num-prompts-per-step", "2",
+            "--reward.num-workers", "0", "--env.num-tool-workers", "1", "--task.prompt", style]))
+        generator = read_jsonl(out / "metrics" / "generator.jsonl")
+        assert len(generator) == 2 and all("env_tool_calls" in r for r in generator)
+        summary = json.loads((out / "summary.json").read_text())
+        assert summary["num_steps"] == 2 and 0 <= summary["final_accuracy"] <= 1

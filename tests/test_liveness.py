@@ -20,7 +20,7 @@ def start_world(tmp_path):
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": f"{REPO}{os.pathsep}{REPO / 'tests'}"}
     return subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
                              "--monitor-interval=0.5", str(REPO / "tests" / "worlds" / "liveness_world.py"),
-                             str(tmp_path), "3"], cwd=REPO, env=env, stdout=subprocess.PIPE,
+                             "--pid-dir", str(tmp_path), "--timeout-s", "3"], cwd=REPO, env=env, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True)
 
 

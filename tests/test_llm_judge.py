@@ -22,6 +22,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 sys.path.insert(0, str(Path(__file__).parent / "worlds"))
 from conftest import read_jsonl
 from launch import check, run_torchrun
+from middle_stage import check_middle_stage_pipeline
 from scorers_for_tests import first_char_even
 from taps import read_taps
 from tiny_model import save_tiny_model
@@ -160,29 +161,13 @@ def test_config_and_schedule_are_checked(tmp_path):
                             ({"model": " "}, "--judge.model")]:
         with pytest.raises(ValueError, match=message):
             JudgeConfig(**kwargs)
-    config = LLMJudgeConfig()
-    config.run.schedule = "colocated"  # every stage, the judge included, on every rank
-    pipeline = llm_judge_pipeline(config, task=None, scorer="arithmetic", prompt_fn=None)
-    assert [s.num_ranks for s in pipeline.specs(1)] == [1, 1, 1, 1]
-    assert all(pipeline.in_memory(c) for c in pipeline.channels)
+    check_middle_stage_pipeline(LLMJudgeConfig, llm_judge_pipeline, middle="judge",
+                                channels=("rollouts", "ruled", "scored"))
     config = LLMJudgeConfig()
     config.run.output_dir = str(tmp_path)
-    with pytest.raises(ValueError, match=r"^--generator.num-ranks 1 \+ --judge.num-ranks 1 \+ at least 1 trainer "
-                                         r"rank = 3 > the world size 2"):
-        llm_judge_pipeline(config, task=None, scorer="arithmetic", prompt_fn=None).specs(2)
     config.judge.model = str(tmp_path / "no-such-judge")
     with pytest.raises(ValueError, match="--judge.model .*no such model directory"):
         check_llm_judge(config)
-    for schedule, lag, same in [("async", 2, (False, True, False)), ("async", 1, (True, True, False)),
-                                ("sync", 2, (True, True, True))]:
-        config = LLMJudgeConfig()
-        config.run.schedule, config.run.async_lag = schedule, lag
-        pipeline = llm_judge_pipeline(config, task=None, scorer="arithmetic", prompt_fn=None)
-        assert pipeline.order == ["generator", "reward", "judge", "trainer"]
-        data = [c for c in pipeline.channels if c.kind != "weights"]
-        assert [(c.name, c.outbound, c.inbound) for c in data] == [
-            ("rollouts", "generator", "reward"), ("ruled", "reward", "judge"), ("scored", "judge", "trainer")]
-        assert tuple(c.same_tick for c in data) == same
 
 
 def test_four_executor_world_trains_on_the_judges_rewards(tmp_path, models, judge):

@@ -58,7 +58,7 @@ def tp_worlds(family_dirs, tmp_path_factory):
     args = []
     for name in NAMES:
         outs[name].mkdir()
-        args += [str(family_dirs[name]), str(outs[name])]
+        args += ["--pair", str(family_dirs[name]), str(outs[name])]
     check(run_torchrun("tp_world.py", nproc=3, args=args, timeout_s=400))
     return outs
 

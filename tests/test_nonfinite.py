@@ -16,7 +16,8 @@ def test_a_nan_step_is_skipped_everywhere_and_counted(setup, tmp_path, nproc):  
     tmp, model_dir, _ = setup
     out = tmp_path / "records.json"
     check(run_torchrun("nonfinite_world.py", nproc=nproc,
-                       args=[str(model_dir), str(tmp / "batch.safetensors"), str(out), "fnf", "3"]))
+                       args=["--model-dir", str(model_dir), "--batch", str(tmp / "batch.safetensors"),
+                             "--out", str(out), "--pattern", "fnf", "--max-nonfinite", "3"]))
     first, poisoned, last = json.loads(out.read_text())
     assert first["changed"] and first["metrics"]["version"] == 1 and first["metrics"]["nonfinite_steps"] == 0
     # Only one rank held the NaN row, yet no rank stepped: the decision uses all-reduced values.
@@ -28,7 +29,8 @@ def test_a_nan_step_is_skipped_everywhere_and_counted(setup, tmp_path, nproc):  
 def test_consecutive_nonfinite_steps_end_the_run_with_a_clear_message(setup, tmp_path):  # noqa: F811
     tmp, model_dir, _ = setup
     proc = run_torchrun("nonfinite_world.py", nproc=2,
-                        args=[str(model_dir), str(tmp / "batch.safetensors"), str(tmp_path / "r.json"), "nnn", "2"])
+                        args=["--model-dir", str(model_dir), "--batch", str(tmp / "batch.safetensors"),
+                              "--out", str(tmp_path / "r.json"), "--pattern", "nnn", "--max-nonfinite", "2"])
     assert proc.returncode != 0
     assert "2 consecutive non-finite training steps (last: loss nan, grad norm nan) at trainer version 0; " \
            "--trainer.max-nonfinite-steps is 2" in proc.stderr

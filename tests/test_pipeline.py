@@ -49,7 +49,7 @@ def test_bad_stage_and_channel_fields_are_refused():
 
 def test_four_stage_toy_pipeline_runs_through_the_library_entry_point(tmp_path):
     run_dir = tmp_path / "run"
-    proc = run_torchrun("pipeline_world.py", nproc=5, args=[str(run_dir)], timeout_s=240)
+    proc = run_torchrun("pipeline_world.py", nproc=5, args=["--run-dir", str(run_dir)], timeout_s=240)
     check(proc)
     # source emits 10t + [0, 1, 2, 3] at tick t; double doubles it in the same tick; sink (2 ranks)
     # receives it one tick later, split by SCATTER into whole groups (value // 2 before doubling).

@@ -21,6 +21,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 sys.path.insert(0, str(Path(__file__).parent / "worlds"))
 from conftest import read_jsonl
 from launch import check, run_torchrun
+from middle_stage import check_middle_stage_pipeline
 from scorers_for_tests import first_char_even
 from taps import read_taps
 
@@ -128,27 +129,10 @@ def test_config_and_schedule_are_checked():
                             ({"num_threads": 0}, "--ref.num-threads")]:
         with pytest.raises(ValueError, match=message):
             RefConfig(**kwargs)
-    config = RefKLConfig()
-    config.run.schedule = "colocated"  # every stage, the reference included, on every rank
-    pipeline = ref_kl_pipeline(config, task=None, scorer="arithmetic", prompt_fn=None)
-    assert [s.num_ranks for s in pipeline.specs(1)] == [1, 1, 1, 1]
-    assert all(pipeline.in_memory(c) for c in pipeline.channels)
+    # The pipeline: four stages in data order; the reference adds no lag (scored is same-tick).
+    check_middle_stage_pipeline(RefKLConfig, ref_kl_pipeline, middle="ref", channels=("rollouts", "scored", "shaped"))
     config = RefKLConfig()
     config.run.output_dir = "/tmp"
-    with pytest.raises(ValueError, match=r"^--generator.num-ranks 1 \+ --ref.num-ranks 1 \+ at least 1 trainer rank "
-                                         r"= 3 > the world size 2"):
-        ref_kl_pipeline(config, task=None, scorer="arithmetic", prompt_fn=None).specs(2)
     config.ref.max_tokens_per_microbatch = 100
     with pytest.raises(ValueError, match="--ref.max-tokens-per-microbatch 100 is below"):
         check_ref_kl(config)
-    # The pipeline: four stages in data order; the reference adds no lag (scored is same-tick).
-    for schedule, lag, same in [("async", 2, (False, True, False)), ("async", 1, (True, True, False)),
-                                ("sync", 2, (True, True, True))]:
-        config = RefKLConfig()
-        config.run.schedule, config.run.async_lag = schedule, lag
-        pipeline = ref_kl_pipeline(config, task=None, scorer="arithmetic", prompt_fn=None)
-        assert pipeline.order == ["generator", "reward", "ref", "trainer"]
-        data = [c for c in pipeline.channels if c.kind != "weights"]
-        assert [(c.name, c.outbound, c.inbound) for c in data] == [
-            ("rollouts", "generator", "reward"), ("scored", "reward", "ref"), ("shaped", "ref", "trainer")]
-        assert tuple(c.same_tick for c in data) == same

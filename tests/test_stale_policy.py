@@ -113,7 +113,8 @@ def test_stale_policy_is_validated():
 
 # ----- generator and trainer in one pipeline -----
 def world_main() -> None:
-    """usage: test_stale_policy.py MODEL_DIR OUT.json POLICY ETA LAG TICKS (one rank).
+    """usage: test_stale_policy.py --model-dir MODEL_DIR --out OUT.json --policy drop|wait --max-staleness ETA
+    --lag LAG --ticks TICKS (one rank).
 
     Each tick: the generator takes the trainer's version (its weights are not copied: only the
     versions matter here), generates; its groups get random 0/1 rewards; the trainer trains the batch
@@ -121,12 +122,22 @@ def world_main() -> None:
     metrics and, computed here from the batch and the trainer's version before the step, the
     samples that hold a token older than eta and the staleness of the other loss tokens.
     """
+    import argparse
+
     from llamarl.config import TrainerConfig
     from llamarl.executors.trainer import TrainerExecutor
     from llamarl.world import ExecutorContext, ExecutorSpec
 
-    model_dir, out, policy, eta, lag, ticks = sys.argv[1:7]
-    eta, lag, ticks = int(eta), int(lag), int(ticks)
+    parser = argparse.ArgumentParser(description="generator and trainer in one pipeline (test_stale_policy.py)")
+    parser.add_argument("--model-dir", required=True)
+    parser.add_argument("--out", required=True, help="the per-tick records (JSON)")
+    parser.add_argument("--policy", choices=["drop", "wait"], required=True, help="--algo.stale-policy")
+    parser.add_argument("--max-staleness", type=int, required=True, help="--algo.max-staleness (eta)")
+    parser.add_argument("--lag", type=int, required=True, help="ticks between generating a batch and training it")
+    parser.add_argument("--ticks", type=int, required=True)
+    args = parser.parse_args()
+    model_dir, out, policy = args.model_dir, args.out, args.policy
+    eta, lag, ticks = args.max_staleness, args.lag, args.ticks
     ctx = ExecutorContext.create([ExecutorSpec("trainer", int(os.environ["WORLD_SIZE"]))], timeout_s=60)
     torch.manual_seed(0)
     gen = make_generator(model_dir, ctx, policy=policy, eta=eta, lag=lag)
@@ -160,7 +171,8 @@ def world_main() -> None:
 
 def run_pipeline(tmp_path, model_dir, *, policy, eta, lag, ticks=12):
     out = tmp_path / f"{policy}_{eta}_{lag}.json"
-    check(run_torchrun(WORLD, nproc=1, args=[str(model_dir), str(out), policy, str(eta), str(lag), str(ticks)]))
+    check(run_torchrun(WORLD, nproc=1, args=["--model-dir", str(model_dir), "--out", str(out), "--policy", policy,
+                                             "--max-staleness", str(eta), "--lag", str(lag), "--ticks", str(ticks)]))
     return json.loads(out.read_text())
 
 

@@ -37,7 +37,7 @@ def world(tmp_path_factory):
     model_dir = save_tiny_model(root / "model")
     out = root / "out"
     out.mkdir()
-    check(run_torchrun("tp_world.py", nproc=3, args=[str(model_dir), str(out)], timeout_s=240))
+    check(run_torchrun("tp_world.py", nproc=3, args=["--pair", str(model_dir), str(out)], timeout_s=240))
     return out
 
 

@@ -11,8 +11,8 @@ from safetensors.torch import save_file
 
 sys.path.insert(0, str(Path(__file__).parent))
 from launch import check, run_torchrun
-from test_trainer import make_batch
 from tiny_model import save_tiny_model
+from trainer_reference import make_batch
 
 from llamarl.models.loading import load_causal_lm
 
@@ -30,9 +30,9 @@ def tied(tmp_path_factory):
 
 def world(tmp, model_dir, nproc, *jobs):
     """Run ``reshard_world.py`` jobs ``(ckpt, out, mode)`` in one world; the tensors each OUT holds."""
-    args = [str(model_dir), str(tmp / "batch.safetensors")]
+    args = ["--model-dir", str(model_dir), "--batch", str(tmp / "batch.safetensors")]
     for ckpt, out, mode in jobs:
-        args += [str(ckpt), str(out), mode]
+        args += ["--job", str(ckpt), str(out), mode]
     check(run_torchrun("reshard_world.py", nproc=nproc, args=args))
     results = []
     for _, out, mode in jobs:

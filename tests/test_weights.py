@@ -29,7 +29,7 @@ WORLDS = {"3->2": (3, 2), "2->1": (2, 1), "1->2": (1, 2)}
 def worlds(tmp_path_factory):
     out = tmp_path_factory.mktemp("weights")
     splits = [f"{g}:{t}" for t, g in WORLDS.values()]
-    proc = run_torchrun("weights_world.py", nproc=sum(WORLDS["3->2"]), args=[str(out), *splits], timeout_s=240)
+    proc = run_torchrun("weights_world.py", nproc=sum(WORLDS["3->2"]), args=["--out", str(out), "--splits", *splits], timeout_s=240)
     return out, proc
 
 

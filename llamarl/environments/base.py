@@ -53,6 +53,11 @@ class Environment(Protocol):
         policy turn and calls ``step``."""
         ...
 
+    def end_texts(self) -> list[str]:
+        """Strings (one token each) that end the episode as EOS does, without a ``step`` (the answer
+        is complete: the calculator's newline). May be empty."""
+        ...
+
     def reset(self, problem: Problem) -> dict:
         """The state of a new episode for ``problem`` (JSON-serialisable)."""
         ...
@@ -67,10 +72,11 @@ def observation_ids(tokenizer, text: str) -> list[int]:
     return list(tokenizer(text, add_special_tokens=False)["input_ids"]) if text else []
 
 
-def stop_token_ids(environment: Environment, tokenizer) -> list[int]:
-    """The ids of ``environment.stop_texts()``; ValueError naming a text that is not one token."""
+def stop_token_ids(environment: Environment, tokenizer, *, ending: bool = False) -> list[int]:
+    """The ids of ``environment.stop_texts()`` (``ending``: of ``end_texts()``); ValueError naming a
+    text that is not one token."""
     ids = []
-    for text in environment.stop_texts():
+    for text in environment.end_texts() if ending else environment.stop_texts():
         tokens = observation_ids(tokenizer, text)
         if len(tokens) != 1:
             raise ValueError(f"environment stop text {text!r} is {len(tokens)} tokens of this tokenizer {tokens}; "

@@ -7,7 +7,7 @@ The expression is the longest run of digits, spaces, ``+ - * / ( ) .`` before th
 evaluated by walking its Python AST (numbers, the four operations, ``//``, ``%``, unary minus,
 parentheses; never ``eval``), with operands and results bounded (``MAX_MAGNITUDE``) so no call
 can run long or build a huge number. An expression it cannot read gives the observation `` ?``. The
-episode ends when the policy ends its turn with EOS (its final answer), or at ``--env.max-turns``.
+episode ends when the policy ends its answer line (a newline), samples EOS, or at ``--env.max-turns``.
 """
 
 from __future__ import annotations
@@ -67,6 +67,9 @@ class CalculatorEnvironment:
 
     def stop_texts(self) -> list[str]:
         return ["="]
+
+    def end_texts(self) -> list[str]:
+        return ["\n"]  # the answer line is complete
 
     def reset(self, problem: Problem) -> dict:
         return {"calls": 0}

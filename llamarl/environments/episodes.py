@@ -6,7 +6,8 @@ every episode as far as it goes: generate until a turn ends; for each turn that 
 environment's stop ids, ``step`` in the tool workers (all of them at once), append the observation
 tokens (loss mask 0, log-prob 0, version -1) and generate again; until no episode continues.
 
-An episode ends ("stop") when the policy samples EOS or ``step`` says ``done``; ("length") at
+An episode ends ("stop") when the policy samples EOS or one of the environment's end ids, or
+``step`` says ``done``; ("length") at
 ``max_turns`` policy turns, or when the transcript has no room left under ``max_new_tokens`` for
 the observation and one more token (the observation is then not appended). A request that comes back
 "carried" (``token_budget``) is returned as is with its episode state; resubmitted later, possibly
@@ -48,6 +49,7 @@ class EpisodeRunner:
         self.engine, self.environment, self.tools, self.tokenizer = engine, environment, tools, tokenizer
         self.max_turns, self.problem_of = max_turns, problem_of
         self.turn_stop_ids = stop_token_ids(environment, tokenizer)
+        self.end_ids = stop_token_ids(environment, tokenizer, ending=True)
         self.pad_token_id = engine.pad_token_id
         self.num_turns = 0  # policy turns that called a tool, since the runner was made
 
@@ -63,7 +65,7 @@ class EpisodeRunner:
         """Every request as an episode (module docstring); one ``Completion`` per request, in order."""
         sampling = SamplingParams(temperature=sampling.temperature, top_p=sampling.top_p, top_k=sampling.top_k,
                                   max_new_tokens=sampling.max_new_tokens,
-                                  stop_token_ids=[*sampling.stop_token_ids, *self.turn_stop_ids])
+                                  stop_token_ids=[*sampling.stop_token_ids, *self.turn_stop_ids, *self.end_ids])
         for req in requests:
             if not req.episode:
                 req.episode = {"state": self.environment.reset(self.problem_of(req.sample_id)), "turns": 0,

@@ -116,6 +116,7 @@ GENERATOR_METRICS = {
     "env_tool_calls": MetricSpec("environment", "sum"),
     "env_tool_errors": MetricSpec("environment", "sum"),
     "env_tool_timeouts": MetricSpec("environment", "sum"),
+    "env_samples_with_observation": MetricSpec("environment", "sum"),
     "gen_version": MetricSpec("rollouts", "max"),
     "gen_data_position": MetricSpec("data", "max"),
     "gen_skipped_prompts": MetricSpec("data", "sum"),
@@ -349,10 +350,13 @@ class GeneratorExecutor(Executor):
         if isinstance(self.engine, EpisodeRunner):  # cumulative over the run (a resumed run continues them)
             tools = self.engine.tools
             self.metrics.update({"env_tool_calls": float(tools.num_calls), "env_tool_errors": float(tools.num_errors),
-                                 "env_tool_timeouts": float(tools.num_timeouts)})
+                                 "env_tool_timeouts": float(tools.num_timeouts),
+                                 # emitted samples whose episode got at least one observation (tool answer)
+                                 "env_samples_with_observation": float(sum(0 in sampled_mask(c) for c in completions)
+                                                                       if emits else 0)})
         if not emits:  # a TP peer repeats its group's first rank's work: counted there only
             for key in _PER_REPLICA:
-                self.metrics.pop(key)
+                self.metrics.pop(key, None)  # env_* only exist with an environment
 
     @torch.no_grad()
     def evaluate(self, problems: list[Problem], score: Callable[[str, str], float], *, chunk: int = 64,

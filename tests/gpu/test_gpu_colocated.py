@@ -60,7 +60,7 @@ def test_ddma_over_nccl_is_bitwise(tmp_path, nproc, split):
     from test_weights import expected_local, load_generator
     from worlds.weights_world import cases
 
-    check(run_torchrun("weights_world.py", nproc=nproc, args=[str(tmp_path), split], timeout_s=300))
+    check(run_torchrun("weights_world.py", nproc=nproc, args=["--out", str(tmp_path), "--splits", split], timeout_s=300))
     generators, trainers = (int(x) for x in split.split(":"))
     out = tmp_path / f"{trainers}to{generators}"
     for case, config in cases(generators).items():

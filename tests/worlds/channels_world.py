@@ -2,9 +2,11 @@
 
 Each rank of ``a`` builds ``make_batch(rank, case)``; each rank of ``b`` dumps what it received
 (encoded with the wire format) to ``<out>/<case>_rank<r>.{header,data}`` for the test to check.
+
+usage: channels_world.py --out OUT_DIR
 """
 
-import sys
+import argparse
 from pathlib import Path
 
 import torch
@@ -37,19 +39,25 @@ def make_batch(rank: int, case: str) -> TensorBatch:
 
 
 class Probe(Executor):
+    def __init__(self, ctx, out: Path):
+        super().__init__(ctx)
+        self.out = out
+
     def get_output(self, name):
         return make_batch(self.ctx.rank, name)
 
     def set_input(self, name, batch):
         header, data = batch.encode()
-        out = Path(sys.argv[1])
-        (out / f"{name}_rank{self.ctx.rank}.header").write_bytes(bytes(header.tolist()))
-        (out / f"{name}_rank{self.ctx.rank}.data").write_bytes(bytes(data.tolist()))
+        (self.out / f"{name}_rank{self.ctx.rank}.header").write_bytes(bytes(header.tolist()))
+        (self.out / f"{name}_rank{self.ctx.rank}.data").write_bytes(bytes(data.tolist()))
 
 
 def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
+    parser.add_argument("--out", type=Path, required=True, help="where b's ranks dump what they received")
+    out = parser.parse_args().out
     ctx = ExecutorContext.create([ExecutorSpec("a", 2), ExecutorSpec("b", 2)], timeout_s=60)
-    probe = Probe(ctx)
+    probe = Probe(ctx, out)
     for case, kind in CASES.items():
         CommunicationChannel(case, "a", "b", kind).communicate(ctx, probe)
     ctx.destroy()

@@ -1,6 +1,6 @@
 """Several one-process colocated recipe runs in one Python process (the imports paid once).
 
-usage: colocated_runs.py RUNS.json
+usage: colocated_runs.py --plan RUNS.json
 
 RUNS.json: a list of argument lists for ``recipes.arithmetic`` (each a whole run; ``STRAIGHT`` style
 placeholders must already be resolved). Each run gets a world of its own: RANK 0 of WORLD_SIZE 1 on
@@ -8,10 +8,10 @@ a fresh ``MASTER_PORT``, made and destroyed by the run itself, as under ``torchr
 --nproc-per-node 1``. ``LLAMARL_TEST_SCORER`` swaps the scorer as in ``e2e_arithmetic.py``.
 """
 
+import argparse
 import json
 import os
 import socket
-import sys
 
 import tyro
 
@@ -42,6 +42,8 @@ def run(args: list[str]) -> None:
 
 
 if __name__ == "__main__":
-    with open(sys.argv[1]) as f:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
+    parser.add_argument("--plan", required=True, help="RUNS.json: a JSON list of argument lists, one per run")
+    with open(parser.parse_args().plan) as f:
         for arguments in json.load(f):
             run(arguments)

@@ -1,11 +1,13 @@
 """Toy gen -> rew -> train -> gen pipeline on 4 ranks (gen 1, rew 1, train 2) through the controller.
 
-usage: controller_world.py OUT_DIR async|async1|sync MAX_STEPS [FAIL_RANK FAIL_STEP]
-Each rank writes ``OUT_DIR/rank<r>.json`` with what its executor saw at every tick.
+usage: controller_world.py --out OUT_DIR --schedule async|async1|sync --max-steps N
+                          [--fail-rank R --fail-step S]
+Each rank writes ``OUT_DIR/rank<r>.json`` with what its executor saw at every tick. With
+``--fail-rank`` / ``--fail-step``, that rank's executor raises at that step.
 """
 
+import argparse
 import json
-import sys
 from pathlib import Path
 
 import torch
@@ -16,18 +18,16 @@ from llamarl.controller import ExecutorController
 from llamarl.executor import Executor
 from llamarl.world import ExecutorContext, ExecutorSpec
 
-FAIL_RANK = int(sys.argv[4]) if len(sys.argv) > 4 else -1
-FAIL_STEP = int(sys.argv[5]) if len(sys.argv) > 5 else -1
-
 
 class Toy(Executor):
-    def __init__(self, ctx):
+    def __init__(self, ctx, *, fail_rank: int = -1, fail_step: int = -1):
         super().__init__(ctx)
+        self.fail_rank, self.fail_step = fail_rank, fail_step
         self.version = 0
         self.seen = []
 
     def step(self):
-        if self.ctx.rank == FAIL_RANK and self.current_step == FAIL_STEP:
+        if self.ctx.rank == self.fail_rank and self.current_step == self.fail_step:
             raise RuntimeError("boom from a toy executor")
         self.work()
 
@@ -67,8 +67,19 @@ class Train(Toy):
                                               {"version": self.current_step + 1})
 
 
+def parse_args() -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
+    parser.add_argument("--out", type=Path, required=True, help="directory for rank<r>.json")
+    parser.add_argument("--schedule", choices=["async", "async1", "sync"], required=True)
+    parser.add_argument("--max-steps", type=int, required=True)
+    parser.add_argument("--fail-rank", type=int, default=-1, help="the rank whose executor raises (-1: none)")
+    parser.add_argument("--fail-step", type=int, default=-1, help="the step at which it raises")
+    return parser.parse_args()
+
+
 def main() -> None:
-    out, schedule, max_steps = Path(sys.argv[1]), sys.argv[2], int(sys.argv[3])
+    args = parse_args()
+    out, schedule, max_steps = args.out, args.schedule, args.max_steps
     specs = [ExecutorSpec("gen", 1), ExecutorSpec("rew", 1), ExecutorSpec("train", 2)]
     # The three schedules differ only in which channels deliver within the tick.
     same_tick = {"async": (), "async1": ("rollouts",), "sync": ("rollouts", "scored")}[schedule]
@@ -76,7 +87,8 @@ def main() -> None:
                 CommunicationChannel("scored", "rew", "train", SCATTER, same_tick="scored" in same_tick),
                 CommunicationChannel("weights", "train", "gen", BROADCAST)]
     ctx = ExecutorContext.create(specs, timeout_s=30, channel_endpoints=[(c.outbound, c.inbound) for c in channels])
-    executor = {"gen": Gen, "rew": Rew, "train": Train}[ctx.executor](ctx)
+    executor = {"gen": Gen, "rew": Rew, "train": Train}[ctx.executor](ctx, fail_rank=args.fail_rank,
+                                                                      fail_step=args.fail_step)
     ExecutorController(ctx, executor, channels, max_steps=max_steps, executor_order=["gen", "rew", "train"]).run()
     (out / f"rank{ctx.rank}.json").write_text(json.dumps(executor.seen))
     ctx.destroy()

@@ -1,11 +1,11 @@
 """A one-rank world whose executor mixes a tensor made without a device with one on ``ctx.device``.
 
-usage: guard_world.py OUT.json on|off  — runs 2 ticks under the controller with the device guard
-on or off; rank 0 writes the sums it computed. With the guard on, the first step must fail.
+usage: guard_world.py --out OUT.json --guard on|off  — runs 2 ticks under the controller with the
+device guard on or off; rank 0 writes the sums it computed. With the guard on, the first step must fail.
 """
 
+import argparse
 import json
-import sys
 
 import torch
 
@@ -26,8 +26,16 @@ class Careless(Executor):
         self.sums.append(float((on_device + torch.ones(2)).sum()))
 
 
+def parse_args() -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
+    parser.add_argument("--out", required=True, help="rank 0's sums (JSON)")
+    parser.add_argument("--guard", choices=["on", "off"], required=True, help="the controller's device guard")
+    return parser.parse_args()
+
+
 def main() -> None:
-    out, guard = sys.argv[1], sys.argv[2] == "on"
+    args = parse_args()
+    out, guard = args.out, args.guard == "on"
     ctx = ExecutorContext.create([ExecutorSpec("careless", 1)], timeout_s=60)
     executor = Careless(ctx)
     ExecutorController(ctx, executor, [], max_steps=2, executor_order=["careless"],

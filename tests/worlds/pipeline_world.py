@@ -5,10 +5,12 @@ sink (the other ranks) and double --audit, same tick, GATHER--> audit (1 rank): 
 fourth executor, with its own metrics and headline, that the runner must host without knowing it.
 Sink declares how its metrics reduce over its two ranks (sum, max, and a weighted mean).
 Each sink rank writes what it received per tick to ``<run>/sink_rank<r>.json``.
+
+usage: pipeline_world.py --run-dir RUN_DIR (the run's ``--run.output-dir``)
 """
 
+import argparse
 import json
-import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import ClassVar
@@ -80,7 +82,9 @@ class ToyConfig:
 
 
 if __name__ == "__main__":
-    run_dir = Path(sys.argv[1])
+    parser = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
+    parser.add_argument("--run-dir", type=Path, required=True, help="the run's output directory")
+    run_dir = parser.parse_args().run_dir
     config = ToyConfig()
     config.run.output_dir = str(run_dir)
     pipeline = Pipeline(

@@ -1,9 +1,10 @@
 """Trainer checkpoint save on N ranks / load on M ranks (the whole world is the trainer).
 
-usage: reshard_world.py MODEL_DIR BATCH.safetensors CKPT_DIR OUT MODE [CKPT_DIR OUT MODE ...]
+usage: reshard_world.py --model-dir MODEL_DIR --batch BATCH.safetensors --job CKPT_DIR OUT MODE
+                        [--job CKPT_DIR OUT MODE ...]
 
-Each (CKPT_DIR, OUT, MODE) runs in turn on a freshly built trainer in the same world (one start-up
-for several checks). MODE: save|load|train|save-train|bad-groups|no-grad.
+Each ``--job`` (CKPT_DIR, OUT, MODE) runs in turn on a freshly built trainer in the same world (one
+start-up for several checks). MODE: save|load|train|save-train|bad-groups|no-grad.
 save: one training step, then ``save_checkpoint(CKPT_DIR)``. load: ``load_checkpoint(CKPT_DIR)``.
 train: one training step only. save-train: ``save_checkpoint(CKPT_DIR)`` before any step, then one
 step (a save must not change what the step does). bad-groups: ``train_on`` a batch without
@@ -14,9 +15,9 @@ Either way rank 0 then writes the full parameters and the full AdamW state (``ex
 ``exp_avg_sq.<name>``, ``step.<name>``) to OUT, and the version in its metadata.
 """
 
+import argparse
 import json
 import os
-import sys
 from pathlib import Path
 
 import torch
@@ -28,6 +29,8 @@ from llamarl.channels.base import balanced_group_partition
 from llamarl.config import AlgoConfig, ModelConfig, TrainerConfig
 from llamarl.executors.trainer import TrainerExecutor
 from llamarl.world import ExecutorContext, ExecutorSpec
+
+MODES = ("save", "load", "train", "save-train", "bad-groups", "no-grad")
 
 
 def full(t):
@@ -79,13 +82,25 @@ def run_mode(ctx, model_dir: str, batch: TensorBatch, ckpt: str, out: str, mode:
                   metadata={"version": json.dumps(trainer.version)})
 
 
+def parse_args() -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
+    parser.add_argument("--model-dir", required=True)
+    parser.add_argument("--batch", required=True, help="the training batch (safetensors)")
+    parser.add_argument("--job", nargs=3, action="append", required=True, metavar=("CKPT_DIR", "OUT", "MODE"),
+                        help=f"run in turn, each on a fresh trainer; MODE: {'|'.join(MODES)}")
+    args = parser.parse_args()
+    for _, _, mode in args.job:
+        if mode not in MODES:
+            parser.error(f"--job MODE must be one of {'|'.join(MODES)}, got {mode!r}")
+    return args
+
+
 def main() -> None:
-    model_dir, batch_path = sys.argv[1:3]
+    args = parse_args()
     ctx = ExecutorContext.create([ExecutorSpec("trainer", int(os.environ["WORLD_SIZE"]))], timeout_s=60)
-    batch = TensorBatch(load_file(batch_path), {"group_size": 2})
-    jobs = sys.argv[3:]
-    for i in range(0, len(jobs), 3):
-        run_mode(ctx, model_dir, batch, *jobs[i:i + 3])
+    batch = TensorBatch(load_file(args.batch), {"group_size": 2})
+    for ckpt, out, mode in args.job:
+        run_mode(ctx, args.model_dir, batch, ckpt, out, mode)
     ctx.destroy()
 
 

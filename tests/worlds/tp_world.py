@@ -1,12 +1,13 @@
 """Tensor-parallel generator (tp=2) next to a 1-rank trainer, in one 3-rank gloo world.
 
-usage: tp_world.py MODEL_DIR OUT_DIR [MODEL_DIR OUT_DIR ...]
+usage: tp_world.py --pair MODEL_DIR OUT_DIR [--pair MODEL_DIR OUT_DIR ...]
 
-Each (MODEL_DIR, OUT_DIR) pair is run in turn in the same world (the model-family matrix runs
+Each ``--pair`` (MODEL_DIR, OUT_DIR) is run in turn in the same world (the model-family matrix runs
 every family through one world start-up).
 
 Ranks 0-1 are the generator (``ExecutorSpec("generator", 2, tp=2)``: one TP group), rank 2 the
-trainer. Every rank writes ``OUT_DIR/mesh<rank>.json`` (its mesh and coordinates). Then:
+trainer. Every rank writes ``OUT_DIR/mesh<rank>.json`` (its mesh and coordinates; the first pair's
+OUT_DIR). Then, for each pair:
 
 1. greedy: the trainer runs ``PROMPTS`` (different lengths) through a plain model (TP=1), the
    generator ranks through ``GeneratorExecutor`` with the model sharded over TP=2; each writes
@@ -20,8 +21,8 @@ trainer. Every rank writes ``OUT_DIR/mesh<rank>.json`` (its mesh and coordinates
    (``greedy2_<who>.json``).
 """
 
+import argparse
 import json
-import sys
 from pathlib import Path
 
 import torch
@@ -134,8 +135,16 @@ def run_generator(ctx, model_dir: str, out: Path) -> None:
         save_file({n: t.contiguous() for n, t in full.items()}, out / "generator_full_gb.safetensors")
 
 
+def parse_args() -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
+    parser.add_argument("--pair", nargs=2, action="append", required=True, metavar=("MODEL_DIR", "OUT_DIR"),
+                        help="a model and the directory for its outputs; several run in turn in the same world")
+    return parser.parse_args()
+
+
 def main() -> None:
-    out = Path(sys.argv[2])  # the first pair's directory gets the mesh files
+    pairs = parse_args().pair
+    out = Path(pairs[0][1])  # the first pair's directory gets the mesh files
     ctx = ExecutorContext.create([ExecutorSpec("generator", 2, tp=2), ExecutorSpec("trainer", 1)], timeout_s=60,
                                  channel_endpoints=[("trainer", "generator")])
     mesh = ctx.mesh
@@ -145,7 +154,6 @@ def main() -> None:
         "mesh": mesh.mesh.tolist(), "tp_rank": ctx.tp_rank, "dp_rank": ctx.dp_rank, "tp_size": ctx.tp_size,
         "dp_size": ctx.dp_size, "tp_mesh": tp_mesh.mesh.tolist() if tp_mesh is not None else None,
         "tp_mesh_rank": tp_mesh.get_local_rank() if tp_mesh is not None else None})
-    pairs = list(zip(sys.argv[1::2], sys.argv[2::2]))
     for model_dir, out in pairs:
         out = Path(out)
         if ctx.executor == "trainer":

@@ -1,17 +1,29 @@
-"""One TrainerExecutor step on N ranks (the whole world is the trainer).
+"""``TrainerExecutor.train_on`` on N ranks (the whole world is the trainer), each on its part of one batch.
 
-usage: trainer_world.py MODEL_DIR BATCH.safetensors OUT.safetensors MAX_TOKENS_PER_MICROBATCH LOSS [MAX_STALENESS|none] [normalize]
-Rank 0 writes the full updated parameters, their gradients (``grad.<name>``, after clipping) and
-the step's metrics (as a JSON string in metadata).
+usage: trainer_world.py --model-dir MODEL_DIR --batch BATCH.safetensors --out OUT.safetensors
+                        [--budget 4096|rowsN] [--loss aipo] [--max-staleness ETA|none] [--normalize-batch]
+                        [--prox recompute|loglinear] [--num-minibatches K] [--lr LR] [--optimizer adamw|sgd]
+                        [--probes]
+
+The trainer runs at version ``CURRENT_VERSION`` (the batch's tokens are versions 1..3: exercises
+staleness and the log-linear prox) with the hyper-parameters of ``tests/trainer_reference.py``.
+Rank 0 writes the full updated parameters, their gradients (``grad.<name>``, after clipping; of the
+last optimizer step) and the batch's metrics (as a JSON string in metadata). ``--probes`` (with
+``--loss probe_decoupled_ppo``): every rank also writes ``OUT.rank<r>.json``, per micro-batch
+(minibatch index, max |logp - prox| over its loss tokens).
 """
 
+import argparse
 import json
-import sys
+import os
+from pathlib import Path
 
+import torch
 from safetensors.torch import load_file, save_file
 from torch.distributed.tensor import DTensor
+from trainer_reference import CLIP, CURRENT_VERSION, EPS, LR, RHO, TEMPERATURE
 
-from llamarl.algorithms.losses import aipo_loss
+from llamarl.algorithms.losses import aipo_loss, decoupled_ppo_loss
 from llamarl.algorithms.registry import register_policy_loss
 from llamarl.batch import TensorBatch
 from llamarl.channels.base import balanced_group_partition
@@ -19,6 +31,9 @@ from llamarl.config import AlgoConfig, ModelConfig, TrainerConfig
 from llamarl.executors.trainer import TrainerExecutor
 from llamarl.models.sharding import full_named_parameters
 from llamarl.world import ExecutorContext, ExecutorSpec
+
+PROBES: list[tuple[int, float]] = []  # (minibatch, max |logp - prox| on loss tokens), per micro-batch
+MINIBATCH = [0]
 
 
 @register_policy_loss("aipo_x2", metrics={"rows": "sum", "clip_fraction": "mean"})
@@ -29,6 +44,17 @@ def aipo_x2(*, logp, behav_logp, prox_logp, advantages, mask, algo, num_loss_tok
     return 2 * loss, {"rows": float(logp.shape[0]), "clip_fraction": metrics["clip_fraction"]}
 
 
+@register_policy_loss("probe_decoupled_ppo", needs_prox=True, metrics={
+    "importance_weight_mean": "mean", "importance_weight_max": "max", "approx_kl": "mean",
+    "clip_fraction": "mean", "behav_weight_mean": "mean", "behav_capped_fraction": "mean"})
+def probe_decoupled_ppo(*, logp, behav_logp, prox_logp, advantages, mask, algo, num_loss_tokens):
+    """Decoupled PPO, recording how far the proximal log-probs are from the current ones."""
+    gap = torch.where(mask.bool(), (logp.detach() - prox_logp).abs(), 0.0).max()
+    PROBES.append((MINIBATCH[0], float(gap)))
+    return decoupled_ppo_loss(logp=logp, prox_logp=prox_logp, behav_logp=behav_logp, advantages=advantages, mask=mask,
+                              eps_clip=algo.eps_clip, num_loss_tokens=num_loss_tokens)
+
+
 def budget_config(budget: str) -> dict:
     """``"12"``: dynamic micro-batches of at most 12 tokens; ``"rows3"``: fixed micro-batches of 3 rows."""
     if budget.startswith("rows"):
@@ -36,18 +62,53 @@ def budget_config(budget: str) -> dict:
     return {"max_tokens_per_microbatch": int(budget)}
 
 
+def staleness(text: str) -> int | None:
+    """``--algo.max-staleness``: an int, or ``none`` (no limit)."""
+    return None if text == "none" else int(text)
+
+
+def parse_args() -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
+    parser.add_argument("--model-dir", required=True)
+    parser.add_argument("--batch", required=True, help="the whole batch (safetensors); each rank trains its part")
+    parser.add_argument("--out", required=True, help="rank 0's weights, gradients and metrics (safetensors)")
+    parser.add_argument("--budget", default="4096",
+                        help="micro-batches: at most N tokens (dynamic), or rowsN: N rows each (fixed)")
+    parser.add_argument("--loss", default="aipo", help="--algo.loss (aipo_x2, probe_decoupled_ppo: registered here)")
+    parser.add_argument("--max-staleness", type=staleness, default=None, help="--algo.max-staleness (none: no limit)")
+    parser.add_argument("--normalize-batch", action="store_true", help="--algo.normalize-batch")
+    parser.add_argument("--prox", choices=["recompute", "loglinear"], default="loglinear", help="--algo.prox")
+    parser.add_argument("--num-minibatches", type=int, default=1, help="--trainer.num-minibatches")
+    parser.add_argument("--lr", type=float, default=LR, help="the optimizer's learning rate")
+    parser.add_argument("--optimizer", choices=["adamw", "sgd"], default="adamw",
+                        help="sgd: the trainer's AdamW is swapped for plain SGD (the same lr) after init")
+    parser.add_argument("--probes", action="store_true", help="every rank writes OUT.rank<r>.json (see above)")
+    return parser.parse_args()
+
+
 def main() -> None:
-    model_dir, batch_path, out_path, budget, loss = sys.argv[1:6]
-    max_staleness = int(sys.argv[6]) if len(sys.argv) > 6 and sys.argv[6] != "none" else None
-    normalize_batch = len(sys.argv) > 7 and sys.argv[7] == "normalize"
-    ctx = ExecutorContext.create([ExecutorSpec("trainer", int(__import__("os").environ["WORLD_SIZE"]))], timeout_s=60)
-    trainer = TrainerExecutor(ctx, model_config=ModelConfig(name=model_dir),
-                              config=TrainerConfig(lr=1e-2, grad_clip=0.5, **budget_config(budget)),
-                              algo=AlgoConfig(loss=loss, prox="loglinear", max_staleness=max_staleness,
-                                             normalize_batch=normalize_batch), temperature=0.8)
+    args = parse_args()
+    ctx = ExecutorContext.create([ExecutorSpec("trainer", int(os.environ["WORLD_SIZE"]))], timeout_s=60)
+    trainer = TrainerExecutor(ctx, model_config=ModelConfig(name=args.model_dir),
+                              config=TrainerConfig(lr=args.lr, grad_clip=CLIP, num_minibatches=args.num_minibatches,
+                                                   **budget_config(args.budget)),
+                              algo=AlgoConfig(loss=args.loss, prox=args.prox, max_staleness=args.max_staleness,
+                                              normalize_batch=args.normalize_batch, rho=RHO, eps_clip=EPS),
+                              temperature=TEMPERATURE)
     trainer.init()
-    trainer.version = 3  # versions in the batch are 1..3: exercises staleness and log-linear prox
-    full = TensorBatch(load_file(batch_path), {"group_size": 2})
+    if args.optimizer == "sgd":
+        trainer.optimizer = torch.optim.SGD(trainer.model.parameters(), lr=args.lr)
+    trainer.version = CURRENT_VERSION
+    if args.probes:
+        train_minibatch = trainer.train_minibatch
+
+        def counted(part):
+            out = train_minibatch(part)
+            MINIBATCH[0] += 1
+            return out
+
+        trainer.train_minibatch = counted
+    full = TensorBatch(load_file(args.batch), {"group_size": 2})
     part = full.select(balanced_group_partition(full, ctx.local_world_size)[ctx.local_rank])
     metrics = trainer.train_on(part)
     model = trainer.get_model()
@@ -56,8 +117,10 @@ def main() -> None:
     grads = {f"grad.{name}": (p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad)
              for name, p in model.named_parameters()}
     if ctx.rank == 0:
-        save_file({k: v.detach().contiguous() for k, v in {**params, **grads}.items()}, out_path,
+        save_file({k: v.detach().contiguous() for k, v in {**params, **grads}.items()}, args.out,
                   metadata={"metrics": json.dumps(metrics)})
+    if args.probes:
+        Path(f"{args.out}.rank{ctx.local_rank}.json").write_text(json.dumps(PROBES))
     ctx.destroy()
 
 

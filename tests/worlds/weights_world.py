@@ -1,6 +1,6 @@
 """WeightsChannel in a real gloo world under several trainer -> generator splits.
 
-usage: weights_world.py OUT_DIR G:T [G:T ...]
+usage: weights_world.py --out OUT_DIR --splits G:T [G:T ...]
 
 The first split (generator = the first G ranks, trainer = the next T, G + T = the world size) is
 made by ``ExecutorContext.create``. Each further split takes the first G' generator ranks and the
@@ -22,9 +22,9 @@ Error cases (``ERROR_CASES``) write ``error_<case>_<executor><local rank>.txt``:
 ``NO ERROR``. A crash exits non-zero (the test shows the output).
 """
 
+import argparse
 import json
 import os
-import sys
 from datetime import timedelta
 from pathlib import Path
 
@@ -178,9 +178,23 @@ def run_error_case(ctx, out: Path, name: str) -> None:
     (out / f"error_{name}_{ctx.executor}{ctx.local_rank}.txt").write_text(message)
 
 
+def parse_split(text: str) -> tuple[int, int]:
+    """``"G:T"``: G generator ranks, T trainer ranks."""
+    generators, trainers = text.split(":")
+    return int(generators), int(trainers)
+
+
+def parse_args() -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
+    parser.add_argument("--out", type=Path, required=True, help="each split writes into OUT_DIR/<T>to<G>/")
+    parser.add_argument("--splits", type=parse_split, nargs="+", required=True, metavar="G:T",
+                        help="the first covers the world; each further one takes its first G' and T' ranks")
+    return parser.parse_args()
+
+
 def main() -> None:
-    out = Path(sys.argv[1])
-    splits = [tuple(int(x) for x in arg.split(":")) for arg in sys.argv[2:]]
+    args = parse_args()
+    out, splits = args.out, args.splits
     ctx = ExecutorContext.create([ExecutorSpec("generator", splits[0][0]),
                                   ExecutorSpec("trainer", int(os.environ["WORLD_SIZE"]) - splits[0][0])],
                                  timeout_s=60)
