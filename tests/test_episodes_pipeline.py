@@ -16,7 +16,7 @@ ENV = {"LLAMARL_TEST_SCORER": "scorers_for_tests:first_char_even"}
 
 
 def flags(model_dir, out, *extra):
-    return ["--model.name", str(model_dir), "--run.num-eval-problems", "4", "--run.output-dir", str(out),
+    return ["--model.name", str(model_dir), "--run.num-eval-problems", "2", "--run.output-dir", str(out),
             "--generator.num-prompts-per-step", "2", "--generator.max-new-tokens", "24", "--reward.num-workers", "0",
             "--trainer.lr", "1e-3", "--env.name", "envs_for_tests:DigitsEnv", "--env.num-tool-workers", "1",
             "--run.device-guard", *extra]
@@ -27,16 +27,16 @@ def flags(model_dir, out, *extra):
 def test_episodes_call_the_tools_and_train(tmp_path, model_dir, nproc, schedule):
     out = tmp_path / "run"
     check(run_torchrun("e2e_arithmetic.py", nproc=nproc, timeout_s=300, env=ENV,
-                       args=flags(model_dir, out, "--run.max-steps", "4", *schedule)))
+                       args=flags(model_dir, out, "--run.max-steps", "3", *schedule)))
     generator = read_jsonl(out / "metrics" / "generator.jsonl")
     calls = [r["env_tool_calls"] for r in generator]
-    assert calls == sorted(calls) and calls[-1] >= 8, calls  # cumulative, and the tools were used
+    assert calls == sorted(calls) and calls[-1] >= 6, calls  # cumulative, and the tools were used
     assert all(r["env_tool_errors"] == 0 and r["env_tool_timeouts"] == 0 for r in generator)
     assert all(0 <= r["env_samples_with_observation"] <= r["gen_emitted_samples"] for r in generator)
     assert sum(r["env_samples_with_observation"] for r in generator) > 0
     trainer = [r for r in read_jsonl(out / "metrics" / "trainer.jsonl") if "loss" in r]
     assert trainer and all(torch.isfinite(torch.tensor(r["loss"])) for r in trainer)
-    assert json.loads((out / "summary.json").read_text())["num_steps"] == 4
+    assert json.loads((out / "summary.json").read_text())["num_steps"] == 3
 
 
 def test_a_run_checkpointed_mid_episode_resumes_to_the_same_policy(tmp_path, model_dir):
@@ -55,12 +55,13 @@ def test_a_run_checkpointed_mid_episode_resumes_to_the_same_policy(tmp_path, mod
         assert torch.equal(final_resumed[name], tensor), name
     losses = {r["step"]: r["loss"] for r in read_jsonl(straight / "metrics" / "trainer.jsonl") if "loss" in r}
     again = {r["step"]: r["loss"] for r in read_jsonl(resumed / "metrics" / "trainer.jsonl") if "loss" in r}
-    assert again and all(losses[step] == loss for step, loss in again.items())
+    assert again and all(losses[step] == loss for step, loss in again.items())  # it trained after the resume
 
 
 def test_the_calculator_recipe_runs_as_documented(tmp_path, model_dir):
-    """``recipes/calculator.py`` end to end on the tiny model (one colocated process, both prompt styles)."""
-    for style in ("plain", "chat"):
+    """``recipes/calculator.py`` end to end on the tiny model (one colocated process; the plain prompt
+    here, the chat prompt in test_the_calculator_prompts)."""
+    for style in ("plain",):
         out = tmp_path / style
         check(run_torchrun("run_module.py", nproc=1, timeout_s=300, args=["--module", "recipes.calculator", "--",
             "--model.name", str(model_dir), "--run.schedule", "colocated", "--run.max-steps", "2",
@@ -70,3 +71,18 @@ def test_the_calculator_recipe_runs_as_documented(tmp_path, model_dir):
         assert len(generator) == 2 and all("env_tool_calls" in r for r in generator)
         summary = json.loads((out / "summary.json").read_text())
         assert summary["num_steps"] == 2 and 0 <= summary["final_accuracy"] <= 1
+
+
+def test_the_calculator_prompts(model_dir):
+    """Both prompt styles end with the question, the plain one with the two worked examples before it."""
+    from tiny_model import tiny_tokenizer
+
+    from recipes.calculator import EXAMPLES, CalculatorConfig, chat_prompt_fn, prompt_fn
+
+    tokenizer = tiny_tokenizer()
+    plain = tokenizer.decode(prompt_fn(tokenizer, "What is 347 * 23?"))
+    assert plain == "".join(f"Q: What is {a} * {b}?\nA: {a}*{b}= {int(a) * int(b)}\n" for a, b in EXAMPLES) + \
+        "Q: What is 347 * 23?\nA:"
+    assert "Q: What is 347 * 23?" in tokenizer.decode(chat_prompt_fn(tokenizer, "What is 347 * 23?"))
+    with pytest.raises(ValueError, match="--task.prompt must be plain or chat"):
+        CalculatorConfig().task.__class__(prompt="xml")
