@@ -48,7 +48,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from llamarl.channels.base import check_delivery_order
+from llamarl.channels.base import check_delivery_order, check_endpoints
 from llamarl.channels.in_memory import InMemoryChannel, InMemoryWeights
 from llamarl.checkpoint import commit_step, partial_dir, prune
 from llamarl.errors import exception_text
@@ -140,11 +140,9 @@ class ExecutorController:
         contexts = dict(ctx) if isinstance(ctx, Mapping) else {getattr(ctx, "executor", None): ctx}
         executors = dict(executor) if isinstance(executor, Mapping) else {getattr(ctx, "executor", None): executor}
         ranks = next(iter(contexts.values())).ranks
-        unknown = [c.name for c in channels + (init_channels or [])
-                   if c.outbound not in ranks or c.inbound not in ranks]
-        if unknown or set(executor_order) != set(ranks):
-            raise ValueError(f"channels {unknown} or executor order {executor_order} do not match "
-                             f"the world's executors {list(ranks)}")
+        check_endpoints(channels + (init_channels or []), list(ranks))
+        if set(executor_order) != set(ranks):
+            raise ValueError(f"executor order {executor_order} does not match the world's executors {list(ranks)}")
         check_delivery_order(channels, executor_order)
         if set(contexts) != set(executors):
             raise ValueError(f"contexts for {sorted(contexts)} but executors for {sorted(executors)}")

@@ -32,7 +32,14 @@ from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING
 
-from llamarl.channels.base import BROADCAST, GATHER, SCATTER, CommunicationChannel, check_delivery_order
+from llamarl.channels.base import (
+    BROADCAST,
+    GATHER,
+    SCATTER,
+    CommunicationChannel,
+    check_delivery_order,
+    check_endpoints,
+)
 from llamarl.channels.in_memory import InMemoryChannel, InMemoryWeights
 from llamarl.channels.weights import MODES, WeightsChannel
 from llamarl.world import ExecutorSpec
@@ -103,8 +110,6 @@ class ChannelSpec:
                              f"got {self.kind!r}")
         if self.weights_mode not in MODES:
             raise ValueError(f"channel {self.name!r}: weights_mode must be one of {MODES}, got {self.weights_mode!r}")
-        if self.outbound == self.inbound:
-            raise ValueError(f"channel {self.name!r} goes from {self.outbound!r} to itself")
 
     def build(self, *, in_memory: bool = False):
         """The channel object the controller runs; ``in_memory`` for one between co-resident stages
@@ -151,10 +156,8 @@ class Pipeline:
         channel_names = [c.name for c in self.channels]
         if len(set(channel_names)) != len(channel_names):
             raise ValueError(f"channel names must be unique, got {channel_names}")
+        check_endpoints(self.channels, names)
         for channel in self.channels:
-            for end in (channel.outbound, channel.inbound):
-                if end not in names:
-                    raise ValueError(f"channel {channel.name!r} names stage {end!r}, which is not one of {names}")
             if self.in_memory(channel) and channel.kind == "weights" and self.stage(channel.inbound).tp != 1:
                 raise ValueError(f"weights channel {channel.name!r} between co-resident stages copies in place and "
                                  f"needs stage {channel.inbound!r} at tp 1, got tp {self.stage(channel.inbound).tp}")

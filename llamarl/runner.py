@@ -102,8 +102,7 @@ def run_pipeline(pipeline: Pipeline, config, *, recipe: str, heldout: list[Probl
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     run = config.run
     channels = pipeline.build_channels()
-    contexts = ExecutorContext.create_all(pipeline.specs(world_size), timeout_s=run.collective_timeout_s,
-                                          channel_endpoints=[(c.outbound, c.inbound) for c in channels])
+    contexts = ExecutorContext.create_all(pipeline.specs(world_size), timeout_s=run.collective_timeout_s)
     ctx = next(iter(contexts.values()))  # rank-wide facts (rank, device, ranks) are the same in each
     setup_logging(executor="+".join(contexts), rank=ctx.rank)
     run_dir = _shared_run_dir(run.output_dir, recipe, ctx.device)

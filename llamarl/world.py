@@ -145,24 +145,17 @@ class ExecutorContext:
         *,
         timeout_s: float = 300.0,
         backend: str | None = None,
-        channel_endpoints: list[tuple[str, str]] | None = None,
     ) -> dict[str, ExecutorContext]:
         """Initialise torch.distributed (from torchrun env vars) and split the world; return the
         context of each executor on this rank (several when executors are co-resident), in spec order.
 
-        ``channel_endpoints`` lists the (outbound, inbound) executor names of every channel so
-        that an unknown name fails here, before any process group is made. ``timeout_s`` is the
+        Channel endpoints are checked by whoever holds the channels (``Pipeline``, the controller:
+        ``channels.base.check_endpoints``), not here. ``timeout_s`` is the
         collective timeout of every group: a peer that died turns into an error, not a hang.
         Co-resident executors share their host's process group.
         """
         world_size = int(os.environ.get("WORLD_SIZE", "1"))
         ranges = plan_ranks(specs, world_size)
-        for outbound, inbound in channel_endpoints or []:
-            for end in (outbound, inbound):
-                if end not in ranges:
-                    raise ValueError(f"channel {outbound}->{inbound} names unknown executor {end!r}; have {list(ranges)}")
-            if outbound == inbound:
-                raise ValueError(f"channel {outbound}->{inbound} connects an executor to itself")
         stop_after_checks()  # ``python -m llamarl.preflight``: every pre-world check has passed
         backend = backend or default_backend()
         timeout = timedelta(seconds=timeout_s)

@@ -25,7 +25,7 @@ def test_specs_give_the_rest_to_the_open_stage():
 @pytest.mark.parametrize("stages, channels, message", [
     ([], [], "at least one stage"),
     (["a", "a"], [], "unique"),
-    (["a", "b"], [ChannelSpec("x", "a", "z", "scatter")], "names stage 'z'"),
+    (["a", "b"], [ChannelSpec("x", "a", "z", "scatter")], "names executor 'z', which is not one of"),
     (["a", "b"], [ChannelSpec("x", "b", "a", "scatter", same_tick=True)], "must go forward"),
     (["a", "b"], [ChannelSpec("x", "a", "b", "scatter"), ChannelSpec("x", "b", "a", "weights")], "channel names"),
 ])
@@ -39,8 +39,8 @@ def test_bad_stage_and_channel_fields_are_refused():
         _stage("a", 0)
     with pytest.raises(ValueError, match="kind must be one of"):
         ChannelSpec("x", "a", "b", "multicast")
-    with pytest.raises(ValueError, match="to itself"):
-        ChannelSpec("x", "a", "a", "broadcast")
+    with pytest.raises(ValueError, match="channel 'x' goes from 'a' to itself"):
+        Pipeline([_stage("a", 1)], [ChannelSpec("x", "a", "a", "broadcast")])
     with pytest.raises(ValueError, match="two stages take the remaining|at most one stage"):
         Pipeline([_stage("a", None), _stage("b", None)], [])
     with pytest.raises(ValueError, match="evaluator 'z'"):

@@ -22,14 +22,6 @@ def test_bad_split_is_a_value_error(specs, message):
         plan_ranks(specs, 4)
 
 
-def test_unknown_channel_endpoint_fails_before_any_group(monkeypatch):
-    monkeypatch.setenv("WORLD_SIZE", "2")
-    with pytest.raises(ValueError, match="unknown executor 'critic'"):
-        ExecutorContext.create([ExecutorSpec("generator", 1), ExecutorSpec("trainer", 1)],
-                               channel_endpoints=[("trainer", "critic")])
-    assert not dist.is_initialized()
-
-
 def test_bad_split_through_create_fails_before_any_group(monkeypatch):
     monkeypatch.setenv("WORLD_SIZE", "3")
     with pytest.raises(ValueError, match="does not match the world size 3"):

@@ -30,6 +30,18 @@ if TYPE_CHECKING:
     from llamarl.world import ExecutorContext
 
 
+def check_endpoints(channels, executors: list[str]) -> None:
+    """ValueError unless every channel joins two different executors among ``executors``: the one
+    check of channel endpoints, for a ``Pipeline`` (its stages, before any process group) and a
+    hand-built controller (the world's executors) alike."""
+    for channel in channels:
+        for end in (channel.outbound, channel.inbound):
+            if end not in executors:
+                raise ValueError(f"channel {channel.name!r} names executor {end!r}, which is not one of {list(executors)}")
+        if channel.outbound == channel.inbound:
+            raise ValueError(f"channel {channel.name!r} goes from {channel.outbound!r} to itself")
+
+
 def check_delivery_order(channels, order: list[str]) -> None:
     """ValueError unless every same-tick channel goes forward in ``order`` (its outbound executor
     steps before its inbound one within the tick, so the batch exists when it is delivered). The

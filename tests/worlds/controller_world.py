@@ -86,7 +86,7 @@ def main() -> None:
     channels = [CommunicationChannel("rollouts", "gen", "rew", BROADCAST, same_tick="rollouts" in same_tick),
                 CommunicationChannel("scored", "rew", "train", SCATTER, same_tick="scored" in same_tick),
                 CommunicationChannel("weights", "train", "gen", BROADCAST)]
-    ctx = ExecutorContext.create(specs, timeout_s=30, channel_endpoints=[(c.outbound, c.inbound) for c in channels])
+    ctx = ExecutorContext.create(specs, timeout_s=30)
     executor = {"gen": Gen, "rew": Rew, "train": Train}[ctx.executor](ctx, fail_rank=args.fail_rank,
                                                                       fail_step=args.fail_step)
     ExecutorController(ctx, executor, channels, max_steps=max_steps, executor_order=["gen", "rew", "train"]).run()

@@ -145,8 +145,7 @@ def parse_args() -> argparse.Namespace:
 def main() -> None:
     pairs = parse_args().pair
     out = Path(pairs[0][1])  # the first pair's directory gets the mesh files
-    ctx = ExecutorContext.create([ExecutorSpec("generator", 2, tp=2), ExecutorSpec("trainer", 1)], timeout_s=60,
-                                 channel_endpoints=[("trainer", "generator")])
+    ctx = ExecutorContext.create([ExecutorSpec("generator", 2, tp=2), ExecutorSpec("trainer", 1)], timeout_s=60)
     mesh = ctx.mesh
     tp_mesh = ctx.tp_mesh
     write_json(out / f"mesh{ctx.rank}.json", {
