@@ -164,9 +164,9 @@ class AlgoConfig:
     steps than eta allows can never finish: size ``--generator.token-budget`` accordingly."""
 
     def __post_init__(self) -> None:
-        _check(self.loss in POLICY_LOSSES, f"--algo.loss {self.loss!r} is not registered; known: {sorted(POLICY_LOSSES)}")
+        _check(self.loss in POLICY_LOSSES, f"--algo.loss {self.loss!r} is not registered; known: {POLICY_LOSSES.names()}")
         _check(self.advantage in ADVANTAGES,
-               f"--algo.advantage {self.advantage!r} is not registered; known: {sorted(ADVANTAGES)}")
+               f"--algo.advantage {self.advantage!r} is not registered; known: {ADVANTAGES.names()}")
         _check(self.rho > 0, f"--algo.rho must be > 0, got {self.rho}")
         _check(0 < self.eps_clip < 1, f"--algo.eps-clip must be in (0, 1), got {self.eps_clip}")
         _check(self.max_staleness is None or self.max_staleness >= 0, "--algo.max-staleness must be >= 0")

@@ -28,7 +28,7 @@ from llamarl.executors.generator import GeneratorExecutor
 @pytest.fixture
 def scratch_registry(monkeypatch):
     """Registrations made by a test are undone after it."""
-    monkeypatch.setattr(base, "_ENGINES", dict(base._ENGINES))
+    monkeypatch.setattr(base, "ENGINES", base.ENGINES.copy())
 
 
 def setup_for(model) -> EngineSetup:

@@ -30,6 +30,7 @@ from torch import Tensor
 
 from llamarl.algorithms.advantages import group_advantages
 from llamarl.algorithms.losses import aipo_loss, decoupled_ppo_loss, ppo_loss
+from llamarl.registry import Registry
 
 Reduction = Literal["mean", "max", "sum"]
 REDUCTIONS = ("mean", "max", "sum")
@@ -45,8 +46,8 @@ class PolicyLoss:
     needs_prox: bool = False
 
 
-POLICY_LOSSES: dict[str, PolicyLoss] = {}
-ADVANTAGES: dict[str, Callable[..., Tensor]] = {}
+POLICY_LOSSES: Registry[PolicyLoss] = Registry("policy loss")
+ADVANTAGES: Registry[Callable[..., Tensor]] = Registry("advantage estimator")
 
 
 def register_policy_loss(name: str, *, metrics: dict[str, Reduction], needs_prox: bool = False):
@@ -56,9 +57,7 @@ def register_policy_loss(name: str, *, metrics: dict[str, Reduction], needs_prox
         raise ValueError(f"policy loss {name!r}: metric reductions must be one of {REDUCTIONS}, got {bad}")
 
     def decorate(fn):
-        if name in POLICY_LOSSES:
-            raise ValueError(f"policy loss {name!r} is already registered")
-        POLICY_LOSSES[name] = PolicyLoss(name, fn, dict(metrics), needs_prox)
+        POLICY_LOSSES.add(name, PolicyLoss(name, fn, dict(metrics), needs_prox))
         return fn
 
     return decorate
@@ -66,28 +65,17 @@ def register_policy_loss(name: str, *, metrics: dict[str, Reduction], needs_prox
 
 def get_policy_loss(name: str) -> PolicyLoss:
     """The registered loss ``name``; ValueError listing the known ones otherwise."""
-    if name not in POLICY_LOSSES:
-        raise ValueError(f"unknown policy loss {name!r}; registered: {sorted(POLICY_LOSSES)}")
-    return POLICY_LOSSES[name]
+    return POLICY_LOSSES.get(name)
 
 
 def register_advantage(name: str):
     """Decorator: register ``fn(rewards, group_size, *, eps)`` as the advantage estimator ``name``."""
-
-    def decorate(fn):
-        if name in ADVANTAGES:
-            raise ValueError(f"advantage estimator {name!r} is already registered")
-        ADVANTAGES[name] = fn
-        return fn
-
-    return decorate
+    return ADVANTAGES.register(name)
 
 
 def get_advantage(name: str) -> Callable[..., Tensor]:
     """The registered estimator ``name``; ValueError listing the known ones otherwise."""
-    if name not in ADVANTAGES:
-        raise ValueError(f"unknown advantage estimator {name!r}; registered: {sorted(ADVANTAGES)}")
-    return ADVANTAGES[name]
+    return ADVANTAGES.get(name)
 
 
 # ----- built-ins -----

@@ -36,6 +36,8 @@ from typing import Protocol, runtime_checkable
 
 import torch
 
+from llamarl.registry import Registry
+
 FINISH_STOP = "stop"
 FINISH_LENGTH = "length"
 FINISH_CARRIED = "carried"
@@ -193,34 +195,30 @@ class EngineSetup:
 
 
 EngineBuilder = Callable[[EngineSetup], GenerationEngine]
-_ENGINES: dict[str, EngineBuilder] = {}
+
+
+def _load_builtin_engines() -> None:
+    import llamarl.engines  # noqa: F401 - its modules register the built-in engines
+
+
+ENGINES: Registry[EngineBuilder] = Registry("engine", load_builtins=_load_builtin_engines)
 
 
 def register_engine(name: str) -> Callable[[EngineBuilder], EngineBuilder]:
     """Decorator: make ``builder(setup) -> GenerationEngine`` the engine called ``name``
     (``--generator.engine name``). ValueError when the name is taken."""
-    def register(builder: EngineBuilder) -> EngineBuilder:
-        if name in _ENGINES:
-            raise ValueError(f"engine {name!r} is already registered")
-        _ENGINES[name] = builder
-        return builder
-    return register
+    return ENGINES.register(name)
 
 
 def engine_names() -> list[str]:
     """The registered engines' names, sorted."""
-    import llamarl.engines  # noqa: F401 - registers the built-in engines
-
-    return sorted(_ENGINES)
+    return ENGINES.names()
 
 
 def build_engine(name: str, setup: EngineSetup) -> GenerationEngine:
     """The engine registered as ``name``, built from ``setup``; ValueError listing the known names
     for an unknown one, TypeError when the builder's result does not implement the contract."""
-    names = engine_names()
-    if name not in _ENGINES:
-        raise ValueError(f"unknown engine {name!r}; registered: {', '.join(names)}")
-    engine = _ENGINES[name](setup)
+    engine = ENGINES.get(name)(setup)
     if not isinstance(engine, GenerationEngine):
         raise TypeError(f"engine {name!r} built a {type(engine).__name__}, which lacks generate / "
                         "weights_updated / close / pad_token_id (llamarl.engines.base.GenerationEngine)")

@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 from typing import Protocol, runtime_checkable
 
 from llamarl.data.prompts import Problem
+from llamarl.registry import Registry
 
 
 @dataclass
@@ -85,24 +86,21 @@ def stop_token_ids(environment: Environment, tokenizer, *, ending: bool = False)
     return ids
 
 
-_ENVIRONMENTS: dict[str, Callable[[], Environment]] = {}
+def _load_builtin_environments() -> None:
+    import llamarl.environments  # noqa: F401 - its modules register the built-in environments
+
+
+ENVIRONMENTS: Registry[Callable[[], Environment]] = Registry("environment", load_builtins=_load_builtin_environments)
 
 
 def register_environment(name: str):
     """Decorator: the environment class (no-argument constructor) called ``name`` (``--env.name``)."""
-    def register(cls):
-        if name in _ENVIRONMENTS:
-            raise ValueError(f"environment {name!r} is already registered")
-        _ENVIRONMENTS[name] = cls
-        return cls
-    return register
+    return ENVIRONMENTS.register(name)
 
 
 def environment_names() -> list[str]:
     """The registered environments, sorted."""
-    import llamarl.environments  # noqa: F401 - registers the built-in environments
-
-    return sorted(_ENVIRONMENTS)
+    return ENVIRONMENTS.names()
 
 
 def build_environment(name: str) -> Environment:
@@ -113,7 +111,4 @@ def build_environment(name: str) -> Environment:
 
         module, _, attr = name.partition(":")
         return getattr(importlib.import_module(module), attr)()
-    names = environment_names()
-    if name not in _ENVIRONMENTS:
-        raise ValueError(f"unknown environment {name!r}; registered: {', '.join(names)}")
-    return _ENVIRONMENTS[name]()
+    return ENVIRONMENTS.get(name)()
