@@ -37,11 +37,38 @@ from llamarl.rl_pipeline import run_rl
 
 
 @dataclass
-class TrainSubsetConfig:
-    """What the dataset recipes' ``--data`` sections share (each adds its paths / hub datasets)."""
+class DatasetConfig:
+    """What the dataset recipes' ``--data`` sections share: local JSONL splits, a training subset, and
+    ``load_split`` (local file, else the hub); each recipe adds its hub datasets and its loaders
+    (``load_local``, ``load_hub``, and ``default_test_path`` when it has one)."""
 
     max_train_problems: int | None = None
     """Use only the first this many training problems (None: all)."""
+    path: str | None = None
+    """Training JSONL in the recipe's format (GSM8K: ``{"question", "answer"}`` a line, the answer
+    ending in ``#### N``; MATH: ``problem``/``question`` + ``answer``, or a ``solution`` whose last
+    ``\\boxed{}`` is the answer); None loads the recipe's hub dataset."""
+    test_path: str | None = None
+    """Test JSONL in the same format; None: the recipe's default (GSM8K: ``test.jsonl`` beside
+    ``--data.path``), else its hub test split."""
+
+    def load_local(self, path: str) -> list[Problem]:
+        """The problems of a local JSONL file (the recipe's format)."""
+        raise NotImplementedError
+
+    def load_hub(self, split: str) -> list[Problem]:
+        """The problems of the recipe's hub dataset's ``split``."""
+        raise NotImplementedError
+
+    def default_test_path(self) -> str | None:
+        """The test file used when ``--data.test-path`` is not given (None: the hub's test split)."""
+        return None
+
+    def load_split(self, split: str) -> list[Problem]:
+        """The ``train`` (its subset) or ``test`` problems: the local file when there is one, else the hub."""
+        path = self.path if split == "train" else self.test_path or self.default_test_path()
+        problems = self.load_local(path) if path is not None else self.load_hub(split)
+        return self.train_subset(problems) if split == "train" else problems
 
     def __post_init__(self) -> None:
         if self.max_train_problems is not None and self.max_train_problems < 1:

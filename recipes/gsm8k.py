@@ -50,9 +50,9 @@ from llamarl.data.prompts import Problem, build_chat_prompt
 from llamarl.errors import config_errors, parse_flags
 from llamarl.rewards.gsm8k import score
 from recipes.common import (
+    DatasetConfig,
     DatasetRecipeConfig,
     EvalConfig,
-    TrainSubsetConfig,
     qwen_1gpu,
     qwen_8gpu,
     run_dataset_recipe,
@@ -64,16 +64,21 @@ SHARED_GSM8K = "../shared/data/gsm8k/train.jsonl"
 
 
 @dataclass
-class GSM8KDataConfig(TrainSubsetConfig):
-    path: str | None = None
-    """Training JSONL in GSM8K's format (``{"question", "answer"}`` a line, answer ending in
-    ``#### N``); None loads ``--data.hub-dataset`` from the Hugging Face hub."""
-    test_path: str | None = None
-    """Test JSONL; None: ``test.jsonl`` beside ``--data.path``, or the hub dataset's test split."""
+class GSM8KDataConfig(DatasetConfig):
     hub_dataset: str = "openai/gsm8k"
     """Hugging Face dataset used when no path is given (needs ``pip install datasets`` and network)."""
     hub_config: str = "main"
     """Subset of the hub dataset."""
+
+    def load_local(self, path: str) -> list[Problem]:
+        return load_gsm8k_jsonl(path)
+
+    def load_hub(self, split: str) -> list[Problem]:
+        return load_hub_problems(self.hub_dataset, config=self.hub_config, split=split,
+                                 to_problem=lambda row: Problem(question=row["question"], answer=row["answer"]))
+
+    def default_test_path(self) -> str | None:
+        return str(Path(self.path).with_name("test.jsonl")) if self.path else None
 
 
 @dataclass
@@ -81,18 +86,6 @@ class GSM8KConfig(DatasetRecipeConfig):
     """RL on GSM8K (see the module docstring for the pipeline and presets)."""
 
     data: GSM8KDataConfig = field(default_factory=GSM8KDataConfig)
-
-
-def load_split(data: GSM8KDataConfig, split: str) -> list[Problem]:
-    """The ``train`` or ``test`` problems of ``data`` (local JSONL, else the hub)."""
-    path = data.path if split == "train" else data.test_path or (
-        str(Path(data.path).with_name("test.jsonl")) if data.path else None)
-    if path is not None:
-        problems = load_gsm8k_jsonl(path)
-    else:
-        problems = load_hub_problems(data.hub_dataset, config=data.hub_config, split=split,
-                                     to_problem=lambda row: Problem(question=row["question"], answer=row["answer"]))
-    return data.train_subset(problems) if split == "train" else problems
 
 
 def prompt_fn(tokenizer, question: str) -> list[int]:
@@ -125,8 +118,8 @@ PRESETS: dict[str, tuple[str, GSM8KConfig]] = {
 
 def main(config: GSM8KConfig) -> dict | None:
     """Load the data, run RL, then pass@k if asked; returns the summary on global rank 0."""
-    return run_dataset_recipe(config, recipe="gsm8k", train=load_split(config.data, "train"),
-                              test=load_split(config.data, "test"), score=score, prompt_fn=prompt_fn)
+    return run_dataset_recipe(config, recipe="gsm8k", train=config.data.load_split("train"),
+                              test=config.data.load_split("test"), score=score, prompt_fn=prompt_fn)
 
 
 if __name__ == "__main__":

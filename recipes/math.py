@@ -33,8 +33,8 @@ from llamarl.data.prompts import Problem, build_chat_prompt
 from llamarl.errors import config_errors, parse_flags
 from llamarl.rewards.math import score
 from recipes.common import (
+    DatasetConfig,
     DatasetRecipeConfig,
-    TrainSubsetConfig,
     qwen_1gpu,
     qwen_8gpu,
     run_dataset_recipe,
@@ -45,16 +45,19 @@ MATH_INSTRUCTION = "Please reason step by step, and put your final answer within
 
 
 @dataclass
-class MathDataConfig(TrainSubsetConfig):
-    path: str | None = None
-    """Training JSONL (``problem``/``question`` + ``answer`` or a ``solution`` with ``\\boxed{}``);
-    None loads ``--data.hub-train``."""
-    test_path: str | None = None
-    """Test JSONL in the same format; None loads ``--data.hub-test``."""
+class MathDataConfig(DatasetConfig):
     hub_train: str = "DigitalLearningGmbH/MATH-lighteval"
     """Hub dataset (``train`` split) used when ``--data.path`` is not given."""
     hub_test: str = "HuggingFaceH4/MATH-500"
     """Hub dataset (``test`` split) used when ``--data.test-path`` is not given."""
+
+    def load_local(self, path: str) -> list[Problem]:
+        return load_math_jsonl(path)
+
+    def load_hub(self, split: str) -> list[Problem]:
+        hub = self.hub_train if split == "train" else self.hub_test
+        return load_hub_problems(hub, config=None, split=split,
+                                 to_problem=lambda row: row_to_problem(row, where=f"{hub} {split}"))
 
 
 @dataclass
@@ -62,17 +65,6 @@ class MathConfig(DatasetRecipeConfig):
     """RL on MATH (see the module docstring)."""
 
     data: MathDataConfig = field(default_factory=MathDataConfig)
-
-
-def load_split(data: MathDataConfig, split: str) -> list[Problem]:
-    """The ``train`` or ``test`` problems (local JSONL, else the hub)."""
-    path, hub = (data.path, data.hub_train) if split == "train" else (data.test_path, data.hub_test)
-    if path is not None:
-        problems = load_math_jsonl(path)
-    else:
-        problems = load_hub_problems(hub, config=None, split=split,
-                                     to_problem=lambda row: row_to_problem(row, where=f"{hub} {split}"))
-    return data.train_subset(problems) if split == "train" else problems
 
 
 def prompt_fn(tokenizer, question: str) -> list[int]:
@@ -95,8 +87,8 @@ PRESETS: dict[str, tuple[str, MathConfig]] = {
 
 def main(config: MathConfig) -> dict | None:
     """Load the data, run RL, then pass@k if asked; returns the summary on global rank 0."""
-    return run_dataset_recipe(config, recipe="math", train=load_split(config.data, "train"),
-                              test=load_split(config.data, "test"), score=score, prompt_fn=prompt_fn)
+    return run_dataset_recipe(config, recipe="math", train=config.data.load_split("train"),
+                              test=config.data.load_split("test"), score=score, prompt_fn=prompt_fn)
 
 
 if __name__ == "__main__":

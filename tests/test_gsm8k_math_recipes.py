@@ -89,7 +89,7 @@ def test_pass_at_k_rejects_bad_counts():
 
 def test_gsm8k_splits_from_the_shared_files():
     data = gsm8k_recipe.GSM8KDataConfig(path=str(SHARED / "train.jsonl"), max_train_problems=10)
-    train, test = gsm8k_recipe.load_split(data, "train"), gsm8k_recipe.load_split(data, "test")
+    train, test = data.load_split("train"), data.load_split("test")
     assert len(train) == 10 and len(test) == 1319
     assert train[0].answer.rstrip().endswith("#### 72")
     # The gold answers score 1 with the recipe's scorer.
