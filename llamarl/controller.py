@@ -101,8 +101,11 @@ class ExecutorController:
     executors, mappings from executor name to each (same keys; every context of the same rank).
     ``executor_order`` is the data order of executor names (same-tick channels follow it).
     ``init_channels`` run once after ``init`` (e.g. initial weights). ``on_tick`` is called on
-    every rank after each tick with (step, {executor name: (executor, TickRecord)}) for metrics /
-    progress. ``upkeep`` (``Upkeep``) says what happens around the ticks. Checkpoints
+    every rank after each tick's steps and channels, before its checkpoint, with (step, {executor
+    name: (executor, TickRecord)}) for metrics / progress: a tick's metrics are on disk before a
+    checkpoint that covers it is committed, so a run killed right after the commit and resumed from
+    it logs every tick. ``after_tick(step)`` is called after the checkpoint and exports (the
+    evaluations, whose records go into the checkpoint's runner state). ``upkeep`` (``Upkeep``) says what happens around the ticks. Checkpoints
     (``upkeep.checkpoint_every`` ticks, 0 disables): every executor writes into
     ``checkpoint_dir/step_{n}.partial/{executor name}``; after a WORLD barrier global rank 0 renames
     it to ``step_{n}`` and writes its completion marker, then deletes complete checkpoints beyond the
@@ -134,6 +137,7 @@ class ExecutorController:
         on_tick: Callable[[int, dict[str, tuple[Executor, TickRecord]]], None] | None = None,
         on_checkpoint: Callable[[Path], None] | None = None,
         before_loop: Callable[[], None] | None = None,
+        after_tick: Callable[[int], None] | None = None,
     ) -> None:
         if max_steps < 0:
             raise ValueError(f"max_steps must be >= 0, got {max_steps}")
@@ -155,7 +159,7 @@ class ExecutorController:
         upkeep = upkeep or Upkeep()
         self.upkeep = upkeep
         self.checkpoint_every, self.checkpoint_dir = upkeep.checkpoint_every, upkeep.checkpoint_dir
-        self.on_tick, self.on_checkpoint = on_tick, on_checkpoint
+        self.on_tick, self.on_checkpoint, self.after_tick = on_tick, on_checkpoint, after_tick
         self.resume_dir = resume_dir
         self.device_guard = upkeep.device_guard
         self.checkpoint_keep = upkeep.checkpoint_keep
@@ -256,14 +260,16 @@ class ExecutorController:
         for channel in self.channels:  # co-resident weights: the new policy before checkpoint / eval
             if isinstance(channel, InMemoryWeights):
                 self._communicate(channel, records)
+        if self.on_tick is not None:
+            self.on_tick(step, {name: (self.executors[name], records[name]) for name in self.executors})
         if self.checkpoint_every and (step + 1) % self.checkpoint_every == 0:
             self._checkpoint(step + 1)
         if self.export_every and (step + 1) % self.export_every == 0 and self.export_dir is not None:
             for name, executor in self.executors.items():
                 self._active, self.phase = name, "export"
                 executor.export(Path(self.export_dir) / f"step_{step + 1}")
-        if self.on_tick is not None:
-            self.on_tick(step, {name: (self.executors[name], records[name]) for name in self.executors})
+        if self.after_tick is not None:
+            self.after_tick(step)
 
     def _checkpoint(self, step: int) -> None:
         """Atomic across executors: partial directory, WORLD barrier, then rename + marker on rank 0."""

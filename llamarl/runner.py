@@ -148,6 +148,9 @@ def run_pipeline(pipeline: Pipeline, config, *, recipe: str, heldout: list[Probl
 
     def on_tick(step, ticked):
         log.reduce(step, ticked)
+        log.write(step, ticked)
+
+    def after_tick(step):
         checkpointed = config.checkpoint.every and (step + 1) % config.checkpoint.every == 0
         if evaluations.due(step + 1):
             if checkpointed and reporter_rank != 0:
@@ -160,7 +163,6 @@ def run_pipeline(pipeline: Pipeline, config, *, recipe: str, heldout: list[Probl
                 # The evaluation after the checkpoint's tick belongs to its history: a run resumed
                 # from it must list it (its weights are the generator's of then, not the resumed run's).
                 write_json(step_dir(checkpoint_dir, step + 1) / RUNNER_STATE, evaluations.state())
-        log.write(step, ticked)
 
     export_dir = run_dir / "hf" if config.export.final or config.export.every else None
     upkeep = Upkeep(checkpoint_every=config.checkpoint.every, checkpoint_keep=config.checkpoint.keep,
@@ -169,7 +171,7 @@ def run_pipeline(pipeline: Pipeline, config, *, recipe: str, heldout: list[Probl
     controller = ExecutorController(contexts, executors, channels, max_steps=run.max_steps,
                                     executor_order=pipeline.order, init_channels=init_channels,
                                     resume_dir=resume_dir, start_step=start_step, upkeep=upkeep, on_tick=on_tick,
-                                    on_checkpoint=on_checkpoint,
+                                    on_checkpoint=on_checkpoint, after_tick=after_tick,
                                     before_loop=(lambda: evaluations.base(summary, resume_dir=resume_dir,
                                                                           start_step=start_step))
                                     if evaluates else None)
