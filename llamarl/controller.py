@@ -261,6 +261,8 @@ class ExecutorController:
             if isinstance(channel, InMemoryWeights):
                 self._communicate(channel, records)
         if self.on_tick is not None:
+            # on_tick reduces metrics over WORLD: a dead peer surfaces here, name the phase.
+            self._active, self.phase = None, "metrics all-reduce (on_tick)"
             self.on_tick(step, {name: (self.executors[name], records[name]) for name in self.executors})
         if self.checkpoint_every and (step + 1) % self.checkpoint_every == 0:
             self._checkpoint(step + 1)
@@ -269,6 +271,7 @@ class ExecutorController:
                 self._active, self.phase = name, "export"
                 executor.export(Path(self.export_dir) / f"step_{step + 1}")
         if self.after_tick is not None:
+            self._active, self.phase = None, "after_tick"
             self.after_tick(step)
 
     def _checkpoint(self, step: int) -> None:
@@ -338,16 +341,17 @@ class ExecutorController:
     def abort(self, exc: BaseException) -> None:
         """Report ``exc`` (its traceback, then ``failure_line``) and end this process (exit code 1).
 
-        When the failure was in an exchange (a channel, a barrier) and the heartbeat runs, also name
-        each peer whose heartbeat went silent (``Heartbeat.silent_peers``): a barrier that lost a rank
-        says only "Connection closed by peer", and torchrun may not have stopped this rank yet."""
+        When the heartbeat runs, also name each peer whose heartbeat went silent
+        (``Heartbeat.silent_peers``): a collective that lost a rank says only "Connection closed by
+        peer", and it can fail in any phase (a channel, a barrier, the metrics all-reduce, a
+        trainer's FSDP collective inside ``step``), so every failure asks; this costs a failing
+        rank 2.5 heartbeat intervals (at most 5 s) before it exits, and a rank that failed on its
+        own (a user error) finds no silent peer and prints nothing more."""
         message = self.failure_line(exc)
         traceback.print_exc(file=sys.stderr)
         print(message, file=sys.stderr, flush=True)
         sys.stdout.flush()
-        if self.heartbeat is not None and ("channel" in self.phase or "barrier" in self.phase):
-            # An exchange failed: most often a peer died. A WORLD barrier's error names no peer, so
-            # ask the heartbeats which rank went silent and name it (a few seconds, on failure only).
+        if self.heartbeat is not None:
             for rank, last in self.heartbeat.silent_peers():
                 print(f"llamarl: rank {rank} (executor {self.heartbeat.executor_of.get(rank, '?')!r}) stopped "
                       f"responding at step {last.get('step', '?')} during {last.get('phase', 'start-up')}; "

@@ -16,12 +16,13 @@ sys.path.insert(0, str(Path(__file__).parent))
 from launch import REPO
 
 
-def start_world(tmp_path):
+def start_world(tmp_path, *extra, monitor_interval_s=0.5):
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": f"{REPO}{os.pathsep}{REPO / 'tests'}"}
     return subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
-                             "--monitor-interval=0.5", str(REPO / "tests" / "worlds" / "liveness_world.py"),
-                             "--pid-dir", str(tmp_path), "--timeout-s", "3"], cwd=REPO, env=env, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True)
+                             f"--monitor-interval={monitor_interval_s}",
+                             str(REPO / "tests" / "worlds" / "liveness_world.py"),
+                             "--pid-dir", str(tmp_path), "--timeout-s", "3", *extra], cwd=REPO, env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 
 def test_a_rank_terminated_by_torchrun_says_where_it_was_and_who_owns_which_rank(tmp_path):
@@ -65,6 +66,23 @@ def test_a_stopped_rank_ends_the_job_with_a_named_line(tmp_path):
     assert proc.returncode != 0
     assert "llamarl: rank 1 (executor 'b') stopped responding at step" in stderr, stderr[-4000:]
     assert "noticed by rank 0" in stderr
+
+
+def test_a_peer_lost_in_the_metrics_all_reduce_is_named_by_the_rank_whose_all_reduce_failed(tmp_path):
+    """CI caught this: a generator killed while the others were in the runner's metrics all-reduce
+    (on_tick, phase "step" then) left only "Connection closed by peer"; every failure now asks the
+    heartbeats which peer went silent. torchrun's monitor is slowed to 10 s so that rank 0 reports
+    before torchrun would stop it."""
+    proc = start_world(tmp_path, "--die-in-on-tick-at", "3", monitor_interval_s=10)
+    try:
+        _, stderr = proc.communicate(timeout=120)
+    finally:
+        proc.kill()
+    assert proc.returncode != 0
+    assert re.search(r"llamarl: executor 'a' \(rank 0, local rank 0\) failed at step 3 during metrics all-reduce",
+                     stderr), stderr[-3000:]
+    assert re.search(r"llamarl: rank 1 \(executor 'b'\) stopped responding at step \d+ during [^;\n]+; "
+                     r"noticed by rank 0 when its metrics all-reduce \(on_tick\) failed", stderr), stderr[-3000:]
 
 
 def test_silent_peers_names_the_rank_that_stopped_publishing_not_a_live_or_finished_one(monkeypatch):
