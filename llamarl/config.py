@@ -119,8 +119,17 @@ class RewardConfig:
     """Scoring processes per rank the reward runs on (its own or the trainer's; 0 scores inline, without timeouts)."""
     timeout_s: float = 5.0
     """Per-sample scoring timeout; a timeout scores 0 and is counted."""
+    trajectory_scorer: str | None = None
+    """A scorer of the whole episode and its problem, ``(trajectory, problem) -> float``
+    (llamarl/rewards/trajectory.py), by registered name (built in: ``env``, the environment's own
+    reward) or ``module:function``; it replaces the recipe's text scorer, for training and the
+    greedy evaluations. None: the recipe's scorer of ``(completion text, reference)``."""
 
     def __post_init__(self) -> None:
+        if self.trajectory_scorer is not None:
+            from llamarl.rewards.trajectory import resolve_trajectory_scorer
+
+            resolve_trajectory_scorer(self.trajectory_scorer)  # an unknown name fails at the flag
         _check(self.num_ranks >= 0, f"--reward.num-ranks must be >= 0 (0: on the trainer's ranks), got {self.num_ranks}")
         _check(self.num_workers >= 0, "--reward.num-workers must be >= 0")
         _check(self.timeout_s > 0, "--reward.timeout-s must be > 0")

@@ -25,8 +25,11 @@ from llamarl.data.prompts import Problem
 from llamarl.engines.base import Request, SamplingParams
 from llamarl.engines.torch_engine import TorchEngine
 from llamarl.models.loading import load_causal_lm, stop_token_ids
+from llamarl.rewards.trajectory import TrajectoryScore, trajectory_of
 
-Score = Callable[[str, str], float]
+Score = Callable[[str, str], float] | TrajectoryScore
+"""A text scorer ``(completion text, answer)``, or a trajectory scorer ``(Trajectory, Problem)``
+wrapped in ``TrajectoryScore`` (``--reward.trajectory-scorer``)."""
 
 
 def pass_at_k(n: int, c: int, k: int) -> float:
@@ -62,7 +65,8 @@ def score_samples(engine, tokenizer, *, problems: list[Problem], prompts: list[l
                   generator: torch.Generator | None = None) -> tuple[list[list[float]], list[str]]:
     """Generate ``copies`` completions of each prompt (``prompts[i]`` is ``problems[i]``'s) with
     ``engine`` (any engine with ``generate(requests, sampling=, version=, generator=)``), at most
-    ``chunk`` sequences a batch, and score each against its problem's answer. Returns the scores
+    ``chunk`` sequences a batch, and score each against its problem's answer (a ``TrajectoryScore``:
+    its ``Trajectory`` against the problem). Returns the scores
     (``[problem][copy]``) and the decoded texts (sample id ``i * copies + j``)."""
     requests = [Request(sample_id=i * copies + j, prompt_ids=list(prompts[i]))
                 for i in range(len(problems)) for j in range(copies)]
@@ -75,7 +79,10 @@ def score_samples(engine, tokenizer, *, problems: list[Problem], prompts: list[l
         for out, text in zip(outs, decoded):
             i, j = divmod(out.sample_id, copies)
             texts[out.sample_id] = text
-            scores[i][j] = float(score(text, problems[i].answer))
+            if isinstance(score, TrajectoryScore):
+                scores[i][j] = float(score(trajectory_of(out, tokenizer), problems[i]))
+            else:
+                scores[i][j] = float(score(text, problems[i].answer))
     return scores, texts
 
 

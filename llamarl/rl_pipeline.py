@@ -79,9 +79,10 @@ def generator_stage(config: RLConfig, *, task: Task, prompt_fn: PromptFn, name: 
                  headline=GENERATOR_HEADLINE)
 
 
-def reward_stage(config: RLConfig, *, scorer: str, name: str = "reward", input_name: str = "rollouts",
+def reward_stage(config: RLConfig, *, scorer: str | None, name: str = "reward", input_name: str = "rollouts",
                  output: str = "scored") -> Stage:
-    """The rule-based scorer (``scorer`` by registry name) on ``--reward.num-ranks`` ranks, or on the
+    """The rule-based scorer (``scorer`` by registry name, or ``--reward.trajectory-scorer`` which
+    replaces it) on ``--reward.num-ranks`` ranks, or on the
     trainer's (stage ``trainer``) with ``--reward.num-ranks 0``: reads ``input_name``, adds
     ``rewards``, sends on ``output``."""
     def build(ctx) -> RewardExecutor:
@@ -135,7 +136,7 @@ def place(pipeline: Pipeline, config: RLConfig) -> Pipeline:
     return pipeline.colocated() if config.run.schedule == "colocated" else pipeline
 
 
-def rl_pipeline(config: RLConfig, *, task: Task, scorer: str, prompt_fn: PromptFn) -> Pipeline:
+def rl_pipeline(config: RLConfig, *, task: Task, scorer: str | None, prompt_fn: PromptFn) -> Pipeline:
     """The generator -> reward -> trainer pipeline of ``config.run.schedule`` (module docstring)."""
     config = schedule_config(config)
     summary = {"schedule": config.run.schedule, "loss": config.algo.loss}
@@ -173,10 +174,14 @@ def stage_before_trainer(config: RLConfig, stage: Stage, *, task: Task, scorer: 
 
 
 def run_rl(config: RLConfig, *, recipe: str, task: Task, heldout: list[Problem],
-           score: Callable[[str, str], float], scorer: str, prompt_fn: PromptFn) -> dict | None:
+           score: Callable[[str, str], float] | None, scorer: str | None, prompt_fn: PromptFn) -> dict | None:
     """Validate ``config`` (every rank, before any process group) and run ``rl_pipeline``; returns
     the summary dict on global rank 0, else None. A configuration that cannot run raises ValueError
-    before any process group: a configuration error under ``llamarl.errors.config_errors``."""
+    before any process group: a configuration error under ``llamarl.errors.config_errors``.
+    ``scorer`` (training) and ``score`` (evaluations) are the recipe's text scorer; a recipe scored
+    only by ``--reward.trajectory-scorer`` passes None for both, and then needs that flag."""
     validate_config(config)
+    if (scorer is None or score is None) and config.reward.trajectory_scorer is None:
+        raise ValueError(f"recipe {recipe} has no text scorer: set --reward.trajectory-scorer")
     return run_pipeline(rl_pipeline(config, task=task, scorer=scorer, prompt_fn=prompt_fn), config,
                         recipe=recipe, heldout=heldout, score=score)

@@ -75,6 +75,7 @@ from llamarl.log import setup_logging
 from llamarl.metrics import write_chrome_trace, write_timeline_png
 from llamarl.pipeline import Pipeline
 from llamarl.progress import Progress
+from llamarl.rewards.trajectory import TrajectoryScore, resolve_trajectory_scorer
 from llamarl.run_log import RunLog
 from llamarl.world import ExecutorContext
 
@@ -130,6 +131,9 @@ def run_pipeline(pipeline: Pipeline, config, *, recipe: str, heldout: list[Probl
                            "and wall time from step %d on", resume_dir, RUNNER_STATE, start_step)
     # Evaluation is collective over a TP group, so every rank of the evaluator's first replica runs it.
     evaluates = pipeline.evaluator in contexts and contexts[pipeline.evaluator].dp_rank == 0
+    trajectory_scorer = getattr(getattr(config, "reward", None), "trajectory_scorer", None)
+    if trajectory_scorer is not None:  # it replaces the recipe's text scorer here too
+        score = TrajectoryScore(resolve_trajectory_scorer(trajectory_scorer))
     evaluations = Evaluations(evaluator=executors.get(pipeline.evaluator), stage=pipeline.evaluator, heldout=heldout,
                               score=score, run_dir=run_dir, rank=ctx.rank,
                               reports=evaluates and contexts[pipeline.evaluator].local_rank == 0,

@@ -41,3 +41,12 @@ def recording_first_char_even(completion: str, reference: str) -> float:
         with open(f"{path}.{os.getpid()}", "a", encoding="utf-8") as f:
             f.write(json.dumps([completion, reference]) + "\n")
     return first_char_even(completion, reference)
+
+
+def solved_in_few_turns(trajectory, problem) -> float:
+    """A trajectory scorer that reads all it is given: 1 / turns when the last trained segment
+    holds the problem's answer and the question mentions 'number', else 0."""
+    if "number" not in problem.question or not trajectory.segments:
+        return 0.0
+    trained = [s.text for s in trajectory.segments if s.trained]
+    return 1.0 / max(trajectory.num_turns, 1) if trained and problem.answer in trained[-1] else 0.0

@@ -79,6 +79,20 @@ def test_the_calculator_recipe_runs_as_documented(tmp_path, model_dir):
         assert summary["num_steps"] == 2 and 0 <= summary["final_accuracy"] <= 1
 
 
+def test_the_guess_number_recipe_runs_as_documented(tmp_path, model_dir):
+    """``recipes/guess_number.py`` end to end on the tiny model: episodes of the guessing game, scored
+    by the environment's reward through the ``env`` trajectory scorer, training and evaluation."""
+    out = tmp_path / "guess"
+    check(run_torchrun("run_module.py", nproc=1, timeout_s=300, args=["--module", "recipes.guess_number", "--",
+        "--model.name", str(model_dir), "--run.schedule", "colocated", "--run.max-steps", "2",
+        "--run.num-eval-problems", "4", "--run.output-dir", str(out), "--generator.num-prompts-per-step", "2",
+        "--generator.max-new-tokens", "24", "--reward.num-workers", "1", "--env.num-tool-workers", "0"]))
+    reward = read_jsonl(out / "metrics" / "reward.jsonl")
+    assert len(reward) == 2 and all(r["reward_errors"] == 0 for r in reward)
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["num_steps"] == 2 and 0 <= summary["final_accuracy"] <= 1
+
+
 def test_the_calculator_prompts(model_dir):
     """Both prompt styles end with the question, the plain one with the two worked examples before it."""
     from tiny_model import tiny_tokenizer

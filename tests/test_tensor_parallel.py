@@ -37,7 +37,7 @@ def world(tmp_path_factory):
     model_dir = save_tiny_model(root / "model")
     out = root / "out"
     out.mkdir()
-    check(run_torchrun("tp_world.py", nproc=3, args=["--pair", str(model_dir), str(out)], timeout_s=240))
+    check(run_torchrun("tp_world.py", nproc=3, args=["--pair", str(model_dir), str(out), "--episodes"], timeout_s=240))
     return out
 
 
@@ -72,6 +72,16 @@ def test_tp_peers_sample_identically_and_only_the_first_emits(world):
     assert len(first["generated"]) == 4  # 2 prompts x 2 samples
     assert len({tuple(g["ids"]) for g in first["generated"]}) > 1  # it really sampled
     assert first["emitted"] == 4 and peer["emitted"] == 0
+
+
+def test_tp_peers_append_the_first_ranks_tool_answers(world):
+    """The environment's tool names the rank it runs on: the peers' episodes are identical and hold
+    rank 0's answers only (the TP group's first rank runs the tools and shares them)."""
+    first, peer = read(world, "episodes_gen0.json"), read(world, "episodes_gen1.json")
+    assert first["generated"] == peer["generated"] and len(first["generated"]) == 4
+    assert first["emitted"] == 4 and peer["emitted"] == 0
+    assert first["tool_calls"] > 0 and any(0 in g["mask"] and " r0" in g["text"] for g in first["generated"])
+    assert not any(" r1" in g["text"] for g in first["generated"])
 
 
 def test_ddma_into_tp2_generator_gives_the_trainers_weights(world):

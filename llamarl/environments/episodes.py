@@ -21,6 +21,7 @@ resume it exactly. ``problem_of(sample_id)`` gives the problem a new episode is 
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 
 import torch
@@ -63,9 +64,8 @@ class EpisodeRunner:
     def generate(self, requests: list[Request], *, sampling: SamplingParams, version: int,
                  generator: torch.Generator | None = None, token_budget: int | None = None) -> list[Completion]:
         """Every request as an episode (module docstring); one ``Completion`` per request, in order."""
-        sampling = SamplingParams(temperature=sampling.temperature, top_p=sampling.top_p, top_k=sampling.top_k,
-                                  max_new_tokens=sampling.max_new_tokens,
-                                  stop_token_ids=[*sampling.stop_token_ids, *self.turn_stop_ids, *self.end_ids])
+        sampling = dataclasses.replace(
+            sampling, stop_token_ids=[*sampling.stop_token_ids, *self.turn_stop_ids, *self.end_ids])
         for req in requests:
             if not req.episode:
                 req.episode = {"state": self.environment.reset(self.problem_of(req.sample_id)), "turns": 0,

@@ -8,6 +8,13 @@ back as a timeout observation. Neither ends the run: both are counted (``num_err
 ``num_timeouts``) and the episode goes on with the observation ``[tool error: ...]`` (the state is
 left as it was). ``num_workers=0`` runs steps inline in the calling process (unit tests; the
 timeout is then enforced with SIGALRM, main thread only).
+
+Tensor parallelism: the ranks of a TP group run the same episodes and must append the same
+observation ids, or their next forwards diverge (and their collectives hang). A step is a pure
+function of its state and turn, but a timeout, a crashed worker or a tool that reads the world
+(time, a file, a service) can still answer two peers differently. So with ``share=TurnShare(...)``
+only the TP group's first rank runs the tools; it broadcasts the answers as JSON bytes over the TP
+group and its peers use those (they start no workers and count nothing: the first rank reports).
 """
 
 from __future__ import annotations
@@ -17,8 +24,11 @@ import logging
 import multiprocessing
 import signal
 import time
-from dataclasses import asdict
+from dataclasses import asdict, dataclass, fields
 from multiprocessing.connection import Connection, wait
+
+import torch
+import torch.distributed as dist
 
 from llamarl.environments.base import Turn, build_environment
 
@@ -55,16 +65,55 @@ def _worker_main(conn: Connection, name: str) -> None:
         conn.send_bytes(json.dumps(reply).encode())
 
 
+@dataclass
+class TurnShare:
+    """One TP group's agreement on tool answers (module docstring): ``src`` (global rank, the TP
+    group's first) runs the tools and broadcasts over ``group``; tensors on ``device`` (the
+    group's backend's: CUDA under NCCL)."""
+
+    group: dist.ProcessGroup
+    src: int
+    device: torch.device
+
+    def is_source(self) -> bool:
+        return dist.get_rank() == self.src
+
+    def broadcast(self, turns: list[Turn] | None, *, num_calls: int) -> list[Turn]:
+        """The source's ``turns``, on every rank of the group (the source passes them, peers None)."""
+        if self.is_source():
+            payload = json.dumps([asdict(t) for t in turns]).encode()
+            size = torch.tensor([len(payload)], dtype=torch.int64, device=self.device)
+        else:
+            size = torch.zeros(1, dtype=torch.int64, device=self.device)
+        dist.broadcast(size, src=self.src, group=self.group)
+        if self.is_source():
+            data = torch.frombuffer(bytearray(payload), dtype=torch.uint8).to(self.device)
+        else:
+            data = torch.empty(int(size.item()), dtype=torch.uint8, device=self.device)
+        dist.broadcast(data, src=self.src, group=self.group)
+        if self.is_source():
+            return turns
+        received = json.loads(bytes(data.cpu().tolist()))
+        names = {f.name for f in fields(Turn)}
+        if not isinstance(received, list) or len(received) != num_calls or \
+                any(not isinstance(t, dict) or not set(t) <= names for t in received):
+            raise RuntimeError(f"TP rank {dist.get_rank()}: the tool answers from rank {self.src} do not match "
+                               f"this rank's {num_calls} calls (the TP peers' episodes diverged)")
+        return [Turn(**t) for t in received]
+
+
 class ToolRunner:
     """See the module docstring."""
 
-    def __init__(self, name: str, *, timeout_s: float, num_workers: int = 1) -> None:
+    def __init__(self, name: str, *, timeout_s: float, num_workers: int = 1, share: TurnShare | None = None) -> None:
         if timeout_s <= 0:
             raise ValueError(f"tool timeout must be > 0, got {timeout_s}")
         if num_workers < 0:
             raise ValueError(f"num_workers must be >= 0, got {num_workers}")
-        self.name, self.timeout_s = name, timeout_s
+        self.name, self.timeout_s, self.share = name, timeout_s, share
         self.num_errors = self.num_timeouts = self.num_calls = 0
+        if share is not None and not share.is_source():
+            num_workers = 0  # a TP peer receives its answers: no processes of its own
         self._inline = build_environment(name) if num_workers == 0 else None
         self._context = multiprocessing.get_context("spawn")
         self._workers = [self._start() for _ in range(num_workers)]
@@ -88,7 +137,15 @@ class ToolRunner:
         return Turn(observation=f"[tool error: {message}]", state=state, error=message)
 
     def run(self, calls: list[tuple[dict, str]]) -> list[Turn]:
-        """``step(state, turn)`` for each call, in order (spread over the workers)."""
+        """``step(state, turn)`` for each call, in order (spread over the workers); with ``share``,
+        collective over the TP group (every peer calls it with the same calls)."""
+        if self.share is None:
+            return self._run(calls)
+        if not self.share.is_source():
+            return self.share.broadcast(None, num_calls=len(calls))
+        return self.share.broadcast(self._run(calls), num_calls=len(calls))
+
+    def _run(self, calls: list[tuple[dict, str]]) -> list[Turn]:
         self.num_calls += len(calls)
         if self._inline is not None:
             return [self._run_inline(state, turn) for state, turn in calls]
@@ -138,6 +195,15 @@ class ToolRunner:
         finally:
             signal.setitimer(signal.ITIMER_REAL, 0)
             signal.signal(signal.SIGALRM, previous)
+
+    def counts(self) -> dict[str, int]:
+        """The cumulative counters, as the generator logs (``env_tool_<key>``) and checkpoints them."""
+        return {"calls": self.num_calls, "errors": self.num_errors, "timeouts": self.num_timeouts}
+
+    def restore_counts(self, counts: dict) -> None:
+        """Continue the counters of a checkpointed run (``counts()``'s keys; missing ones are 0)."""
+        self.num_calls, self.num_errors, self.num_timeouts = (
+            int(counts.get(key, 0)) for key in ("calls", "errors", "timeouts"))
 
     def close(self) -> None:
         """Stop the workers (idempotent)."""

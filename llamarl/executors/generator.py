@@ -9,8 +9,9 @@ because the advantage baseline needs the whole group.
 Output (channel ``rollouts``): right-padded ``input_ids`` [N, L] = prompt + completion,
 ``loss_mask`` / ``behav_logp`` / ``versions`` [N, L] at the completion positions (versions -1
 elsewhere), ``num_tokens``, ``prompt_len``, ``completion_len``, ``group_ids`` (the prompt's data
-index), ``finish_stop`` (1 when the sample ended on EOS), strings ``completion`` / ``reference``;
-metadata ``group_size``.
+index), ``finish_stop`` (1 when the sample ended on EOS), strings ``completion`` / ``reference`` /
+``question`` / ``trajectory`` (``llamarl.rewards.trajectory.Trajectory`` as JSON: the turns, the
+environment's reward and state, for trajectory scorers); metadata ``group_size``.
 
 Staleness (``--algo.max-staleness`` eta with ``--algo.stale-policy wait``): a group emitted now
 is trained at a trainer version of at most ``version + expected_lag`` (the pipeline's lag, given by
@@ -52,12 +53,13 @@ from llamarl.data.prompts import Problem
 from llamarl.engines.base import Completion, EngineSetup, Request, SamplingParams, build_engine, sampled_mask
 from llamarl.environments.base import build_environment
 from llamarl.environments.episodes import EpisodeRunner
-from llamarl.environments.tools import ToolRunner
+from llamarl.environments.tools import ToolRunner, TurnShare
 from llamarl.evaluation import score_samples
 from llamarl.executor import Executor
 from llamarl.metrics import MetricSpec
 from llamarl.models.loading import load_causal_lm, stop_token_ids
 from llamarl.models.tensor_parallel import apply_tensor_parallel
+from llamarl.rewards.trajectory import trajectory_of
 from llamarl.run_plan import check_wait_meets_lag
 
 logger = logging.getLogger("llamarl.generator")
@@ -71,8 +73,11 @@ PromptFn = Callable[[object, str], list[int]]
 
 
 def completions_to_batch(completions: list[Completion], *, group_ids: list[int], references: list[str],
-                         texts: list[str], pad_token_id: int, group_size: int) -> TensorBatch:
-    """Pack finished completions into the rollout TensorBatch described in the module docstring.
+                         texts: list[str], pad_token_id: int, group_size: int, questions: list[str] | None = None,
+                         trajectories: list[str] | None = None) -> TensorBatch:
+    """Pack finished completions into the rollout TensorBatch described in the module docstring
+    (``questions`` and ``trajectories``, ``Trajectory.to_json`` texts, are the optional strings a
+    trajectory scorer reads).
 
     Built on the host (from Python lists, explicitly): channels stage it on their backend's device and
     consumers move it to their own ``ctx.device``.
@@ -88,11 +93,11 @@ def completions_to_batch(completions: list[Completion], *, group_ids: list[int],
     for row, c in enumerate(completions):
         p, n = len(c.prompt_ids), len(c.completion_ids)
         input_ids[row, : p + n] = torch.tensor(c.prompt_ids + c.completion_ids, dtype=torch.int64, device=cpu)
-        # Observation tokens an environment inserted are context, never trained (mask 0, version -1).
+        # Observation tokens an environment inserted are context, never trained (mask 0; the episode
+        # runner gave them version -1 and log-prob 0).
         loss_mask[row, p : p + n] = torch.tensor(sampled_mask(c), dtype=torch.uint8, device=cpu)
         behav_logp[row, p : p + n] = torch.tensor(c.logprobs, dtype=torch.float32, device=cpu)
-        versions[row, p : p + n] = torch.tensor(c.versions, dtype=torch.int64, device=cpu).masked_fill(
-            loss_mask[row, p : p + n] == 0, -1)
+        versions[row, p : p + n] = torch.tensor(c.versions, dtype=torch.int64, device=cpu)
     batch = TensorBatch({
         "input_ids": input_ids, "loss_mask": loss_mask, "behav_logp": behav_logp, "versions": versions,
         "num_tokens": torch.tensor(lengths, dtype=torch.int64, device=cpu),
@@ -103,6 +108,10 @@ def completions_to_batch(completions: list[Completion], *, group_ids: list[int],
     }, {"group_size": group_size})
     batch.set_strings("completion", texts)
     batch.set_strings("reference", references)
+    if questions is not None:
+        batch.set_strings("question", questions)
+    if trajectories is not None:
+        batch.set_strings("trajectory", trajectories)
     return batch
 
 
@@ -202,9 +211,14 @@ class GeneratorExecutor(Executor):
             # evaluate use it alike); the tools run in worker processes of this rank.
             env = self.env_config
             samples = self.config.samples_per_prompt
+            share = None
+            if self.ctx.tp_size > 1:  # TP peers must append the same observations: the first rank's
+                share = TurnShare(group=self.ctx.tp_mesh.get_group(), device=self.ctx.device,
+                                  src=self.ctx.ranks[self.ctx.executor][self.ctx.dp_rank * self.ctx.tp_size])
             self.engine = EpisodeRunner(
                 self.engine, environment=build_environment(env.name), tokenizer=self.tokenizer,
-                tools=ToolRunner(env.name, timeout_s=env.tool_timeout_s, num_workers=env.num_tool_workers),
+                tools=ToolRunner(env.name, timeout_s=env.tool_timeout_s, num_workers=env.num_tool_workers,
+                                 share=share),
                 max_turns=env.max_turns, problem_of=lambda sample_id: self.problems[sample_id // samples])
         # Seeded by the DP replica, not the rank: TP peers must draw the same samples.
         # On ctx.device: the sampler draws its uniforms on the logits' device.
@@ -232,9 +246,7 @@ class GeneratorExecutor(Executor):
         self.skipped_prompts = int(state.get("skipped_prompts", 0))
         self.restarted_stale = int(state.get("restarted_stale", 0))
         if isinstance(self.engine, EpisodeRunner):
-            tools = self.engine.tools
-            tools.num_calls, tools.num_errors, tools.num_timeouts = (
-                int(state.get("tools", {}).get(key, 0)) for key in ("calls", "errors", "timeouts"))
+            self.engine.tools.restore_counts(state.get("tools", {}))
         self.carried = [Request(**r) for r in state["carried"]]
         self.finished = {int(g): [Completion(**c) for c in outs] for g, outs in state["finished"].items()}
         self.problems = {int(g): Problem(**p) for g, p in state["problems"].items()}
@@ -242,8 +254,7 @@ class GeneratorExecutor(Executor):
 
     def _tool_counts(self) -> dict:
         tools = getattr(self.engine, "tools", None)
-        return {} if tools is None else {"calls": tools.num_calls, "errors": tools.num_errors,
-                                         "timeouts": tools.num_timeouts}
+        return {} if tools is None else tools.counts()
 
     def get_model(self) -> torch.nn.Module:
         return self.model
@@ -324,20 +335,21 @@ class GeneratorExecutor(Executor):
             else:
                 self.finished.setdefault(out.sample_id // n, []).append(out)
         done = sorted(g for g, outs in self.finished.items() if len(outs) == n)
-        completions, group_ids, references = [], [], []
+        completions, group_ids, problems = [], [], []
         for g in done:
             for out in sorted(self.finished.pop(g), key=lambda o: o.sample_id):
                 completions.append(out)
                 group_ids.append(g)
-                references.append(self.problems[g].answer)
+                problems.append(self.problems[g])
             del self.problems[g]
         # TP peers hold the same samples: only the TP group's first rank emits them.
         emits = self.ctx.tp_rank == 0
         if completions and emits:
             texts = self.tokenizer.batch_decode([c.completion_ids for c in completions], skip_special_tokens=True)
             self.outputs[self.output_name] = completions_to_batch(
-                completions, group_ids=group_ids, references=references, texts=texts,
-                pad_token_id=self.engine.pad_token_id, group_size=n)
+                completions, group_ids=group_ids, references=[p.answer for p in problems], texts=texts,
+                pad_token_id=self.engine.pad_token_id, group_size=n, questions=[p.question for p in problems],
+                trajectories=[trajectory_of(c, self.tokenizer).to_json() for c in completions])
         self.metrics = {"gen_seconds": seconds, "gen_new_tokens": float(num_new_tokens),
                         "gen_tokens_per_s": num_new_tokens / max(seconds, 1e-9),
                         "gen_carried": float(len(self.carried)), "gen_version": float(self.version),
@@ -348,12 +360,10 @@ class GeneratorExecutor(Executor):
                         "gen_restarted_stale": float(self.restarted_stale),
                         "data_skipped_rows": float(getattr(self.task, "num_skipped_rows", 0))}
         if isinstance(self.engine, EpisodeRunner):  # cumulative over the run (a resumed run continues them)
-            tools = self.engine.tools
-            self.metrics.update({"env_tool_calls": float(tools.num_calls), "env_tool_errors": float(tools.num_errors),
-                                 "env_tool_timeouts": float(tools.num_timeouts),
-                                 # emitted samples whose episode got at least one observation (tool answer)
-                                 "env_samples_with_observation": float(sum(0 in sampled_mask(c) for c in completions)
-                                                                       if emits else 0)})
+            self.metrics.update({f"env_tool_{key}": float(value) for key, value in self._tool_counts().items()})
+            # emitted samples whose episode got at least one observation (a tool's answer)
+            self.metrics["env_samples_with_observation"] = float(
+                sum(0 in sampled_mask(c) for c in completions) if emits else 0)
         if not emits:  # a TP peer repeats its group's first rank's work: counted there only
             for key in _PER_REPLICA:
                 self.metrics.pop(key, None)  # env_* only exist with an environment

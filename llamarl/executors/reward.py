@@ -1,7 +1,8 @@
 """RewardExecutor: scores rollouts with a rule-based scorer in a process pool.
 
-Reads the ``completion`` / ``reference`` strings of its input batch, adds ``rewards`` (float32
-[N]) and passes the batch on. A scorer that raises or times out gives 0 and is counted in the
+Reads the ``completion`` / ``reference`` strings of its input batch (with
+``--reward.trajectory-scorer``: its ``trajectory`` / ``question`` / ``reference`` strings, see
+llamarl/rewards/trajectory.py), adds ``rewards`` (float32 [N]) and passes the batch on. A scorer that raises or times out gives 0 and is counted in the
 metrics (``reward_errors`` / ``reward_timeouts``); it never stops the run.
 """
 
@@ -16,6 +17,7 @@ import torch
 from llamarl.batch import TensorBatch
 from llamarl.checkpoint import read_json, write_json
 from llamarl.config import RewardConfig
+from llamarl.data.prompts import Problem
 from llamarl.executor import Executor
 from llamarl.metrics import MetricSpec
 from llamarl.rewards.pool import RewardPool
@@ -47,11 +49,30 @@ def set_balance_tokens(batch: TensorBatch) -> None:
     batch.fields["balance_tokens"] = torch.where(same, torch.zeros_like(batch["num_tokens"]), batch["num_tokens"])
 
 
+def build_pool(config: RewardConfig, scorer: str | None) -> RewardPool:
+    """The scoring pool of ``config``: its trajectory scorer when set, else the text ``scorer``."""
+    if config.trajectory_scorer is not None:
+        return RewardPool(config.trajectory_scorer, num_workers=config.num_workers, timeout_s=config.timeout_s,
+                          kind="trajectory")
+    if scorer is None:
+        raise ValueError("no scorer: the recipe has no text scorer and --reward.trajectory-scorer is not set")
+    return RewardPool(scorer, num_workers=config.num_workers, timeout_s=config.timeout_s)
+
+
 def score_rollouts(pool: RewardPool, batch: TensorBatch) -> tuple[TensorBatch, dict[str, float]]:
     """Add ``rewards`` (float32 [N], on the batch's device) to a non-empty rollout batch; return it
     and the reward metrics. Shared by the reward executor and the colocated schedule."""
     start = time.perf_counter()
-    rewards = pool.score_batch(batch.get_strings("completion"), batch.get_strings("reference"))
+    if pool.kind == "trajectory":
+        if not {"trajectory", "question"} <= set(batch.string_fields):
+            raise ValueError("a trajectory scorer needs the batch's 'trajectory' and 'question' strings "
+                             "(made by the generator executor); this batch has only "
+                             f"{sorted(batch.string_fields)}")
+        problems = [Problem(question=q, answer=a) for q, a in zip(batch.get_strings("question"),
+                                                                  batch.get_strings("reference"))]
+        rewards = pool.score_trajectories(batch.get_strings("trajectory"), problems)
+    else:
+        rewards = pool.score_batch(batch.get_strings("completion"), batch.get_strings("reference"))
     batch.fields["rewards"] = torch.tensor(rewards, dtype=torch.float32, device=batch.device)
     set_balance_tokens(batch)
     stats = pool.stats()
@@ -68,7 +89,7 @@ class RewardExecutor(Executor):
     metric_specs: ClassVar[dict] = REWARD_METRICS
     num_threads = 1  # scoring runs in the pool's processes (or inline, pure Python)
 
-    def __init__(self, ctx, *, config: RewardConfig, scorer: str, input_name: str = "rollouts",
+    def __init__(self, ctx, *, config: RewardConfig, scorer: str | None, input_name: str = "rollouts",
                  output_name: str = "scored") -> None:
         super().__init__(ctx)
         self.config, self.scorer = config, scorer
@@ -77,7 +98,7 @@ class RewardExecutor(Executor):
 
     def init(self) -> None:
         torch.set_num_threads(1)
-        self.pool = RewardPool(self.scorer, num_workers=self.config.num_workers, timeout_s=self.config.timeout_s)
+        self.pool = build_pool(self.config, self.scorer)
 
     def step(self) -> None:
         batch = self.inputs.pop(self.input_name, TensorBatch())

@@ -1,4 +1,5 @@
-"""Score (completion, reference) pairs in worker processes with a per-sample timeout.
+"""Score (completion, reference) pairs, or (trajectory, problem) pairs, in worker processes with a
+per-sample timeout.
 
 Why not ``concurrent.futures.ProcessPoolExecutor``: it cannot tell when a queued task actually
 starts (so a per-sample timeout would also charge time spent waiting behind a slow sample) and it
@@ -13,7 +14,8 @@ its own pipe and holds at most one sample, so:
 
 Workers use the ``spawn`` start method by default (``forkserver`` is allowed): ``fork`` is unsafe once
 torch has started its threads in the parent. Worker start-up (importing the scorer) is not charged
-to any sample's timeout. Messages are JSON over pipes, so completions must be plain strings.
+to any sample's timeout. Messages are JSON over pipes, so completions must be plain strings; a
+trajectory travels as its JSON (``Trajectory.to_json``) and is parsed, checked, in the worker.
 
 ``num_workers=0`` scores inline in the calling process: no process overhead (what unit tests of other
 modules use), errors still give 0.0, and a per-call timeout is enforced with SIGALRM (main thread).
@@ -39,11 +41,14 @@ from multiprocessing.process import BaseProcess
 from types import TracebackType
 from typing import Self
 
-from llamarl.rewards import Scorer, resolve_scorer
+from llamarl.data.prompts import Problem
+from llamarl.rewards import resolve_scorer
+from llamarl.rewards.trajectory import Trajectory, resolve_trajectory_scorer
 
 logger = logging.getLogger(__name__)
 
 _START_METHODS = ("spawn", "forkserver")
+KINDS = ("text", "trajectory")
 
 
 MAX_START_RETRIES = 3
@@ -57,20 +62,28 @@ def _raise_timeout(signum, frame) -> None:
     raise _InlineTimeout
 
 
-def _call_scorer(scorer: Scorer, completion: str, reference: str) -> float:
-    """Run one scorer call and check that it gave a finite number (NaN would poison the loss)."""
-    value = float(scorer(completion, reference))
+def _resolve(kind: str, name: str):
+    return resolve_trajectory_scorer(name) if kind == "trajectory" else resolve_scorer(name)
+
+
+def _call_scorer(scorer, kind: str, task: dict) -> float:
+    """Run one scorer call on a task (``completion`` / ``reference``, or ``trajectory`` JSON /
+    ``problem``) and check that it gave a finite number (NaN would poison the loss)."""
+    if kind == "trajectory":
+        value = float(scorer(Trajectory.from_json(task["trajectory"]), Problem(**task["problem"])))
+    else:
+        value = float(scorer(task["completion"], task["reference"]))
     if not math.isfinite(value):
         raise ValueError(f"scorer returned a non-finite reward {value}")
     return value
 
 
-def _worker_main(conn: Connection, scorer_name: str) -> None:
+def _worker_main(conn: Connection, scorer_name: str, kind: str = "text") -> None:
     """Worker process loop: resolve the scorer, say ready, then answer one JSON task at a time."""
     # Ctrl-C reaches the whole process group; only the parent should react to it.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     try:
-        scorer = resolve_scorer(scorer_name)
+        scorer = _resolve(kind, scorer_name)
     except Exception as exc:  # noqa: BLE001 - reported to the parent, which raises it
         conn.send_bytes(json.dumps({"init_error": f"{type(exc).__name__}: {exc}"}).encode())
         return
@@ -84,7 +97,7 @@ def _worker_main(conn: Connection, scorer_name: str) -> None:
             return
         reply: dict[str, object] = {"index": task["index"]}
         try:
-            reply["reward"] = _call_scorer(scorer, task["completion"], task["reference"])
+            reply["reward"] = _call_scorer(scorer, kind, task)
         except Exception as exc:  # noqa: BLE001 - any scorer failure is a 0.0 reward, counted by the parent
             reply["error"] = f"{type(exc).__name__}: {exc}"
         conn.send_bytes(json.dumps(reply).encode())
@@ -114,13 +127,17 @@ class RewardPool:
         timeout_s: float = 5.0,
         start_method: str = "spawn",
         startup_timeout_s: float = 120.0,
+        kind: str = "text",
     ) -> None:
         """Create the pool and start its workers (asynchronously; the first batch waits for them).
 
-        ``scorer`` is a key of ``llamarl.rewards.SCORERS`` or a ``"module:function"`` path; unknown
-        names, ``num_workers < 0``, ``timeout_s <= 0`` or a start method other than spawn/forkserver
-        raise ValueError.
+        ``scorer`` is a key of ``llamarl.rewards.SCORERS`` (``kind="text"``: ``score_batch``) or of
+        ``TRAJECTORY_SCORERS`` (``kind="trajectory"``: ``score_trajectories``), or a
+        ``"module:function"`` path; unknown names, ``num_workers < 0``, ``timeout_s <= 0`` or a start
+        method other than spawn/forkserver raise ValueError.
         """
+        if kind not in KINDS:
+            raise ValueError(f"scorer kind must be one of {KINDS}, got {kind!r}")
         if num_workers < 0:
             raise ValueError(f"num_workers must be >= 0, got {num_workers}")
         if not timeout_s > 0:
@@ -128,8 +145,8 @@ class RewardPool:
         if start_method not in _START_METHODS:
             raise ValueError(f"start_method must be one of {_START_METHODS}, got {start_method!r}")
         # Resolve in the parent too, so a bad name fails here rather than inside every worker.
-        self._scorer = resolve_scorer(scorer)
-        self._scorer_name = scorer
+        self._scorer = _resolve(kind, scorer)
+        self._scorer_name, self.kind = scorer, kind
         self._timeout_s = timeout_s
         self._startup_timeout_s = startup_timeout_s
         self._ctx = multiprocessing.get_context(start_method)
@@ -143,7 +160,7 @@ class RewardPool:
         """Spawn one worker process connected by a duplex pipe."""
         parent_conn, child_conn = self._ctx.Pipe(duplex=True)
         process = self._ctx.Process(
-            target=_worker_main, args=(child_conn, self._scorer_name), daemon=True, name="reward-worker"
+            target=_worker_main, args=(child_conn, self._scorer_name, self.kind), daemon=True, name="reward-worker"
         )
         process.start()
         # Drop our copy of the child's end so that the child's death shows up as EOF on ours.
@@ -189,16 +206,28 @@ class RewardPool:
         """
         if len(completions) != len(references):
             raise ValueError(f"got {len(completions)} completions but {len(references)} references")
+        if self.kind != "text":
+            raise ValueError(f"score_batch needs a text scorer; {self._scorer_name!r} is a {self.kind} scorer")
+        return self._score([{"completion": c, "reference": r} for c, r in zip(completions, references)])
+
+    def score_trajectories(self, trajectories: list[str], problems: list[Problem]) -> list[float]:
+        """``score_batch`` for a trajectory scorer: one reward per (``Trajectory.to_json`` text,
+        problem) pair, in order; a trajectory that does not parse scores 0.0 as a scorer error."""
+        if len(trajectories) != len(problems):
+            raise ValueError(f"got {len(trajectories)} trajectories but {len(problems)} problems")
+        if self.kind != "trajectory":
+            raise ValueError(f"score_trajectories needs a trajectory scorer; {self._scorer_name!r} is a text scorer")
+        return self._score([{"trajectory": t, "problem": {"question": p.question, "answer": p.answer}}
+                            for t, p in zip(trajectories, problems)])
+
+    def _score(self, tasks: list[dict]) -> list[float]:
         if self._closed:
             raise ValueError("RewardPool is closed")
-        if self._workers:
-            rewards = self._score_in_workers(completions, references)
-        else:
-            rewards = [self._score_inline(c, r) for c, r in zip(completions, references, strict=True)]
+        rewards = self._score_in_workers(tasks) if self._workers else [self._score_inline(t) for t in tasks]
         self._counts["num_scored"] += len(rewards)
         return rewards
 
-    def _score_inline(self, completion: str, reference: str) -> float:
+    def _score_inline(self, task: dict) -> float:
         """Score one pair in this process (num_workers=0): errors give 0.0; a call longer than
         ``timeout_s`` is interrupted by SIGALRM (main thread only; elsewhere it is not timed) and
         gives 0.0, counted as a timeout. Pure-Python scorers are interruptible; a C call that never
@@ -208,7 +237,7 @@ class RewardPool:
         try:
             if timed:
                 signal.setitimer(signal.ITIMER_REAL, self._timeout_s)
-            return _call_scorer(self._scorer, completion, reference)
+            return _call_scorer(self._scorer, self.kind, task)
         except _InlineTimeout:
             self._counts["num_timeouts"] += 1
             logger.debug("inline reward timed out after %.1fs", self._timeout_s)
@@ -221,15 +250,15 @@ class RewardPool:
                 signal.setitimer(signal.ITIMER_REAL, 0)
                 signal.signal(signal.SIGALRM, previous)
 
-    def _score_in_workers(self, completions: list[str], references: list[str]) -> list[float]:
+    def _score_in_workers(self, tasks: list[dict]) -> list[float]:
         """Dispatch samples to idle workers one at a time and collect replies until all are done."""
-        rewards = [0.0] * len(completions)
-        pending = deque(range(len(completions)))
-        remaining = len(completions)
+        rewards = [0.0] * len(tasks)
+        pending = deque(range(len(tasks)))
+        remaining = len(tasks)
         while remaining:
             for position, worker in enumerate(self._workers):
                 if worker.state == "idle" and pending:
-                    self._dispatch(position, pending, completions, references)
+                    self._dispatch(position, pending, tasks)
             waiting = [w for w in self._workers if w.state != "idle"]
             deadlines = [w.deadline for w in waiting if w.state == "busy"]
             deadlines += [w.started_at + self._startup_timeout_s for w in waiting if w.state == "starting"]
@@ -250,12 +279,10 @@ class RewardPool:
                     self._start_failed(position, f"did not start within {self._startup_timeout_s}s")
         return rewards
 
-    def _dispatch(
-        self, position: int, pending: deque[int], completions: list[str], references: list[str]
-    ) -> None:
+    def _dispatch(self, position: int, pending: deque[int], tasks: list[dict]) -> None:
         """Send the next pending sample to the idle worker at ``position``."""
         worker, index = self._workers[position], pending.popleft()
-        task = {"index": index, "completion": completions[index], "reference": references[index]}
+        task = {"index": index, **tasks[index]}
         try:
             worker.conn.send_bytes(json.dumps(task).encode())
         except OSError:  # the worker died while idle: not this sample's fault, so retry it elsewhere

@@ -30,7 +30,7 @@ from safetensors.torch import save_file
 
 from llamarl.channels.ddma_plan import local_tensor
 from llamarl.channels.weights import WeightsChannel
-from llamarl.config import GeneratorConfig, ModelConfig
+from llamarl.config import EnvConfig, GeneratorConfig, ModelConfig
 from llamarl.data.prompts import Problem
 from llamarl.engines.torch_engine import Request, SamplingParams, TorchEngine
 from llamarl.executor import Executor
@@ -135,15 +135,43 @@ def run_generator(ctx, model_dir: str, out: Path) -> None:
         save_file({n: t.contiguous() for n, t in full.items()}, out / "generator_full_gb.safetensors")
 
 
+def run_episodes(ctx, model_dir: str, out: Path) -> None:
+    """A step of episodes of ``RankDigitsEnv`` (its tool names the rank it runs on) on the TP-2
+    generator: both ranks record what they generated."""
+    r = ctx.local_rank
+    config = GeneratorConfig(num_ranks=2, tp=2, num_prompts_per_step=2, samples_per_prompt=2, temperature=1.0,
+                             max_new_tokens=24)
+    gen = GeneratorExecutor(ctx, model_config=ModelConfig(name=model_dir), config=config, task=Questions(),
+                            prompt_fn=encode, seed=11,
+                            env=EnvConfig(name="envs_for_tests:RankDigitsEnv", max_turns=3, num_tool_workers=0))
+    gen.init()
+    generated, generate = [], gen.engine.generate
+
+    def recording(*args, **kwargs):
+        outs = generate(*args, **kwargs)
+        generated.extend({"ids": o.completion_ids, "mask": o.loss_mask, "text": gen.tokenizer.decode(o.completion_ids)}
+                         for o in outs)
+        return outs
+
+    gen.engine.generate = recording
+    gen.step()
+    write_json(out / f"episodes_gen{r}.json", {"generated": generated, "emitted": len(gen.get_output("rollouts")),
+                                               "tool_calls": gen.metrics.get("env_tool_calls")})
+    gen.close()
+
+
 def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
     parser.add_argument("--pair", nargs=2, action="append", required=True, metavar=("MODEL_DIR", "OUT_DIR"),
                         help="a model and the directory for its outputs; several run in turn in the same world")
+    parser.add_argument("--episodes", action="store_true",
+                        help="then a step of episodes on the TP-2 generator with the first pair's model")
     return parser.parse_args()
 
 
 def main() -> None:
-    pairs = parse_args().pair
+    args = parse_args()
+    pairs = args.pair
     out = Path(pairs[0][1])  # the first pair's directory gets the mesh files
     ctx = ExecutorContext.create([ExecutorSpec("generator", 2, tp=2), ExecutorSpec("trainer", 1)], timeout_s=60)
     mesh = ctx.mesh
@@ -159,6 +187,8 @@ def main() -> None:
             run_trainer(ctx, model_dir, out)
         else:
             run_generator(ctx, model_dir, out)
+    if args.episodes and ctx.executor == "generator":
+        run_episodes(ctx, pairs[0][0], Path(pairs[0][1]))
     ctx.destroy()
 
 
