@@ -16,7 +16,11 @@ matching tokens/s.
 prefill and the first token taken out, best of ``--repeats``. LlamaRL's Assumption 7.1 (decode is
 batch-efficient: a step over many rows costs about what a step over few costs) is what makes a
 shrinking long-tail batch waste hardware and partial rollouts pay; this table says whether it holds
-on the machine at hand.
+on the machine at hand. Each row also gives the step's **bound** on this machine, measured in the
+same invocation (``hardware_bound``): a decode step must read every weight once (the weight bytes
+over the bandwidth of reading a weight-sized tensor) and do ``2 x (Linear parameters)`` FLOPs per row
+(over the speed of a large matmul in the model's dtype), so it takes at least the larger of the two;
+attention and norms are left out, so the bound is optimistic and the ratio conservative.
 """
 
 from __future__ import annotations
@@ -99,8 +103,48 @@ def _time_hf(model, tok, prompts, *, new_tokens: int, seed: int) -> tuple[float,
     return (*elapsed, _expect_tokens(produced, rows=len(prompts), new_tokens=new_tokens, label="HF generate"))
 
 
-def decode_scaling(model, tok, *, batches: list[int], new_tokens: int, repeats: int) -> None:
-    """Print ms per decode step and its ratio to the smallest batch's, per batch size."""
+def _median_seconds(fn, repeats: int) -> float:
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return sorted(times)[len(times) // 2]
+
+
+def hardware_bound(model, *, repeats: int = 5) -> dict[str, float]:
+    """This machine's probes and ``model``'s decode-step cost model (module docstring):
+    ``weight_bytes`` (unique parameters), ``flops_per_row`` (2 x the parameters of its Linear
+    layers, the LM head included), ``read_gbps`` (the faster of summing and copying a
+    weight-sized tensor, counting the bytes read) and ``matmul_gflops`` (a 1024 x 1024 x 4096
+    matmul in the model's dtype); medians of ``repeats``."""
+    params = {id(p): p for p in model.parameters()}.values()
+    weight_bytes = sum(p.numel() * p.element_size() for p in params)
+    linear = {id(m.weight): m.weight.numel() for m in model.modules() if isinstance(m, torch.nn.Linear)}
+    flops_per_row = 2.0 * sum(linear.values())
+    dtype = next(iter(params)).dtype
+    blob = torch.ones(weight_bytes // torch.finfo(dtype).bits * 8, dtype=dtype, device="cpu")
+    copy = torch.empty_like(blob)
+    read_s = min(_median_seconds(lambda: blob.sum(dtype=torch.float32), repeats),
+                 _median_seconds(lambda: copy.copy_(blob), repeats))
+    a = torch.randn(1024, 1024, device="cpu").to(dtype)
+    b = torch.randn(1024, 4096, device="cpu").to(dtype)
+    a @ b  # warm-up
+    matmul_s = _median_seconds(lambda: a @ b, repeats)
+    return {"weight_bytes": float(weight_bytes), "flops_per_row": flops_per_row,
+            "read_gbps": weight_bytes / read_s / 1e9, "matmul_gflops": 2 * 1024 * 1024 * 4096 / matmul_s / 1e9}
+
+
+def bound_ms(bound: dict[str, float], rows: int) -> float:
+    """The least time of a decode step over ``rows`` rows: weight reads or matmuls, the larger."""
+    reads = bound["weight_bytes"] / (bound["read_gbps"] * 1e9)
+    matmuls = rows * bound["flops_per_row"] / (bound["matmul_gflops"] * 1e9)
+    return 1000 * max(reads, matmuls)
+
+
+def decode_scaling(model, tok, *, batches: list[int], new_tokens: int, repeats: int) -> dict[int, tuple[float, float]]:
+    """Print ms per decode step, its ratio to the smallest batch's, the bound and the ratio to it, per
+    batch size; return ``{rows: (ms per step, bound ms)}``."""
     if new_tokens < 2:
         raise ValueError(f"--new-tokens must be >= 2 for --decode-scaling (got {new_tokens})")
     engine = TorchEngine(model, eos_token_ids=[], pad_token_id=tok.pad_token_id)
@@ -111,13 +155,20 @@ def decode_scaling(model, tok, *, batches: list[int], new_tokens: int, repeats: 
         full = min(_time_engine(engine, prompts, new_tokens=new_tokens, seed=s)[0] for s in range(repeats))
         first = min(_time_engine(engine, prompts, new_tokens=1, seed=s)[0] for s in range(repeats))
         step_ms[batch] = 1000 * max(full - first, 0.0) / (new_tokens - 1)
+    bound = hardware_bound(model)
+    print(f"bound probes: {bound['read_gbps']:.1f} GB/s reading, {bound['matmul_gflops']:.0f} GFLOPS matmul; "
+          f"{bound['weight_bytes'] / 1e6:.0f} MB of weights, {bound['flops_per_row'] / 1e9:.3f} GFLOP per row")
     smallest = step_ms[batches[0]]
-    print(f"{'rows':>6} {'ms/step':>8} {'x rows ' + str(batches[0]):>10} {'tok/s':>8}")
+    print(f"{'rows':>6} {'ms/step':>8} {'x rows ' + str(batches[0]):>10} {'tok/s':>8} {'bound ms':>9} {'x bound':>8}")
+    result = {}
     for batch, ms in step_ms.items():
         # A step below the timer's noise (a tiny model) reads 0: no ratio then, rather than a crash.
         ratio, tokens_per_s = ((ms / smallest, 1000 * batch / ms) if min(ms, smallest) > 0
                                else (math.nan, math.nan))
-        print(f"{batch:>6} {ms:>8.1f} {ratio:>10.2f} {tokens_per_s:>8.1f}")
+        least = bound_ms(bound, batch)
+        print(f"{batch:>6} {ms:>8.1f} {ratio:>10.2f} {tokens_per_s:>8.1f} {least:>9.1f} {ms / least:>8.2f}")
+        result[batch] = (ms, least)
+    return result
 
 
 def main() -> None:

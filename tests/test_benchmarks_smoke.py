@@ -156,9 +156,18 @@ def test_decode_scaling_prints_one_row_per_batch_size(capsys):
     tok = tiny_tokenizer()
     tok.chat_template = "{% for m in messages %}{{ m['content'] }}{% endfor %}"
     model = build_tiny_llama(seed=0, vocab_size=128).eval()
-    generation.decode_scaling(model, tok, batches=[1, 4], new_tokens=3, repeats=1)
-    header, *rows = capsys.readouterr().out.splitlines()
-    assert "ms/step" in header and [int(r.split()[0]) for r in rows] == [1, 4]
+    result = generation.decode_scaling(model, tok, batches=[1, 4], new_tokens=3, repeats=1)
+    probes, header, *rows = capsys.readouterr().out.splitlines()
+    assert probes.startswith("bound probes:") and "x bound" in header and [int(r.split()[0]) for r in rows] == [1, 4]
+    # The bound: the weights read once per step, or the rows' matmuls, whichever takes longer.
+    bound = generation.hardware_bound(model, repeats=1)
+    params = {id(p): p for p in model.parameters()}.values()
+    assert bound["weight_bytes"] == sum(p.numel() * p.element_size() for p in params)
+    assert bound["flops_per_row"] == 2 * sum(m.weight.numel() for m in model.modules()
+                                             if isinstance(m, torch.nn.Linear))
+    assert generation.bound_ms(bound, 10**6) == pytest.approx(
+        1000 * 10**6 * bound["flops_per_row"] / (bound["matmul_gflops"] * 1e9))
+    assert sorted(result) == [1, 4] and all(least > 0 for _, least in result.values())
     with pytest.raises(ValueError, match="--new-tokens must be >= 2"):
         generation.decode_scaling(model, tok, batches=[1], new_tokens=1, repeats=1)
 
