@@ -26,7 +26,9 @@ def curve(run_dir: Path) -> dict:
     """``{"evals": [(tick, score)], "ticks": [(tick, reward_mean, observation_rate, calls_per_sample)]}``."""
     summary = json.loads((run_dir / "summary.json").read_text())
     rewards = {r["step"]: r["reward_mean"] for r in read_jsonl(run_dir / "metrics" / "reward.jsonl") if "reward_mean" in r}
-    generator = [r for r in read_jsonl(run_dir / "metrics" / "generator.jsonl") if "env_tool_calls" in r]
+    # The last record of each tick: a run directory reused by a later run holds both runs' lines.
+    generator = list({r["step"]: r for r in read_jsonl(run_dir / "metrics" / "generator.jsonl")
+                      if "env_tool_calls" in r}.values())
     if not generator:
         raise SystemExit(f"{run_dir}: no env_tool_calls in metrics/generator.jsonl (a run without --env.name?)")
     ticks, calls_before = [], 0.0

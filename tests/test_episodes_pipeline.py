@@ -37,6 +37,10 @@ def test_episodes_call_the_tools_and_train(tmp_path, model_dir, nproc, schedule)
     generator = read_jsonl(out / "metrics" / "generator.jsonl")
     calls = [r["env_tool_calls"] for r in generator]
     assert calls == sorted(calls) and calls[-1] >= 6, calls  # cumulative, and the tools were used
+    if nproc == 1:  # every episode of a tick is emitted in it: the calls are the emitted episodes' turns
+        # (the base evaluation's episodes, before tick 0, are not counted)
+        turns = [r.get("env_turns_mean", 0) * r["gen_emitted_samples"] for r in generator]
+        assert [b - a for a, b in zip([0, *calls], calls)] == pytest.approx(turns), (calls, turns)
     assert all(r["env_tool_errors"] == 0 and r["env_tool_timeouts"] == 0 for r in generator)
     assert all(0 <= r["env_samples_with_observation"] <= r["gen_emitted_samples"] for r in generator)
     assert sum(r["env_samples_with_observation"] for r in generator) > 0

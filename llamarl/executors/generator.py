@@ -126,6 +126,7 @@ GENERATOR_METRICS = {
     "env_tool_errors": MetricSpec("environment", "sum"),
     "env_tool_timeouts": MetricSpec("environment", "sum"),
     "env_samples_with_observation": MetricSpec("environment", "sum"),
+    "env_turns_mean": MetricSpec("environment", "mean", weight="gen_emitted_samples"),
     "gen_version": MetricSpec("rollouts", "max"),
     "gen_data_position": MetricSpec("data", "max"),
     "gen_skipped_prompts": MetricSpec("data", "sum"),
@@ -364,6 +365,8 @@ class GeneratorExecutor(Executor):
             # emitted samples whose episode got at least one observation (a tool's answer)
             self.metrics["env_samples_with_observation"] = float(
                 sum(0 in sampled_mask(c) for c in completions) if emits else 0)
+            if emits and completions:  # tool calls per emitted episode (training episodes only)
+                self.metrics["env_turns_mean"] = sum(c.episode.get("turns", 0) for c in completions) / len(completions)
         if not emits:  # a TP peer repeats its group's first rank's work: counted there only
             for key in _PER_REPLICA:
                 self.metrics.pop(key, None)  # env_* only exist with an environment
@@ -381,12 +384,15 @@ class GeneratorExecutor(Executor):
         prompts = [list(self.prompt_fn(self.tokenizer, p.question)) for p in problems]
         if isinstance(self.engine, EpisodeRunner):  # evaluation episodes start from these problems
             training_problems, self.engine.problem_of = self.engine.problem_of, problems.__getitem__
+            # The env_tool_* metrics count training episodes: the evaluation's calls are not theirs.
+            training_counts = self.engine.tools.counts()
         try:
             scores, texts = score_samples(self.engine, self.tokenizer, problems=problems, prompts=prompts,
                                           score=score, sampling=greedy, chunk=chunk, version=self.version)
         finally:
             if isinstance(self.engine, EpisodeRunner):
                 self.engine.problem_of = training_problems
+                self.engine.tools.restore_counts(training_counts)
         correct = sum(s[0] for s in scores)
         if samples_path is not None:
             samples_path.write_text("".join(
