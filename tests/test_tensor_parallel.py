@@ -158,3 +158,22 @@ def test_gather_broadcast_into_tp2_generator_gives_the_trainers_weights(world):
     assert any(not torch.equal(trainer[n], load_file(world / "trainer.safetensors")[n]) for n in trainer)
     for name, tensor in trainer.items():
         assert torch.equal(generator[name], tensor), name
+
+
+def test_tp_refuses_an_architecture_it_cannot_shard_with_one_line():
+    """A fused-projection model (GPT-2's c_attn / c_fc are Conv1D, not q/k/v_proj) or a Llama layer
+    missing one projection is refused by name, never left silently unsharded."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    from llamarl.models.tensor_parallel import check_tp_supported
+
+    check_tp_supported(build_tiny_llama(seed=0, vocab_size=128))  # the supported layout passes
+    with pytest.raises(ValueError, match="supports Llama-family models with decoder layers at model.model.layers; "
+                                         "GPT2LMHeadModel has none"):
+        check_tp_supported(GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=64)))
+    fused = build_tiny_llama(seed=0, vocab_size=128)
+    del fused.model.layers[1].mlp.gate_proj
+    with pytest.raises(ValueError, match=r"cannot shard LlamaForCausalLM: decoder layer 1 has no nn.Linear "
+                                         r"mlp.gate_proj \(its linear layers: mlp.down_proj, mlp.up_proj, "
+                                         r"self_attn.k_proj"):
+        check_tp_supported(fused)

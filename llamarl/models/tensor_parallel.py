@@ -44,6 +44,32 @@ def check_tp_divisibility(config, tp: int) -> None:
             raise ValueError(f"tensor parallelism tp={tp} needs {name} ({size}) divisible by {tp}")
 
 
+def check_tp_supported(model: torch.nn.Module) -> None:
+    """Raise a one-line ValueError unless ``model`` has the layout this TP plan shards: decoder
+    layers at ``model.model.layers``, each with every ``COLUMN`` / ``ROW`` projection as an
+    ``nn.Linear``. An architecture with fused or differently named projections (GPT-2's
+    ``c_attn``, Phi-3's ``qkv_proj``) would otherwise stay silently unsharded, or half sharded."""
+    name = type(model).__name__
+    layers = getattr(getattr(model, "model", None), "layers", None)
+    if not layers:
+        raise ValueError(f"tensor parallelism (--generator.tp) supports Llama-family models with decoder layers "
+                         f"at model.model.layers; {name} has none")
+    for index, layer in enumerate(layers):
+        missing = [path for path in COLUMN + ROW if not isinstance(_submodule(layer, path), torch.nn.Linear)]
+        if missing:
+            linears = sorted(n for n, m in layer.named_modules() if isinstance(m, torch.nn.Linear))
+            raise ValueError(f"tensor parallelism (--generator.tp) cannot shard {name}: decoder layer {index} has no "
+                             f"nn.Linear {', '.join(missing)} (its linear layers: {', '.join(linears) or 'none'}); "
+                             "use --generator.tp 1 for this architecture")
+
+
+def _submodule(module: torch.nn.Module, path: str) -> torch.nn.Module | None:
+    try:
+        return module.get_submodule(path)
+    except AttributeError:
+        return None
+
+
 def layer_plan() -> dict:
     """The per-decoder-layer ``parallelize_module`` plan (fresh style objects each call)."""
     plan = {name: ColwiseParallel(use_local_output=True) for name in COLUMN}
@@ -58,13 +84,14 @@ def apply_tensor_parallel(model: torch.nn.Module, tp_mesh: DeviceMesh) -> torch.
     ``.mlp`` with the usual projection names); ``tp_mesh`` is 1-D. Every rank of ``tp_mesh``
     must call it with the same (identically loaded) weights: each rank keeps its own slice
     without any communication. Heads, KV heads and ``intermediate_size`` must divide by the
-    mesh size (ValueError naming the first that does not). Returns ``model``; a TP size of 1
-    leaves it untouched.
+    mesh size (ValueError naming the first that does not), and the layers must have this plan's
+    projections (``check_tp_supported``). Returns ``model``; a TP size of 1 leaves it untouched.
     """
     tp = tp_mesh.size()
     check_tp_divisibility(model.config, tp)
     if tp == 1:
         return model
+    check_tp_supported(model)
     for layer in model.model.layers:
         # src_data_rank=None: every rank slices its own (identical) copy, no scatter from rank 0.
         parallelize_module(layer, tp_mesh, layer_plan(), src_data_rank=None)
