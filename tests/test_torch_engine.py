@@ -256,10 +256,12 @@ def test_validation_errors(model):
         engine.generate([Request(0, [3])], sampling=sampling, version=0, token_budget=0)
 
 
-def test_shared_prompts_are_prefilled_once_and_sample_independently(model):
+@pytest.mark.parametrize("fused", [True, False], ids=["fused-steps", "hf-steps"])
+def test_shared_prompts_are_prefilled_once_and_sample_independently(model, fused):
     """A GRPO group submits its prompt once per sample: the engine prefills each distinct context once
     (the first forward's batch is the distinct contexts) yet every row samples on its own, with
-    behaviour log-probs equal to a fresh full forward, and greedy rows equal a lone generation."""
+    behaviour log-probs equal to a fresh full forward, and greedy rows equal a lone generation; the
+    decode steps run over every row (through the fused step, or the model's forward)."""
     prompts = _prompts([7, 4, 11], seed=5)
     carried = Completion(sample_id=99, prompt_ids=prompts[0], completion_ids=[9, 8], logprobs=[-1.0, -2.0],
                          versions=[0, 0], finish_reason="carried").to_request()
@@ -269,12 +271,15 @@ def test_shared_prompts_are_prefilled_once_and_sample_independently(model):
     handle = model.register_forward_pre_hook(
         lambda _module, _args, kwargs: forward_batches.append(kwargs["input_ids"].shape[0]), with_kwargs=True)
     try:
-        engine = TorchEngine(model, eos_token_ids=[], pad_token_id=0)
+        engine = TorchEngine(model, eos_token_ids=[], pad_token_id=0, fused_decode=fused)
         sampled = engine.generate(reqs, sampling=SamplingParams(temperature=1.0, max_new_tokens=6), version=1,
                                   generator=torch.Generator().manual_seed(0))
     finally:
         handle.remove()
-    assert forward_batches[0] == len(prompts) + 1 and forward_batches[1] == len(reqs)
+    # The prefill: the distinct contexts; then 5 decode steps over all rows (the carried row stops
+    # 2 tokens earlier), through the model's forward unless fused.
+    assert forward_batches[0] == len(prompts) + 1
+    assert forward_batches[1:] == ([] if fused else [len(reqs)] * 3 + [len(reqs) - 1] * 2)
     assert [c.sample_id for c in sampled] == [r.sample_id for r in reqs]
     for comp in sampled:
         num_new = len(comp.completion_ids) - (2 if comp.sample_id == 99 else 0)
