@@ -21,6 +21,13 @@ same invocation (``hardware_bound``): a decode step must read every weight once 
 over the bandwidth of reading a weight-sized tensor) and do ``2 x (Linear parameters)`` FLOPs per row
 (over the speed of a large matmul in the model's dtype), so it takes at least the larger of the two;
 attention and norms are left out, so the bound is optimistic and the ratio conservative.
+
+``--workloads`` instead times whole generations of two recipes' shapes with the decode steps fused
+(``FusedDecoder``, the default) and through the HF modules, interleaved, best of ``--repeats``:
+``make-run`` (16 arithmetic prompts x 4 samples, 12 new tokens, no EOS) and ``gsm8k`` (the first 4
+GSM8K test questions in the recipe's prompt x 4 samples, up to 256 new tokens, EOS on), at T = 1
+from one seed; it prints tokens made, seconds and tokens/s per path, and the speed-up. Every timed
+call must make tokens (a run that made none fails).
 """
 
 from __future__ import annotations
@@ -145,12 +152,13 @@ def bound_ms(bound: dict[str, float], rows: int) -> float:
     return 1000 * max(reads, matmuls)
 
 
-def decode_scaling(model, tok, *, batches: list[int], new_tokens: int, repeats: int) -> dict[int, tuple[float, float]]:
+def decode_scaling(model, tok, *, batches: list[int], new_tokens: int, repeats: int,
+                   fused_decode: bool = True) -> dict[int, tuple[float, float]]:
     """Print ms per decode step, its ratio to the smallest batch's, the bound and the ratio to it, per
     batch size; return ``{rows: (ms per step, bound ms)}``."""
     if new_tokens < 2:
         raise ValueError(f"--new-tokens must be >= 2 for --decode-scaling (got {new_tokens})")
-    engine = TorchEngine(model, eos_token_ids=[], pad_token_id=tok.pad_token_id)
+    engine = TorchEngine(model, eos_token_ids=[], pad_token_id=tok.pad_token_id, fused_decode=fused_decode)
     _time_engine(engine, _prompts(tok, batch=4), new_tokens=2, seed=0)  # warm-up
     step_ms = {}
     for batch in batches:
@@ -174,6 +182,53 @@ def decode_scaling(model, tok, *, batches: list[int], new_tokens: int, repeats: 
     return result
 
 
+def _gsm8k_prompts(tok, *, num: int) -> list[list[int]]:
+    """The first ``num`` GSM8K test questions as the gsm8k recipe prompts them (../shared/data)."""
+    import json
+    from pathlib import Path
+
+    from llamarl.data.prompts import build_chat_prompt
+
+    path = Path(__file__).resolve().parents[1] / ".." / "shared" / "data" / "gsm8k" / "test.jsonl"
+    questions = [json.loads(line)["question"] for line in path.read_text().splitlines()[:num]]
+    instruction = "Let's think step by step and output the final answer after \"####\"."
+    return [build_chat_prompt(tok, q, instruction_suffix=instruction) for q in questions]
+
+
+def workloads(model, tok, *, repeats: int, gsm8k_new_tokens: int = 256) -> dict[str, dict[str, float]]:
+    """Tokens/s of the fused and the HF decode steps on the two workloads (module docstring);
+    ``gsm8k_new_tokens`` shortens the GSM8K shape (the smoke test)."""
+    from llamarl.models.loading import stop_token_ids
+
+    shapes = {"make-run": (_prompts(tok, batch=16), 12, []),
+              "gsm8k": (_gsm8k_prompts(tok, num=4), gsm8k_new_tokens, stop_token_ids(model, tok))}
+    result = {}
+    for name, (prompts, new_tokens, eos) in shapes.items():
+        reqs = [Request(sample_id=i * 4 + j, prompt_ids=p) for i, p in enumerate(prompts) for j in range(4)]
+        sampling = SamplingParams(temperature=1.0, max_new_tokens=new_tokens)
+        engines = {"fused": TorchEngine(model, eos_token_ids=eos, pad_token_id=tok.pad_token_id),
+                   "hf": TorchEngine(model, eos_token_ids=eos, pad_token_id=tok.pad_token_id, fused_decode=False)}
+        for engine in engines.values():  # warm-up
+            engine.generate(reqs[:2], sampling=SamplingParams(temperature=1.0, max_new_tokens=2), version=0)
+        best: dict[str, tuple[float, int] | None] = dict.fromkeys(engines)  # (seconds, tokens) of the fastest
+        for seed in range(repeats):
+            for key, engine in engines.items():
+                start = time.perf_counter()
+                out = engine.generate(reqs, sampling=sampling, version=0, generator=torch.Generator().manual_seed(seed))
+                seconds, made = time.perf_counter() - start, sum(len(c.completion_ids) for c in out)
+                if made == 0:
+                    raise RuntimeError(f"{name} / {key}: the timed call made no tokens")
+                if best[key] is None or made / seconds > best[key][1] / best[key][0]:
+                    best[key] = (seconds, made)
+        row = {f"{key}_tokens_per_s": made / seconds for key, (seconds, made) in best.items()}
+        row["speedup"] = row["fused_tokens_per_s"] / row["hf_tokens_per_s"]
+        for key, (seconds, made) in best.items():
+            print(f"{name:<9} {key:<6} {made:>6} tokens {seconds:>7.2f} s {made / seconds:>8.1f} tok/s")
+        print(f"{name:<9} fused / hf: {row['speedup']:.2f}x")
+        result[name] = row
+    return result
+
+
 def main() -> None:
     """Print the throughput table (see module docstring)."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -183,17 +238,27 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--dtypes", default="float32,bfloat16")
+    parser.add_argument("--workloads", action="store_true",
+                        help="time the make-run and GSM8K-shaped generations, fused vs HF decode steps")
+    parser.add_argument("--hf-steps", action="store_true",
+                        help="--decode-scaling through the HF modules (TorchEngine(fused_decode=False))")
     parser.add_argument("--decode-scaling", default="",
                         help="comma-separated batch sizes: time one decode step per batch size instead")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
+    if args.workloads:
+        model, tok = load_causal_lm(args.model, dtype=torch.bfloat16)
+        print(f"TorchEngine, bf16, {args.threads} threads, best of {args.repeats} (tokens/s)")
+        workloads(model, tok, repeats=args.repeats)
+        return
     if args.decode_scaling:
         batches = sorted(int(b) for b in args.decode_scaling.split(","))
         dtype_name = args.dtypes if "," not in args.dtypes else "bfloat16"
         model, tok = load_causal_lm(args.model, dtype=getattr(torch, dtype_name))
-        print(f"TorchEngine decode step, {dtype_name}, {args.threads} threads, "
-              f"{args.new_tokens} new tokens, best of {args.repeats}")
-        decode_scaling(model, tok, batches=batches, new_tokens=args.new_tokens, repeats=args.repeats)
+        print(f"TorchEngine decode step ({'HF modules' if args.hf_steps else 'fused'}), {dtype_name}, "
+              f"{args.threads} threads, {args.new_tokens} new tokens, best of {args.repeats}")
+        decode_scaling(model, tok, batches=batches, new_tokens=args.new_tokens, repeats=args.repeats,
+                       fused_decode=not args.hf_steps)
         return
 
     rows = []

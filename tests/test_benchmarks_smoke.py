@@ -190,6 +190,18 @@ def test_generation_counts_the_tokens_it_timed():
         generation._expect_tokens(0, rows=0, new_tokens=4, label="x")
 
 
+def test_generation_workloads_time_both_decode_paths():
+    """--workloads on a tiny model: both workloads, both decode paths, tokens/s and the speed-up."""
+    generation = load_benchmark("generation")
+    tok = tiny_tokenizer()
+    tok.chat_template = "{% for m in messages %}{{ m['content'] }}{% endfor %}"
+    model = build_tiny_llama(seed=0, vocab_size=128).eval()
+    result = generation.workloads(model, tok, repeats=1, gsm8k_new_tokens=16)
+    assert sorted(result) == ["gsm8k", "make-run"]
+    assert all(row["fused_tokens_per_s"] > 0 and row["hf_tokens_per_s"] > 0 and row["speedup"] > 0
+               for row in result.values())
+
+
 def test_weight_sync_checks_catch_a_sync_that_moved_nothing():
     """The per-sync check (skip, bytes, version, values) and the memcpy floor, on synthetic inputs."""
     ws = load_benchmark("weight_sync")

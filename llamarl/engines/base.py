@@ -192,6 +192,8 @@ class EngineSetup:
     """KV cache size on CPU (engines that preallocate one)."""
     gpu_memory_utilization: float = 0.5
     """Fraction of this rank's GPU an engine that manages memory itself may take."""
+    fused_decode: bool = True
+    """Native engine: decode steps through its fused Llama-family step where it applies."""
 
 
 EngineBuilder = Callable[[EngineSetup], GenerationEngine]

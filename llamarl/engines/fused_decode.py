@@ -2,8 +2,9 @@
 
 ``TorchEngine`` prefills with the HF model as before; the decode steps then run here when the
 model qualifies (``FusedDecoder.supports``: HF ``LlamaForCausalLM`` / ``Qwen2ForCausalLM`` /
-``MistralForCausalLM`` whose sliding window, if any, is longer than the sequences; plain tensors,
-no tensor parallelism; ``TorchEngine(fused_decode=False)`` turns it off):
+``MistralForCausalLM`` whose sliding window, if any, is longer than the sequences; plain CPU
+tensors, no tensor parallelism; ``--generator.fused-decode false`` / ``TorchEngine(fused_decode=False)``
+turns it off):
 
 * **fused projections**: q, k and v as one matmul, gate and up as one, so a layer runs four
   matmuls instead of seven; on CPU the fused weights are also pre-packed for oneDNN
@@ -65,8 +66,11 @@ class FusedDecoder:
         window = getattr(config, "sliding_window", None) if getattr(config, "use_sliding_window", True) else None
         if type(model).__name__ not in _SUPPORTED or (window is not None and window < length):
             return False
-        if any(isinstance(p, DTensor) for p in model.parameters()):
-            return False  # tensor parallel (or otherwise sharded): the HF modules handle it
+        if any(isinstance(p, DTensor) or p.device.type != "cpu" for p in model.parameters()):
+            # Tensor parallel (or otherwise sharded): the HF modules handle it. Not on accelerators
+            # yet: the fused copies would double the weights' memory there, and a GPU decode step
+            # is host-bound (it needs a captured graph, not fewer matmuls).
+            return False
         layers = model.model.layers
         return all(not hasattr(layer.self_attn, "q_norm") for layer in layers)
 

@@ -303,4 +303,5 @@ class TorchEngine:
 
 @register_engine("torch")
 def _build_torch_engine(setup: EngineSetup) -> TorchEngine:
-    return TorchEngine(setup.model, eos_token_ids=setup.eos_token_ids, pad_token_id=setup.pad_token_id)
+    return TorchEngine(setup.model, eos_token_ids=setup.eos_token_ids, pad_token_id=setup.pad_token_id,
+                       fused_decode=setup.fused_decode)
