@@ -3,7 +3,7 @@
 ``TorchEngine`` prefills with the HF model as before; the decode steps then run here when the
 model qualifies (``FusedDecoder.supports``: HF ``LlamaForCausalLM`` / ``Qwen2ForCausalLM`` /
 ``MistralForCausalLM`` whose sliding window, if any, is longer than the sequences; plain CPU
-tensors, no tensor parallelism; ``--generator.fused-decode false`` / ``TorchEngine(fused_decode=False)``
+tensors, no tensor parallelism; ``--generator.no-fused-decode`` / ``TorchEngine(fused_decode=False)``
 turns it off):
 
 * **fused projections**: q, k and v as one matmul, gate and up as one, so a layer runs four
