@@ -52,6 +52,19 @@ class GeneratorConfig:
     fused, pre-packed projections over a preallocated KV cache (llamarl/engines/fused_decode.py:
     the same tokens, ~1.8x faster steps on CPU at 16-64 rows); False: HF's modules for every step.
     Other architectures, tensor parallelism and CUDA always use HF's modules."""
+    max_num_seqs: int | None = None
+    """At most this many samples decode at once on a generator rank (vLLM's name). None: the native
+    engine decodes every sample of a step in one batch (finished rows leave it), vLLM uses its
+    default. N: the native engine keeps N rows decoding, a pending sample taking a finished row's
+    slot at the step it frees (continuous batching, fused path; in batches of N on the HF path),
+    which bounds the KV cache's memory to N rows."""
+    carried_cache: Literal["recompute", "keep"] = "recompute"
+    """Partial rollouts, native engine: how a carried sample resumes after a weight update.
+    ``recompute``: its prompt and partial completion are prefilled again with the new weights
+    (every cached key and value from the current policy). ``keep``: the KV cache it had when carried
+    is kept and decoding continues from it (no re-prefill; the kept keys and values are the older
+    policy's, as PipelineRL's in-flight updates). Token versions are exact either way; ``keep``
+    applies on the fused decode path (Llama-family models on CPU), elsewhere samples recompute."""
     kv_cache_gib: float = 2.0
     """vLLM engine on CPU: KV-cache size per generator rank in GiB (unset, vLLM takes most of the RAM)."""
     gpu_memory_utilization: float = 0.5
@@ -106,6 +119,10 @@ class GeneratorConfig:
         _check(self.engine == "torch" or self.tp == 1, f"--generator.engine {self.engine} runs with --generator.tp 1 "
                "(only the native engine shards over a TP group)")
         _check(self.num_threads >= 1, f"--generator.num-threads must be >= 1, got {self.num_threads}")
+        _check(self.max_num_seqs is None or self.max_num_seqs >= 1,
+               f"--generator.max-num-seqs must be >= 1, got {self.max_num_seqs}")
+        _check(self.carried_cache == "recompute" or self.engine == "torch",
+               f"--generator.carried-cache keep needs --generator.engine torch (got {self.engine!r})")
         _check(self.kv_cache_gib > 0, f"--generator.kv-cache-gib must be > 0, got {self.kv_cache_gib}")
         _check(0 < self.gpu_memory_utilization <= 1,
                f"--generator.gpu-memory-utilization must be in (0, 1], got {self.gpu_memory_utilization}")

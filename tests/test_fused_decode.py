@@ -1,7 +1,9 @@
 """The fused decode step (llamarl/engines/fused_decode.py) against the HF modules' loop it replaces:
 fp32 greedy and seeded sampling give the same tokens, log-probs agree to rounding, for every
 family it supports, with left padding, shared prompts, carried-in tokens (rows finishing at
-different steps) and an in-place weight update between calls; the others fall back."""
+different steps) and an in-place weight update between calls; the others fall back. Continuous
+batching (``max_num_seqs``) keeps the batch full with the same tokens; a kept carried cache
+(``carried_cache="keep"``) resumes without prefill from the older keys, as HF's modules do."""
 
 from __future__ import annotations
 
@@ -68,3 +70,111 @@ def test_other_layouts_use_the_hf_modules():
         assert not FusedDecoder.supports(build_family(family), length=100)
     mistral = build_family("mistral")  # a sliding window shorter than the sequence changes attention
     assert FusedDecoder.supports(mistral, length=4096) and not FusedDecoder.supports(mistral, length=4097)
+
+
+def staggered() -> list[Request]:
+    """Four requests that finish at different steps (carried-in tokens of different lengths)."""
+    tok = chat_tokenizer()
+    short, long = tok("2 + 2 =")["input_ids"], tok("Write the product of 347 and 23, then stop.")["input_ids"]
+    return [Request(sample_id=i, prompt_ids=prompt, completion_ids=[11] * carried, logprobs=[-1.0] * carried,
+                    versions=[0] * carried)
+            for i, (prompt, carried) in enumerate([(short, 0), (long, 7), (long, 0), (short, 4)])]
+
+
+def test_continuous_batching_refills_finished_rows_with_the_same_tokens(monkeypatch):
+    model = build_family("llama-tied")
+    greedy = SamplingParams(temperature=0.0, max_new_tokens=12)
+    pad = chat_tokenizer().pad_token_id
+    rows_per_step = []
+    step = FusedDecoder.step
+    monkeypatch.setattr(FusedDecoder, "step", lambda self, state, tokens: rows_per_step.append(
+        tokens.shape[0]) or step(self, state, tokens))
+    whole = TorchEngine(model, eos_token_ids=[], pad_token_id=pad).generate(staggered(), sampling=greedy, version=1)
+    assert max(rows_per_step) == 4
+    rows_per_step.clear()
+    capped = TorchEngine(model, eos_token_ids=[], pad_token_id=pad, max_num_seqs=2)
+    refilled = capped.generate(staggered(), sampling=greedy, version=1)
+    # Requests 0 and 1 start (12 and 5 tokens to go); request 1 ends at its 5th token and request 2
+    # takes its slot (its first token from its prefill, so that step runs request 0 alone); request 0
+    # ends at its 12th and request 3 (8 to go) takes its slot; then request 2's last 5, then request
+    # 3 alone: 19 steps of 2 rows but 4, where two batches of 2 take 11 + 11.
+    assert rows_per_step == [2] * 4 + [1] + [2] * 6 + [1] + [2] * 4 + [1] * 3, rows_per_step
+    assert [c.completion_ids for c in refilled] == [c.completion_ids for c in whole]
+    for a, b in zip(refilled, whole):
+        torch.testing.assert_close(torch.tensor(a.logprobs), torch.tensor(b.logprobs), rtol=0, atol=1e-5)
+    hf_waves = TorchEngine(model, eos_token_ids=[], pad_token_id=pad, max_num_seqs=2, fused_decode=False)
+    assert [c.completion_ids for c in hf_waves.generate(staggered(), sampling=greedy, version=1)] == \
+        [c.completion_ids for c in whole]
+
+
+def _greedy_with_stale_prefix(model, *, old_state, request, num_tokens: int) -> list[int]:
+    """Reference for a kept cache, from HF's modules alone: the context but its last token cached
+    under ``old_state``'s weights, then greedy decoding with the model's current weights."""
+    from transformers import DynamicCache
+
+    new_state = {k: v.clone() for k, v in model.state_dict().items()}
+    context = list(request.prompt_ids) + list(request.completion_ids)
+    cache = DynamicCache(config=model.config)
+    with torch.no_grad():
+        model.load_state_dict(old_state)
+        model(input_ids=torch.tensor([context[:-1]]), past_key_values=cache, use_cache=True)
+        model.load_state_dict(new_state)
+        tokens, last = [], context[-1]
+        for position in range(len(context) - 1, len(context) - 1 + num_tokens):
+            logits = model(input_ids=torch.tensor([[last]]), position_ids=torch.tensor([[position]]),
+                           past_key_values=cache, use_cache=True).logits[0, -1]
+            last = int(logits.argmax())
+            tokens.append(last)
+    return tokens
+
+
+def test_a_kept_carried_cache_resumes_without_prefill_and_from_the_older_keys():
+    model = build_family("llama-untied")
+    greedy = SamplingParams(temperature=0.0, max_new_tokens=12)
+    pad = chat_tokenizer().pad_token_id
+    uninterrupted = TorchEngine(model, eos_token_ids=[], pad_token_id=pad).generate(
+        staggered(), sampling=greedy, version=0)
+    engines = {mode: TorchEngine(model, eos_token_ids=[], pad_token_id=pad, carried_cache=mode, max_num_seqs=3)
+               for mode in ("recompute", "keep")}
+    carried = {mode: e.generate(staggered(), sampling=greedy, version=0, token_budget=3) for mode, e in engines.items()}
+    assert [c.finish_reason for c in carried["keep"]] == ["carried"] * 4
+
+    # Same weights: resuming from the kept cache gives the uninterrupted tokens, with no prefill.
+    engine = engines["keep"]
+    before = engine.prefill_tokens
+    resumed = engine.generate([c.to_request() for c in carried["keep"]], sampling=greedy, version=0)
+    assert engine.prefill_tokens == before and engine.kept_cache_rows == 4
+    assert [c.completion_ids for c in resumed] == [c.completion_ids for c in uninterrupted]
+
+    # New weights: "keep" continues from the older keys and values (HF's own modules agree),
+    # "recompute" from a fresh prefill; each token keeps the version that sampled it.
+    carried = {mode: e.generate(staggered(), sampling=greedy, version=0, token_budget=3) for mode, e in engines.items()}
+    old_state = {k: v.clone() for k, v in model.state_dict().items()}
+    with torch.no_grad():
+        for layer in model.model.layers:
+            layer.self_attn.k_proj.weight.mul_(1.5)
+            layer.self_attn.v_proj.weight.mul_(-1.0)
+    resumed = {mode: engines[mode].generate([c.to_request() for c in carried[mode]], sampling=greedy, version=1)
+               for mode in engines}
+    first = carried["keep"][0]
+    expected = _greedy_with_stale_prefix(model, old_state=old_state, request=first.to_request(), num_tokens=9)
+    assert resumed["keep"][0].completion_ids[3:] == expected
+    assert resumed["keep"][0].completion_ids != resumed["recompute"][0].completion_ids
+    for mode, outs in resumed.items():
+        for out, request in zip(outs, staggered()):
+            num_old = len(request.completion_ids) + 3  # carried in, then 3 sampled at version 0
+            assert out.versions == [0] * num_old + [1] * (len(out.completion_ids) - num_old), mode
+
+
+def test_a_kept_cache_that_no_longer_matches_is_dropped_and_recomputed():
+    model = build_family("llama-tied")
+    greedy = SamplingParams(temperature=0.0, max_new_tokens=12)
+    engine = TorchEngine(model, eos_token_ids=[], pad_token_id=chat_tokenizer().pad_token_id, carried_cache="keep")
+    carried = engine.generate(staggered()[:1], sampling=greedy, version=0, token_budget=3)
+    restarted = staggered()[:1]  # the same sample restarted from its prompt (a stale group)
+    before = engine.prefill_tokens
+    again = engine.generate(restarted, sampling=greedy, version=0, token_budget=3)
+    assert engine.prefill_tokens == before + len(restarted[0].prompt_ids) and engine.kept_cache_rows == 0
+    assert again[0].completion_ids == carried[0].completion_ids
+    with pytest.raises(ValueError, match="carried_cache"):
+        TorchEngine(model, eos_token_ids=[], pad_token_id=0, carried_cache="stale")

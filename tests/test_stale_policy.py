@@ -44,11 +44,12 @@ def prompt_fn(tokenizer, question: str) -> list[int]:
     return list(tokenizer(question)["input_ids"])
 
 
-def make_generator(model_dir, ctx, *, policy: str | None, eta: int | None, lag: int) -> GeneratorExecutor:
+def make_generator(model_dir, ctx, *, policy: str | None, eta: int | None, lag: int,
+                   carried_cache: str = "recompute") -> GeneratorExecutor:
     """4 samples started per step (2 prompts x 2), at most 6 new tokens, 2 per step: a sample spans
     up to 3 steps, so its tokens span versions."""
     config = GeneratorConfig(num_prompts_per_step=2, samples_per_prompt=SAMPLES, max_new_tokens=6, token_budget=2,
-                             temperature=1.0)
+                             temperature=1.0, carried_cache=carried_cache)
     algo = AlgoConfig(max_staleness=eta, stale_policy=policy) if policy else None
     return GeneratorExecutor(ctx, model_config=ModelConfig(name=str(model_dir)), config=config, task=Questions(),
                              prompt_fn=prompt_fn, algo=algo, expected_lag=lag)
@@ -61,10 +62,10 @@ def oldest_versions(batch: TensorBatch) -> list[int]:
 
 
 # ----- the generator alone -----
-def run_generator(model_dir, *, policy, eta=2, lag=1, ticks=14):
+def run_generator(model_dir, *, policy, eta=2, lag=1, ticks=14, carried_cache="recompute"):
     torch.manual_seed(0)
     ctx = SimpleNamespace(device=torch.device("cpu"), dp_rank=0, dp_size=1, tp_rank=0, tp_size=1, local_rank=0)
-    gen = make_generator(model_dir, ctx, policy=policy, eta=eta, lag=lag)
+    gen = make_generator(model_dir, ctx, policy=policy, eta=eta, lag=lag, carried_cache=carried_cache)
     gen.init()
     increments = random.Random(0)
     version, emitted = 0, []
@@ -81,9 +82,12 @@ def run_generator(model_dir, *, policy, eta=2, lag=1, ticks=14):
     return gen, emitted
 
 
-def test_wait_emits_no_group_older_than_eta_at_training_and_restarts_carried_rollouts(model_dir):
+@pytest.mark.parametrize("carried_cache", ["recompute", "keep"])
+def test_wait_emits_no_group_older_than_eta_at_training_and_restarts_carried_rollouts(model_dir, carried_cache):
     eta, lag = 2, 1
-    gen, emitted = run_generator(model_dir, policy="wait", eta=eta, lag=lag)
+    gen, emitted = run_generator(model_dir, policy="wait", eta=eta, lag=lag, carried_cache=carried_cache)
+    # "keep": carried samples resumed from their kept caches, restarted ones prefilled again.
+    assert (gen.engine.kept_cache_rows > 0) == (carried_cache == "keep")
     assert len(emitted) >= 8
     assert all(version + lag - oldest <= eta for version, oldest, _ in emitted)
     assert any(newest > oldest for _, oldest, newest in emitted), "no emitted sample spans versions: vacuous"

@@ -194,6 +194,11 @@ class EngineSetup:
     """Fraction of this rank's GPU an engine that manages memory itself may take."""
     fused_decode: bool = True
     """Native engine: decode steps through its fused Llama-family step where it applies."""
+    max_num_seqs: int | None = None
+    """Most rows decoding at once (None: the engine's own choice; the native engine takes every
+    request of a call)."""
+    carried_cache: str = "recompute"
+    """Native engine: ``keep`` resumes a carried sample from the KV cache it had when carried."""
 
 
 EngineBuilder = Callable[[EngineSetup], GenerationEngine]

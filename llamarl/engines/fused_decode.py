@@ -15,10 +15,15 @@ turns it off):
   the weight channels' included) with those they were built from and rebuilds them when a weight
   changed (one copy of the weights), so an in-place update takes effect at the next call as it
   does with the HF modules;
-* **a preallocated KV cache** ``[batch, kv_heads, width + steps, head_dim]`` per layer, written in
-  place at the step's column, and an attention mask preallocated to the same width (no per-step
-  concatenation); the attention of the single query row is two small matmuls and a softmax, as
-  HF's eager attention computes it (SDPA's CPU kernel spends ~1 ms per layer on a single row).
+* **a preallocated KV cache** ``[slots, kv_heads, width, head_dim]`` per layer with one row per
+  slot, each row's positions left-aligned (``DecodeState``), so rows of different lengths share a
+  step: each token's keys and values are written in place at its own row's column, and an attention
+  mask preallocated to the same width marks what each row sees (no per-step concatenation). A
+  finished row leaves by an order-keeping compaction, and a new row (a pending request, prefilled;
+  or a carried sample whose cache was kept) can join the batch at any step (continuous batching,
+  ``TorchEngine(max_num_seqs=)``); the attention of the single query row is two small matmuls and
+  a softmax, as HF's eager attention computes it (SDPA's CPU kernel spends ~1 ms per layer on a
+  single row).
 
 Norms, rotary embeddings, the activation and the LM head are the model's own modules, so the
 numerics are HF's eager path: greedy tokens equal the HF loop's (tests) and log-probs agree to
@@ -103,32 +108,32 @@ class FusedDecoder:
             self._fused = fused
         return self._fused
 
-    def start(self, cache, mask: torch.Tensor, *, num_steps: int) -> DecodeState:
-        """The decode state after a prefill: ``cache`` is the prefill's HF ``DynamicCache`` (rows as
-        the batch), ``mask`` its ``[batch, width]`` attention mask; room for ``num_steps`` tokens."""
-        batch, width = mask.shape
-        keys, values = [], []
-        for layer in cache.layers:
-            k = layer.keys.new_zeros(batch, self.num_kv_heads, width + num_steps, self.head_dim)
-            v = torch.zeros_like(k)
-            k[:, :, :width], v[:, :, :width] = layer.keys, layer.values
-            keys.append(k)
-            values.append(v)
-        full_mask = mask.new_zeros(batch, width + num_steps, dtype=torch.bool)
-        full_mask[:, :width] = mask.bool()
-        return DecodeState(keys=keys, values=values, mask=full_mask, column=width)
+    def new_state(self, *, capacity: int, width: int, like: torch.Tensor) -> DecodeState:
+        """An empty decode state: room for ``capacity`` rows of up to ``width`` positions each, in
+        ``like``'s dtype and on its device."""
+        shape = (capacity, self.num_kv_heads, width, self.head_dim)
+        num_layers = len(self.model.model.layers)
+        # Zeros, not empty: a masked column's score is dropped, but its value still meets a zero
+        # weight, and 0 * NaN would not be 0.
+        return DecodeState(keys=[like.new_zeros(shape) for _ in range(num_layers)],
+                           values=[like.new_zeros(shape) for _ in range(num_layers)],
+                           mask=torch.zeros((capacity, width), dtype=torch.bool, device=like.device))
 
     @torch.no_grad()
-    def step(self, state: DecodeState, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """Logits ``[rows, vocab]`` of the next token after ``tokens`` ``[rows]`` at ``positions``
-        ``[rows]``; the tokens' keys and values go into the state's next column."""
+    def step(self, state: DecodeState, tokens: torch.Tensor) -> torch.Tensor:
+        """Logits ``[rows, vocab]`` of the next token after ``tokens`` ``[rows]``, one per live row of
+        ``state``; each token sits at its row's next position, where its keys and values are written."""
         model = self.model
-        rows, column = tokens.shape[0], state.column
+        rows = tokens.shape[0]
+        assert rows == state.num_rows, (rows, state.num_rows)
+        row_index = torch.arange(rows, device=tokens.device)
+        columns = torch.tensor(state.lengths, dtype=torch.long, device=tokens.device)  # = the positions
+        width = max(state.lengths) + 1
         hidden = model.model.embed_tokens(tokens.unsqueeze(1))  # [rows, 1, hidden]
-        cos, sin = model.model.rotary_emb(hidden, positions.unsqueeze(1))
+        cos, sin = model.model.rotary_emb(hidden, columns.unsqueeze(1))
         cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)  # [rows, 1, 1, head_dim]
-        state.mask[:, column] = True
-        visible = state.mask[:, None, None, : column + 1]  # [rows, 1, 1, column + 1]
+        state.mask[row_index, columns] = True
+        visible = state.mask[:rows, None, None, :width]  # [rows, 1, 1, width]
         q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         groups = self.num_heads // self.num_kv_heads
         for index, (layer, (qkv, out, gate_up, down)) in enumerate(zip(model.model.layers, self._layers(rows))):
@@ -138,10 +143,10 @@ class FusedDecoder:
             k = k.view(rows, 1, self.num_kv_heads, self.head_dim).transpose(1, 2)
             q = q * cos + _rotate_half(q) * sin
             k = k * cos + _rotate_half(k) * sin
-            state.keys[index][:, :, column] = k[:, :, 0]
-            state.values[index][:, :, column] = v.view(rows, self.num_kv_heads, self.head_dim)
-            keys = state.keys[index][:, :, : column + 1]  # [rows, kv, T, d]
-            values = state.values[index][:, :, : column + 1]
+            state.keys[index][row_index, :, columns] = k[:, :, 0]
+            state.values[index][row_index, :, columns] = v.view(rows, self.num_kv_heads, self.head_dim)
+            keys = state.keys[index][:rows, :, :width]  # [rows, kv, T, d]
+            values = state.values[index][:rows, :, :width]
             # Grouped query heads against their KV head: [rows, kv, groups, d] x [rows, kv, d, T].
             scores = torch.matmul(q.view(rows, self.num_kv_heads, groups, self.head_dim),
                                   keys.transpose(-1, -2)) * self.scaling
@@ -153,7 +158,7 @@ class FusedDecoder:
             gate, up = gate_up(x.view(rows, -1)).chunk(2, dim=-1)
             hidden = hidden + down(layer.mlp.act_fn(gate) * up).view(rows, 1, -1)
         hidden = model.model.norm(hidden)
-        state.column += 1
+        state.lengths = [length + 1 for length in state.lengths]
         return model.lm_head(hidden)[:, -1]
 
 
@@ -163,14 +168,53 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
 
 
 class DecodeState:
-    """The preallocated KV cache and mask of one decode (``FusedDecoder.start``)."""
+    """The KV cache of one decode (``FusedDecoder.new_state``): ``capacity`` row slots, each row's
+    positions left-aligned (row r holds positions ``0 .. lengths[r] - 1`` in columns of the same
+    index, so a row's position is its column and rows of any lengths, admitted at any step, share
+    one batch); the live rows are slots ``0 .. num_rows - 1``, in order."""
 
-    def __init__(self, *, keys: list[torch.Tensor], values: list[torch.Tensor], mask: torch.Tensor,
-                 column: int) -> None:
-        self.keys, self.values, self.mask, self.column = keys, values, mask, column
+    def __init__(self, *, keys: list[torch.Tensor], values: list[torch.Tensor], mask: torch.Tensor) -> None:
+        self.keys, self.values, self.mask = keys, values, mask
+        self.lengths: list[int] = []  # positions cached per live row (host-side: no sync to read)
+
+    @property
+    def num_rows(self) -> int:
+        return len(self.lengths)
+
+    @property
+    def capacity(self) -> int:
+        return self.mask.shape[0]
+
+    def append(self, *, keys: list[torch.Tensor], values: list[torch.Tensor], lengths: list[int],
+               left_padded: bool) -> None:
+        """Add rows after the live ones: per layer ``keys[i]`` / ``values[i]`` ``[n, kv, T, d]`` hold
+        the rows' cached positions, right-aligned in ``T`` (a left-padded prefill) when
+        ``left_padded``, else from column 0; row j has ``lengths[j]`` of them."""
+        first = self.num_rows
+        if first + len(lengths) > self.capacity:
+            raise ValueError(f"{first} + {len(lengths)} rows exceed the decode state's {self.capacity} slots")
+        for j, length in enumerate(lengths):
+            slot, span = first + j, slice(keys[0].shape[2] - length, None) if left_padded else slice(0, length)
+            for mine, theirs in ((self.keys, keys), (self.values, values)):
+                for layer_cache, source in zip(mine, theirs):
+                    layer_cache[slot, :, :length] = source[j, :, span]
+            self.mask[slot] = False
+            self.mask[slot, :length] = True
+        self.lengths += lengths
+
+    def row_cache(self, row: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """Copies of row ``row``'s cached keys and values per layer, ``[kv, lengths[row], d]``."""
+        length = self.lengths[row]
+        return ([k[row, :, :length].clone() for k in self.keys], [v[row, :, :length].clone() for v in self.values])
 
     def keep(self, rows: torch.Tensor) -> None:
-        """Keep only ``rows`` (finished rows leave the batch, as in the HF loop)."""
-        self.keys = [k.index_select(0, rows) for k in self.keys]
-        self.values = [v.index_select(0, rows) for v in self.values]
-        self.mask = self.mask.index_select(0, rows)
+        """Keep only the live rows ``rows`` (ascending), in order, as slots ``0 .. len(rows) - 1``:
+        finished rows leave the batch, as in the HF loop."""
+        kept = rows.tolist()
+        width = max((self.lengths[r] for r in kept), default=0)
+        if width:
+            for cache in (*self.keys, *self.values):
+                cache[: len(kept), :, :width] = cache[rows, :, :width]
+            self.mask[: len(kept), :width] = self.mask[rows, :width]
+            self.mask[: len(kept), width:] = False
+        self.lengths = [self.lengths[r] for r in kept]

@@ -122,23 +122,47 @@ class TorchEngine:
     """Batched KV-cached sampler over a live HF causal LM (weights may change in place between calls)."""
 
     def __init__(self, model: torch.nn.Module, *, eos_token_ids: list[int], pad_token_id: int,
-                 fused_decode: bool = True):
+                 fused_decode: bool = True, max_num_seqs: int | None = None, carried_cache: str = "recompute"):
         """Wrap ``model`` (any HF causal LM accepting ``past_key_values`` and ``logits_to_keep``).
 
         Contract: the engine keeps only a reference to ``model`` and caches nothing derived from its
-        weights, so in-place weight updates between ``generate`` calls take effect at once. Generation
-        stops at any id in ``eos_token_ids`` or in the call's ``sampling.stop_token_ids`` (none: only
-        at the length limits).
+        weights, so in-place weight updates between ``generate`` calls take effect at once (the
+        one exception is ``carried_cache="keep"``, below). Generation stops at any id in
+        ``eos_token_ids`` or in the call's ``sampling.stop_token_ids`` (none: only at the length limits).
         ``pad_token_id`` fills left padding; it is always masked, so any valid id works.
         ``fused_decode``: decode steps through ``FusedDecoder`` where it supports the model
         (llamarl/engines/fused_decode.py: the same tokens, ~1.8x faster steps on CPU); False: the
         HF modules for every step.
+        ``max_num_seqs``: at most this many rows decode at once (None: every request of a call).
+        On the fused path the batch stays full: when a row finishes, the next pending request is
+        prefilled and takes its slot at that step (continuous batching); on the HF path the
+        requests run in consecutive batches of this size.
+        ``carried_cache``: what a carried sample's next call starts from. ``"recompute"``
+        (default): its prompt + partial completion is prefilled again with the weights of that call
+        (exact: every token's keys and values come from the current weights). ``"keep"``: the KV
+        cache the sample had when it was carried is kept (fused path only) and decoding goes on from
+        it, its last token fed with the new weights: no re-prefill, but the kept keys and values are
+        those of the older weights (PipelineRL's in-flight weight update). Tokens keep their own
+        ``versions`` either way. A kept cache lasts until its ``sample_id`` is next submitted: used
+        if the request continues exactly where it was carried, dropped otherwise.
         """
+        if max_num_seqs is not None and max_num_seqs < 1:
+            raise ValueError(f"max_num_seqs must be >= 1 (or None), got {max_num_seqs}")
+        if carried_cache not in ("recompute", "keep"):
+            raise ValueError(f"carried_cache must be 'recompute' or 'keep', got {carried_cache!r}")
         self.model = model
         self.eos_token_ids = [int(t) for t in eos_token_ids]
         self.pad_token_id = int(pad_token_id)
         self.fused_decode = fused_decode
+        self.max_num_seqs = max_num_seqs
+        self.carried_cache = carried_cache
         self._fused: FusedDecoder | None = None
+        # sample_id -> (its context when carried, per-layer keys, per-layer values) for "keep".
+        self._kept: dict[int, tuple[tuple[int, ...], list[torch.Tensor], list[torch.Tensor]]] = {}
+        self.prefill_tokens = 0
+        """Context tokens prefilled so far (cumulative; a kept cache saves its sample's)."""
+        self.kept_cache_rows = 0
+        """Carried samples resumed from a kept KV cache so far (cumulative)."""
 
     def weights_updated(self, model: torch.nn.Module) -> None:
         """Nothing to do: the engine samples from the live model, whose weights changed in place."""
@@ -222,44 +246,154 @@ class TorchEngine:
 
     def _decode(self, reqs: list[Request], *, limits: list[int], sampling: SamplingParams, generator):
         """Run prefill + decode; return per-request new token ids, log-probs and whether EOS stopped it."""
+        contexts = [tuple(r.prompt_ids) + tuple(r.completion_ids) for r in reqs]
+        width = max(len(c) + limit for c, limit in zip(contexts, limits))
+        # Checked per call: tensor parallelism may have been applied after the engine was built.
+        if self.fused_decode and FusedDecoder.supports(self.model, length=width):
+            self._fused = self._fused or FusedDecoder(self.model)
+            return self._decode_fused(reqs, contexts=contexts, limits=limits, sampling=sampling, generator=generator)
+        size = self.max_num_seqs or len(reqs)
+        new_ids, new_lps, stopped = [], [], []
+        for first in range(0, len(reqs), size):
+            ids, lps, stop = self._decode_hf(contexts[first : first + size], limits=limits[first : first + size],
+                                             sampling=sampling, generator=generator)
+            new_ids += ids
+            new_lps += lps
+            stopped += stop
+        return new_ids, new_lps, stopped
+
+    def _prefill(self, contexts: list[tuple[int, ...]]):
+        """Prefill ``contexts`` with the HF model; return ``(logits [n, vocab], cache, mask [n, width])``
+        for every context, left-padded. GRPO submits each prompt once per sample of its group: each
+        distinct context is prefilled once and its KV cache and logits copied to every row that
+        shares it (on CPU prefill is most of a short rollout's time: 16 prompts x 4 samples, 45
+        prompt + 12 new tokens, ~5 s of ~8 s on 1 thread; the copies are the very values the
+        duplicated rows would have computed)."""
         device = self.model.get_input_embeddings().weight.device
-        all_contexts = [tuple(r.prompt_ids) + tuple(r.completion_ids) for r in reqs]
-        # GRPO submits each prompt once per sample of its group: prefill each distinct context once and
-        # copy its KV cache and logits to every row that shares it. On CPU prefill is most of a short
-        # rollout's time (16 prompts x 4 samples, 45 prompt + 12 new tokens: ~5 s of ~8 s on 1 thread),
-        # and the copies are the very values the duplicated rows would have computed.
         first_row: dict[tuple[int, ...], int] = {}
-        source = [first_row.setdefault(c, len(first_row)) for c in all_contexts]
-        contexts = list(first_row)
-        batch, width = len(all_contexts), max(len(c) for c in contexts)
+        source = [first_row.setdefault(c, len(first_row)) for c in contexts]
+        distinct = list(first_row)
+        width = max(len(c) for c in distinct)
+        self.prefill_tokens += sum(len(c) for c in distinct)
         # Assembled on the host from Python lists (one copy to the model's device below).
-        input_ids = torch.full((len(contexts), width), self.pad_token_id, dtype=torch.long, device="cpu")
-        mask = torch.zeros((len(contexts), width), dtype=torch.long, device="cpu")
-        for b, ctx in enumerate(contexts):
+        input_ids = torch.full((len(distinct), width), self.pad_token_id, dtype=torch.long, device="cpu")
+        mask = torch.zeros((len(distinct), width), dtype=torch.long, device="cpu")
+        for b, ctx in enumerate(distinct):
             input_ids[b, width - len(ctx) :] = torch.tensor(ctx, dtype=torch.long, device="cpu")
             mask[b, width - len(ctx) :] = 1
         input_ids, mask = input_ids.to(device), mask.to(device)
         # Left padding: real tokens get positions 0..len-1 whatever their column.
         positions = (mask.cumsum(dim=-1) - 1).clamp_min(0)
-        next_pos = torch.tensor([len(c) for c in all_contexts], dtype=torch.long, device=device)
-
-        # Checked per call: tensor parallelism may have been applied after the engine was built.
-        fused = None
-        if self.fused_decode and FusedDecoder.supports(self.model, length=width + max(limits)):
-            fused = self._fused = self._fused or FusedDecoder(self.model)
         # Sliding-window layers (Gemma2, Mistral configs with a window) build a tensor in the
         # cache's constructor without a device; build it on the inputs' device on purpose (under
         # --run.device-guard the default device is meta, and the cache would hold a meta tensor).
         with torch.device(device):
             cache = DynamicCache(config=self.model.config)
         logits = self._forward(input_ids, attention_mask=mask, position_ids=positions, cache=cache)
-        if len(contexts) < batch:
+        if len(distinct) < len(contexts):
             rows_from = torch.tensor(source, dtype=torch.long, device=device)
             logits, mask = logits[rows_from], mask[rows_from]
             cache.batch_select_indices(rows_from)
+        return logits, cache, mask
 
+    def _admit(self, state, reqs: list[Request], contexts: list[tuple[int, ...]], indices: list[int]):
+        """Append the requests ``indices`` to the fused decode ``state``; return ``(order, logits)``:
+        the request index of each appended row, in row order, and each row's next-token logits.
+        Fresh contexts are prefilled; a carried sample with a kept cache (``carried_cache="keep"``)
+        is loaded from it and only its last token is run, with the current weights."""
+        fused = self._fused
+        kept, fresh = [], []
+        for i in indices:
+            entry = self._kept.pop(reqs[i].sample_id, None)
+            (kept if entry is not None and entry[0] == contexts[i] else fresh).append((i, entry))
+        order, parts = [], []
+        if fresh:
+            logits, cache, mask = self._prefill([contexts[i] for i, _ in fresh])
+            state.append(keys=[layer.keys for layer in cache.layers], values=[layer.values for layer in cache.layers],
+                         lengths=[len(contexts[i]) for i, _ in fresh], left_padded=True)
+            order += [i for i, _ in fresh]
+            parts.append(logits)
+        if kept:
+            self.kept_cache_rows += len(kept)
+            # The kept cache holds every position but the last token's (sampled, never fed): a state
+            # of their own runs that token, then their rows join the batch.
+            entries = [entry for _, entry in kept]
+            lengths = [len(e[0]) - 1 for e in entries]
+            own = fused.new_state(capacity=len(kept), width=max(lengths) + 1, like=entries[0][1][0])
+            for entry, length in zip(entries, lengths):
+                own.append(keys=[k.unsqueeze(0) for k in entry[1]], values=[v.unsqueeze(0) for v in entry[2]],
+                           lengths=[length], left_padded=False)
+            last = torch.tensor([e[0][-1] for e in entries], dtype=torch.long, device=own.mask.device)
+            parts.append(fused.step(own, last))
+            state.append(keys=own.keys, values=own.values, lengths=own.lengths, left_padded=False)
+            order += [i for i, _ in kept]
+        return order, torch.cat(parts) if len(parts) > 1 else parts[0]
+
+    def _decode_fused(self, reqs: list[Request], *, contexts: list[tuple[int, ...]], limits: list[int],
+                      sampling: SamplingParams, generator):
+        """The decode loop over ``FusedDecoder`` steps, with continuous batching (``max_num_seqs``)
+        and kept carried caches (``carried_cache="keep"``): see ``__init__``."""
+        device = self.model.get_input_embeddings().weight.device
+        batch = len(reqs)
+        capacity = min(batch, self.max_num_seqs or batch)
+        width = max(len(c) + limit for c, limit in zip(contexts, limits))
+        state = self._fused.new_state(capacity=capacity, width=width, like=self.model.get_input_embeddings().weight)
+        # A row whose budget ends before its max_new_tokens is carried: with "keep", its cache is kept.
+        carries = [self.carried_cache == "keep" and limit < sampling.max_new_tokens - len(r.completion_ids)
+                   for limit, r in zip(limits, reqs)]
+        pending = list(range(batch))
+        order, logits = self._admit(state, reqs, contexts, pending[:capacity])
+        pending = pending[capacity:]
+        active = torch.tensor(order, dtype=torch.long, device=device)  # request index of each live row
         max_steps = max(limits)
-        state = fused.start(cache, mask, num_steps=max_steps) if fused is not None else None
+        out_ids = torch.zeros((batch, max_steps), dtype=torch.long, device=device)
+        out_lps = torch.zeros((batch, max_steps), dtype=torch.float32, device=device)
+        n_new = torch.zeros(batch, dtype=torch.long, device=device)
+        stopped = torch.zeros(batch, dtype=torch.bool, device=device)
+        limit = torch.tensor(limits, dtype=torch.long, device=device)
+        eos = torch.tensor(stop_ids(self.eos_token_ids, sampling), dtype=torch.long, device=device)
+        while True:
+            tokens, lps = sample_tokens(logits, sampling=sampling, generator=generator)
+            column = n_new[active]
+            out_ids[active, column] = tokens
+            out_lps[active, column] = lps
+            n_new[active] = column + 1
+            hit_eos = torch.isin(tokens, eos)
+            done = hit_eos | (limit[active] <= column + 1)
+            if bool(done.any()):
+                stopped[active[done]] = hit_eos[done]
+                for row in (done & ~hit_eos).nonzero().squeeze(1).tolist():
+                    i = int(active[row])
+                    if carries[i]:  # its cache lacks the last sampled token, fed on resume
+                        keys, values = state.row_cache(row)
+                        self._kept[reqs[i].sample_id] = (contexts[i] + tuple(out_ids[i, : limits[i]].tolist()),
+                                                         keys, values)
+                keep = (~done).nonzero().squeeze(1)
+                active, tokens = active[keep], tokens[keep]
+                state.keep(keep)
+            if state.num_rows:
+                logits = self._fused.step(state, tokens)
+            if pending and state.num_rows < capacity:
+                admitted, pending = pending[: capacity - state.num_rows], pending[capacity - state.num_rows :]
+                had_rows = state.num_rows
+                order, new_logits = self._admit(state, reqs, contexts, admitted)
+                active = torch.cat([active, torch.tensor(order, dtype=torch.long, device=device)])
+                logits = torch.cat([logits, new_logits]) if had_rows else new_logits
+            if not state.num_rows:
+                break
+        # One host transfer for the whole batch, then plain slicing.
+        ids_rows, lps_rows, counts = out_ids.tolist(), out_lps.tolist(), n_new.tolist()
+        return ([row[:n] for row, n in zip(ids_rows, counts)], [row[:n] for row, n in zip(lps_rows, counts)],
+                stopped.tolist())
+
+    def _decode_hf(self, contexts: list[tuple[int, ...]], *, limits: list[int], sampling: SamplingParams, generator):
+        """The decode loop over the HF modules (architectures and layouts the fused step does not
+        cover): one batch, finished rows dropped from it and from the ``DynamicCache``."""
+        device = self.model.get_input_embeddings().weight.device
+        batch = len(contexts)
+        logits, cache, mask = self._prefill(contexts)
+        next_pos = torch.tensor([len(c) for c in contexts], dtype=torch.long, device=device)
+        max_steps = max(limits)
         out_ids = torch.zeros((batch, max_steps), dtype=torch.long, device=device)
         out_lps = torch.zeros((batch, max_steps), dtype=torch.float32, device=device)
         n_new = torch.zeros(batch, dtype=torch.long, device=device)
@@ -281,17 +415,11 @@ class TorchEngine:
                     break
                 # Shrink the batch so finished rows cost nothing in later steps.
                 active, tokens, mask, next_pos = active[keep], tokens[keep], mask[keep], next_pos[keep]
-                if state is not None:
-                    state.keep(keep)
-                else:
-                    cache.batch_select_indices(keep)
-            if state is not None:
-                logits = fused.step(state, tokens, next_pos)
-            else:
-                mask = torch.cat([mask, mask.new_ones((mask.shape[0], 1))], dim=1)
-                logits = self._forward(
-                    tokens.unsqueeze(1), attention_mask=mask, position_ids=next_pos.unsqueeze(1), cache=cache
-                )
+                cache.batch_select_indices(keep)
+            mask = torch.cat([mask, mask.new_ones((mask.shape[0], 1))], dim=1)
+            logits = self._forward(
+                tokens.unsqueeze(1), attention_mask=mask, position_ids=next_pos.unsqueeze(1), cache=cache
+            )
             next_pos = next_pos + 1
 
         # One host transfer for the whole batch, then plain slicing.
@@ -304,4 +432,5 @@ class TorchEngine:
 @register_engine("torch")
 def _build_torch_engine(setup: EngineSetup) -> TorchEngine:
     return TorchEngine(setup.model, eos_token_ids=setup.eos_token_ids, pad_token_id=setup.pad_token_id,
-                       fused_decode=setup.fused_decode)
+                       fused_decode=setup.fused_decode, max_num_seqs=setup.max_num_seqs,
+                       carried_cache=setup.carried_cache)

@@ -191,7 +191,7 @@ class VLLMEngine:
     def __init__(self, model_path: str | Path, *, dtype: str | torch.dtype = "float32",
                  eos_token_ids: list[int], pad_token_id: int, seed: int = 0, kv_cache_gib: float = 2.0,
                  max_model_len: int | None = None, device: torch.device | str = "cpu",
-                 gpu_memory_utilization: float = 0.5) -> None:
+                 gpu_memory_utilization: float = 0.5, max_num_seqs: int | None = None) -> None:
         """Build a ``vllm.LLM`` over the HF checkpoint at ``model_path`` (a local directory or hub id).
 
         Contract: ``dtype`` is the engine's compute dtype (``"bfloat16"`` is fastest on CPU;
@@ -200,6 +200,7 @@ class VLLMEngine:
         executor's rollout packing; vLLM never pads. ``seed`` seeds vLLM and the fallback request-seed
         stream. ``kv_cache_gib`` is the KV cache size (2 GiB holds ~93k tokens of a 135M Llama in
         bf16). ``max_model_len`` bounds prompt + completion (None: the model's context length).
+        ``max_num_seqs``: vLLM's own cap on the sequences of one batch (None: vLLM's default).
         The calling thread's torch thread count, ``torch.set_num_threads``, the CPU RNG state and
         torch.distributed's default group are the same after construction as before (safe on one
         rank of a larger world: no collective is issued over it).
@@ -220,6 +221,8 @@ class VLLMEngine:
         on_gpu = device.type == "cuda"
         memory = {"gpu_memory_utilization": gpu_memory_utilization} if on_gpu \
             else {"kv_cache_memory_bytes": int(kv_cache_gib * 2**30)}
+        if max_num_seqs is not None:
+            memory["max_num_seqs"] = max_num_seqs
         free_before = torch.cuda.mem_get_info(device)[0] if on_gpu else 0
         vllm, self._tokens_prompt = _import_vllm()
         self._vllm = vllm
@@ -384,4 +387,4 @@ def _build_vllm_engine(setup: EngineSetup) -> VLLMEngine:
     path = str(resolve_model_path(name)) if name in KNOWN_ALIASES else name
     return VLLMEngine(path, dtype=setup.dtype, eos_token_ids=setup.eos_token_ids, pad_token_id=setup.pad_token_id,
                       seed=setup.seed, kv_cache_gib=setup.kv_cache_gib, device=setup.device,
-                      gpu_memory_utilization=setup.gpu_memory_utilization)
+                      gpu_memory_utilization=setup.gpu_memory_utilization, max_num_seqs=setup.max_num_seqs)
