@@ -56,7 +56,8 @@ def filtered_logprobs(logits: torch.Tensor, *, temperature: float, top_p: float 
     """
     if temperature <= 0:
         raise ValueError(f"filtered_logprobs needs temperature > 0, got {temperature}")
-    x = logits.float() / temperature
+    # T = 1 divides by nothing (x / 1.0 == x exactly): skip a pass over the vocabulary.
+    x = logits.float() / temperature if temperature != 1.0 else logits.float()
     if 0 < top_k < x.shape[-1]:
         kth = torch.topk(x, top_k, dim=-1).values[..., -1:]
         x = x.masked_fill(x < kth, float("-inf"))
