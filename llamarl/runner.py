@@ -77,6 +77,7 @@ from llamarl.pipeline import Pipeline
 from llamarl.progress import Progress
 from llamarl.rewards.trajectory import TrajectoryScore, resolve_trajectory_scorer
 from llamarl.run_log import RunLog
+from llamarl.shared_dir import check_shared_run_dir
 from llamarl.world import ExecutorContext
 
 logger = logging.getLogger("llamarl.runner")
@@ -107,6 +108,8 @@ def run_pipeline(pipeline: Pipeline, config, *, recipe: str, heldout: list[Probl
     ctx = next(iter(contexts.values()))  # rank-wide facts (rank, device, ranks) are the same in each
     setup_logging(executor="+".join(contexts), rank=ctx.rank)
     run_dir = _shared_run_dir(run.output_dir, recipe, ctx.device)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    check_shared_run_dir(run_dir, device=ctx.device)  # every node must see the same directory
     checkpoint_dir = run_dir / "checkpoints"
     reporter_rank = ctx.ranks[pipeline.evaluator][0] if pipeline.evaluator else 0
     reporter = ctx.rank == reporter_rank
