@@ -8,6 +8,7 @@ them, so a registry can live in a module those modules import).
 
 from __future__ import annotations
 
+import importlib
 from collections.abc import Callable
 from typing import Generic, TypeVar
 
@@ -58,3 +59,17 @@ class Registry(Generic[T]):
         other = Registry(self.kind)
         other._items = dict(self._loaded())
         return other
+
+
+def import_path(path: str, *, kind: str) -> Callable:
+    """The callable a ``"package.module:attr"`` path names (a user's scorer, environment class, ...
+    outside any registry); ValueError naming the ``kind`` and the path when it does not import or
+    is not callable (a bad name in a flag is a configuration error)."""
+    module_name, _, attr = path.partition(":")
+    try:
+        item = getattr(importlib.import_module(module_name), attr)
+    except (ImportError, AttributeError) as exc:
+        raise ValueError(f"cannot import {kind} {path!r}: {exc}") from None
+    if not callable(item):
+        raise ValueError(f"{kind} {path!r} is not callable")  # noqa: TRY004 - a config error, reported as one
+    return item

@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 from typing import Protocol, runtime_checkable
 
 from llamarl.data.prompts import Problem
-from llamarl.registry import Registry
+from llamarl.registry import Registry, import_path
 
 
 @dataclass
@@ -107,8 +107,5 @@ def build_environment(name: str) -> Environment:
     """A new instance of the environment registered as ``name``; ValueError listing the known ones.
     ``module:Class`` also works (imported, for a user's environment outside a registry import)."""
     if ":" in name:
-        import importlib
-
-        module, _, attr = name.partition(":")
-        return getattr(importlib.import_module(module), attr)()
+        return import_path(name, kind="environment")()
     return ENVIRONMENTS.get(name)()

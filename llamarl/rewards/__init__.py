@@ -7,9 +7,9 @@ module-level functions, referenced by name rather than passed as objects.
 
 from __future__ import annotations
 
-import importlib
 from collections.abc import Callable
 
+from llamarl.registry import import_path
 from llamarl.rewards import arithmetic, gsm8k
 from llamarl.rewards import math as math_scorer
 
@@ -32,12 +32,4 @@ def resolve_scorer(name: str) -> Scorer:
     if ":" not in name:
         known = ", ".join(sorted(SCORERS))
         raise ValueError(f"unknown scorer {name!r}; known: {known}, or a 'module:function' path")
-    module_name, _, attr = name.partition(":")
-    try:
-        scorer = getattr(importlib.import_module(module_name), attr)
-    except (ImportError, AttributeError) as exc:
-        raise ValueError(f"cannot import scorer {name!r}: {exc}") from None
-    if not callable(scorer):
-        # A bad scorer name is a configuration error, reported like every other one.
-        raise ValueError(f"scorer {name!r} is not callable")  # noqa: TRY004
-    return scorer
+    return import_path(name, kind="scorer")

@@ -21,14 +21,13 @@ string) as JSON, checked by ``Trajectory.from_json``.
 
 from __future__ import annotations
 
-import importlib
 import json
 import math
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 
 from llamarl.data.prompts import Problem
-from llamarl.registry import Registry
+from llamarl.registry import Registry, import_path
 
 
 @dataclass(frozen=True)
@@ -79,17 +78,17 @@ class Trajectory:
         """Parse ``to_json``'s output; ValueError naming the field that is missing or of the wrong type."""
         data = json.loads(text)
         if not isinstance(data, dict) or not isinstance(data.get("segments"), list):
-            raise ValueError("trajectory JSON needs a 'segments' list")
+            raise ValueError("trajectory JSON needs a 'segments' list")  # noqa: TRY004 - bad input on the wire
         segments = []
         for i, seg in enumerate(data["segments"]):
             if not (isinstance(seg, dict) and isinstance(seg.get("text"), str) and isinstance(seg.get("trained"), bool)):
-                raise ValueError(f"trajectory segment {i} must be {{'text': str, 'trained': bool}}, got {seg!r}")
+                raise ValueError(f"trajectory segment {i} must be {{'text': str, 'trained': bool}}, got {seg!r}")  # noqa: TRY004 - bad input on the wire
             segments.append(Segment(seg["text"], seg["trained"]))
         reward = data.get("env_reward")
         if reward is not None and not (isinstance(reward, (int, float)) and math.isfinite(reward)):
             raise ValueError(f"trajectory env_reward must be a finite number or null, got {reward!r}")
         if not isinstance(data.get("env_state", {}), dict) or not isinstance(data.get("num_turns", 0), int):
-            raise ValueError("trajectory env_state must be an object and num_turns an integer")
+            raise ValueError("trajectory env_state must be an object and num_turns an integer")  # noqa: TRY004 - bad input on the wire
         return cls(segments=segments, finish_reason=str(data.get("finish_reason", "stop")),
                    num_turns=data.get("num_turns", 0), env_reward=None if reward is None else float(reward),
                    env_state=data.get("env_state", {}))
@@ -134,14 +133,7 @@ def resolve_trajectory_scorer(name: str) -> TrajectoryScorer:
     an unknown name (listing the registered ones) or a path that does not import to a callable."""
     if ":" not in name:
         return TRAJECTORY_SCORERS.get(name)
-    module_name, _, attr = name.partition(":")
-    try:
-        scorer = getattr(importlib.import_module(module_name), attr)
-    except (ImportError, AttributeError) as exc:
-        raise ValueError(f"cannot import trajectory scorer {name!r}: {exc}") from None
-    if not callable(scorer):
-        raise ValueError(f"trajectory scorer {name!r} is not callable")  # noqa: TRY004 - a config error
-    return scorer
+    return import_path(name, kind="trajectory scorer")
 
 
 @dataclass(frozen=True)
