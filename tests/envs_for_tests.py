@@ -42,22 +42,13 @@ class StopAtText:
         return Turn(observation=" ok", state={"calls": state["calls"] + 1})
 
 
-class RankDigitsEnv:
+class RankDigitsEnv(DigitsEnv):
     """``DigitsEnv`` whose answer names the process's global rank (" r0", " r1", ...): TP peers
     running it each would append different observations; with the TP group's shared answers
     (``TurnShare``) every peer appends the first rank's."""
 
-    def stop_texts(self) -> list[str]:
-        return list("0123456789")
-
-    def end_texts(self) -> list[str]:
-        return []
-
-    def reset(self, problem: Problem) -> dict:
-        return {"calls": 0}
-
     def step(self, state: dict, turn: str) -> Turn:
         import os
 
-        calls = state["calls"] + 1
-        return Turn(observation=f" r{os.environ['RANK']}", state={"calls": calls}, done=calls >= 3)
+        answered = super().step(state, turn)
+        return Turn(observation=f" r{os.environ['RANK']}", state=answered.state, done=answered.done)
