@@ -19,6 +19,7 @@ subprocess on the same model (``smollm2-135m-instruct``), data, batch, seed and 
 | ``async-lag1`` | 3 | ``--run.schedule async --run.async-lag 1`` | generator 1, trainer 1 (``--async-threads``) |
 | ``async-lag2`` | 3 | ``--run.schedule async --run.async-lag 2`` (Algorithm 1 as written) | same |
 | ``async-lag1-partial`` | 3 | lag 1 + ``--generator.token-budget B`` (partial rollouts) | same |
+| ``async-lag1-partial-keep`` | 3 | the same + ``--generator.carried-cache keep`` (carried samples keep their KV cache) | same |
 
 The reward rank scores in ``--reward.num-workers 1`` process (the recipes' default) everywhere.
 ``--variants`` adds ``async-lag1`` runs with ``--algo.loss decoupled_ppo --trainer.num-minibatches 4``
@@ -85,7 +86,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 PYTHON = REPO / ".venv" / "bin" / "python"
 GSM8K_DATA = "../shared/data/gsm8k/train.jsonl"  # relative to the repo root (the runs' cwd)
-SCHEDULES = ("colocated", "sync", "async-lag1", "async-lag2", "async-lag1-partial")
+SCHEDULES = ("colocated", "sync", "async-lag1", "async-lag2", "async-lag1-partial", "async-lag1-partial-keep")
 WORKLOADS = ("arithmetic", "gsm8k")
 VARIANTS = {  # name -> extra flags, run on the async-lag1 schedule
     "async-lag1+dppo-recompute-mb4": ["--algo.loss", "decoupled_ppo", "--algo.prox", "recompute",
@@ -152,9 +153,10 @@ def run_spec(name: str, workload: str, args) -> RunSpec:
     if name in ("async-lag1", "async-lag2"):
         return RunSpec(name, workload, "async", 3, agen, atrain,
                        ["--run.schedule", "async", "--run.async-lag", name[-1]])
-    if name == "async-lag1-partial":
+    if name in ("async-lag1-partial", "async-lag1-partial-keep"):
+        keep = ["--generator.carried-cache", "keep"] if name.endswith("keep") else []
         return RunSpec(name, workload, "async", 3, agen, atrain,
-                       ["--run.schedule", "async", "--run.async-lag", "1", "--generator.token-budget", str(budget)])
+                       ["--run.schedule", "async", "--run.async-lag", "1", "--generator.token-budget", str(budget), *keep])
     if name in VARIANTS:
         return RunSpec(name, workload, "async", 3, agen, atrain,
                        ["--run.schedule", "async", "--run.async-lag", "1", *VARIANTS[name]])

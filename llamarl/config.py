@@ -93,8 +93,9 @@ class GeneratorConfig:
     same for few rows as for many (measured on one H100: 64 rows 103 ms, 512 rows 115 ms; LlamaRL
     Assumption 7.1), so carrying the long tail into the next tick's full batch beats decoding it
     in a shrinking batch while the trainer waits. Off on CPU, where a decode step costs in
-    proportion to its rows and partial rollouts were measured slower (docs/benchmarks.md). ``off``: only an
-    explicit budget turns them on."""
+    proportion to its rows and partial rollouts that re-prefill their carried samples were measured
+    slower (docs/benchmarks.md; with ``--generator.carried-cache keep`` they are not). ``off``: only
+    an explicit budget turns them on."""
     dtype: Literal["float32", "bfloat16"] = "float32"
     """Generator weights dtype; the weight channel casts the trainer's weights to it."""
     num_threads: int = 1

@@ -28,7 +28,6 @@ from __future__ import annotations
 import torch
 from transformers import DynamicCache
 
-from llamarl.engines.fused_decode import FusedDecoder
 from llamarl.engines.base import (
     FINISH_CARRIED,
     FINISH_LENGTH,
@@ -42,6 +41,7 @@ from llamarl.engines.base import (
     register_engine,
     stop_ids,
 )
+from llamarl.engines.fused_decode import FusedDecoder
 
 
 def filtered_logprobs(logits: torch.Tensor, *, temperature: float, top_p: float = 1.0, top_k: int = 0):
@@ -309,7 +309,7 @@ class TorchEngine:
             (kept if entry is not None and entry[0] == contexts[i] else fresh).append((i, entry))
         order, parts = [], []
         if fresh:
-            logits, cache, mask = self._prefill([contexts[i] for i, _ in fresh])
+            logits, cache, _ = self._prefill([contexts[i] for i, _ in fresh])
             state.append(keys=[layer.keys for layer in cache.layers], values=[layer.values for layer in cache.layers],
                          lengths=[len(contexts[i]) for i, _ in fresh], left_padded=True)
             order += [i for i, _ in fresh]
