@@ -67,6 +67,12 @@ class GeneratorConfig:
     applies on the fused decode path (Llama-family models on CPU), elsewhere samples recompute."""
     kv_cache_gib: float = 2.0
     """vLLM engine on CPU: KV-cache size per generator rank in GiB (unset, vLLM takes most of the RAM)."""
+    seed_requests: bool = False
+    """vLLM engine: give every request its own seed drawn from the run's seeded stream, so a step's
+    samples are reproducible whatever batch they run in (fp32). Off by default: per-request seeds make
+    vLLM's sampler draw request by request on every step; without them vLLM samples from its own
+    stream, seeded once from ``--run.seed``. The native engine always samples from the run's seeded
+    stream (it costs nothing there)."""
     gpu_memory_utilization: float = 0.5
     """vLLM engine on CUDA: the fraction of this rank's own GPU vLLM may take (weights, activations,
     KV cache). Leave room for the trainer under ``--run.schedule colocated``."""

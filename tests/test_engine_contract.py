@@ -148,3 +148,24 @@ def test_a_vllm_without_an_api_the_engine_calls_is_refused_in_one_line():
         with pytest.raises(ImportError, match=rf"^vLLM 9\.9\.9 lacks {named}: llamarl's vllm engine needs") as err:
             check_vllm_api(fake_vllm(drop=drop))
         assert "\n" not in str(err.value)
+
+
+def test_the_vllm_launcher_environment_is_a_world_of_one_on_this_device_and_is_restored(monkeypatch):
+    """vLLM's external-launcher executor binds its worker to LOCAL_RANK: inside ``_launcher_env`` the
+    engine's world is one rank on the given device index, torchrun's agent store is hidden (else vLLM
+    would join the job's store as a second rank 0), and every variable is back afterwards."""
+    from llamarl.engines.vllm_engine import _launcher_env
+
+    monkeypatch.setenv("RANK", "5")
+    monkeypatch.setenv("LOCAL_RANK", "5")
+    monkeypatch.setenv("TORCHELASTIC_USE_AGENT_STORE", "True")
+    monkeypatch.delenv("MASTER_PORT", raising=False)
+    import os
+
+    with _launcher_env(3):
+        inside = {k: os.environ.get(k) for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "TORCHELASTIC_USE_AGENT_STORE")}
+        port = int(os.environ["MASTER_PORT"])
+    assert inside == {"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "3", "TORCHELASTIC_USE_AGENT_STORE": None}
+    assert 0 < port < 65536
+    assert (os.environ["RANK"], os.environ["LOCAL_RANK"], os.environ["TORCHELASTIC_USE_AGENT_STORE"]) == ("5", "5", "True")
+    assert "MASTER_PORT" not in os.environ

@@ -138,6 +138,27 @@ def test_seeded_sampling_is_reproducible(engine):
     assert run(5) != run(6)
 
 
+def test_requests_are_seeded_only_when_asked(engine, monkeypatch):
+    """Without ``seed_requests`` no request carries a seed (vLLM samples from its own stream, drawn
+    in one batch); with it every request with tokens to make does, drawn from the caller's generator."""
+    sampling = SamplingParams(temperature=1.0, max_new_tokens=4)
+    sent = []
+    real_generate = engine.llm.generate
+
+    def spy(prompts, params, **kwargs):
+        sent.append([p.seed for p in params])
+        return real_generate(prompts, params, **kwargs)
+
+    monkeypatch.setattr(engine.llm, "generate", spy)
+    monkeypatch.setattr(engine, "seed_requests", False)
+    outs = engine.generate(requests(3), sampling=sampling, version=0, generator=torch.Generator().manual_seed(1))
+    assert [len(o.completion_ids) for o in outs] == [4, 4, 4] or all(o.finish_reason == "stop" for o in outs)
+    monkeypatch.setattr(engine, "seed_requests", True)
+    engine.generate(requests(3), sampling=sampling, version=0, generator=torch.Generator().manual_seed(1))
+    assert sent[0] == [None, None, None]
+    assert all(isinstance(seed, int) for seed in sent[1]) and len(set(sent[1])) == 3
+
+
 def test_weight_update_changes_outputs_and_restore_is_exact(engine, hf_model):
     greedy = SamplingParams(temperature=0.0, max_new_tokens=16)
     before = engine.generate(requests(4), sampling=greedy, version=0)
@@ -200,32 +221,42 @@ def test_user_errors_are_value_errors(engine, hf_model):
     assert_matches_hf(hf_model, engine.generate(requests(2), sampling=greedy, version=0), greedy)
 
 
-def test_engine_on_one_rank_of_a_world(hf_model, tmp_path):
-    """Rank 1 of a 2-rank gloo world builds the engine; the world's groups keep working around it."""
+def test_engines_on_ranks_of_a_world(hf_model, tmp_path):
+    """Ranks 1 and 2 of a 3-rank gloo world each build an engine: each engine's worker binds to its
+    own rank's device (LOCAL_RANK; on CUDA, that GPU), the weight update reaches each, and the
+    world's groups keep working around them."""
     from launch import check, run_torchrun
 
     hf_model.save_pretrained(tmp_path / "model", safe_serialization=True)
-    check(run_torchrun("../test_vllm_engine.py", nproc=2, args=[str(tmp_path / "model"), str(tmp_path)],
-                       timeout_s=300))
-    got = json.loads((tmp_path / "rank1.json").read_text())
-    assert got["allreduce"] == 3.0 and got["new_group_allreduce"] == 3.0
-    assert got["max_diff"] <= ATOL and got["changed"]
-    assert got["initialized"] and got["world_size"] == 2
+    check(run_torchrun("../test_vllm_engine.py", nproc=3, args=[str(tmp_path / "model"), str(tmp_path)],
+                       timeout_s=400))
+    for rank in (1, 2):
+        got = json.loads((tmp_path / f"rank{rank}.json").read_text())
+        assert got["allreduce"] == 6.0 and got["new_group_allreduce"] == 6.0
+        assert got["max_diff"] <= ATOL and got["changed"]
+        assert got["initialized"] and got["world_size"] == 3
+        # vLLM's worker is rank 0 of its own world of one, bound to this rank's local device index.
+        assert got["binding"] == {"local_rank": rank, "rank": 0, "device": "cpu"}
+        assert got["env_restored"]
 
 
 def _world(model_dir: str, out_dir: str) -> None:
-    """Rank 0 plays the trainer (sends perturbed weights), rank 1 the generator (HF staging model + engine)."""
+    """Rank 0 plays the trainer (sends perturbed weights to both generators); ranks 1 and 2 the
+    generators (HF staging model + engine)."""
     dist.init_process_group("gloo")
     rank = dist.get_rank()
     model = build_tiny_llama(seed=0, vocab_size=128, num_heads=2, num_kv_heads=1, tie_word_embeddings=True)
     greedy = SamplingParams(temperature=0.0, max_new_tokens=8)
-    if rank == 1:
+    if rank > 0:
+        env = {k: os.environ.get(k) for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT",
+                                              "TORCHELASTIC_USE_AGENT_STORE")}
         engine = VLLMEngine(model_dir, eos_token_ids=[EOS], pad_token_id=PAD, kv_cache_gib=0.25)
+        env_restored = env == {k: os.environ.get(k) for k in env}
         before = engine.generate(requests(3), sampling=greedy, version=0)
     # Collectives on the default group and on a group made after the engine (names must agree).
     t = torch.ones(1) * (rank + 1)
     dist.all_reduce(t)
-    group = dist.new_group([0, 1])
+    group = dist.new_group([0, 1, 2])
     u = torch.ones(1) * (rank + 1)
     dist.all_reduce(u, group=group)
     # The weight path the generator executor uses: receive into the HF staging model, then load.
@@ -233,7 +264,8 @@ def _world(model_dir: str, out_dir: str) -> None:
     if rank == 0:
         sent = perturbed(model)
         for p in sent.parameters():
-            dist.send(p.detach().contiguous(), 1)
+            for dst in (1, 2):
+                dist.send(p.detach().contiguous(), dst)
     else:
         with torch.no_grad():
             for p in params:
@@ -244,9 +276,10 @@ def _world(model_dir: str, out_dir: str) -> None:
                  for o in after]
         result = {"allreduce": t.item(), "new_group_allreduce": u.item(), "max_diff": float(max(diffs)),
                   "changed": [o.logprobs for o in after] != [o.logprobs for o in before],
-                  "initialized": dist.is_initialized(), "world_size": dist.get_world_size()}
+                  "initialized": dist.is_initialized(), "world_size": dist.get_world_size(),
+                  "binding": engine.worker_binding(), "env_restored": env_restored}
         engine.close()
-        (Path(out_dir) / "rank1.json").write_text(json.dumps(result))
+        (Path(out_dir) / f"rank{rank}.json").write_text(json.dumps(result))
     dist.barrier()
     dist.destroy_process_group()
 

@@ -199,6 +199,9 @@ class EngineSetup:
     request of a call)."""
     carried_cache: str = "recompute"
     """Native engine: ``keep`` resumes a carried sample from the KV cache it had when carried."""
+    seed_requests: bool = True
+    """vLLM engine: a seed per request, drawn from the caller's generator (reproducible whatever the
+    batch; slower sampling on GPUs). The native engine always draws from the caller's generator."""
 
 
 EngineBuilder = Callable[[EngineSetup], GenerationEngine]

