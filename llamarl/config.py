@@ -239,6 +239,13 @@ class TrainerConfig:
     the same log-probs and gradients up to summation order, ~2.4x fewer tokens on the default
     recipe's 45-token prompts x 4 samples x 12 new tokens. The micro-batch budget then counts packed
     tokens. Models whose attention is not ``sdpa`` fall back to per-row forwards."""
+    logprob_chunk_tokens: int = 0
+    """Compute the log-probs this many tokens at a time: the LM head and log-softmax run on one
+    chunk of a micro-batch's tokens at once, each chunk checkpointed (its logits recomputed in the
+    backward), so no full-vocabulary logits of the whole micro-batch are built (16,384 tokens x
+    Qwen's 151,936 ids are ~10 GB per fp32 copy). Same values and gradients up to summation order
+    (``llamarl/models/logprob_chunks.py``); costs one more LM-head matmul per chunk in the backward.
+    0 (default): the whole micro-batch at once. GPU presets with large vocabularies: 2048-4096."""
     num_threads: int = 1
     """torch intra-op threads on each trainer rank."""
     max_nonfinite_steps: int = 3
@@ -260,6 +267,8 @@ class TrainerConfig:
         _check(self.weight_decay >= 0, f"--trainer.weight-decay must be >= 0, got {self.weight_decay}")
         _check(self.num_threads >= 1, f"--trainer.num-threads must be >= 1, got {self.num_threads}")
         _check(self.max_tokens_per_microbatch >= 1, "--trainer.max-tokens-per-microbatch must be >= 1")
+        _check(self.logprob_chunk_tokens >= 0,
+               f"--trainer.logprob-chunk-tokens must be >= 0 (0: whole micro-batches), got {self.logprob_chunk_tokens}")
         _check(self.microbatch_rows >= 0, f"--trainer.microbatch-rows must be >= 0 (0: dynamic), got {self.microbatch_rows}")
         _check(self.max_nonfinite_steps >= 1, f"--trainer.max-nonfinite-steps must be >= 1, got {self.max_nonfinite_steps}")
         _check(self.num_minibatches >= 1, f"--trainer.num-minibatches must be >= 1, got {self.num_minibatches}")

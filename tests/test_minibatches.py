@@ -34,14 +34,16 @@ from trainer_reference import (
 from llamarl.models.loading import load_causal_lm
 
 
-def run_world(setup, *, nproc, k, budget, prox, lr=LR):  # noqa: F811 - the fixture's value
+def run_world(setup, *, nproc, k, budget, prox, lr=LR, chunk=0):  # noqa: F811 - the fixture's value
     """``trainer_world.py`` with k SGD minibatches of ``probe_decoupled_ppo``: rank 0's (metrics, weights,
-    gradients) and every rank's probes, (minibatch, max |logp - prox|) per micro-batch."""
+    gradients) and every rank's probes, (minibatch, max |logp - prox|) per micro-batch. ``chunk``:
+    ``--trainer.logprob-chunk-tokens``."""
     tmp, model_dir, _ = setup
-    out = tmp / f"out_{nproc}_{k}_{budget}_{prox}_{lr}.safetensors"
+    out = tmp / f"out_{nproc}_{k}_{budget}_{prox}_{lr}_{chunk}.safetensors"
     check(run_torchrun("trainer_world.py", nproc=nproc, args=world_args(
         model_dir, tmp / "batch.safetensors", out, "--budget", str(budget), "--loss", "probe_decoupled_ppo",
-        "--prox", prox, "--num-minibatches", str(k), "--optimizer", "sgd", "--lr", str(lr), "--probes")))
+        "--prox", prox, "--num-minibatches", str(k), "--optimizer", "sgd", "--lr", str(lr), "--probes",
+        "--logprob-chunk-tokens", str(chunk))))
     metrics, weights, grads = read_update(out)
     probes = [p for r in range(nproc) for p in json.loads(Path(f"{out}.rank{r}.json").read_text())]
     return metrics, weights, grads, probes
@@ -50,11 +52,14 @@ def run_world(setup, *, nproc, k, budget, prox, lr=LR):  # noqa: F811 - the fixt
 # Groups of make_batch, sorted: 1 (signal), 3 (all 0), 7 (signal), 9 (all 1). k = 2: {1, 3}, {7, 9};
 # k = 3: {1, 3}, {7}, {9}: the last has no signal, so 2 steps. On 2 ranks (LPT by tokens) rank 0
 # holds groups 1 and 7, rank 1 groups 3 and 9: it forwards nothing and runs dummy micro-batches.
-@pytest.mark.parametrize(("nproc", "k", "budget", "prox"), [
-    (1, 2, 4096, "recompute"), (2, 2, 12, "recompute"), (2, 3, 4096, "recompute"), (2, 2, 12, "loglinear")])
-def test_minibatch_updates_match_the_sequential_reference_on_1_and_2_ranks(setup, nproc, k, budget, prox):  # noqa: F811
+# chunk 3: log-probs (with grad, and the no-grad recomputed prox) 3 tokens at a time, the LM head
+# inside FSDP2's root forward (--trainer.logprob-chunk-tokens; llamarl/models/logprob_chunks.py).
+@pytest.mark.parametrize(("nproc", "k", "budget", "prox", "chunk"), [
+    (1, 2, 4096, "recompute", 0), (2, 2, 12, "recompute", 0), (2, 3, 4096, "recompute", 0),
+    (2, 2, 12, "loglinear", 0), (2, 2, 12, "recompute", 3)])
+def test_minibatch_updates_match_the_sequential_reference_on_1_and_2_ranks(setup, nproc, k, budget, prox, chunk):  # noqa: F811
     _, model_dir, batch = setup
-    metrics, weights, grads, _ = run_world(setup, nproc=nproc, k=k, budget=budget, prox=prox)
+    metrics, weights, grads, _ = run_world(setup, nproc=nproc, k=k, budget=budget, prox=prox, chunk=chunk)
     expected_weights, expected_grads, losses, tokens, steps = reference_minibatch_sgd(model_dir, batch, k, prox)
     assert steps == 2 and metrics["version"] == CURRENT_VERSION + steps
     largest = assert_grads_close(grads, expected_grads)

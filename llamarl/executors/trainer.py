@@ -268,7 +268,8 @@ class TrainerExecutor(Executor):
                                      temperature=self.temperature, group=self.ctx.group, device=self.ctx.device,
                                      max_tokens_per_microbatch=self.config.max_tokens_per_microbatch,
                                      share_prompts=self.config.share_prompts,
-                                     microbatch_rows=self.config.microbatch_rows)
+                                     microbatch_rows=self.config.microbatch_rows,
+                                     chunk_tokens=self.config.logprob_chunk_tokens)
             if len(batch):
                 prox = torch.zeros(batch["input_ids"].shape, dtype=torch.float32, device=self.ctx.device)
                 prox[rows] = logp
@@ -407,7 +408,8 @@ class TrainerExecutor(Executor):
     def _microbatch_loss(self, batch, rows, total_tokens):
         ids, attention, mask, start, sub = microbatch_inputs(batch, rows, device=self.ctx.device)
         logp = microbatch_logprobs(self.model, ids, attention, mask, start=start, temperature=self.temperature,
-                                   share_prompts=self.config.share_prompts)
+                                   share_prompts=self.config.share_prompts,
+                                   chunk_tokens=self.config.logprob_chunk_tokens)
         if sub is None:
             return logp.sum() * 0.0, {}, 0.0
         length = ids.shape[1]

@@ -65,15 +65,17 @@ def microbatch_inputs(batch: TensorBatch, rows: list[int] | None, *, device: tor
 
 def microbatch_logprobs(model: torch.nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor,
                         loss_mask: torch.Tensor, *, start: int, temperature: float,
-                        share_prompts: bool) -> torch.Tensor:
+                        share_prompts: bool, chunk_tokens: int = 0) -> torch.Tensor:
     """Per-token completion log-probs ``[b, length]`` of one micro-batch (``microbatch_inputs``'s
     first four outputs), differentiable. ``share_prompts`` forwards each distinct context once when
     the model supports it (``shared_prefix.supports``), else the rows as they are; the values agree
-    on every loss position up to summation order."""
+    on every loss position up to summation order. ``chunk_tokens > 0``: no more than that many
+    tokens' logits alive at once (``llamarl.models.logprob_chunks``; same values and gradients)."""
     if share_prompts and shared_prefix.supports(model):
         return shared_prefix.shared_prefix_logprobs(model, input_ids, attention_mask, loss_mask,
-                                                    temperature=temperature)
-    return completion_logprobs(model, input_ids, attention_mask, start=start, temperature=temperature)
+                                                    temperature=temperature, chunk_tokens=chunk_tokens)
+    return completion_logprobs(model, input_ids, attention_mask, start=start, temperature=temperature,
+                               chunk_tokens=chunk_tokens)
 
 
 def plan_microbatches(batch: TensorBatch, *, max_tokens_per_microbatch: int, group: dist.ProcessGroup | None,
@@ -132,7 +134,7 @@ def _group_device(group: dist.ProcessGroup | None) -> torch.device:
 def sequence_logprobs(model: torch.nn.Module, batch: TensorBatch, *, temperature: float,
                       max_tokens_per_microbatch: int, group: dist.ProcessGroup | None,
                       device: torch.device | str, share_prompts: bool = False,
-                      microbatch_rows: int = 0) -> torch.Tensor:
+                      microbatch_rows: int = 0, chunk_tokens: int = 0) -> torch.Tensor:
     """No-grad per-token log-probs ``[N, L]`` (float32) of every row's completion under ``model``.
 
     ``out[r, t] = log p(input_ids[r, t] | input_ids[r, :t])`` with logits divided by
@@ -144,7 +146,8 @@ def sequence_logprobs(model: torch.nn.Module, batch: TensorBatch, *, temperature
     inside a training loop with the same packing. The model is used in whatever train / eval mode
     it is in, and an FSDP2 model is left resharded (``reshard_after_no_grad``). ``device``: where the result (and a dummy's inputs) live; the batch should be there.
     ``share_prompts``: forward each distinct context once (``microbatch_logprobs``);
-    ``microbatch_rows``: fixed micro-batches (``plan_microbatches``).
+    ``microbatch_rows``: fixed micro-batches (``plan_microbatches``); ``chunk_tokens``: see
+    ``microbatch_logprobs``.
     """
     microbatches, count = plan_microbatches(batch, max_tokens_per_microbatch=max_tokens_per_microbatch,
                                             group=group, share_prompts=share_prompts, microbatch_rows=microbatch_rows)
@@ -154,7 +157,7 @@ def sequence_logprobs(model: torch.nn.Module, batch: TensorBatch, *, temperature
         rows = microbatches[index] if index < len(microbatches) else None
         ids, attention, mask, start, _ = microbatch_inputs(batch, rows, device=device)
         logp = microbatch_logprobs(model, ids, attention, mask, start=start, temperature=temperature,
-                                   share_prompts=share_prompts)
+                                   share_prompts=share_prompts, chunk_tokens=chunk_tokens)
         if rows is not None:
             index_rows = torch.tensor(rows, dtype=torch.long, device=out.device)
             out[index_rows, : ids.shape[1]] = torch.where(mask.bool(), logp.float(), 0.0).to(out.device)

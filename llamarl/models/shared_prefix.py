@@ -79,14 +79,15 @@ def pack_groups(groups: list[list[int]], context_lengths: list[int], num_tokens:
 
 
 def shared_prefix_logprobs(model: torch.nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor,
-                           loss_mask: torch.Tensor, *, temperature: float) -> torch.Tensor:
+                           loss_mask: torch.Tensor, *, temperature: float, chunk_tokens: int = 0) -> torch.Tensor:
     """Per-token log-probs ``[B, L]`` of each row's completion, each distinct context forwarded once.
 
     Same contract as ``llamarl.algorithms.logprobs.completion_logprobs`` on the same inputs
     (right-padded ``input_ids`` / ``attention_mask`` ``[B, L]``; logits divided by ``temperature``
     when it is > 0): ``out[r, t] = log p(input_ids[r, t] | input_ids[r, :t])`` for every ``t`` from
     row ``r``'s first loss token to its last token; 0 elsewhere. Differentiable (the shared
-    context's gradient is the sum of its rows'). Needs ``supports(model)``.
+    context's gradient is the sum of its rows'). Needs ``supports(model)``. ``chunk_tokens > 0``:
+    the logits of at most that many tokens alive at once (``llamarl.models.logprob_chunks``).
     """
     batch, width = input_ids.shape
     device = input_ids.device
@@ -122,8 +123,8 @@ def shared_prefix_logprobs(model: torch.nn.Module, input_ids: torch.Tensor, atte
 
     # Logits only from the shortest context's last token on (the rest of the prompts is unused).
     first_kept = min(context_lengths[rows[0]] for rows in groups) - 1
-    logits = model(input_ids=tokens_t, attention_mask=mask_4d, position_ids=pos_t, use_cache=False,
-                   logits_to_keep=packed_width - first_kept).logits
+    forward = {"input_ids": tokens_t, "attention_mask": mask_4d, "position_ids": pos_t, "use_cache": False,
+               "logits_to_keep": packed_width - first_kept}
 
     # For completion token k of row r (input column context + k), the logit that predicts it sits at
     # the context's last position for k = 0, else at the packed position of token k - 1.
@@ -139,12 +140,23 @@ def shared_prefix_logprobs(model: torch.nn.Module, input_ids: torch.Tensor, atte
                 valid[row][k] = 1
     group_of, source, column, valid = (torch.tensor(x, dtype=torch.long, device=device)
                                        for x in (group_of, source, column, valid))
-    picked = logits[group_of, source].float()
-    if temperature > 0:
-        picked = picked / temperature
     targets = torch.gather(input_ids, 1, column)
-    token_logp = torch.log_softmax(picked, dim=-1).gather(-1, targets.unsqueeze(-1)).squeeze(-1)
-    token_logp = torch.where(valid.bool(), token_logp, 0.0)
+    if chunk_tokens > 0:
+        from llamarl.models.logprob_chunks import selected_logprobs
+
+        # Only the real completion tokens are computed; the padding slots stay 0.
+        where = valid.bool()
+        token_logp = torch.zeros(valid.shape, dtype=torch.float32, device=device)
+        token_logp = token_logp.masked_scatter(where, selected_logprobs(
+            model, rows=group_of[where], positions=source[where], targets=targets[where],
+            temperature=temperature, chunk_tokens=chunk_tokens, **forward))
+    else:
+        logits = model(**forward).logits
+        picked = logits[group_of, source].float()
+        if temperature > 0:
+            picked = picked / temperature
+        token_logp = torch.log_softmax(picked, dim=-1).gather(-1, targets.unsqueeze(-1)).squeeze(-1)
+        token_logp = torch.where(valid.bool(), token_logp, 0.0)
     out = torch.zeros(batch, width + 1, dtype=token_logp.dtype, device=device)
     # Invalid slots land in the spare last column, cut below.
     return out.scatter(1, torch.where(valid.bool(), column, width), token_logp)[:, :width]

@@ -82,6 +82,7 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--lr", type=float, default=LR, help="the optimizer's learning rate")
     parser.add_argument("--optimizer", choices=["adamw", "sgd"], default="adamw",
                         help="sgd: the trainer's AdamW is swapped for plain SGD (the same lr) after init")
+    parser.add_argument("--logprob-chunk-tokens", type=int, default=0, help="--trainer.logprob-chunk-tokens")
     parser.add_argument("--probes", action="store_true", help="every rank writes OUT.rank<r>.json (see above)")
     return parser.parse_args()
 
@@ -91,6 +92,7 @@ def main() -> None:
     ctx = ExecutorContext.create([ExecutorSpec("trainer", int(os.environ["WORLD_SIZE"]))], timeout_s=60)
     trainer = TrainerExecutor(ctx, model_config=ModelConfig(name=args.model_dir),
                               config=TrainerConfig(lr=args.lr, grad_clip=CLIP, num_minibatches=args.num_minibatches,
+                                                   logprob_chunk_tokens=args.logprob_chunk_tokens,
                                                    **budget_config(args.budget)),
                               algo=AlgoConfig(loss=args.loss, prox=args.prox, max_staleness=args.max_staleness,
                                               normalize_batch=args.normalize_batch, rho=RHO, eps_clip=EPS),
