@@ -180,14 +180,15 @@ def run_dataset_recipe(config: RLConfig, *, recipe: str, train: list[Problem], t
 def qwen_1gpu(config_class: type[RLConfig], *, max_new_tokens: int, lr: float, max_steps: int,
               num_test_problems: int, **sections) -> RLConfig:
     """Qwen2.5-0.5B-Instruct colocated on one GPU with vLLM (64 prompts x 8 samples a tick, bf16,
-    eight scoring processes, a checkpoint every 50 ticks; greedy accuracy and pass@1/8 on the first
+    16,384-token micro-batches with log-probs in 4,096-token chunks, eight scoring processes, a checkpoint every 50 ticks; greedy accuracy and pass@1/8 on the first
     ``num_test_problems`` test problems). ``sections``: the recipe's own (``data=...``)."""
     return config_class(
         model=ModelConfig(name="Qwen/Qwen2.5-0.5B-Instruct"),
         generator=GeneratorConfig(engine="vllm", kv_cache_gib=20.0, num_prompts_per_step=64, samples_per_prompt=8,
                                   max_new_tokens=max_new_tokens, temperature=1.0, dtype="bfloat16"),
         reward=RewardConfig(num_workers=8),
-        trainer=TrainerConfig(lr=lr, param_dtype="bfloat16", max_tokens_per_microbatch=16384),
+        trainer=TrainerConfig(lr=lr, param_dtype="bfloat16", max_tokens_per_microbatch=16384,
+                              logprob_chunk_tokens=4096),
         run=RunConfig(schedule="colocated", max_steps=max_steps, num_eval_problems=num_test_problems),
         checkpoint=CheckpointConfig(every=50),
         eval=EvalConfig(pass_k=[1, 8], pass_k_problems=num_test_problems, chunk=512), **sections)
@@ -198,13 +199,16 @@ def qwen_8gpu(config_class: type[RLConfig], *, samples_per_prompt: int, max_new_
     """Qwen2.5-1.5B-Instruct on one 8-GPU node, async: 4 vLLM generator replicas (64 prompts each a
     tick: 256), 4 FSDP2 trainer ranks which also score (``reward``'s workers on each), a checkpoint
     every 50 ticks, greedy accuracy and pass@1/8 on the first ``num_test_problems`` test problems.
-    ``trainer`` gets bf16 parameters and a 32,768-token microbatch; ``sections``: the recipe's own."""
+    ``trainer`` gets bf16 parameters, a 32,768-token microbatch and its log-probs in 4,096-token
+    chunks (one fp32 copy of a whole micro-batch's logits over Qwen's vocabulary would be 18.5 GiB);
+    ``sections``: the recipe's own."""
     return config_class(
         model=ModelConfig(name="Qwen/Qwen2.5-1.5B-Instruct"),
         generator=GeneratorConfig(num_ranks=4, engine="vllm", kv_cache_gib=40.0, num_prompts_per_step=64,
                                   samples_per_prompt=samples_per_prompt, max_new_tokens=max_new_tokens,
                                   temperature=1.0, dtype="bfloat16"),
-        reward=reward, trainer=replace(trainer, param_dtype="bfloat16", max_tokens_per_microbatch=32768), algo=algo,
+        reward=reward, trainer=replace(trainer, param_dtype="bfloat16", max_tokens_per_microbatch=32768,
+                                       logprob_chunk_tokens=4096), algo=algo,
         run=RunConfig(schedule="async", max_steps=300, num_eval_problems=num_test_problems),
         checkpoint=CheckpointConfig(every=50),
         eval=EvalConfig(pass_k=[1, 8], pass_k_problems=num_test_problems, chunk=512), **sections)

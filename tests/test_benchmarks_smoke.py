@@ -270,3 +270,16 @@ def test_weight_sync_runs_real_syncs(tmp_path, monkeypatch, capsys):
         assert isinstance(row["floor_checked"], bool)
     table = capsys.readouterr().out
     assert "ddma MB" in table and "ddma x cp" in table
+
+
+def test_logprob_memory_runs_every_chunk_size_and_checks_the_results_agree():
+    """benchmarks/logprob_memory.py on a small shape: one row per chunk size, each from its own
+    process, every variant's log-probs and head gradient checked against the unchunked run."""
+    import subprocess
+
+    out = subprocess.run([sys.executable, "benchmarks/logprob_memory.py", "--tokens", "64", "--vocab", "512",
+                          "--layers", "1", "--chunks", "0,16"], capture_output=True, text=True, timeout=300,
+                         cwd=Path(__file__).resolve().parents[1])
+    assert out.returncode == 0, out.stderr[-2000:]
+    rows = [line for line in out.stdout.splitlines() if line.startswith("| ") and not line.startswith("| --")]
+    assert [row.split("|")[1].strip() for row in rows] == ["whole (0)", "16"]
