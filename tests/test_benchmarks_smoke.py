@@ -278,7 +278,7 @@ def test_logprob_memory_runs_every_chunk_size_and_checks_the_results_agree():
     import subprocess
 
     out = subprocess.run([sys.executable, "benchmarks/logprob_memory.py", "--tokens", "64", "--vocab", "512",
-                          "--layers", "1", "--chunks", "0,16"], capture_output=True, text=True, timeout=300,
+                          "--layers", "1", "--chunks", "0,16"], capture_output=True, text=True, timeout=300, check=False,
                          cwd=Path(__file__).resolve().parents[1])
     assert out.returncode == 0, out.stderr[-2000:]
     rows = [line for line in out.stdout.splitlines() if line.startswith("| ") and not line.startswith("| --")]
