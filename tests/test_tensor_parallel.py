@@ -74,6 +74,15 @@ def test_tp_peers_sample_identically_and_only_the_first_emits(world):
     assert first["emitted"] == 4 and peer["emitted"] == 0
 
 
+def test_tp_peers_share_the_first_ranks_sampled_tokens(world):
+    """TP peers drawing from different RNG streams still generate the same tokens and log-probs: each
+    step's sample is the group's first rank's, broadcast (else a peer that drew another token, or
+    stopped at another step, would hang the group's next all-reduce)."""
+    first, peer = read(world, "diverged_gen0.json"), read(world, "diverged_gen1.json")
+    assert first == peer
+    assert len({tuple(g["ids"]) for g in first}) > 1  # it really sampled
+
+
 def test_tp_peers_append_the_first_ranks_tool_answers(world):
     """The environment's tool names the rank it runs on: the peers' episodes are identical and hold
     rank 0's answers only (the TP group's first rank runs the tools and shares them)."""

@@ -199,6 +199,11 @@ class EngineSetup:
     request of a call)."""
     carried_cache: str = "recompute"
     """Native engine: ``keep`` resumes a carried sample from the KV cache it had when carried."""
+    tp_group: object = None
+    """The rank's tensor-parallel group (a ProcessGroup; None without TP): the native engine shares
+    each step's sampled tokens from ``tp_src`` over it."""
+    tp_src: int = 0
+    """The TP group's first rank (global rank)."""
     seed_requests: bool = True
     """vLLM engine: a seed per request, drawn from the caller's generator (reproducible whatever the
     batch; slower sampling on GPUs). The native engine always draws from the caller's generator."""

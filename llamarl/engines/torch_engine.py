@@ -123,7 +123,8 @@ class TorchEngine:
     """Batched KV-cached sampler over a live HF causal LM (weights may change in place between calls)."""
 
     def __init__(self, model: torch.nn.Module, *, eos_token_ids: list[int], pad_token_id: int,
-                 fused_decode: bool = True, max_num_seqs: int | None = None, carried_cache: str = "recompute"):
+                 fused_decode: bool = True, max_num_seqs: int | None = None, carried_cache: str = "recompute",
+                 tp_group=None, tp_src: int = 0):
         """Wrap ``model`` (any HF causal LM accepting ``past_key_values`` and ``logits_to_keep``).
 
         Contract: the engine keeps only a reference to ``model`` and caches nothing derived from its
@@ -146,6 +147,12 @@ class TorchEngine:
         those of the older weights (PipelineRL's in-flight weight update). Tokens keep their own
         ``versions`` either way. A kept cache lasts until its ``sample_id`` is next submitted: used
         if the request continues exactly where it was carried, dropped otherwise.
+        ``tp_group`` (a tensor-parallel model's group; None without TP) and ``tp_src`` (its first
+        rank, global): every step's sampled tokens and their log-probs are the first rank's,
+        broadcast over the group. TP peers compute the same logits up to the all-reduce's
+        summation order; a peer that drew another token (a near-tie, a different RNG state) would
+        otherwise decide "done" on its own and leave the others waiting in the next collective. One
+        small broadcast per step; every rank of the group must call ``generate`` with the same requests.
         """
         if max_num_seqs is not None and max_num_seqs < 1:
             raise ValueError(f"max_num_seqs must be >= 1 (or None), got {max_num_seqs}")
@@ -160,10 +167,21 @@ class TorchEngine:
         self._fused: FusedDecoder | None = None
         # sample_id -> (its context when carried, per-layer keys, per-layer values) for "keep".
         self._kept: dict[int, tuple[tuple[int, ...], list[torch.Tensor], list[torch.Tensor]]] = {}
+        self.tp_group, self.tp_src = tp_group, int(tp_src)
         self.prefill_tokens = 0
         """Context tokens prefilled so far (cumulative; a kept cache saves its sample's)."""
         self.kept_cache_rows = 0
         """Carried samples resumed from a kept KV cache so far (cumulative)."""
+
+    def _sample(self, logits: torch.Tensor, *, sampling: SamplingParams, generator):
+        """``sample_tokens``; under TP, the group's first rank's tokens and log-probs on every rank."""
+        tokens, lps = sample_tokens(logits, sampling=sampling, generator=generator)
+        if self.tp_group is None:
+            return tokens, lps
+        # One broadcast: token ids are exact in float64 (vocabularies are far below 2**53).
+        packed = torch.stack([tokens.to(torch.float64), lps.to(torch.float64)])
+        torch.distributed.broadcast(packed, src=self.tp_src, group=self.tp_group)
+        return packed[0].to(torch.long), packed[1].to(torch.float32)
 
     def weights_updated(self, model: torch.nn.Module) -> None:
         """Nothing to do: the engine samples from the live model, whose weights changed in place."""
@@ -353,7 +371,7 @@ class TorchEngine:
         limit = torch.tensor(limits, dtype=torch.long, device=device)
         eos = torch.tensor(stop_ids(self.eos_token_ids, sampling), dtype=torch.long, device=device)
         while True:
-            tokens, lps = sample_tokens(logits, sampling=sampling, generator=generator)
+            tokens, lps = self._sample(logits, sampling=sampling, generator=generator)
             column = n_new[active]
             out_ids[active, column] = tokens
             out_lps[active, column] = lps
@@ -402,7 +420,7 @@ class TorchEngine:
         eos = torch.tensor(stop_ids(self.eos_token_ids, sampling), dtype=torch.long, device=device)
         active = torch.arange(batch, device=device)  # original row of each live batch row
         for step in range(max_steps):
-            tokens, lps = sample_tokens(logits, sampling=sampling, generator=generator)
+            tokens, lps = self._sample(logits, sampling=sampling, generator=generator)
             out_ids[active, step] = tokens
             out_lps[active, step] = lps
             hit_eos = torch.isin(tokens, eos)
@@ -433,4 +451,4 @@ class TorchEngine:
 def _build_torch_engine(setup: EngineSetup) -> TorchEngine:
     return TorchEngine(setup.model, eos_token_ids=setup.eos_token_ids, pad_token_id=setup.pad_token_id,
                        fused_decode=setup.fused_decode, max_num_seqs=setup.max_num_seqs,
-                       carried_cache=setup.carried_cache)
+                       carried_cache=setup.carried_cache, tp_group=setup.tp_group, tp_src=setup.tp_src)

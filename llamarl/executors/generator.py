@@ -208,7 +208,9 @@ class GeneratorExecutor(Executor):
             pad_token_id=pad, seed=self.seed * 1000 + self.ctx.dp_rank, device=self.ctx.device,
             kv_cache_gib=self.config.kv_cache_gib, gpu_memory_utilization=self.config.gpu_memory_utilization,
             fused_decode=self.config.fused_decode, max_num_seqs=self.config.max_num_seqs,
-            carried_cache=self.config.carried_cache, seed_requests=self.config.seed_requests))
+            carried_cache=self.config.carried_cache, seed_requests=self.config.seed_requests,
+            tp_group=self.ctx.tp_mesh.get_group() if self.ctx.tp_size > 1 else None,
+            tp_src=self.ctx.ranks[self.ctx.executor][self.ctx.dp_rank * self.ctx.tp_size]))
         if self.env_config is not None:
             # Episodes: the engine wrapped by the runner, which has the engine's contract (step and
             # evaluate use it alike); the tools run in worker processes of this rank.

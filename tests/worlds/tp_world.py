@@ -122,6 +122,11 @@ def run_generator(ctx, model_dir: str, out: Path) -> None:
     gen.engine.generate = generate
     emitted = len(gen.get_output("rollouts"))
     write_json(out / f"step_gen{r}.json", {"generated": generated, "emitted": emitted})
+    # Each TP peer with its own RNG stream: the tokens are still the group's first rank's.
+    requests = [Request(sample_id=i, prompt_ids=encode(gen.tokenizer, p)) for i, p in enumerate(PROMPTS * 2)]
+    outs = gen.engine.generate(requests, sampling=SamplingParams(temperature=1.5, max_new_tokens=MAX_NEW_TOKENS),
+                               version=0, generator=torch.Generator(device=ctx.device).manual_seed(100 + r))
+    write_json(out / f"diverged_gen{r}.json", [{"ids": o.completion_ids, "logprobs": o.logprobs} for o in outs])
     WeightsChannel("weights", "trainer", "generator").communicate(ctx, gen)
     full = full_named_parameters(gen.model)  # collective over the TP group
     if r == 0:
