@@ -188,6 +188,12 @@ class GeneratorExecutor(Executor):
         self.env_config = env if env is not None and env.name is not None else None
         self.skipped_prompts = 0
 
+    def _tp_first_rank(self):
+        """(this rank's TP group, its first rank's global rank); (None, 0) without TP."""
+        if self.ctx.tp_size == 1:
+            return None, 0
+        return self.ctx.tp_mesh.get_group(), self.ctx.ranks[self.ctx.executor][self.ctx.dp_rank * self.ctx.tp_size]
+
     def init(self) -> None:
         if self.config.tp != self.ctx.tp_size:
             raise ValueError(f"--generator.tp is {self.config.tp} but the generator's mesh has tp={self.ctx.tp_size}; "
@@ -202,6 +208,7 @@ class GeneratorExecutor(Executor):
             apply_tensor_parallel(self.model, self.ctx.tp_mesh)
         eos = stop_token_ids(self.model, self.tokenizer)
         pad = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else min(eos, default=0)
+        tp_group, tp_src = self._tp_first_rank()
         # The HF model is the weight channel's receive buffer (get_model()) whatever the engine.
         self.engine = build_engine(self.config.engine, EngineSetup(
             model=self.model, model_path=self.model_config.name, dtype=self.config.dtype, eos_token_ids=eos,
@@ -209,8 +216,7 @@ class GeneratorExecutor(Executor):
             kv_cache_gib=self.config.kv_cache_gib, gpu_memory_utilization=self.config.gpu_memory_utilization,
             fused_decode=self.config.fused_decode, max_num_seqs=self.config.max_num_seqs,
             carried_cache=self.config.carried_cache, seed_requests=self.config.seed_requests,
-            tp_group=self.ctx.tp_mesh.get_group() if self.ctx.tp_size > 1 else None,
-            tp_src=self.ctx.ranks[self.ctx.executor][self.ctx.dp_rank * self.ctx.tp_size]))
+            tp_group=tp_group, tp_src=tp_src))
         if self.env_config is not None:
             # Episodes: the engine wrapped by the runner, which has the engine's contract (step and
             # evaluate use it alike); the tools run in worker processes of this rank.
@@ -218,8 +224,7 @@ class GeneratorExecutor(Executor):
             samples = self.config.samples_per_prompt
             share = None
             if self.ctx.tp_size > 1:  # TP peers must append the same observations: the first rank's
-                share = TurnShare(group=self.ctx.tp_mesh.get_group(), device=self.ctx.device,
-                                  src=self.ctx.ranks[self.ctx.executor][self.ctx.dp_rank * self.ctx.tp_size])
+                share = TurnShare(group=tp_group, device=self.ctx.device, src=tp_src)
             self.engine = EpisodeRunner(
                 self.engine, environment=build_environment(env.name), tokenizer=self.tokenizer,
                 tools=ToolRunner(env.name, timeout_s=env.tool_timeout_s, num_workers=env.num_tool_workers,
