@@ -283,6 +283,17 @@ class WeightsConfig:
     generator ranks that hold its slice; no rank assembles the full model) or
     ``gather_broadcast`` (all-gather on the trainer, its first rank sends everything; the
     verl / OpenRLHF way, kept for comparison and as a fallback)."""
+    bucket_mb: float = 512.0
+    """The most MiB one weight bucket holds. ``ddma``: a sync runs in rounds of at most this much
+    per (trainer rank, generator rank) pair, each pair's buffer reused from round to round, so a
+    rank holds about this much per peer instead of everything it sends or receives.
+    ``gather_broadcast``: the trainer gathers, sends and drops one bucket of whole parameters at a
+    time instead of the whole model. A single piece larger than the bound travels alone. 0: no
+    bound (one bucket for everything). slime's ``--update-weight-buffer-size``, verl's
+    ``update_weights_bucket_megabytes``."""
+
+    def __post_init__(self) -> None:
+        _check(self.bucket_mb >= 0, f"--weights.bucket-mb must be >= 0 (0: one bucket per pair), got {self.bucket_mb}")
 
 
 @dataclass

@@ -103,6 +103,8 @@ class ChannelSpec:
     weights_mode: str = "ddma"
     """``weights`` channels only: ``ddma`` (each shard straight to the ranks that need it) or
     ``gather_broadcast``."""
+    weights_bucket_mb: float = 0.0
+    """``weights`` channels: the bound on one bucket in MiB (``WeightsChannel.bucket_mb``; 0: none)."""
 
     def __post_init__(self) -> None:
         if self.kind not in (*KINDS, "weights"):
@@ -119,7 +121,7 @@ class ChannelSpec:
             return cls(self.name, self.outbound, self.inbound, same_tick=self.same_tick)
         if self.kind == "weights":
             return WeightsChannel(self.name, self.outbound, self.inbound, mode=self.weights_mode,
-                                  same_tick=self.same_tick)
+                                  same_tick=self.same_tick, bucket_mb=self.weights_bucket_mb)
         return CommunicationChannel(self.name, self.outbound, self.inbound, KINDS[self.kind], same_tick=self.same_tick)
 
 

@@ -146,7 +146,8 @@ def rl_pipeline(config: RLConfig, *, task: Task, scorer: str | None, prompt_fn: 
                            trainer_stage(config)], config),
         channels=[ChannelSpec("rollouts", "generator", "reward", "scatter", same_tick=sync or config.run.async_lag == 1),
                   ChannelSpec("scored", "reward", "trainer", "scatter", same_tick=sync),
-                  ChannelSpec("weights", "trainer", "generator", "weights", weights_mode=config.weights.mode)],
+                  ChannelSpec("weights", "trainer", "generator", "weights", weights_mode=config.weights.mode,
+                              weights_bucket_mb=config.weights.bucket_mb)],
         evaluator="generator", title=schedule_title(config), summary=summary), config)
 
 
@@ -168,7 +169,8 @@ def stage_before_trainer(config: RLConfig, stage: Stage, *, task: Task, scorer: 
         channels=[ChannelSpec("rollouts", "generator", "reward", "scatter", same_tick=sync or config.run.async_lag == 1),
                   ChannelSpec(reward_output, "reward", stage.name, "scatter", same_tick=True),
                   ChannelSpec(output, stage.name, "trainer", "scatter", same_tick=sync),
-                  ChannelSpec("weights", "trainer", "generator", "weights", weights_mode=config.weights.mode)],
+                  ChannelSpec("weights", "trainer", "generator", "weights", weights_mode=config.weights.mode,
+                              weights_bucket_mb=config.weights.bucket_mb)],
         evaluator="generator", title=f"{schedule_title(config)}, {title}",
         summary={"schedule": config.run.schedule, "loss": config.algo.loss, **summary}), config)
 

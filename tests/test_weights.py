@@ -17,7 +17,7 @@ from safetensors.torch import load_file
 
 sys.path.insert(0, str(Path(__file__).parent))
 from launch import check, run_torchrun
-from worlds.weights_world import ERROR_CASES, cases
+from worlds.weights_world import BUCKET_MB, ERROR_CASES, cases
 
 from llamarl.channels.ddma_plan import build_plan, chunk_slice
 
@@ -88,6 +88,25 @@ def test_wire_bytes_are_exactly_what_each_generator_rank_holds(worlds, world):
             assert sum(n for _, dst, n in sent if dst == index) == needed, f"{case} generator {index}"
         if config["mode"] == "ddma":
             assert len({src for src, _, n in sent if n}) == trainers, f"{case}: every trainer rank sends"
+
+
+@pytest.mark.parametrize("world", list(WORLDS))
+def test_bucketed_ddma_holds_each_peer_to_one_bounded_buffer(worlds, world):
+    """--weights.bucket-mb: the sync runs in several rounds, each rank keeps one buffer per peer, none
+    larger than the bound unless one piece alone is (the weights are checked bitwise above)."""
+    out = world_dir(worlds, world)
+    trainers, generators = WORLDS[world]
+    bound = int(BUCKET_MB * 2**20)
+    bucketed = [c for c, config in cases(generators).items() if config.get("bucket_mb") and config["mode"] == "ddma"]
+    assert bucketed
+    for case in bucketed:
+        infos = [json.loads((out / f"{case}_trainer{t}.json").read_text()) for t in range(trainers)]
+        infos += [load_generator(out, case, g)[1] for g in range(generators)]
+        assert all(info["rounds"] > 1 for info in infos), case
+        for info in infos:
+            assert info["buffer_bytes"] and max(info["buffer_bytes"]) <= max(bound, info["largest_piece"]), (case, info)
+        unbucketed = json.loads((out / f"{case.removesuffix('_bucketed')}_trainer0.json").read_text())
+        assert unbucketed["rounds"] == 1 and max(unbucketed["buffer_bytes"]) > bound
 
 
 @pytest.mark.parametrize("world", list(WORLDS))

@@ -7,16 +7,24 @@ themselves; a generator rank is a replica, a DTensor on a TP mesh, or a plain mo
 executor returns an explicit ``get_weight_slices()`` spec ``{name: (dim, start, length)}``) and
 sends it to every other rank as TensorBatch metadata. Every rank builds the same static plan
 (``ddma_plan.build_plan``). Each sync, a trainer rank packs what each generator rank needs from it
-into one pre-allocated bucket, cast to that rank's dtype (buckets with identical contents, as for
-generator replicas, are packed once and sent to each), all pairs exchange in one
-``batch_isend_irecv`` and generator ranks ``copy_`` the pieces into views of their parameters.
+into pre-allocated buckets, cast to that rank's dtype (buckets with identical contents, as for
+generator replicas, are packed once and sent to each), all pairs exchange in ``batch_isend_irecv``
+and generator ranks ``copy_`` the pieces into views of their parameters. ``bucket_mb`` bounds the
+buckets: a pair's pieces (in plan order) are cut into chunks of at most that many MiB (a single
+piece larger than that is a chunk of its own), and the sync runs in rounds, chunk ``k`` of every
+pair in round ``k``, each pair's one buffer reused from round to round; so each rank holds at most
+one bucket of about ``bucket_mb`` per peer instead of everything it sends or receives (slime's
+``--update-weight-buffer-size``, verl's ``update_weights_bucket_megabytes``). ``bucket_mb=0``: one
+bucket per pair, one round.
 fp8 is not supported: a plain cast without per-tensor scales is not what fp8 engines load.
 
 Mode ``gather_broadcast`` (what OpenRLHF / verl / PipelineRL do; kept for comparison and as a
 fallback): every trainer rank takes part in all-gathering each FSDP2 shard into the full
-parameter, the trainer's first rank packs every parameter (cast to the generator's dtype) into one
+parameter, the trainer's first rank packs the parameters (cast to the generator's dtype) into a
 contiguous bucket and sends it point-to-point to every generator rank, which copies into its
 parameters' storage in place (a TP rank keeps just its slice of each full parameter, as verl does).
+With ``bucket_mb`` it runs in rounds: the parameters of one bucket are gathered, sent and dropped
+before the next are gathered, so no rank holds more than a bucket of gathered weights.
 Its handshake is the DDMA one (layouts + plan, for the same validation and errors).
 
 In both modes names are the HF names of ``named_parameters()``, so tied embeddings appear once; a
@@ -33,15 +41,15 @@ from __future__ import annotations
 
 import math
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import torch.distributed as dist
+from torch.distributed.tensor import DTensor
 
 from llamarl.batch import DTYPES, TensorBatch, WireFormatError
 from llamarl.channels.ddma_plan import Piece, box_index, build_plan, describe_local_layout, local_tensor
 from llamarl.channels.p2p import exchange
-from llamarl.models.sharding import full_named_parameters
 
 MODES = ("ddma", "gather_broadcast")
 
@@ -50,14 +58,38 @@ MODES = ("ddma", "gather_broadcast")
 class _Bucket:
     """One pre-allocated byte buffer and the pieces packed into / unpacked from it."""
 
-    buffer: torch.Tensor
+    buffer: torch.Tensor  # shared by this peer's buckets of every round; this round uses nbytes of it
     dtype: torch.dtype
-    pieces: list[Piece]
+    pieces: list[Piece]  # offsets from the start of this round's chunk
     peers: list[int]  # destination global ranks (send) or the one source (receive)
+    nbytes: int = 0
+
+    @property
+    def payload(self) -> torch.Tensor:
+        return self.buffer[: self.nbytes]
 
     def view(self, piece: Piece) -> torch.Tensor:
-        flat = self.buffer.view(self.dtype)
+        flat = self.payload.view(self.dtype)
         return flat[piece.offset : piece.offset + piece.numel].view(piece.shape)
+
+
+def chunk_pieces(pieces: list[Piece], *, itemsize: int, max_bytes: int) -> list[list[Piece]]:
+    """``pieces`` (in order) cut into consecutive chunks of at most ``max_bytes`` each (a piece
+    larger than that alone in its chunk; ``max_bytes <= 0``: one chunk), offsets re-based to each
+    chunk's start. Deterministic, so the two ends of a pair cut alike."""
+    chunks: list[list[Piece]] = []
+    current: list[Piece] = []
+    size = 0
+    for piece in pieces:
+        nbytes = piece.numel * itemsize
+        if current and max_bytes > 0 and size + nbytes > max_bytes:
+            chunks.append(current)
+            current, size = [], 0
+        current.append(replace(piece, offset=size // itemsize))
+        size += nbytes
+    if current:
+        chunks.append(current)
+    return chunks
 
 
 def _wait(ops: list[dist.P2POp]) -> None:
@@ -76,16 +108,21 @@ class WeightsChannel:
     mode: str = "ddma"
     same_tick: bool = False
     """Delivery (see CommunicationChannel); the pipelines here always send weights next tick."""
+    bucket_mb: float = 0.0
+    """The most MiB one bucket holds (module docstring): per (trainer, generator) pair under
+    ``ddma``, the gathered parameters of one round under ``gather_broadcast``; 0: no bound."""
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
             raise ValueError(f"WeightsChannel mode must be one of {MODES}, got {self.mode!r}")
+        if self.bucket_mb < 0:
+            raise ValueError(f"WeightsChannel bucket_mb must be >= 0 (0: one bucket per pair), got {self.bucket_mb}")
         self.layout: dict | None = None
         self.plan = None
         self.last_seconds = 0.0
         self.bytes_sent: dict[tuple[int, int], int] = {}
         self.bytes_received: dict[tuple[int, int], int] = {}
-        self._buckets: list[_Bucket] = []
+        self._rounds: list[list[_Bucket]] = []
         self._synced_version: int | None = None
         self.last_skipped = False
 
@@ -158,11 +195,14 @@ class WeightsChannel:
         trainers, generators = ctx.ranks[self.outbound], ctx.ranks[self.inbound]
         layouts = self._exchange_layouts(ctx, executor)
         self.plan = build_plan([layouts[r] for r in trainers], [layouts[r] for r in generators], label=label)
-        self._buckets = self._make_buckets(ctx, trainers, generators)
+        self._rounds = self._make_rounds(ctx, trainers, generators)
 
-    def _make_buckets(self, ctx, trainers: list[int], generators: list[int]) -> list[_Bucket]:
-        """Allocate this rank's send (trainer) or receive (generator) buckets, once."""
-        buckets: dict[tuple, _Bucket] = {}
+    def _make_rounds(self, ctx, trainers: list[int], generators: list[int]) -> list[list[_Bucket]]:
+        """This rank's send (trainer) or receive (generator) buckets of every round; each peer's
+        buffer is allocated once, at its largest chunk, and reused by its later rounds."""
+        max_bytes = int(self.bucket_mb * 2**20)
+        rounds: list[dict[tuple, _Bucket]] = []
+        buffers: dict[tuple, torch.Tensor] = {}
         for (t, g), pieces in self.plan.pieces.items():
             if not pieces or ctx.rank not in (trainers[t], generators[g]):
                 continue
@@ -173,39 +213,72 @@ class WeightsChannel:
                 peer = generators[g]
             else:
                 key, peer = (t,), trainers[t]
-            if key not in buckets:
-                numel = sum(p.numel for p in pieces)
-                buffer = torch.empty(numel * dtype.itemsize, dtype=torch.uint8, device=ctx.device)
-                buckets[key] = _Bucket(buffer, dtype, pieces, [])
-            buckets[key].peers.append(peer)
-        return list(buckets.values())
+            chunks = chunk_pieces(pieces, itemsize=dtype.itemsize, max_bytes=max_bytes)
+            if key not in buffers:
+                largest = max(sum(p.numel for p in chunk) for chunk in chunks) * dtype.itemsize
+                buffers[key] = torch.empty(largest, dtype=torch.uint8, device=ctx.device)
+            for index, chunk in enumerate(chunks):
+                if index == len(rounds):
+                    rounds.append({})
+                if key not in rounds[index]:
+                    nbytes = sum(p.numel for p in chunk) * dtype.itemsize
+                    rounds[index][key] = _Bucket(buffers[key], dtype, chunk, [], nbytes)
+                rounds[index][key].peers.append(peer)
+        return [list(buckets.values()) for buckets in rounds]
 
     def _ddma_sync(self, ctx, executor) -> None:
         leader = ctx.leader(self.outbound)
         version = torch.zeros(1, dtype=torch.int64, device=ctx.device)
         params = dict(executor.get_model().named_parameters())
+        # Every rank of both executors runs the same number of rounds (the plan is the same everywhere);
+        # a rank with nothing to move in a round takes no part in it.
+        num_rounds = self.plan_rounds
+        sent: dict[tuple[int, int], int] = {}
+        received: dict[tuple[int, int], int] = {}
         if ctx.executor == self.outbound:
             ops = []
             if ctx.rank == leader:
                 version.fill_(int(executor.version))
                 ops += [dist.P2POp(dist.isend, version, g) for g in ctx.ranks[self.inbound]]
-            with torch.no_grad():
-                for bucket in self._buckets:
-                    for piece in bucket.pieces:
-                        bucket.view(piece).copy_(local_tensor(params[piece.name])[box_index(piece.src)])
-            ops += [dist.P2POp(dist.isend, b.buffer, dst) for b in self._buckets for dst in b.peers]
-            _wait(ops)
-            self.bytes_sent = {(ctx.rank, dst): b.buffer.numel() for b in self._buckets for dst in b.peers}
+            for index in range(num_rounds):
+                buckets = self._rounds[index] if index < len(self._rounds) else []
+                with torch.no_grad():
+                    for bucket in buckets:
+                        for piece in bucket.pieces:
+                            bucket.view(piece).copy_(local_tensor(params[piece.name])[box_index(piece.src)])
+                ops += [dist.P2POp(dist.isend, b.payload, dst) for b in buckets for dst in b.peers]
+                _wait(ops)
+                ops = []
+                for bucket in buckets:
+                    for dst in bucket.peers:
+                        sent[(ctx.rank, dst)] = sent.get((ctx.rank, dst), 0) + bucket.nbytes
+            _wait(ops)  # the version alone, when no rank has a piece to move
+            self.bytes_sent = sent
         else:
             ops = [dist.P2POp(dist.irecv, version, leader)]
-            ops += [dist.P2POp(dist.irecv, b.buffer, b.peers[0]) for b in self._buckets]
+            for index in range(num_rounds):
+                buckets = self._rounds[index] if index < len(self._rounds) else []
+                ops += [dist.P2POp(dist.irecv, b.payload, b.peers[0]) for b in buckets]
+                _wait(ops)
+                ops = []
+                with torch.no_grad():
+                    for bucket in buckets:
+                        for piece in bucket.pieces:
+                            local_tensor(params[piece.name])[box_index(piece.dst)].copy_(bucket.view(piece))
+                        src = (bucket.peers[0], ctx.rank)
+                        received[src] = received.get(src, 0) + bucket.nbytes
             _wait(ops)
-            with torch.no_grad():
-                for bucket in self._buckets:
-                    for piece in bucket.pieces:
-                        local_tensor(params[piece.name])[box_index(piece.dst)].copy_(bucket.view(piece))
-            self.bytes_received = {(b.peers[0], ctx.rank): b.buffer.numel() for b in self._buckets}
+            self.bytes_received = received
             executor.set_weights_version(int(version.item()))
+
+    @property
+    def plan_rounds(self) -> int:
+        """Rounds of a DDMA sync (the most chunks of any pair; 0 before the handshake)."""
+        if self.plan is None:
+            return 0
+        max_bytes = int(self.bucket_mb * 2**20)
+        return max((len(chunk_pieces(pieces, itemsize=DTYPES[self.plan.dtypes[g]].itemsize, max_bytes=max_bytes))
+                    for (_, g), pieces in self.plan.pieces.items() if pieces), default=0)
 
     # ----- gather_broadcast -----
     def _handshake(self, ctx, executor) -> None:
@@ -223,38 +296,79 @@ class WeightsChannel:
                        "shapes": [full_shapes[p["name"]] for p in reference["params"]],
                        "dtype": reference["dtype"], "boxes": {p["name"]: p["box"] for p in mine}}
 
+    def _gather_broadcast_chunks(self) -> list[list[str]]:
+        """Parameter names in bucket order, cut into chunks of at most ``bucket_mb`` (a parameter
+        larger than that alone in its chunk): one round each, the same on every rank."""
+        itemsize = DTYPES[self.layout["dtype"]].itemsize
+        max_bytes = int(self.bucket_mb * 2**20)
+        chunks: list[list[str]] = []
+        current: list[str] = []
+        size = 0
+        for name, shape in zip(self.layout["names"], self.layout["shapes"]):
+            nbytes = math.prod(shape) * itemsize
+            if current and max_bytes > 0 and size + nbytes > max_bytes:
+                chunks.append(current)
+                current, size = [], 0
+            current.append(name)
+            size += nbytes
+        return [*chunks, current] if current else chunks
+
     def _gather_broadcast(self, ctx, executor) -> None:
+        """One sync in rounds of ``_gather_broadcast_chunks``: per round the trainer ranks gather
+        that chunk's parameters whole (collective), the first packs them into its one reused bucket
+        and sends it to every generator rank, which copies its box of each out of its own bucket."""
         if self.layout is None:
             self._handshake(ctx, executor)
         leader = ctx.leader(self.outbound)
         version = torch.zeros(1, dtype=torch.int64, device=ctx.device)
+        dtype = DTYPES[self.layout["dtype"]]
+        shapes = dict(zip(self.layout["names"], self.layout["shapes"]))
+        chunks = self._gather_broadcast_chunks()
+        largest = max((sum(math.prod(shapes[n]) for n in chunk) for chunk in chunks), default=0)
+        params = dict(executor.get_model().named_parameters())
+        moved = 0
         if ctx.executor == self.outbound:
-            full = full_named_parameters(executor.get_model())  # collective over the trainer group
+            bucket = torch.empty(largest, dtype=dtype, device=ctx.device) if ctx.rank == leader else None
+            ops = []
             if ctx.rank == leader:
-                dtype = DTYPES[self.layout["dtype"]]
-                bucket = torch.cat([full[n].to(ctx.device, dtype).reshape(-1) for n in self.layout["names"]])
                 version.fill_(int(executor.version))
-                ops = []
-                for dst in ctx.ranks[self.inbound]:
-                    ops += [dist.P2POp(dist.isend, version, dst), dist.P2POp(dist.isend, bucket, dst)]
-                _wait(ops)
-                nbytes = bucket.numel() * bucket.element_size()
-                self.bytes_sent = {(ctx.rank, dst): nbytes for dst in ctx.ranks[self.inbound]}
+                ops = [dist.P2POp(dist.isend, version, dst) for dst in ctx.ranks[self.inbound]]
+            for chunk in chunks:
+                offset = 0
+                for name in chunk:
+                    param = params[name]
+                    full = (param.full_tensor() if isinstance(param, DTensor) else param).detach()  # collective
+                    if bucket is not None:
+                        size = full.numel()
+                        bucket[offset : offset + size].copy_(full.reshape(-1))
+                        offset += size
+                    del full
+                if bucket is not None:
+                    ops += [dist.P2POp(dist.isend, bucket[:offset], dst) for dst in ctx.ranks[self.inbound]]
+                    _wait(ops)
+                    ops = []
+                    moved += offset * dtype.itemsize
+            _wait(ops)
+            if ctx.rank == leader:
+                self.bytes_sent = {(ctx.rank, dst): moved for dst in ctx.ranks[self.inbound]}
         else:
             # Every generator rank receives every full parameter; a TP rank keeps its box of each
             # (what verl / OpenRLHF do for TP engines), a replica keeps all of it.
-            params = dict(executor.get_model().named_parameters())
             boxes = self.layout["boxes"]
-            shapes = dict(zip(self.layout["names"], self.layout["shapes"]))
-            numel = sum(math.prod(shapes[n]) for n in self.layout["names"])
-            bucket = torch.empty(numel, dtype=DTYPES[self.layout["dtype"]], device=ctx.device)
-            _wait([dist.P2POp(dist.irecv, version, leader), dist.P2POp(dist.irecv, bucket, leader)])
-            offset = 0
-            with torch.no_grad():
-                for n in self.layout["names"]:
-                    size = math.prod(shapes[n])
-                    full = bucket[offset : offset + size].view(shapes[n])
-                    local_tensor(params[n]).copy_(full[box_index(boxes[n])])
-                    offset += size
-            self.bytes_received = {(leader, ctx.rank): bucket.numel() * bucket.element_size()}
+            bucket = torch.empty(largest, dtype=dtype, device=ctx.device)
+            ops = [dist.P2POp(dist.irecv, version, leader)]
+            for chunk in chunks:
+                numel = sum(math.prod(shapes[n]) for n in chunk)
+                _wait([*ops, dist.P2POp(dist.irecv, bucket[:numel], leader)])
+                ops = []
+                offset = 0
+                with torch.no_grad():
+                    for n in chunk:
+                        size = math.prod(shapes[n])
+                        full = bucket[offset : offset + size].view(shapes[n])
+                        local_tensor(params[n]).copy_(full[box_index(boxes[n])])
+                        offset += size
+                moved += numel * dtype.itemsize
+            _wait(ops)
+            self.bytes_received = {(leader, ctx.rank): moved}
             executor.set_weights_version(int(version.item()))

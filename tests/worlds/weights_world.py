@@ -44,6 +44,7 @@ from llamarl.world import ExecutorContext, ExecutorSpec
 
 # 131 / 40 / 71 / 20 (kv) are divisible by neither 2 nor 3 where it matters: uneven FSDP and TP shards.
 SIZES = {"vocab_size": 131, "hidden_size": 40, "num_heads": 4, "num_kv_heads": 2, "intermediate_size": 71}
+BUCKET_MB = 8 / 1024
 ERROR_CASES = {"unknown": "'extra.weight' does not exist", "shape": "'model.embed_tokens.weight' is [131, 40]"}
 
 
@@ -59,6 +60,12 @@ def cases(num_generators: int) -> dict[str, dict]:
                              "mode": "ddma"}
                 if layout == "replica":
                     out[f"{name}_gb"] = {**out[name], "mode": "gather_broadcast"}
+                    out[f"{name}_gb_bucketed"] = {**out[name], "mode": "gather_broadcast", "bucket_mb": BUCKET_MB}
+    # DDMA in bounded buckets (--weights.bucket-mb): 8 KiB, so every pair needs several rounds and
+    # some pieces (the embedding's row blocks) exceed a bucket on their own.
+    for layout in layouts:
+        out[f"tied_bfloat16_{layout}_bucketed"] = {"tied": True, "trainer_dtype": "float32", "dtype": "bfloat16",
+                                                   "layout": layout, "mode": "ddma", "bucket_mb": BUCKET_MB}
     out["untied_trainerbf16_float32_replica"] = {"tied": False, "trainer_dtype": "bfloat16", "dtype": "float32",
                                                  "layout": "replica", "mode": "ddma"}
     if num_generators > 1:
@@ -133,7 +140,7 @@ def sub_context(ctx: ExecutorContext, *, generators: int, trainers: int) -> Exec
 def run_case(ctx, out: Path, name: str, case: dict, num_generators: int) -> None:
     if ctx.executor not in ("trainer", "generator"):
         return
-    channel = WeightsChannel("weights", "trainer", "generator", mode=case["mode"])
+    channel = WeightsChannel("weights", "trainer", "generator", mode=case["mode"], bucket_mb=case.get("bucket_mb", 0.0))
     if ctx.executor == "trainer":
         model = build_tiny_llama(seed=1, tie_word_embeddings=case["tied"], **SIZES)
         model = shard_model(model.to(getattr(torch, case["trainer_dtype"])), ctx.mesh)
@@ -146,16 +153,27 @@ def run_case(ctx, out: Path, name: str, case: dict, num_generators: int) -> None
         if ctx.local_rank == 0:
             save_file({k: v.contiguous() for k, v in full.items()}, out / f"{name}_trainer.safetensors")
         sent = [[src, dst, n] for (src, dst), n in channel.bytes_sent.items()]
-        (out / f"{name}_trainer{ctx.local_rank}.json").write_text(json.dumps({"bytes_sent": sent}))
+        (out / f"{name}_trainer{ctx.local_rank}.json").write_text(json.dumps({"bytes_sent": sent,
+                                                                               **bucket_info(channel)}))
     else:
         model, exposed, slices = generator_model(ctx, case, num_generators)
         toy = Toy(ctx, model, slices=exposed)
         for _ in range(2):
             channel.communicate(ctx, toy)
-        info = {"version": toy.version, "slices": slices or {},
+        info = {"version": toy.version, "slices": slices or {}, **bucket_info(channel),
                 "bytes_received": [[src, dst, n] for (src, dst), n in channel.bytes_received.items()]}
         tensors = {n: local_tensor(p).detach().contiguous() for n, p in model.named_parameters()}
         save_file(tensors, out / f"{name}_gen{ctx.local_rank}.safetensors", metadata={"info": json.dumps(info)})
+
+
+def bucket_info(channel: WeightsChannel) -> dict:
+    """DDMA rounds, this rank's buffer bytes (each allocated once) and its largest single piece."""
+    if channel.mode != "ddma":
+        return {}
+    buffers = {id(b.buffer): b.buffer.numel() for buckets in channel._rounds for b in buckets}
+    pieces = [p.numel * b.dtype.itemsize for buckets in channel._rounds for b in buckets for p in b.pieces]
+    return {"rounds": channel.plan_rounds, "buffer_bytes": sorted(buffers.values()),
+            "largest_piece": max(pieces, default=0)}
 
 
 def run_error_case(ctx, out: Path, name: str) -> None:
