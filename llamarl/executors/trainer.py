@@ -63,14 +63,13 @@ from llamarl.executor import Executor
 from llamarl.executors.trainer_metrics import TRAINER_METRICS, combine_minibatch_metrics, device_timer
 from llamarl.metrics import MetricSpec
 from llamarl.models.export import export_hf
-from llamarl.models.loading import load_causal_lm
 from llamarl.models.microbatch import (
     microbatch_inputs,
     microbatch_logprobs,
     plan_microbatches,
     sequence_logprobs,
 )
-from llamarl.models.sharding import shard_model
+from llamarl.models.sharded_loading import load_sharded_causal_lm
 from llamarl.sharded_state import load_sharded_state, save_sharded_state
 
 logger = logging.getLogger("llamarl.trainer")
@@ -106,10 +105,11 @@ class TrainerExecutor(Executor):
         torch.set_num_threads(self.config.num_threads)
         torch.manual_seed(self.seed)
         dtype = getattr(torch, self.model_config.dtype)
-        # Loaded on the host, then fully_shard moves each rank's shards to the mesh's device
-        # (ctx.device), so the full model never has to fit on one accelerator.
-        model, self.tokenizer = load_causal_lm(self.model_config.name, dtype=dtype, device="cpu")
-        self.model = shard_model(model, self.ctx.mesh, param_dtype=getattr(torch, self.config.param_dtype))
+        # Built on the meta device, sharded, then each rank reads only its own rows of each
+        # weight onto ctx.device: no rank ever holds the full model (models/sharded_loading.py).
+        self.model, self.tokenizer = load_sharded_causal_lm(
+            self.model_config.name, dtype=dtype, mesh=self.ctx.mesh, device=self.ctx.device,
+            param_dtype=getattr(torch, self.config.param_dtype))
         self.model.train()
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=self.config.lr,
                                            weight_decay=self.config.weight_decay)

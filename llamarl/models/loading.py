@@ -201,6 +201,22 @@ def stop_token_ids(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase) -
     return sorted(ids)
 
 
+def resolve_source(name_or_path: str) -> str:
+    """What ``from_pretrained`` should load for ``name_or_path``: an existing directory (as given),
+    a known alias's converted directory, or a hub id (returned unchanged). A name that looks like a
+    path but is none of these is a one-line ValueError."""
+    path = Path(name_or_path).expanduser()
+    if path.is_dir():
+        return str(path)
+    if name_or_path in KNOWN_ALIASES:
+        return str(resolve_model_path(name_or_path))
+    if _looks_like_path(name_or_path):
+        raise ValueError(
+            f"{name_or_path!r} is neither a directory nor a known alias ({', '.join(KNOWN_ALIASES)})"
+        )
+    return name_or_path
+
+
 def load_causal_lm(
     name_or_path: str, *, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu"
 ) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
@@ -213,16 +229,7 @@ def load_causal_lm(
     the HF hub is reachable (or already cached). Every failure is a one-line ValueError.
     """
     path = Path(name_or_path).expanduser()
-    if path.is_dir():
-        source = str(path)
-    elif name_or_path in KNOWN_ALIASES:
-        source = str(resolve_model_path(name_or_path))
-    elif _looks_like_path(name_or_path):
-        raise ValueError(
-            f"{name_or_path!r} is neither a directory nor a known alias ({', '.join(KNOWN_ALIASES)})"
-        )
-    else:
-        source = name_or_path
+    source = resolve_source(name_or_path)
     try:
         model = AutoModelForCausalLM.from_pretrained(source, dtype=dtype, use_safetensors=True)
         tokenizer = AutoTokenizer.from_pretrained(source)
