@@ -283,3 +283,16 @@ def test_logprob_memory_runs_every_chunk_size_and_checks_the_results_agree():
     assert out.returncode == 0, out.stderr[-2000:]
     rows = [line for line in out.stdout.splitlines() if line.startswith("| ") and not line.startswith("| --")]
     assert [row.split("|")[1].strip() for row in rows] == ["whole (0)", "16"]
+
+
+def test_load_memory_measures_both_loads_of_the_same_weights(tmp_path):
+    """benchmarks/load_memory.py on a small shape: both torchrun worlds report every rank, their
+    gathered weights equal the checkpoint's (the benchmark fails otherwise), one row per load."""
+    import subprocess
+
+    out = subprocess.run([sys.executable, "benchmarks/load_memory.py", "--ranks", "2", "--layers", "1", "--hidden", "64",
+                          "--out", str(tmp_path / "ckpt")], capture_output=True, text=True, timeout=300, check=False,
+                         cwd=Path(__file__).resolve().parents[1])
+    assert out.returncode == 0, out.stderr[-2000:]
+    rows = [line.split("|")[1].strip() for line in out.stdout.splitlines() if line.startswith("| ") and "---" not in line]
+    assert rows == ["load", "full", "sharded"]
