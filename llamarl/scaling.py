@@ -1,0 +1,205 @@
+"""Per-rank GPU memory of a layout, computed from the real sharded objects without the hardware.
+
+``layout_memory`` builds, in one CPU process, what each rank of a GPU job would build: the trainer's
+model on the meta device, FSDP2-sharded (``shard_model``) over a mesh of a **fake process group**
+(torch's ``fake`` backend: every collective returns at once, so one process can play rank 0 of any
+world size), and the generator's model tensor-parallel sliced (``apply_tensor_parallel``) the same
+way. The parameter bytes of a rank are then read off those objects (each DTensor's local shard),
+not from a formula of the model's size, and the rest is sized from them:
+
+* trainer: master weights (their dtype), fp32 gradients (the same shards), AdamW's two fp32 moments,
+  the unsharded parameters of two decoder layers in ``param_dtype`` (FSDP2 all-gathers a layer
+  while the next is prefetched) and the root's (embeddings, final norm, LM head: gathered through
+  forward and backward), and the log-probs' logits: ``3 x tokens x vocab x 4`` bytes (the fp32
+  copy, the division by the temperature and the log-softmax; measured 2.6 copies on CPU in
+  benchmarks/logprob_memory.py) for a whole micro-batch, or for one chunk under
+  ``--trainer.logprob-chunk-tokens``. Activations of the decoder layers are not counted (they
+  depend on checkpointing and the attention kernel), so the trainer's total is a lower bound.
+* generator: its weights (the TP slice, in the generator's dtype), the DDMA receive buckets (at
+  most ``--weights.bucket-mb`` per trainer peer), and the engine's KV cache: vLLM takes
+  ``--generator.gpu-memory-utilization`` of the GPU for weights, activations and cache together,
+  so a vLLM generator rank is that fraction of the GPU plus the HF copy the weight channel writes;
+  the native engine's cache is ``rows x tokens x layers x 2 x (KV heads / TP) x head_dim x 2``
+  bytes for ``kv_rows`` rows of ``kv_tokens`` tokens (bf16 keys and values).
+
+A rank "holds a full model" when its parameter bytes equal the whole model's; the tests assert no
+trainer rank does at more than one rank, and that every rank fits the GPU. ``docs/scaling.md`` is
+the table ``python -m llamarl.scaling`` prints.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor
+
+from llamarl.models.sharding import shard_model
+from llamarl.models.tensor_parallel import apply_tensor_parallel
+
+GIB = 2**30
+
+# Public model shapes (their config.json), so no download is needed.
+MODELS = {
+    "Qwen2.5-0.5B": {"hidden_size": 896, "intermediate_size": 4864, "num_hidden_layers": 24, "num_attention_heads": 14,
+                     "num_key_value_heads": 2, "vocab_size": 151_936, "tie_word_embeddings": True},
+    "Qwen2.5-1.5B": {"hidden_size": 1536, "intermediate_size": 8960, "num_hidden_layers": 28, "num_attention_heads": 12,
+                     "num_key_value_heads": 2, "vocab_size": 151_936, "tie_word_embeddings": True},
+    "Qwen2.5-7B": {"hidden_size": 3584, "intermediate_size": 18944, "num_hidden_layers": 28, "num_attention_heads": 28,
+                   "num_key_value_heads": 4, "vocab_size": 152_064, "tie_word_embeddings": False},
+}
+
+
+@dataclass
+class Layout:
+    """One job: a model and how its ranks are split (the GPU presets' values by default)."""
+
+    name: str
+    model: str
+    trainer_ranks: int
+    generator_ranks: int
+    generator_tp: int = 1
+    engine: str = "vllm"
+    colocated: bool = False
+    """Trainer and generator on the same GPU (the one-GPU preset)."""
+    microbatch_tokens: int = 16_384
+    logprob_chunk_tokens: int = 4096
+    bucket_mb: float = 512.0
+    gpu_memory_utilization: float = 0.5
+    gpu_gib: float = 80.0
+    kv_rows: int = 256
+    """Native engine: rows decoding at once on a generator rank (its KV cache grows with them)."""
+    kv_tokens: int = 2048
+    """Native engine: prompt + completion tokens per row."""
+
+
+LAYOUTS = [
+    Layout("GSM8K / MATH preset, 1 GPU (colocated)", "Qwen2.5-0.5B", 1, 1, colocated=True),
+    Layout("GSM8K / MATH preset, 8 GPUs", "Qwen2.5-1.5B", 4, 4, microbatch_tokens=32_768),
+    Layout("7B, 8 GPUs (4 trainer + 4 vLLM)", "Qwen2.5-7B", 4, 4, microbatch_tokens=16_384),
+    Layout("7B, 2 x 8 GPUs (8 trainer + 8 vLLM)", "Qwen2.5-7B", 8, 8, microbatch_tokens=16_384),
+    Layout("7B, 2 x 8 GPUs, native engine TP 2 (8 trainer + 4 x TP 2)", "Qwen2.5-7B", 8, 8, generator_tp=2,
+           engine="torch", microbatch_tokens=16_384),
+]
+
+
+@contextlib.contextmanager
+def fake_world(world_size: int, rank: int = 0):
+    """A fake process group (torch's ``fake`` backend) as the default group, removed on exit."""
+    from torch.testing._internal.distributed.fake_pg import FakeStore  # registers the "fake" backend
+
+    if dist.is_initialized():
+        raise RuntimeError("fake_world needs a process without a process group")
+    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world_size)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+def meta_model(name: str, dtype: torch.dtype) -> torch.nn.Module:
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    config = Qwen2Config(**MODELS[name], max_position_embeddings=32_768)
+    with torch.device("meta"):
+        model = Qwen2ForCausalLM(config).to(dtype)
+    model.tie_weights()
+    return model
+
+
+def _local_bytes(model: torch.nn.Module) -> int:
+    total = 0
+    for param in model.parameters():
+        local = param.to_local() if isinstance(param, DTensor) else param
+        total += local.numel() * local.element_size()
+    return total
+
+
+def _full_bytes(model: torch.nn.Module) -> int:
+    return sum(p.numel() * p.element_size() for p in model.parameters())
+
+
+def trainer_rank(layout: Layout) -> dict:
+    """Rank 0 of the trainer (FSDP2's largest shard under torch.chunk) in GiB, by component."""
+    model = meta_model(layout.model, torch.float32)
+    full = _full_bytes(model)
+    numel = sum(p.numel() for p in model.parameters())
+    layer_numel = sum(p.numel() for p in model.model.layers[0].parameters())
+    root_numel = numel - layer_numel * len(model.model.layers)
+    with fake_world(layout.trainer_ranks):
+        mesh = DeviceMesh("cpu", list(range(layout.trainer_ranks)))
+        shard_model(model, mesh, param_dtype=torch.bfloat16)
+        master = _local_bytes(model)
+    vocab = MODELS[layout.model]["vocab_size"]
+    tokens = layout.logprob_chunk_tokens or layout.microbatch_tokens
+    return {
+        "full model": full / GIB, "master weights": master / GIB, "gradients": master / GIB,
+        "AdamW": 2 * master / GIB, "gathered (2 layers + root, bf16)": (2 * layer_numel + root_numel) * 2 / GIB,
+        "logits": 3 * tokens * vocab * 4 / GIB,
+    }
+
+
+def generator_rank(layout: Layout, *, num_trainer_peers: int) -> dict:
+    """One generator rank in GiB, by component (bf16 weights)."""
+    model = meta_model(layout.model, torch.bfloat16)
+    full = _full_bytes(model)
+    if layout.generator_tp > 1:
+        with fake_world(layout.generator_tp):
+            apply_tensor_parallel(model, DeviceMesh("cpu", list(range(layout.generator_tp))))
+            weights = _local_bytes(model)
+    else:
+        weights = full
+    buckets = min(full, num_trainer_peers * layout.bucket_mb * 2**20)
+    out = {"full model": full / GIB, "weights (HF copy)": weights / GIB, "DDMA buckets": buckets / GIB}
+    if layout.engine == "vllm":
+        out["vLLM (its weights, activations, KV cache)"] = layout.gpu_memory_utilization * layout.gpu_gib
+    else:
+        shape = MODELS[layout.model]
+        head_dim = shape["hidden_size"] // shape["num_attention_heads"]
+        kv_heads = shape["num_key_value_heads"] // layout.generator_tp
+        out["KV cache"] = (layout.kv_rows * layout.kv_tokens * shape["num_hidden_layers"] * 2 * kv_heads
+                           * head_dim * 2) / GIB
+    return out
+
+
+def layout_memory(layout: Layout) -> dict:
+    """``{"trainer": {...}, "generator": {...}, "trainer_total", "generator_total", "gpu_total"}``
+    in GiB for one layout (module docstring); ``gpu_total`` is the busiest GPU's."""
+    trainer = trainer_rank(layout)
+    generator = generator_rank(layout, num_trainer_peers=layout.trainer_ranks)
+    trainer_total = sum(v for k, v in trainer.items() if k != "full model")
+    generator_total = sum(v for k, v in generator.items() if k != "full model")
+    gpu_total = trainer_total + generator_total if layout.colocated else max(trainer_total, generator_total)
+    return {"trainer": trainer, "generator": generator, "trainer_total": trainer_total,
+            "generator_total": generator_total, "gpu_total": gpu_total}
+
+
+def markdown_table(layouts: list[Layout]) -> str:
+    """The per-layout table of docs/scaling.md."""
+    header = ("| layout | model | trainer rank: master / grads / AdamW / gathered / logits (GiB) | trainer rank | "
+              "generator rank: weights / DDMA buckets / vLLM or KV cache (GiB) | generator rank | "
+              "busiest GPU of 80 GiB |")
+    lines = [header, "|---|---|---|---|---|---|---|"]
+    for layout in layouts:
+        m = layout_memory(layout)
+        t, g = m["trainer"], m["generator"]
+        trainer = " / ".join(f"{t[k]:.1f}" for k in ("master weights", "gradients", "AdamW",
+                                                      "gathered (2 layers + root, bf16)", "logits"))
+        engine = g.get("vLLM (its weights, activations, KV cache)", g.get("KV cache", 0.0))
+        generator = f"{g['weights (HF copy)']:.1f} / {g['DDMA buckets']:.1f} / {engine:.1f}"
+        lines.append(f"| {layout.name} | {layout.model} ({t['full model']:.1f} GiB fp32) | {trainer} | "
+                     f"{m['trainer_total']:.1f} | {generator} | {m['generator_total']:.1f} | {m['gpu_total']:.1f} |")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    argparse.ArgumentParser(description="Print docs/scaling.md's per-rank memory table.").parse_args()
+    print(markdown_table(LAYOUTS))
+
+
+if __name__ == "__main__":
+    main()
