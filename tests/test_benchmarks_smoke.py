@@ -296,3 +296,12 @@ def test_load_memory_measures_both_loads_of_the_same_weights(tmp_path):
     assert out.returncode == 0, out.stderr[-2000:]
     rows = [line.split("|")[1].strip() for line in out.stdout.splitlines() if line.startswith("| ") and "---" not in line]
     assert rows == ["load", "full", "sharded"]
+
+
+def test_sampler_benchmark_times_both_samplers(capsys):
+    """benchmarks/generation.py --sampler on a small vocabulary: a row per row count, both samplers
+    timed (it fails if they pick different tokens for the same uniforms)."""
+    generation = load_benchmark("generation")
+    result = generation.sampler([1, 4], vocab=600, repeats=1)
+    assert sorted(result) == [1, 4] and all(a > 0 and b > 0 for a, b in result.values())
+    assert len(capsys.readouterr().out.splitlines()) == 4

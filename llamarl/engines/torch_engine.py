@@ -83,20 +83,41 @@ def _nucleus(probs: torch.Tensor, top_p: float) -> torch.Tensor:
     return torch.zeros_like(probs, dtype=torch.bool).scatter_(-1, order, keep_sorted)
 
 
+_DRAW_BLOCK = 256
+
+
 def _draw(logp: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
-    """Sample one index per row from ``exp(logp)`` by inverse CDF (one uniform per row).
+    """Sample one index per row of ``logp`` ``(rows, vocab)`` from ``exp(logp)`` by inverse CDF
+    (one uniform per row), without a cumulative sum over the vocabulary.
 
     Why not ``torch.multinomial``: it draws one exponential per vocab entry (~145 ms for 64 x 49k on
-    2 threads, more than a decode step's matmuls); this costs ~20 ms. The CDF is accumulated in fp64 so
-    even tokens with tiny probability keep an interval of the right width; zero-probability (filtered)
-    tokens have empty intervals and can never be drawn.
+    2 threads, more than a decode step's matmuls). Why two levels: the full fp64 cumulative sum of
+    the plain inverse CDF cost 8.3 ms (16 rows) / 35.9 ms (64 rows) of a 49k vocabulary on one
+    thread; here the probabilities are summed in blocks of 256 (one pass, accumulated in fp64), the
+    block is picked on the blocks' cumulative sum and the token within that block's 256 only: 1.0 /
+    5.5 ms. It is the same function of the uniform ``u`` as the plain inverse CDF (the token whose
+    interval holds ``u x total``), up to rounding at an interval's edge. Zero-probability (filtered)
+    tokens have empty intervals and are never drawn: the target is kept strictly below each
+    cumulative total it is searched in.
     """
-    cdf = logp.exp().cumsum(dim=-1, dtype=torch.float64)
-    total = cdf[..., -1:]
+    probs = logp.exp()
+    rows, vocab = probs.shape
+    pad = (-vocab) % _DRAW_BLOCK
+    if pad:
+        probs = torch.nn.functional.pad(probs, (0, pad))
+    blocks = probs.view(rows, -1, _DRAW_BLOCK)
+    block_cdf = blocks.sum(dim=-1, dtype=torch.float64).cumsum(dim=-1)
+    total = block_cdf[:, -1:]
     u = torch.rand(total.shape, generator=generator, dtype=torch.float64, device=logp.device)
-    # Keep the target strictly below the total so rounding can never run off the end.
-    target = torch.minimum(u * total, torch.nextafter(total, torch.zeros_like(total)))
-    return torch.searchsorted(cdf, target, right=True).squeeze(-1)
+    zero = torch.zeros_like(total)
+    target = torch.minimum(u * total, torch.nextafter(total, zero))
+    block = torch.searchsorted(block_cdf, target, right=True)
+    before = torch.where(block > 0, block_cdf.gather(1, (block - 1).clamp(min=0)), zero)
+    inner = blocks.gather(1, block.unsqueeze(-1).expand(rows, 1, _DRAW_BLOCK)).squeeze(1).cumsum(dim=-1,
+                                                                                               dtype=torch.float64)
+    # The block's own sum and its cumulative sum round differently: stay strictly inside the latter.
+    offset = torch.minimum(target - before, torch.nextafter(inner[:, -1:], zero))
+    return (block * _DRAW_BLOCK + torch.searchsorted(inner, offset, right=True)).squeeze(-1)
 
 
 def sample_tokens(
