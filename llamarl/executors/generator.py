@@ -204,7 +204,9 @@ class GeneratorExecutor(Executor):
         self.model, self.tokenizer = load_causal_lm(self.model_config.name, dtype=getattr(torch, self.config.dtype),
                                                     device=self.ctx.device)
         self.model.eval()
-        if self.ctx.tp_size > 1:
+        # A vLLM engine slices the weights itself (one TP worker per rank of the group): its HF copy,
+        # the weight channel's receive buffer, stays whole on every rank of the group.
+        if self.ctx.tp_size > 1 and self.config.engine != "vllm":
             apply_tensor_parallel(self.model, self.ctx.tp_mesh)
         eos = stop_token_ids(self.model, self.tokenizer)
         pad = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else min(eos, default=0)
