@@ -152,7 +152,8 @@ def test_requests_are_seeded_only_when_asked(engine, monkeypatch):
     monkeypatch.setattr(engine.llm, "generate", spy)
     monkeypatch.setattr(engine, "seed_requests", False)
     outs = engine.generate(requests(3), sampling=sampling, version=0, generator=torch.Generator().manual_seed(1))
-    assert [len(o.completion_ids) for o in outs] == [4, 4, 4] or all(o.finish_reason == "stop" for o in outs)
+    # Unseeded: vLLM's own stream decides, so each row either makes its 4 tokens or stops early.
+    assert all(len(o.completion_ids) == 4 or o.finish_reason == "stop" for o in outs)
     monkeypatch.setattr(engine, "seed_requests", True)
     engine.generate(requests(3), sampling=sampling, version=0, generator=torch.Generator().manual_seed(1))
     assert sent[0] == [None, None, None]
