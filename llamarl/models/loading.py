@@ -242,3 +242,32 @@ def load_causal_lm(
     if tokenizer.pad_token is None and tokenizer.eos_token is not None:
         tokenizer.pad_token = tokenizer.eos_token
     return model.to(device).eval(), tokenizer
+
+
+def load_causal_lm_layout(
+    name_or_path: str, *, dtype: torch.dtype = torch.float32
+) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
+    """``(model, tokenizer)`` as ``load_causal_lm`` resolves them, but the model's parameters are on
+    the meta device: names, shapes and dtype without storage (tied weights tied, buffers real, the
+    checkpoint's generation config attached so ``stop_token_ids`` sees its EOS ids). For a rank that
+    needs the model's layout and not its weights: a vLLM generator, whose weights live in vLLM and
+    arrive from the weight channel straight into it (``Generator.weight_sink``). Failures are the
+    same one-line ValueErrors as ``load_causal_lm``'s."""
+    from accelerate import init_empty_weights
+    from transformers import AutoConfig, GenerationConfig
+
+    source = resolve_source(name_or_path)
+    try:
+        config = AutoConfig.from_pretrained(source)
+        with init_empty_weights(include_buffers=False):
+            model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+        tokenizer = AutoTokenizer.from_pretrained(source)
+    except Exception as exc:  # any loader failure becomes one user-facing line
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise ValueError(f"cannot load causal LM {name_or_path!r}: {first}") from exc
+    model.tie_weights()
+    with contextlib.suppress(OSError):  # no generation_config.json: the config's own defaults stand
+        model.generation_config = GenerationConfig.from_pretrained(source)
+    if tokenizer.pad_token is None and tokenizer.eos_token is not None:
+        tokenizer.pad_token = tokenizer.eos_token
+    return model.eval(), tokenizer

@@ -14,6 +14,20 @@ import torch
 from torch.distributed.tensor import DTensor
 
 
+def check_same_parameters(source: torch.nn.Module, destination: torch.nn.Module) -> None:
+    """Every parameter of ``source`` exists in ``destination`` under the same name with the same
+    (full) shape; else a one-line ValueError naming the first that does not."""
+    targets = dict(destination.named_parameters())
+    sources = list(source.named_parameters())
+    missing = [name for name, _ in sources if name not in targets]
+    if missing:
+        raise ValueError(f"the generation model has no parameter(s) {missing[:3]} of the training model")
+    for name, param in sources:
+        if tuple(param.shape) != tuple(targets[name].shape):
+            raise ValueError(f"parameter {name!r}: training shape {tuple(param.shape)} != "
+                             f"generation shape {tuple(targets[name].shape)}")
+
+
 @torch.no_grad()
 def copy_weights_in_place(source: torch.nn.Module, destination: torch.nn.Module) -> int:
     """Copy every parameter of ``source`` into the same-named parameter of ``destination``.
@@ -25,20 +39,52 @@ def copy_weights_in_place(source: torch.nn.Module, destination: torch.nn.Module)
     them sees the new values at once. A missing name or a shape mismatch raises ValueError before
     anything is copied. Returns the number of bytes written into ``destination``.
     """
+    check_same_parameters(source, destination)
     targets = dict(destination.named_parameters())
-    sources = list(source.named_parameters())
-    missing = [name for name, _ in sources if name not in targets]
-    if missing:
-        raise ValueError(f"the generation model has no parameter(s) {missing[:3]} of the training model")
-    for name, param in sources:
-        if tuple(param.shape) != tuple(targets[name].shape):
-            raise ValueError(f"parameter {name!r}: training shape {tuple(param.shape)} != "
-                             f"generation shape {tuple(targets[name].shape)}")
     written = 0
-    for name, param in sources:
+    for name, param in source.named_parameters():
         full = param.full_tensor() if isinstance(param, DTensor) else param
         target = targets[name]
         target.copy_(full.to(device=target.device, dtype=target.dtype))
         written += target.numel() * target.element_size()
         del full
     return written
+
+
+def stream_full_weights(source: torch.nn.Module, *, dtype: torch.dtype, device: torch.device):
+    """Yield ``(name, full parameter)`` for every parameter of ``source`` in ``named_parameters()``
+    order, each gathered on its own (``DTensor.full_tensor``, collective over the FSDP mesh) and
+    cast to ``dtype`` on ``device``: the colocated hand-over into an engine that loads weights
+    itself (vLLM), so no second model is ever built. Every rank of the mesh must consume the whole
+    iterator (``drain`` after a consumer that may stop early). Each yielded tensor is new storage:
+    a consumer may keep it (vLLM buffers a layer's weights until the layer is complete)."""
+    with torch.no_grad():
+        for name, param in source.named_parameters():
+            full = param.full_tensor() if isinstance(param, DTensor) else param.detach()
+            yield name, full.to(device=device, dtype=dtype, copy=True)
+            del full
+
+
+def drain(iterator) -> int:
+    """Run ``iterator`` to its end (its remaining collectives with it); the number of items left."""
+    return sum(1 for _ in iterator)
+
+
+def feed(sink, named_tensors, *, label: str) -> int:
+    """Hand ``named_tensors`` (an iterator of ``(name, tensor)``) to ``sink`` (a weight sink's
+    callable: it loads them as they come), then run whatever it left unconsumed, so that ranks
+    whose collectives drive the iterator are never left waiting; a sink that stopped early is a
+    RuntimeError after that. Returns the bytes of the tensors handed over."""
+    counted = [0]
+
+    def counting():
+        for name, tensor in named_tensors:
+            counted[0] += tensor.numel() * tensor.element_size()
+            yield name, tensor
+
+    stream = counting()
+    sink(stream)
+    left = drain(stream)
+    if left:
+        raise RuntimeError(f"{label}: the weight sink stopped {left} tensors before the end of the stream")
+    return counted[0]

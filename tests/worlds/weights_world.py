@@ -66,6 +66,13 @@ def cases(num_generators: int) -> dict[str, dict]:
     for layout in layouts:
         out[f"tied_bfloat16_{layout}_bucketed"] = {"tied": True, "trainer_dtype": "float32", "dtype": "bfloat16",
                                                    "layout": layout, "mode": "ddma", "bucket_mb": BUCKET_MB}
+    # A streaming sink (a vLLM generator: layout on the meta device, weights handed over as they arrive).
+    out["tied_bfloat16_stream"] = {"tied": True, "trainer_dtype": "float32", "dtype": "bfloat16",
+                                   "layout": "stream", "mode": "ddma"}
+    out["tied_bfloat16_stream_bucketed"] = {**out["tied_bfloat16_stream"], "bucket_mb": BUCKET_MB}
+    out["untied_float32_stream_gb_bucketed"] = {"tied": False, "trainer_dtype": "float32", "dtype": "float32",
+                                                "layout": "stream", "mode": "gather_broadcast",
+                                                "bucket_mb": BUCKET_MB}
     out["untied_trainerbf16_float32_replica"] = {"tied": False, "trainer_dtype": "bfloat16", "dtype": "float32",
                                                  "layout": "replica", "mode": "ddma"}
     if num_generators > 1:
@@ -89,6 +96,26 @@ class Toy(Executor):
 
     def set_weights_version(self, version):
         self.version = version
+
+
+class StreamToy(Toy):
+    """A generator that keeps no weights: its model is on the meta device (the layout) and its
+    ``weight_sink`` keeps what each sync streams, as a vLLM generator hands it to vLLM."""
+
+    def __init__(self, ctx, model):
+        super().__init__(ctx, model)
+        self.received: dict[str, torch.Tensor] = {}
+        self.streams: list[dict] = []
+
+    def weight_sink(self):
+        def sink(named_tensors):
+            seen = []
+            for name, tensor in named_tensors:
+                seen.append(name)
+                self.received[name] = tensor
+            self.streams.append({"count": len(seen), "unique": len(set(seen)),
+                                 "devices": sorted({str(t.device) for t in self.received.values()})})
+        return sink
 
 
 def perturb(model, ctx, step: int) -> None:
@@ -155,6 +182,18 @@ def run_case(ctx, out: Path, name: str, case: dict, num_generators: int) -> None
         sent = [[src, dst, n] for (src, dst), n in channel.bytes_sent.items()]
         (out / f"{name}_trainer{ctx.local_rank}.json").write_text(json.dumps({"bytes_sent": sent,
                                                                                **bucket_info(channel)}))
+    elif case["layout"] == "stream":
+        model = build_tiny_llama(seed=2, tie_word_embeddings=case["tied"], **SIZES).to(getattr(torch, case["dtype"]))
+        model = model.to("meta")
+        model.tie_weights()  # moving to meta unties; the layout must list the tied weight once
+        toy = StreamToy(ctx, model)
+        for _ in range(2):
+            channel.communicate(ctx, toy)
+        info = {"version": toy.version, "slices": {}, **bucket_info(channel), "streams": toy.streams,
+                "meta": all(p.is_meta for p in model.parameters()),
+                "bytes_received": [[src, dst, n] for (src, dst), n in channel.bytes_received.items()]}
+        tensors = {n: t.contiguous() for n, t in toy.received.items()}
+        save_file(tensors, out / f"{name}_gen{ctx.local_rank}.safetensors", metadata={"info": json.dumps(info)})
     else:
         model, exposed, slices = generator_model(ctx, case, num_generators)
         toy = Toy(ctx, model, slices=exposed)
