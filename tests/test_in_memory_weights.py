@@ -24,8 +24,8 @@ class Source:
 class Sink:
     """A generator with no weights of its own: it keeps what each hand-over streams."""
 
-    def __init__(self, layout, *, stop_after=None):
-        self.layout, self.stop_after = layout, stop_after
+    def __init__(self, layout, *, stop_after=None, raise_after=None):
+        self.layout, self.stop_after, self.raise_after = layout, stop_after, raise_after
         self.ctx = SimpleNamespace(device=torch.device("cpu"))
         self.received, self.version, self.calls = {}, None, 0
 
@@ -38,6 +38,8 @@ class Sink:
             for index, (name, tensor) in enumerate(named_tensors):
                 if index == self.stop_after:
                     return
+                if index == self.raise_after:
+                    raise ValueError("the engine refused a tensor")
                 self.received[name] = tensor
         return sink
 
@@ -78,3 +80,29 @@ def test_a_mismatched_layout_is_refused_before_anything_moves_and_an_early_stop_
     with pytest.raises(RuntimeError, match="stopped"):
         InMemoryWeights("weights", "trainer", "generator").hand_over(Source(trainer, 1), early)
     assert len(early.received) == 2 and early.version is None
+
+
+def test_a_sink_that_raises_still_lets_the_stream_run_to_its_end():
+    """Each gathered parameter is a collective over the trainer's mesh: a sink that raises must not
+    leave the other ranks waiting, so the stream is run to its end before the error is re-raised."""
+    trainer = build_tiny_llama(seed=1)
+    pulled = []
+
+    class Counting(Source):
+        def get_model(self):
+            model = self.model
+
+            class Wrapped(torch.nn.Module):
+                def named_parameters(self, *args, **kwargs):
+                    for name, param in model.named_parameters():
+                        pulled.append(name)
+                        yield name, param
+
+            return Wrapped()
+
+    failing = Sink(meta_layout(tied=False, dtype=torch.float32), raise_after=1)
+    with pytest.raises(ValueError, match="refused"):
+        InMemoryWeights("weights", "trainer", "generator").hand_over(Counting(trainer, 1), failing)
+    # every parameter was gathered (twice listed: once by the layout check, once by the stream)
+    assert pulled.count("model.norm.weight") == 2 and len(pulled) == 2 * len(list(trainer.parameters()))
+

@@ -73,8 +73,9 @@ def drain(iterator) -> int:
 def feed(sink, named_tensors, *, label: str) -> int:
     """Hand ``named_tensors`` (an iterator of ``(name, tensor)``) to ``sink`` (a weight sink's
     callable: it loads them as they come), then run whatever it left unconsumed, so that ranks
-    whose collectives drive the iterator are never left waiting; a sink that stopped early is a
-    RuntimeError after that. Returns the bytes of the tensors handed over."""
+    whose collectives drive the iterator are never left waiting: a sink that raised has its error
+    re-raised after that, one that stopped early is a RuntimeError. Returns the bytes of the
+    tensors handed over."""
     counted = [0]
 
     def counting():
@@ -83,7 +84,11 @@ def feed(sink, named_tensors, *, label: str) -> int:
             yield name, tensor
 
     stream = counting()
-    sink(stream)
+    try:
+        sink(stream)
+    except BaseException:
+        drain(stream)  # the peers are mid-sync: let them finish it, then report the sink's error
+        raise
     left = drain(stream)
     if left:
         raise RuntimeError(f"{label}: the weight sink stopped {left} tensors before the end of the stream")
