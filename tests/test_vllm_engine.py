@@ -295,11 +295,13 @@ def _policy_bytes() -> int:
 
 
 def test_colocated_vllm_streams_each_sync_into_the_engine_and_sleeps_between_steps(tmp_path):
-    """``--run.schedule colocated`` with vLLM (one process: trainer and engine share the device):
-    each tick the whole bf16 policy is streamed from the trainer straight into vLLM (no HF copy on
-    the generator side), and the engine sleeps after generating and wakes its weights for the sync
-    and its KV cache for the next generation (2 wake-ups a tick once weights arrive)."""
-    metrics = _arithmetic_run(tmp_path, nproc=1, flags=["--run.schedule", "colocated"])
+    """``--run.schedule colocated`` with vLLM on two ranks (each rank an FSDP2 trainer shard and its
+    own vLLM engine on the same device): each tick every parameter is gathered from the two shards
+    and streamed straight into each engine (no HF copy on the generator side; the gathers are
+    collectives, so both engines must consume the whole stream), and each engine sleeps after
+    generating and wakes its weights for the sync and its KV cache for the next generation (2
+    wake-ups a tick once weights arrive)."""
+    metrics = _arithmetic_run(tmp_path, nproc=2, flags=["--run.schedule", "colocated"])
     generator = metrics["generator"]
     assert len(generator) == 3 and [m["gen_engine_wake_ups"] for m in generator] == [0.0, 2.0, 4.0]
     # Colocated, tick k's line logs the sync after its generation: the version is the syncs before.
