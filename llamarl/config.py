@@ -151,6 +151,11 @@ class RewardConfig:
     (LlamaRL's placement: no rank, no GPU of its own idles between scorings; under ``async`` it
     scores after the trainer's step, while the generator generates). N > 0: N ranks of its own,
     after the generator's (scoring then overlaps training; worth it for slow scorers)."""
+    device: Literal["auto", "cpu"] = "auto"
+    """With ranks of its own (``--reward.num-ranks N``): ``auto``, each rank's GPU where the node
+    has one for it (ranks beyond the node's GPUs run on CPU); ``cpu``, the host even on GPU nodes,
+    so scoring holds no GPU (its batches are staged on the host: llamarl/placement.py). On the
+    trainer's ranks it uses the trainer's device."""
     num_workers: int = 1
     """Scoring processes per rank the reward runs on (its own or the trainer's; 0 scores inline, without timeouts)."""
     timeout_s: float = 5.0
@@ -167,6 +172,8 @@ class RewardConfig:
 
             resolve_trajectory_scorer(self.trajectory_scorer)  # an unknown name fails at the flag
         _check(self.num_ranks >= 0, f"--reward.num-ranks must be >= 0 (0: on the trainer's ranks), got {self.num_ranks}")
+        _check(self.device == "auto" or self.num_ranks > 0, "--reward.device cpu needs --reward.num-ranks N > 0 "
+               "(on the trainer's ranks the reward uses the trainer's device)")
         _check(self.num_workers >= 0, "--reward.num-workers must be >= 0")
         _check(self.timeout_s > 0, "--reward.timeout-s must be > 0")
 

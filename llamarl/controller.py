@@ -46,7 +46,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
-import torch.distributed as dist
 
 from llamarl.channels.base import check_delivery_order, check_endpoints
 from llamarl.channels.in_memory import InMemoryChannel, InMemoryWeights
@@ -54,7 +53,7 @@ from llamarl.checkpoint import commit_step, partial_dir, prune
 from llamarl.errors import exception_text
 from llamarl.executor import Executor
 from llamarl.liveness import Heartbeat
-from llamarl.world import ExecutorContext
+from llamarl.world import ExecutorContext, world_barrier
 
 
 @dataclass
@@ -286,7 +285,7 @@ class ExecutorController:
             self.phase = "checkpoint"
             self.on_checkpoint(partial_dir(root, step))
         self.phase = "checkpoint barrier"
-        dist.barrier()  # every executor's files are on disk (WORLD: all ranks checkpoint together)
+        world_barrier(self.ctx)  # every executor's files are on disk (WORLD: all ranks checkpoint together)
         if self.ctx.rank == 0:
             commit_step(root, step, {"executors": sorted(self.ctx.ranks), "world_size": self.ctx.world_size,
                                      "time": time.time()})

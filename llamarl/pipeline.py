@@ -68,6 +68,9 @@ class Stage:
     small for the split names it (None: the stage's name)."""
     tp: int = 1
     """Tensor-parallel degree: the stage's mesh is 2-D ``(dp, tp)`` when > 1."""
+    device: str = "auto"
+    """``auto``: each rank's GPU on a CUDA node (the host for ranks beyond its GPUs); ``cpu``: the
+    host even where GPUs exist (llamarl/placement.py: a stage that needs no GPU, e.g. a scorer)."""
     headline: tuple[str, ...] = ()
     """Metric keys of this executor shown on rank 0's progress bar (those it reports each tick)."""
     colocate_with: str | None = None
@@ -189,10 +192,11 @@ class Pipeline:
 
     def colocated(self) -> Pipeline:
         """This pipeline with every stage on every rank (``--run.schedule colocated``): the first
-        stage takes the whole world, the others share its ranks; channels and order unchanged."""
+        stage takes the whole world, the others share its ranks (and so its device); channels and
+        order unchanged."""
         first, *rest = self.stages
         stages = [replace(first, num_ranks=None, colocate_with=None),
-                  *(replace(s, colocate_with=first.name) for s in rest)]
+                  *(replace(s, colocate_with=first.name, device="auto") for s in rest)]
         return replace(self, stages=stages)
 
     def specs(self, world_size: int) -> list[ExecutorSpec]:
@@ -219,8 +223,8 @@ class Pipeline:
                 raise ValueError(f"{channel.kind} channel {channel.name!r} joins co-resident stages on "
                                  f"{counts[self.host(channel.inbound)]} ranks; use scatter (each rank keeps its rows) "
                                  "or give one stage ranks of its own")
-        return [ExecutorSpec(s.name, counts[self.host(s.name)], tp=s.tp, colocate_with=s.colocate_with)
-                for s in self.stages]
+        return [ExecutorSpec(s.name, counts[self.host(s.name)], tp=s.tp, colocate_with=s.colocate_with,
+                             device=s.device) for s in self.stages]
 
     def build_channels(self) -> list:
         """Every channel's object, in memory between co-resident stages."""

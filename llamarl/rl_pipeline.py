@@ -90,7 +90,7 @@ def reward_stage(config: RLConfig, *, scorer: str | None, name: str = "reward", 
     if config.reward.num_ranks == 0:
         return Stage(name, build=build, num_ranks=None, colocate_with="trainer", headline=REWARD_HEADLINE)
     return Stage(name, build=build, num_ranks=config.reward.num_ranks, ranks_flag="--reward.num-ranks",
-                 headline=REWARD_HEADLINE)
+                 device=config.reward.device, headline=REWARD_HEADLINE)
 
 
 def trainer_stage(config: RLConfig, *, name: str = "trainer", input_name: str = "scored") -> Stage:

@@ -78,7 +78,7 @@ from llamarl.progress import Progress
 from llamarl.rewards.trajectory import TrajectoryScore, resolve_trajectory_scorer
 from llamarl.run_log import RunLog
 from llamarl.shared_dir import check_shared_run_dir
-from llamarl.world import ExecutorContext
+from llamarl.world import ExecutorContext, world_barrier
 
 logger = logging.getLogger("llamarl.runner")
 
@@ -107,13 +107,13 @@ def run_pipeline(pipeline: Pipeline, config, *, recipe: str, heldout: list[Probl
     contexts = ExecutorContext.create_all(pipeline.specs(world_size), timeout_s=run.collective_timeout_s)
     ctx = next(iter(contexts.values()))  # rank-wide facts (rank, device, ranks) are the same in each
     setup_logging(executor="+".join(contexts), rank=ctx.rank)
-    run_dir = _shared_run_dir(run.output_dir, recipe, ctx.device)
+    run_dir = _shared_run_dir(run.output_dir, recipe, ctx.world_device)
     run_dir.mkdir(parents=True, exist_ok=True)
-    check_shared_run_dir(run_dir, device=ctx.device)  # every node must see the same directory
+    check_shared_run_dir(run_dir, device=ctx.world_device)  # every node must see the same directory
     checkpoint_dir = run_dir / "checkpoints"
     reporter_rank = ctx.ranks[pipeline.evaluator][0] if pipeline.evaluator else 0
     reporter = ctx.rank == reporter_rank
-    resume_dir, start_step, finished = _resume_point(config, run_dir, rank=ctx.rank)
+    resume_dir, start_step, finished = _resume_point(config, run_dir, ctx=ctx)
     if finished is not None:
         ctx.destroy()
         return finished if reporter else None
@@ -144,7 +144,7 @@ def run_pipeline(pipeline: Pipeline, config, *, recipe: str, heldout: list[Probl
                               resumed_at=start_step if resume_dir is not None else None, wall_start=wall_start)
     log = RunLog(contexts=contexts, run_dir=run_dir, start_step=start_step, weight_channels=init_channels,
                  progress=Progress(keys=pipeline.headline_keys(), max_steps=run.max_steps, start_step=start_step,
-                                   rank=ctx.rank, device=ctx.device))
+                                   rank=ctx.rank, device=ctx.world_device))
     summary: dict = {}
 
     def on_checkpoint(partial: Path) -> None:
@@ -162,7 +162,7 @@ def run_pipeline(pipeline: Pipeline, config, *, recipe: str, heldout: list[Probl
         if evaluations.due(step + 1):
             if checkpointed and reporter_rank != 0:
                 # Rank 0 has committed step_<step + 1>, whose runner state the reporter updates below.
-                dist.barrier()
+                world_barrier(ctx)
             if evaluates:
                 with controller.guard():  # collective over a TP group: every rank of the replica runs it
                     evaluations.evaluate(step + 1, f"eval_step_{step + 1}.jsonl")
@@ -196,7 +196,7 @@ def run_pipeline(pipeline: Pipeline, config, *, recipe: str, heldout: list[Probl
         executor.close()
     log.close(extra_spans=evaluations.spans, rank=ctx.rank)
     peak_gib = _peak_device_memory_gib(ctx)
-    dist.barrier()
+    world_barrier(ctx)
     controller.finish()
     result = None
     if reporter:
@@ -223,7 +223,7 @@ def run_pipeline(pipeline: Pipeline, config, *, recipe: str, heldout: list[Probl
     return result
 
 
-def _resume_point(config, run_dir: Path, *, rank: int) -> tuple[Path | None, int, dict | None]:
+def _resume_point(config, run_dir: Path, *, ctx: ExecutorContext) -> tuple[Path | None, int, dict | None]:
     """``(checkpoint to resume from or None, its step, the summary of a run that already finished)``.
 
     Collective (WORLD barriers) when resuming: every rank resolves the checkpoint before global
@@ -236,16 +236,16 @@ def _resume_point(config, run_dir: Path, *, rank: int) -> tuple[Path | None, int
     resume_dir, start_step = resolve_resume(config.checkpoint.resume, run_dir / "checkpoints")
     finished = _finished_summary(run_dir, resume_dir, start_step, max_steps)
     if finished is not None:
-        if rank == 0:
+        if ctx.rank == 0:
             logger.info("run already finished at step %d (%s); nothing to do", max_steps, run_dir / "summary.json")
         return resume_dir, start_step, finished
-    dist.barrier()
-    if rank == 0:
+    world_barrier(ctx)
+    if ctx.rank == 0:
         archived = archive_after(run_dir, start_step)
         if archived is not None:
             logger.info("resuming at step %d: moved what an abandoned run left after it (%s) to %s",
                         start_step, ", ".join(archived[1]), archived[0])
-    dist.barrier()
+    world_barrier(ctx)
     return resume_dir, start_step, None
 
 
@@ -271,11 +271,12 @@ def _finished_summary(run_dir: Path, resume_dir: Path, step: int, max_steps: int
 
 def _peak_device_memory_gib(ctx: ExecutorContext) -> float | None:
     """The largest ``torch.cuda.max_memory_allocated`` of any rank, in GiB (a WORLD all-reduce on
-    every rank); None off CUDA, where no allocator statistics exist. The device type is the same on
-    every rank of a world, so either all ranks take part or none does."""
-    if ctx.device.type != "cuda":
+    every rank; a CPU rank of a mixed world adds 0); None in a world without GPUs, where no
+    allocator statistics exist (then no rank takes part)."""
+    if ctx.device.type != "cuda" and "cuda" not in ctx.device_kinds.values():
         return None
-    peak = torch.tensor([torch.cuda.max_memory_allocated(ctx.device) / 2**30], device=ctx.device)
+    used = torch.cuda.max_memory_allocated(ctx.device) / 2**30 if ctx.device.type == "cuda" else 0.0
+    peak = torch.tensor([used], device=ctx.world_device)
     dist.all_reduce(peak, op=dist.ReduceOp.MAX)
     return round(peak.item(), 3)
 

@@ -25,6 +25,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
+from llamarl.placement import DEVICES, MIXED_BACKEND, device_kinds, is_mixed, link_device
 from llamarl.preflight import stop_after_checks
 
 # Set once this process starts to make the world; never reset (llamarl/errors.py: what counts as a
@@ -53,6 +54,9 @@ class ExecutorSpec:
     num_ranks: int
     tp: int = 1
     colocate_with: str | None = None
+    device: str = "auto"
+    """``auto``: the rank's GPU on a CUDA machine (the host beyond the node's GPUs), else the CPU;
+    ``cpu``: the host even where GPUs exist (``llamarl/placement.py``)."""
 
 
 def plan_ranks(specs: list[ExecutorSpec], world_size: int) -> dict[str, list[int]]:
@@ -79,6 +83,8 @@ def plan_ranks(specs: list[ExecutorSpec], world_size: int) -> dict[str, list[int
                                  f"declares {spec.num_ranks}")
         if spec.num_ranks < 1:
             raise ValueError(f"executor {spec.name!r} has {spec.num_ranks} ranks; every executor needs >= 1")
+        if spec.device not in DEVICES:
+            raise ValueError(f"executor {spec.name!r}: device must be one of {DEVICES}, got {spec.device!r}")
         if spec.tp < 1 or spec.num_ranks % spec.tp:
             raise ValueError(f"executor {spec.name!r}: num_ranks ({spec.num_ranks}) must be a multiple of tp ({spec.tp})")
     total = sum(s.num_ranks for s in hosts.values())
@@ -121,7 +127,9 @@ class ExecutorContext:
     ``ranks`` (executor name -> global ranks), ``group`` (this executor's process group),
     ``mesh`` (a 1-D DeviceMesh over this executor's ranks, or the 2-D ``("dp", "tp")`` mesh when
     its spec has ``tp > 1``), ``device``, ``tp_sizes`` (executor name -> TP degree; missing
-    means 1).
+    means 1), ``device_kinds`` (executor name -> ``cuda`` / ``cpu``; missing means this rank's
+    kind) and ``world_device``: where WORLD-wide collectives put their tensors, the host when the
+    world mixes GPU and CPU executors, else ``device`` (``llamarl/placement.py``).
     """
 
     rank: int
@@ -132,6 +140,21 @@ class ExecutorContext:
     mesh: DeviceMesh | None
     device: torch.device
     tp_sizes: dict[str, int] = field(default_factory=dict)
+    device_kinds: dict[str, str] = field(default_factory=dict)
+    world_device: torch.device | None = None
+
+    def __post_init__(self) -> None:
+        if self.world_device is None:
+            self.world_device = self.device
+
+    @property
+    def mixed(self) -> bool:
+        """Whether this world's executors mix GPUs and CPUs (``llamarl/placement.py``)."""
+        return is_mixed(self.device_kinds)
+
+    def link_device(self, peer: str) -> torch.device:
+        """Where a batch to or from executor ``peer`` is staged (``placement.link_device``)."""
+        return link_device(self.device, self.device.type, self.device_kinds.get(peer, self.device.type))
 
     @staticmethod
     def create(specs: list[ExecutorSpec], **options) -> ExecutorContext:
@@ -156,26 +179,38 @@ class ExecutorContext:
         """
         world_size = int(os.environ.get("WORLD_SIZE", "1"))
         ranges = plan_ranks(specs, world_size)
-        stop_after_checks()  # ``python -m llamarl.preflight``: every pre-world check has passed
         backend = backend or default_backend()
+        kinds, gpu_index = device_kinds(specs, ranges, cuda=backend == "nccl", gpus_per_node=_gpus_per_node(),
+                                        ranks_per_node=int(os.environ.get("LOCAL_WORLD_SIZE", str(world_size))))
+        mixed = is_mixed(kinds)
+        stop_after_checks()  # ``python -m llamarl.preflight``: every pre-world check has passed
+        rank = dist.get_rank() if dist.is_initialized() else int(os.environ.get("RANK", "0"))
+        on_gpu = kinds[next(s.name for s in specs if rank in ranges[s.name])] == "cuda"
+        if mixed:  # llamarl/placement.py: both backends in every group, nothing bound to a device
+            backend = MIXED_BACKEND
+        elif "cuda" not in kinds.values():
+            backend = "gloo"  # every executor asked for the host
         timeout = timedelta(seconds=timeout_s)
         global _world_made
         _world_made = True
         if not dist.is_initialized():
             device_id = None
-            if backend == "nccl":
-                # The rank's own GPU, set before the group exists and bound to it (device_id), so
-                # barriers and collectives never guess the device from the current context.
-                device_id = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+            if on_gpu:
+                # The rank's own GPU (its LOCAL_RANK, unless CPU ranks before it on the node left it
+                # another: llamarl/placement.py), set before the group exists and bound to it
+                # (device_id), so barriers and collectives never guess the device from the context.
+                local = gpu_index[rank] if mixed else int(os.environ.get("LOCAL_RANK", "0"))
+                device_id = torch.device("cuda", local)
                 torch.cuda.set_device(device_id)
-            dist.init_process_group(backend=backend, timeout=timeout, device_id=device_id)
+            dist.init_process_group(backend=backend, timeout=timeout, device_id=None if mixed else device_id)
         rank = dist.get_rank()
-        device = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")
+        device = torch.device("cuda", torch.cuda.current_device()) if on_gpu else torch.device("cpu")
+        world_device = torch.device("cpu") if mixed else device
         # NCCL: the device was set before the group was made (above), and one WORLD-wide collective
         # runs before any sub-group or point-to-point traffic, so every rank's communicator exists
         # and a first P2P between a subset of ranks is never the first operation on WORLD (which
         # NCCL documents as undefined). Cheap and harmless under gloo, so it always runs.
-        dist.all_reduce(torch.zeros(1, device=device))
+        dist.all_reduce(torch.zeros(1, device=world_device))
         groups = {}
         # new_group is collective over WORLD: every rank creates every group, in spec order.
         for spec in specs:
@@ -198,7 +233,8 @@ class ExecutorContext:
                                                           mesh_dim_names=("dp", "tp"))
         tp_sizes = {s.name: s.tp for s in specs}
         return {name: ExecutorContext(rank=rank, world_size=world_size, executor=name, ranks=ranges,
-                                      group=groups[name], mesh=meshes[name], device=device, tp_sizes=tp_sizes)
+                                      group=groups[name], mesh=meshes[name], device=device, tp_sizes=tp_sizes,
+                                      device_kinds=kinds, world_device=world_device)
                 for name in mine}
 
     @property
@@ -243,6 +279,19 @@ class ExecutorContext:
         """Tear down the default group (and with it every subgroup)."""
         if dist.is_initialized():
             dist.destroy_process_group()
+
+
+def _gpus_per_node() -> int:
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
+def world_barrier(ctx: ExecutorContext) -> None:
+    """A barrier over WORLD: ``dist.barrier()``, or in a world mixing GPU and CPU ranks an
+    all-reduce of one host tensor (every rank then takes the same backend, gloo)."""
+    if not ctx.mixed:
+        dist.barrier()
+    else:
+        dist.all_reduce(torch.zeros(1, device=ctx.world_device))
 
 
 def _grid_groups(grid: list[list[int]], *, rank: int, timeout: timedelta,

@@ -10,7 +10,6 @@ import re
 import time
 from datetime import timedelta
 from pathlib import Path
-from types import SimpleNamespace
 
 import pytest
 import torch
@@ -26,6 +25,7 @@ from llamarl.batch import (
     check_wire_sizes,
 )
 from llamarl.channels.base import BROADCAST, CommunicationChannel
+from llamarl.world import ExecutorContext
 
 SOURCE = "channel 'rollouts' from rank 3"
 
@@ -211,8 +211,8 @@ def world_main(rank: int, out: str) -> None:
         return real_empty(*args, **kwargs)
 
     torch.empty = recording_empty
-    ctx = SimpleNamespace(executor="b" if rank == 0 else "a", ranks={"a": [1], "b": [0]}, rank=rank,
-                          device=torch.device("cpu"))
+    ctx = ExecutorContext(rank=rank, world_size=2, executor="b" if rank == 0 else "a", ranks={"a": [1], "b": [0]},
+                          group=None, mesh=None, device=torch.device("cpu"))
     channel = CommunicationChannel("rollouts", "a", "b", BROADCAST, max_data_bytes=LIMIT)
     endpoint = Endpoint()
     results = {}

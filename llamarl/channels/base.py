@@ -127,9 +127,14 @@ class CommunicationChannel:
         out_ranks, in_ranks = ctx.ranks[self.outbound], ctx.ranks[self.inbound]
         label = f"channel {self.name!r}"
 
+        # Staged on this executor's device, or on the host between a GPU and a CPU executor (both
+        # ends agree: llamarl/placement.py); what arrives is then moved to this executor's device.
+        peer = self.inbound if ctx.executor == self.outbound else self.outbound
+        link = ctx.link_device(peer)
+
         def send_recv(sends: dict[int, TensorBatch], recv_from: list[int]) -> dict[int, TensorBatch]:
-            return exchange(sends, recv_from, device=ctx.device, label=label,
-                            max_data_bytes=self.max_data_bytes)
+            got = exchange(sends, recv_from, device=link, label=label, max_data_bytes=self.max_data_bytes)
+            return got if link == ctx.device else {src: batch.to(ctx.device) for src, batch in got.items()}
 
         received: TensorBatch | None = None
         if self.kind is BROADCAST:

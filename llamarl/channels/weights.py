@@ -147,6 +147,11 @@ class WeightsChannel:
         """One sync; every rank of both executors must call it (a no-op elsewhere)."""
         if not self.involves(ctx):
             return
+        kinds = {name: ctx.device_kinds.get(name, ctx.device.type) for name in (self.outbound, self.inbound)}
+        if kinds[self.outbound] != kinds[self.inbound]:  # every rank of both ends decides alike: all raise
+            raise ValueError(f"weight channel {self.name!r}: {self.outbound!r} runs on {kinds[self.outbound]} and "
+                             f"{self.inbound!r} on {kinds[self.inbound]}; weights move between executors on the "
+                             "same kind of device (llamarl/placement.py)")
         start = time.perf_counter()
         # The trainer's version first (8 bytes to each generator rank): when it is the version
         # already synced (a tick without an optimizer step), no weight moves at all.
