@@ -27,7 +27,13 @@ import time
 from dataclasses import dataclass
 
 from llamarl.batch import TensorBatch
-from llamarl.models.weight_copy import check_same_parameters, copy_weights_in_place, feed, stream_full_weights
+from llamarl.models.weight_copy import (
+    check_same_parameters,
+    copy_weights_in_place,
+    feed,
+    stream_full_weights,
+    weight_sink_of,
+)
 
 
 @dataclass
@@ -76,7 +82,7 @@ class InMemoryWeights(_InMemory):
         self.last_skipped = version == self._synced_version
         self.last_bytes_received = 0
         if not self.last_skipped:
-            stream_into = sink.weight_sink() if hasattr(sink, "weight_sink") else None
+            stream_into = weight_sink_of(sink)
             if stream_into is None:
                 self.last_bytes_received = copy_weights_in_place(source.get_model(), sink.get_model())
             else:

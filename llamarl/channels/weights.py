@@ -58,7 +58,7 @@ from torch.distributed.tensor import DTensor
 from llamarl.batch import DTYPES, TensorBatch, WireFormatError
 from llamarl.channels.ddma_plan import Piece, box_index, build_plan, describe_local_layout, local_tensor
 from llamarl.channels.p2p import exchange
-from llamarl.models.weight_copy import drain, feed
+from llamarl.models.weight_copy import feed, weight_sink_of
 
 MODES = ("ddma", "gather_broadcast")
 
@@ -269,12 +269,9 @@ class WeightsChannel:
             _wait(ops)  # the version alone, when no rank has a piece to move
             self.bytes_sent = sent
         else:
-            sink = executor.weight_sink() if hasattr(executor, "weight_sink") else None
+            sink = weight_sink_of(executor)
             rounds = self._ddma_receive(ctx, params, version=version, received=received, stream=sink is not None)
-            if sink is None:
-                drain(rounds)
-            else:
-                feed(sink, rounds, label=f"weight channel {self.name!r}")
+            feed(sink, rounds, label=f"weight channel {self.name!r}")
             self.bytes_received = received
             executor.set_weights_version(int(version.item()))
 
@@ -400,13 +397,10 @@ class WeightsChannel:
         else:
             # Every generator rank receives every full parameter; a TP rank keeps its box of each
             # (what verl / OpenRLHF do for TP engines), a replica keeps all of it.
-            sink = executor.weight_sink() if hasattr(executor, "weight_sink") else None
+            sink = weight_sink_of(executor)
             rounds = self._gather_broadcast_receive(ctx, params, chunks=chunks, shapes=shapes, dtype=dtype,
                                                     largest=largest, version=version, stream=sink is not None)
-            if sink is None:
-                drain(rounds)
-            else:
-                feed(sink, rounds, label=f"weight channel {self.name!r}")
+            feed(sink, rounds, label=f"weight channel {self.name!r}")
             moved = sum(math.prod(shapes[n]) for chunk in chunks for n in chunk) * dtype.itemsize
             self.bytes_received = {(leader, ctx.rank): moved}
             executor.set_weights_version(int(version.item()))

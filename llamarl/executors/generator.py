@@ -221,7 +221,7 @@ class GeneratorExecutor(Executor):
         self.sleeps = self.streams_weights and self.config.vllm_sleep and self._shares_ranks()
         # A vLLM engine slices the weights itself (one TP worker per rank of the group): its layout,
         # what the weight channel plans against, stays whole on every rank of the group.
-        if self.ctx.tp_size > 1 and self.config.engine != "vllm":
+        if self.ctx.tp_size > 1 and not self.streams_weights:
             apply_tensor_parallel(self.model, self.ctx.tp_mesh)
         eos = stop_token_ids(self.model, self.tokenizer)
         pad = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else min(eos, default=0)

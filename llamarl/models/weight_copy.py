@@ -70,12 +70,21 @@ def drain(iterator) -> int:
     return sum(1 for _ in iterator)
 
 
+def weight_sink_of(executor):
+    """The executor's ``weight_sink()`` (a callable that loads a stream of weights), or None for
+    an executor whose parameters the weight channels write in place."""
+    return executor.weight_sink() if hasattr(executor, "weight_sink") else None
+
+
 def feed(sink, named_tensors, *, label: str) -> int:
     """Hand ``named_tensors`` (an iterator of ``(name, tensor)``) to ``sink`` (a weight sink's
     callable: it loads them as they come), then run whatever it left unconsumed, so that ranks
     whose collectives drive the iterator are never left waiting: a sink that raised has its error
-    re-raised after that, one that stopped early is a RuntimeError. Returns the bytes of the
-    tensors handed over."""
+    re-raised after that, one that stopped early is a RuntimeError. ``sink`` None: the iterator is
+    only run (it writes in place). Returns the bytes of the tensors handed over."""
+    if sink is None:
+        drain(named_tensors)
+        return 0
     counted = [0]
 
     def counting():
