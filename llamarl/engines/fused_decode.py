@@ -36,6 +36,8 @@ from __future__ import annotations
 import torch
 from torch.distributed.tensor import DTensor
 
+from llamarl.engines import cpu_kernels
+
 _SUPPORTED = ("LlamaForCausalLM", "Qwen2ForCausalLM", "MistralForCausalLM")
 _RMS_NORMS = ("LlamaRMSNorm", "Qwen2RMSNorm", "MistralRMSNorm")
 
@@ -46,15 +48,20 @@ def _mkldnn_ready(weight: torch.Tensor) -> bool:
 
 
 class _Linear:
-    """One fused projection: its weight (and bias), pre-packed for oneDNN on CPU."""
+    """One fused projection: its weight (and bias), pre-packed for oneDNN on CPU; in bf16 at one or
+    two rows on one thread, the AVX512-BF16 GEMV where it runs (``cpu_kernels``: ~1.8x faster there)."""
 
     def __init__(self, weights: list[torch.Tensor], biases: list[torch.Tensor | None], *, rows_hint: int) -> None:
         self.weight = torch.cat(weights) if len(weights) > 1 else weights[0]
         self.bias = None if biases[0] is None else (torch.cat(biases) if len(biases) > 1 else biases[0])
         self.packed = (torch.ops.mkldnn._reorder_linear_weight(self.weight, rows_hint)
                        if _mkldnn_ready(self.weight) else None)
+        self.gemv = (self.weight.dtype == torch.bfloat16 and self.weight.device.type == "cpu"
+                     and self.weight.is_contiguous() and cpu_kernels.gemv_available())
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if self.gemv and x.shape[0] <= cpu_kernels.GEMV_ROWS and torch.get_num_threads() == 1:
+            return cpu_kernels.linear(x, self.weight, self.bias)
         if self.packed is not None:
             return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
         return torch.nn.functional.linear(x, self.weight, self.bias)
@@ -89,6 +96,13 @@ class FusedDecoder:
         self._fused: list[tuple[_Linear, _Linear, _Linear, _Linear]] | None = None
         self._head: _Linear | None = None
         self._built_from: tuple[int, ...] = ()
+        norms = [m for layer in model.model.layers for m in (layer.input_layernorm, layer.post_attention_layernorm)]
+        # The C layer helpers (cpu_kernels): bf16 on the CPU, these families' RMSNorm and SwiGLU.
+        self._native = (model.model.embed_tokens.weight.dtype == torch.bfloat16
+                        and model.model.embed_tokens.weight.device.type == "cpu"
+                        and getattr(config, "hidden_act", None) == "silu"
+                        and all(type(m).__name__ in _RMS_NORMS for m in (*norms, model.model.norm))
+                        and cpu_kernels.available())
 
     def _sources(self) -> list[torch.Tensor]:
         return [p for layer in self.model.model.layers
@@ -126,6 +140,8 @@ class FusedDecoder:
     def step(self, state: DecodeState, tokens: torch.Tensor) -> torch.Tensor:
         """Logits ``[rows, vocab]`` of the next token after ``tokens`` ``[rows]``, one per live row of
         ``state``; each token sits at its row's next position, where its keys and values are written."""
+        if self._native and tokens.shape[0] <= cpu_kernels.LAYER_ROWS and torch.get_num_threads() == 1:
+            return self._step_native(state, tokens)
         model = self.model
         rows = tokens.shape[0]
         assert rows == state.num_rows, (rows, state.num_rows)
@@ -171,6 +187,37 @@ class FusedDecoder:
         hidden = norm(model.model.norm, hidden)
         state.lengths = [length + 1 for length in state.lengths]
         return self._head(hidden.view(rows, -1))
+
+
+    @torch.no_grad()
+    def _step_native(self, state: DecodeState, tokens: torch.Tensor) -> torch.Tensor:
+        """``step`` through the C layer helpers (``cpu_kernels``): per layer the q/k/v projection,
+        attention (RoPE, the cache write, grouped-query attention over each row's own columns), the
+        output projection, the residual add with the next norm, gate/up, SwiGLU, down and again the
+        residual add with the next norm: eight calls instead of ~35 ops."""
+        model = self.model
+        rows = tokens.shape[0]
+        assert rows == state.num_rows, (rows, state.num_rows)
+        positions = torch.tensor(state.lengths, dtype=torch.long, device=tokens.device)
+        state.reserve(max(state.lengths) + 1)
+        state.mask[torch.arange(rows, device=tokens.device), positions] = True  # for a later PyTorch step
+        hidden = model.model.embed_tokens(tokens)  # [rows, hidden], a new tensor: updated in place below
+        cos, sin = model.model.rotary_emb(hidden.unsqueeze(1), positions.unsqueeze(1))
+        cos, sin = cos.reshape(rows, -1).contiguous(), sin.reshape(rows, -1).contiguous()
+        layers = model.model.layers
+        first = layers[0].input_layernorm
+        x = cpu_kernels.rmsnorm(hidden, first.weight, eps=first.variance_epsilon)
+        for index, (layer, (qkv, out, gate_up, down)) in enumerate(zip(layers, self._layers(rows))):
+            attended = cpu_kernels.attention(qkv(x), cos=cos, sin=sin, keys=state.keys[index],
+                                             values=state.values[index], positions=positions,
+                                             num_heads=self.num_heads, scaling=self.scaling)
+            norm = layer.post_attention_layernorm
+            x = cpu_kernels.add_rmsnorm(hidden, out(attended), norm.weight, eps=norm.variance_epsilon)
+            mlp = down(cpu_kernels.silu_mul(gate_up(x)))
+            norm = layers[index + 1].input_layernorm if index + 1 < len(layers) else model.model.norm
+            x = cpu_kernels.add_rmsnorm(hidden, mlp, norm.weight, eps=norm.variance_epsilon)
+        state.lengths = [length + 1 for length in state.lengths]
+        return self._head(x)
 
 
 def _norm(module: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:

@@ -1,0 +1,242 @@
+"""C kernels for bf16 CPU decode steps: the linear layers at one or two rows (AVX512-BF16), and the
+norms, attention and activation of a layer as one call each (``csrc/bf16_decode.c``).
+
+Why: a decode step reads every weight once and, at a few rows, does almost no arithmetic, so its
+floor is the weights' bytes over the memory bandwidth; what keeps eager PyTorch from it on a CPU is
+(1) oneDNN's bf16 matmul at one row, and (2) ~35 small ops per layer at a few microseconds each.
+Measured on SmolLM2-135M, one thread, AMD EPYC with AVX512-BF16, all the linear layers of a step
+(269 MB over 30 distinct layers, so the weights come from memory, not cache): oneDNN pre-packed
+22.1 ms at one row and 26.8 at two, this GEMV 12.3 and 14.7, against 11.0 ms to read the same
+bytes; at three rows oneDNN is as fast (18.7 vs 19.0 ms) and at four faster (16.7), so the GEMV
+runs for at most ``GEMV_ROWS`` rows. The layer helpers replace the ops around the linears:
+RMSNorm (with the residual add before it), RoPE + the KV-cache write + grouped-query attention
+over each row's valid columns only, and SwiGLU's ``silu(gate) * up``.
+
+What they compute: each rounds to bf16 where HF's eager bf16 modules round and computes in fp32 in
+between, so the outputs equal theirs up to the order of fp32 sums (the last bf16 bit, now and then;
+``tests/test_cpu_kernels.py`` checks each against the PyTorch ops it replaces). fp32 models never
+use them (the PyTorch path reproduces HF's tokens exactly there).
+
+When: bf16 weights on the CPU and one intra-op thread (the kernels are single-threaded; with more
+threads the PyTorch ops split the work instead); a C compiler (``$CC``, else ``cc`` / ``gcc``); not
+``LLAMARL_CPU_KERNELS=0``. The GEMV additionally needs the CPU's ``avx512_bf16`` flag (Linux x86-64;
+the library is built with it where the CPU has it, without it elsewhere). The source is compiled
+once per machine into ``$LLAMARL_CACHE_DIR`` (default ``$XDG_CACHE_HOME/llamarl`` or
+``~/.cache/llamarl``), named by a hash of the source, the flags and the compiler, written to a
+temporary file and renamed into place (ranks starting together may both compile; one file wins).
+A failed compile is logged once and the callers keep the PyTorch ops: the kernels are an
+accelerator, never a requirement. Loaded with ``ctypes`` (no Python headers; calls release the GIL).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import logging
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+import torch
+
+log = logging.getLogger("llamarl.engines.cpu_kernels")
+
+GEMV_ROWS = 2
+"""Rows up to which ``linear`` is used (module docstring: the measured crossover with oneDNN)."""
+
+LAYER_ROWS = 8
+"""Rows up to which ``FusedDecoder`` runs its layers through the helpers: measured faster there
+(SmolLM2-135M, one thread, ms per step with the helpers / without: 15.0 / 31.0 at 1 row, 24.7 /
+30.9 at 4, 30.8 / 37.5 at 8), not at 16 (50.9 / 49.9), where SwiGLU's and attention's loops
+(single-threaded, partly scalar) cost what the ops they replace cost."""
+
+_SOURCE = Path(__file__).with_name("csrc") / "bf16_decode.c"
+_FLAGS = ["-O3", "-shared", "-fPIC", "-fno-math-errno", "-fassociative-math", "-fno-signed-zeros", "-fno-trapping-math"]
+_GEMV_FLAGS = ["-DLLAMARL_GEMV", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16"]
+_P, _I64, _F32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
+_SIGNATURES = {
+    "llamarl_gemv_bf16": ([_P] * 4 + [_I64] * 3, ctypes.c_int),
+    "llamarl_gemv_max_rows": ([], ctypes.c_int),
+    "llamarl_rmsnorm_bf16": ([_P] * 3 + [_I64] * 2 + [_F32], None),
+    "llamarl_add_rmsnorm_bf16": ([_P] * 4 + [_I64] * 2 + [_F32], None),
+    "llamarl_silu_mul_bf16": ([_P] * 2 + [_I64] * 2, None),
+    "llamarl_attention_bf16": ([_P] * 8 + [_I64] * 5 + [_F32], ctypes.c_int),
+}
+
+
+def cpu_has_avx512_bf16() -> bool:
+    """True when this Linux x86-64 CPU reports the ``avx512_bf16`` flag (``/proc/cpuinfo``)."""
+    if platform.system() != "Linux" or platform.machine() not in ("x86_64", "AMD64"):
+        return False
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as info:
+            for line in info:
+                if line.startswith("flags"):
+                    return "avx512_bf16" in line.split()
+    except OSError:
+        return False
+    return False
+
+
+def _cache_dir() -> Path:
+    if os.environ.get("LLAMARL_CACHE_DIR"):
+        return Path(os.environ["LLAMARL_CACHE_DIR"])
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "llamarl"
+
+
+def build(*, gemv: bool, cache_dir: Path | None = None, compiler: str | None = None) -> Path:
+    """Compile ``csrc/bf16_decode.c`` (with the AVX512-BF16 GEMV when ``gemv``) once per source,
+    flags and compiler, and return the shared library's path; raise ``RuntimeError`` naming the
+    compiler and its first error line when it cannot."""
+    compiler = compiler or os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+    if compiler is None:
+        raise RuntimeError("no C compiler found ($CC, cc, gcc)")
+    flags = _FLAGS + (_GEMV_FLAGS if gemv else [])
+    key = hashlib.sha256(_SOURCE.read_bytes() + " ".join([compiler, *flags]).encode()).hexdigest()[:16]
+    target = (cache_dir or _cache_dir()) / f"bf16_decode-{key}.so"
+    if target.exists():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    fd, partial = tempfile.mkstemp(suffix=".so", dir=target.parent)
+    os.close(fd)
+    try:
+        try:
+            done = subprocess.run([compiler, *flags, str(_SOURCE), "-o", partial, "-lm"], capture_output=True,
+                                  text=True, timeout=120, check=False)
+        except (OSError, subprocess.TimeoutExpired) as error:
+            raise RuntimeError(f"{compiler} could not compile {_SOURCE.name}: {error}") from error
+        if done.returncode != 0:
+            first = (done.stderr.strip().splitlines() or ["(no output)"])[0]
+            raise RuntimeError(f"{compiler} failed on {_SOURCE.name}: {first}")
+        os.replace(partial, target)  # atomic: a rank compiling beside us gets a whole file too
+    finally:
+        if os.path.exists(partial):
+            os.unlink(partial)
+    return target
+
+
+@functools.cache
+def _library() -> ctypes.CDLL | None:
+    """The loaded kernels, or None where they cannot run here (module docstring; logged once)."""
+    if os.environ.get("LLAMARL_CPU_KERNELS", "1") == "0":
+        return None
+    try:
+        library = ctypes.CDLL(str(build(gemv=cpu_has_avx512_bf16())))
+    except (OSError, RuntimeError) as error:
+        log.warning("the bf16 CPU decode kernels are not used (%s); PyTorch ops run the decode steps", error)
+        return None
+    for name, (argtypes, restype) in _SIGNATURES.items():
+        function = getattr(library, name)
+        function.argtypes, function.restype = argtypes, restype
+    return library
+
+
+def available() -> bool:
+    """True when the layer helpers (norms, attention, activation) can run here, building them if needed."""
+    return _library() is not None
+
+
+def gemv_available() -> bool:
+    """True when ``linear`` can run here (the library was built with the AVX512-BF16 GEMV)."""
+    library = _library()
+    return library is not None and library.llamarl_gemv_max_rows() >= GEMV_ROWS
+
+
+def _checked(name: str, t: torch.Tensor, shape: tuple[int, ...], dtype: torch.dtype = torch.bfloat16) -> int:
+    """``t``'s data pointer once it is a contiguous CPU tensor of ``shape`` and ``dtype``; else a
+    ``ValueError`` naming the argument (the kernels index raw memory: nothing unchecked reaches them)."""
+    if (tuple(t.shape) != shape or t.dtype != dtype or t.device.type != "cpu" or not t.is_contiguous()
+            or t.layout != torch.strided):
+        raise ValueError(f"cpu_kernels: {name} must be a contiguous {dtype} CPU tensor of shape {shape}; got "
+                         f"{tuple(t.shape)} {t.dtype} on {t.device}{'' if t.is_contiguous() else ' (not contiguous)'}")
+    return t.data_ptr()
+
+
+def _need() -> ctypes.CDLL:
+    library = _library()
+    if library is None:
+        raise RuntimeError("the bf16 CPU decode kernels are not available here (cpu_kernels.available())")
+    return library
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``bf16(x @ weight.T + bias)`` for ``x`` ``[rows, in]`` with ``1 <= rows <= GEMV_ROWS``,
+    ``weight`` ``[out, in]``, ``bias`` ``[out]`` (all bf16, contiguous, CPU); a new ``[rows, out]``."""
+    library = _need()
+    if not gemv_available():
+        raise RuntimeError("the bf16 GEMV needs a CPU with AVX512-BF16 (cpu_kernels.gemv_available())")
+    out_features, in_features = weight.shape if weight.dim() == 2 else (-1, -1)
+    w = _checked("weight", weight, (out_features, in_features))
+    b = 0 if bias is None else _checked("bias", bias, (out_features,))
+    if x.dim() != 2 or not 1 <= x.shape[0] <= GEMV_ROWS:
+        raise ValueError(f"cpu_kernels.linear takes 1..{GEMV_ROWS} rows; got x of shape {tuple(x.shape)}")
+    rows = x.shape[0]
+    out = torch.empty((rows, out_features), dtype=torch.bfloat16, device=x.device)
+    status = library.llamarl_gemv_bf16(_checked("x", x, (rows, in_features)), w, b, out.data_ptr(), rows,
+                                       out_features, in_features)
+    assert status == 0, status  # rows checked above
+    return out
+
+
+def rmsnorm(x: torch.Tensor, weight: torch.Tensor, *, eps: float) -> torch.Tensor:
+    """HF's bf16 RMSNorm of ``x`` ``[rows, dim]`` with ``weight`` ``[dim]``; a new ``[rows, dim]``."""
+    library = _need()
+    rows, dim = x.shape
+    out = torch.empty_like(x)
+    library.llamarl_rmsnorm_bf16(_checked("x", x, (rows, dim)), _checked("norm weight", weight, (dim,)),
+                                 out.data_ptr(), rows, dim, eps)
+    return out
+
+
+def add_rmsnorm(hidden: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, *, eps: float) -> torch.Tensor:
+    """The residual add then the next RMSNorm: ``hidden += delta`` in place (bf16), and return
+    RMSNorm(hidden) with ``weight``; ``hidden`` and ``delta`` ``[rows, dim]``."""
+    library = _need()
+    rows, dim = hidden.shape
+    out = torch.empty_like(hidden)
+    library.llamarl_add_rmsnorm_bf16(_checked("hidden", hidden, (rows, dim)), _checked("delta", delta, (rows, dim)),
+                                     _checked("norm weight", weight, (dim,)), out.data_ptr(), rows, dim, eps)
+    return out
+
+
+def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """SwiGLU's ``bf16(silu(gate)) * up`` for ``gate_up`` ``[rows, 2 * inter]`` = ``[gate | up]``."""
+    library = _need()
+    rows, double = gate_up.shape
+    out = torch.empty((rows, double // 2), dtype=torch.bfloat16, device=gate_up.device)
+    library.llamarl_silu_mul_bf16(_checked("gate_up", gate_up, (rows, 2 * (double // 2))), out.data_ptr(), rows,
+                                  double // 2)
+    return out
+
+
+def attention(qkv: torch.Tensor, *, cos: torch.Tensor, sin: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
+              positions: torch.Tensor, num_heads: int, scaling: float) -> torch.Tensor:
+    """One token per row through a layer's attention after its q/k/v projection (``csrc``'s
+    ``llamarl_attention_bf16``): RoPE on q and k, the token's key and value written into the cache
+    ``keys`` / ``values`` ``[capacity, kv_heads, width, d]`` at column ``positions[r]`` of slot r,
+    and grouped-query attention over columns ``0 .. positions[r]``. ``qkv`` ``[rows, (heads + 2 x
+    kv_heads) x d]``, ``cos`` / ``sin`` ``[rows, d]``, ``positions`` int64 ``[rows]``, each < width.
+    Returns ``[rows, heads x d]``."""
+    library = _need()
+    capacity, num_kv_heads, width, head_dim = keys.shape
+    rows = qkv.shape[0]
+    if rows > capacity or num_heads % num_kv_heads or head_dim > 512 or head_dim % 2:
+        raise ValueError(f"cpu_kernels.attention: {rows} rows in a cache of {capacity} slots, {num_heads} heads over "
+                         f"{num_kv_heads} KV heads of dimension {head_dim} (at most 512, even)")
+    pointers = [_checked("qkv", qkv, (rows, (num_heads + 2 * num_kv_heads) * head_dim)),
+                _checked("cos", cos, (rows, head_dim)), _checked("sin", sin, (rows, head_dim)),
+                _checked("keys", keys, (capacity, num_kv_heads, width, head_dim)),
+                _checked("values", values, (capacity, num_kv_heads, width, head_dim)),
+                _checked("positions", positions, (rows,), torch.int64)]
+    out = torch.empty((rows, num_heads * head_dim), dtype=torch.bfloat16, device=qkv.device)
+    scratch = torch.empty(width + head_dim, dtype=torch.float32, device=qkv.device)
+    status = library.llamarl_attention_bf16(*pointers, out.data_ptr(), scratch.data_ptr(), rows, num_heads,
+                                            num_kv_heads, head_dim, width, scaling)
+    if status != 0:
+        raise ValueError(f"cpu_kernels.attention: a position in {positions.tolist()} is outside the cache's "
+                         f"{width} columns")
+    return out

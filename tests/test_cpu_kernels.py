@@ -1,0 +1,169 @@
+"""The C kernels of bf16 CPU decode steps (llamarl/engines/cpu_kernels.py, csrc/bf16_decode.c)
+against the PyTorch ops they replace: each helper alone (RMSNorm with and without the residual add,
+SwiGLU, attention with RoPE and the KV-cache write, the AVX512-BF16 GEMV), refused inputs, a failed
+build falling back, and whole decode steps of bf16 Llama / Qwen2 / Mistral layouts through
+``FusedDecoder`` with and without them."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from model_families import build_family, chat_tokenizer
+
+from llamarl.engines import cpu_kernels
+from llamarl.engines.fused_decode import FusedDecoder, _rotate_half
+from llamarl.engines.torch_engine import TorchEngine
+
+BF16 = torch.bfloat16
+
+
+def randn(*shape: int, seed: int, scale: float = 1.0) -> torch.Tensor:
+    return (torch.randn(*shape, generator=torch.Generator().manual_seed(seed)) * scale).to(BF16)
+
+
+def test_the_layer_helpers_build_here():
+    # The helpers need only a C compiler (the CI machines have gcc); a failed build must be seen here,
+    # not hidden behind the PyTorch fallback.
+    assert cpu_kernels.available()
+    assert cpu_kernels.gemv_available() == cpu_kernels.cpu_has_avx512_bf16()
+
+
+def test_rmsnorm_and_the_residual_add_match_hfs_bf16_norm():
+    x, delta, weight = randn(3, 96, seed=0, scale=3), randn(3, 96, seed=1), randn(96, seed=2)
+    eps = 1e-5
+    reference = weight * torch.nn.functional.rms_norm(x.float(), (96,), eps=eps).to(BF16)
+    torch.testing.assert_close(cpu_kernels.rmsnorm(x, weight, eps=eps), reference)
+    hidden = x.clone()
+    normed = cpu_kernels.add_rmsnorm(hidden, delta, weight, eps=eps)
+    assert torch.equal(hidden, x + delta)  # one bf16 rounding of the sum, as PyTorch's add
+    torch.testing.assert_close(normed, weight * torch.nn.functional.rms_norm((x + delta).float(), (96,),
+                                                                            eps=eps).to(BF16))
+
+
+def test_swiglu_matches_silu_times_up_bitwise():
+    gate_up = torch.cat([torch.linspace(-40, 40, 4001).to(BF16).view(1, -1), randn(1, 4001, seed=3, scale=4)], dim=1)
+    gate, up = gate_up.chunk(2, dim=-1)
+    assert torch.equal(cpu_kernels.silu_mul(gate_up), torch.nn.functional.silu(gate) * up)
+
+
+def reference_attention(qkv, cos, sin, keys, values, positions, *, num_heads, scaling):
+    """HF's eager bf16 attention for one token per row, written with PyTorch ops."""
+    rows, num_kv, d = qkv.shape[0], keys.shape[1], keys.shape[3]
+    q = qkv[:, : num_heads * d].view(rows, num_heads, d)
+    k = qkv[:, num_heads * d : (num_heads + num_kv) * d].view(rows, num_kv, d)
+    v = qkv[:, (num_heads + num_kv) * d :].view(rows, num_kv, d)
+    c, s = cos[:, None, :], sin[:, None, :]
+    q, k = q * c + _rotate_half(q) * s, k * c + _rotate_half(k) * s
+    out = []
+    for r, pos in enumerate(positions.tolist()):
+        keys[r, :, pos], values[r, :, pos] = k[r], v[r]
+        kr = keys[r, :, : pos + 1].repeat_interleave(num_heads // num_kv, dim=0)  # [heads, pos + 1, d]
+        vr = values[r, :, : pos + 1].repeat_interleave(num_heads // num_kv, dim=0)
+        scores = torch.baddbmm(torch.zeros(num_heads, 1, pos + 1, dtype=BF16), q[r][:, None], kr.transpose(1, 2),
+                               alpha=scaling)
+        weights = torch.softmax(scores, dim=-1, dtype=torch.float32).to(BF16)
+        out.append(torch.bmm(weights, vr).reshape(-1))
+    return torch.stack(out)
+
+
+@pytest.mark.parametrize("num_heads,num_kv,head_dim", [(4, 2, 16), (9, 3, 64), (2, 2, 8)])
+def test_attention_writes_the_cache_and_attends_like_hfs_eager_attention(num_heads, num_kv, head_dim):
+    rows, width, capacity = 3, 40, 4
+    qkv = randn(rows, (num_heads + 2 * num_kv) * head_dim, seed=4, scale=2)
+    angles = torch.rand(rows, head_dim // 2, generator=torch.Generator().manual_seed(5)) * 6
+    cos, sin = torch.cat([angles.cos()] * 2, -1).to(BF16), torch.cat([angles.sin()] * 2, -1).to(BF16)
+    keys, values = randn(capacity, num_kv, width, head_dim, seed=6), randn(capacity, num_kv, width, head_dim, seed=7)
+    positions = torch.tensor([0, 17, 39])  # a first token, a middle one, the last column
+    ref_keys, ref_values = keys.clone(), values.clone()
+    scaling = head_dim ** -0.5
+    out = cpu_kernels.attention(qkv, cos=cos, sin=sin, keys=keys, values=values, positions=positions,
+                                num_heads=num_heads, scaling=scaling)
+    expected = reference_attention(qkv, cos, sin, ref_keys, ref_values, positions, num_heads=num_heads,
+                                   scaling=scaling)
+    assert torch.equal(keys, ref_keys) and torch.equal(values, ref_values)  # roped keys bitwise, nothing else moved
+    torch.testing.assert_close(out, expected, rtol=2e-2, atol=2e-2)
+
+
+def test_bad_inputs_are_refused_before_the_kernels_touch_memory():
+    keys = torch.zeros(2, 1, 8, 4, dtype=BF16)
+    qkv, cos = torch.zeros(2, 12, dtype=BF16), torch.zeros(2, 4, dtype=BF16)
+    args = {"cos": cos, "sin": cos, "keys": keys, "values": keys.clone(), "num_heads": 1, "scaling": 0.5}
+    with pytest.raises(ValueError, match="outside the cache's 8 columns"):
+        cpu_kernels.attention(qkv, positions=torch.tensor([3, 8]), **args)
+    with pytest.raises(ValueError, match="positions must be a contiguous torch.int64"):
+        cpu_kernels.attention(qkv, positions=torch.tensor([3, 4], dtype=torch.int32), **args)
+    with pytest.raises(ValueError, match="qkv must be"):
+        cpu_kernels.attention(qkv.float(), positions=torch.tensor([3, 4]), **args)
+    with pytest.raises(ValueError, match="3 rows in a cache of 2 slots"):
+        cpu_kernels.attention(torch.zeros(3, 12, dtype=BF16), positions=torch.tensor([1, 2, 3]), **args)
+    with pytest.raises(ValueError, match="not contiguous"):
+        cpu_kernels.rmsnorm(torch.zeros(4, 6, dtype=BF16)[:, :3], torch.ones(3, dtype=BF16), eps=1e-6)
+    with pytest.raises(ValueError, match="norm weight must be"):
+        cpu_kernels.rmsnorm(torch.zeros(4, 3, dtype=BF16), torch.ones(4, dtype=BF16), eps=1e-6)
+
+
+@pytest.mark.skipif(not cpu_kernels.cpu_has_avx512_bf16(), reason="the GEMV needs a CPU with AVX512-BF16")
+@pytest.mark.parametrize("rows,in_features,bias", [(1, 576, False), (2, 100, True), (1, 31, True), (2, 64, False)])
+def test_the_gemv_is_a_bf16_linear_layer(rows, in_features, bias):
+    x, weight = randn(rows, in_features, seed=8), randn(37, in_features, seed=9)
+    b = randn(37, seed=10) if bias else None
+    exact = x.double() @ weight.double().T + (0 if b is None else b.double())
+    out = cpu_kernels.linear(x, weight, b)
+    # fp32 sums of exact products, one rounding: within a bf16 rounding of the exact result.
+    torch.testing.assert_close(out.double(), exact.to(BF16).double(), rtol=8e-3, atol=1e-6 * in_features)
+    torch.testing.assert_close(out, torch.nn.functional.linear(x, weight, b))
+    with pytest.raises(ValueError, match="takes 1..2 rows"):
+        cpu_kernels.linear(randn(3, in_features, seed=1), weight, b)
+
+
+def test_a_failed_build_is_an_error_naming_the_compiler_and_the_engine_falls_back(tmp_path, monkeypatch):
+    with pytest.raises(RuntimeError, match="/bin/false failed on bf16_decode.c"):
+        cpu_kernels.build(gemv=False, cache_dir=tmp_path, compiler="/bin/false")
+    assert not list(tmp_path.iterdir())  # no partial library left behind
+    monkeypatch.setenv("LLAMARL_CACHE_DIR", str(tmp_path))
+    monkeypatch.setenv("CC", "/bin/false")
+    cpu_kernels._library.cache_clear()
+    try:
+        assert not cpu_kernels.available() and not cpu_kernels.gemv_available()
+        model = build_family("llama-tied").to(BF16)
+        assert not FusedDecoder(model)._native
+    finally:
+        cpu_kernels._library.cache_clear()
+
+
+def two_paths_step_logits(model, *, native: bool, rows: int):
+    """Prefill ``rows`` contexts of different lengths with the HF model, then two decode steps; the
+    second step's logits and the state's lengths, with the C helpers on or off."""
+    tok = chat_tokenizer()
+    contexts = [tuple(tok(f"Write {i} words about the number {i * 37}.")["input_ids"][: 6 + 3 * i]) for i in range(rows)]
+    engine = TorchEngine(model, eos_token_ids=[], pad_token_id=tok.pad_token_id)
+    decoder = FusedDecoder(model)
+    assert decoder._native  # bf16 on the CPU, RMSNorm and SiLU: the helpers apply
+    decoder._native = native
+    state = decoder.new_state(capacity=rows, like=model.model.embed_tokens.weight)
+    _, cache, _ = engine._prefill(contexts)
+    state.append(keys=[layer.keys for layer in cache.layers], values=[layer.values for layer in cache.layers],
+                 lengths=[len(c) for c in contexts], left_padded=True)
+    tokens = torch.arange(rows) * 101 + 7
+    decoder.step(state, tokens)
+    return decoder.step(state, tokens + 1).float(), state.lengths
+
+
+@pytest.mark.parametrize("family", ["llama-tied", "qwen2", "mistral"])
+def test_decode_steps_through_the_helpers_match_the_pytorch_steps(family, monkeypatch):
+    model = build_family(family).to(BF16)
+    calls = []
+    native_step = FusedDecoder._step_native
+    monkeypatch.setattr(FusedDecoder, "_step_native", lambda self, *a: calls.append(1) or native_step(self, *a))
+    torch.set_num_threads(1)
+    for rows in (1, 3):
+        with torch.no_grad():
+            native, lengths = two_paths_step_logits(model, native=True, rows=rows)
+            assert len(calls) == 2
+            plain, plain_lengths = two_paths_step_logits(model, native=False, rows=rows)
+            assert len(calls) == 2 and lengths == plain_lengths
+        # Two bf16 implementations of the same layers: their logits agree to bf16 rounding noise.
+        spread = plain.abs().max().item()
+        assert (native - plain).abs().max().item() < 0.05 * spread, family
+        assert (native.argmax(-1) == plain.argmax(-1)).float().mean() >= 0.5
+        calls.clear()
