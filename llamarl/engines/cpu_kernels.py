@@ -233,7 +233,8 @@ def attention(qkv: torch.Tensor, *, cos: torch.Tensor, sin: torch.Tensor, keys: 
                 _checked("values", values, (capacity, num_kv_heads, width, head_dim)),
                 _checked("positions", positions, (rows,), torch.int64)]
     out = torch.empty((rows, num_heads * head_dim), dtype=torch.bfloat16, device=qkv.device)
-    scratch = torch.empty(width + head_dim, dtype=torch.float32, device=qkv.device)
+    groups = num_heads // num_kv_heads
+    scratch = torch.empty(groups * (width + 2 * head_dim) + head_dim, dtype=torch.float32, device=qkv.device)
     status = library.llamarl_attention_bf16(*pointers, out.data_ptr(), scratch.data_ptr(), rows, num_heads,
                                             num_kv_heads, head_dim, width, scaling)
     if status != 0:

@@ -25,8 +25,15 @@ turns it off):
   a softmax, as HF's eager attention computes it (SDPA's CPU kernel spends ~1 ms per layer on a
   single row).
 
-Norms, rotary embeddings, the activation and the LM head are the model's own modules, so the
-numerics are HF's eager path: greedy tokens equal the HF loop's (tests) and log-probs agree to
+* **C kernels in bf16** (``cpu_kernels``; one intra-op thread, up to ``cpu_kernels.LAYER_ROWS``
+  rows): each layer is eight calls (the four projections; attention with RoPE and the cache write
+  over each row's own columns; the residual adds fused with the next RMSNorm; SwiGLU), the
+  projections of one or two rows through an AVX512-BF16 GEMV where the CPU has it. A 1-row step of
+  SmolLM2-135M: 31.0 -> 15.0 ms. They round where HF's bf16 modules round, so their outputs are
+  HF's up to the order of fp32 sums; fp32 models keep the PyTorch ops below.
+
+Otherwise norms, rotary embeddings, the activation and the LM head are the model's own modules, so
+the numerics are HF's eager path: greedy tokens equal the HF loop's (tests) and log-probs agree to
 rounding. A finished row is dropped from the batch exactly as in the HF loop (same live rows at
 every step, so a seeded sampler draws the same numbers).
 """

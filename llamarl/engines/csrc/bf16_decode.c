@@ -145,11 +145,60 @@ static inline float exp_approx(float x) {
     return p * scale;
 }
 
+#ifdef LLAMARL_GEMV
+/* exp_approx on 16 lanes (the same operations, so the same results). */
+static inline __m512 exp_approx16(__m512 x) {
+    x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-87.0f)), _mm512_set1_ps(87.0f));
+    __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                    _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m512 r = _mm512_add_ps(_mm512_sub_ps(x, _mm512_mul_ps(n, _mm512_set1_ps(0.693359375f))),
+                             _mm512_mul_ps(n, _mm512_set1_ps(2.12194440e-4f)));
+    __m512 p = _mm512_set1_ps(1.9875691500e-4f);
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+    p = _mm512_add_ps(_mm512_fmadd_ps(_mm512_mul_ps(p, r), r, r), _mm512_set1_ps(1.0f));
+    __m512i bits = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23);
+    return _mm512_mul_ps(p, _mm512_castsi512_ps(bits));
+}
+
+static inline __m512 load_bf16x16(const uint16_t *p) {
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p)), 16));
+}
+
+/* fp32 -> bf16 on 16 lanes, round to nearest even (the scalar f32_to_bf16's integer steps; NaN quieted). */
+static inline __m256i to_bf16x16(__m512 v) {
+    __m512i u = _mm512_castps_si512(v);
+    __m512i rounded = _mm512_srli_epi32(
+        _mm512_add_epi32(u, _mm512_add_epi32(_mm512_set1_epi32(0x7fff),
+                                             _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1)))), 16);
+    __mmask16 nan = _mm512_cmpgt_epu32_mask(_mm512_and_si512(u, _mm512_set1_epi32(0x7fffffff)),
+                                            _mm512_set1_epi32(0x7f800000));
+    rounded = _mm512_mask_mov_epi32(rounded, nan, _mm512_or_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(0x40)));
+    return _mm512_cvtepi32_epi16(rounded);
+}
+
+static inline __m512 round_bf16x16(__m512 v) {
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(to_bf16x16(v)), 16));
+}
+#endif
+
 /* SwiGLU: gate_up [rows, 2 * inter] = [gate | up]; y [rows, inter] = bf16(bf16(silu(gate)) * up). */
 void llamarl_silu_mul_bf16(const uint16_t *gate_up, uint16_t *y, int64_t rows, int64_t inter) {
     for (int64_t r = 0; r < rows; r++) {
         const uint16_t *g = gate_up + r * 2 * inter, *u = g + inter;
-        for (int64_t c = 0; c < inter; c++) {
+        int64_t c = 0;
+#ifdef LLAMARL_GEMV
+        for (; c + 16 <= inter; c += 16) {
+            __m512 x = load_bf16x16(g + c);
+            __m512 act = round_bf16x16(_mm512_div_ps(x, _mm512_add_ps(_mm512_set1_ps(1.0f),
+                                                                      exp_approx16(_mm512_sub_ps(_mm512_setzero_ps(), x)))));
+            _mm256_storeu_si256((__m256i *)(y + r * inter + c), to_bf16x16(_mm512_mul_ps(act, load_bf16x16(u + c))));
+        }
+#endif
+        for (; c < inter; c++) {
             float x = bf16_to_f32(g[c]);
             y[r * inter + c] = f32_to_bf16(bf16_round(x / (1.0f + exp_approx(-x))) * bf16_to_f32(u[c]));
         }
@@ -173,51 +222,56 @@ static void rope_head(const uint16_t *x, const uint16_t *cos, const uint16_t *si
  * sits at column positions[r] < width, and columns 0 .. positions[r] are its context).
  * Writes the token's roped key and its value into the cache, then out [rows, heads * d] =
  * softmax(bf16(scaling * q . k)) @ v per query head against its KV head (grouped-query), the
- * weights rounded to bf16 after an fp32 softmax, as HF's eager attention does.
- * scratch: at least width + d floats. Returns 0, or 1 on a position outside the cache. */
+ * weights rounded to bf16 after an fp32 softmax, as HF's eager attention does. The query heads of
+ * one KV head are done together, so each cached key and value is read and converted once.
+ * scratch: at least (heads / kv_heads) * (width + d) + 2 * d floats. Returns 0, 1 on a position
+ * outside the cache (rows before it are done), 2 on a head dimension over 512. */
 int llamarl_attention_bf16(const uint16_t *qkv, const uint16_t *cos, const uint16_t *sin, uint16_t *keys,
                            uint16_t *values, const int64_t *positions, uint16_t *out, float *scratch, int64_t rows,
                            int64_t heads, int64_t kv_heads, int64_t d, int64_t width, float scaling) {
     int64_t groups = heads / kv_heads, stride = (heads + 2 * kv_heads) * d;
-    float *scores = scratch, *acc = scratch + width;
+    if (d > 512) return 2;
+    float *scores = scratch, *q = scratch + groups * width, *acc = q + groups * d, *row_f = acc + groups * d;
     for (int64_t r = 0; r < rows; r++) {
         int64_t pos = positions[r];
         if (pos < 0 || pos >= width) return 1;
         const uint16_t *row = qkv + r * stride, *c = cos + r * d, *s = sin + r * d;
-        for (int64_t h = 0; h < kv_heads; h++) {  /* the new token's key (roped) and value */
-            uint16_t *kc = keys + ((r * kv_heads + h) * width + pos) * d;
-            uint16_t *vc = values + ((r * kv_heads + h) * width + pos) * d;
-            rope_head(row + (heads + h) * d, c, s, acc, d);
-            for (int64_t i = 0; i < d; i++) kc[i] = f32_to_bf16(acc[i]);
-            memcpy(vc, row + (heads + kv_heads + h) * d, (size_t)d * sizeof(uint16_t));
-        }
-        for (int64_t qh = 0; qh < heads; qh++) {
-            int64_t h = qh / groups;
-            float q[512];
-            if (d > 512) return 2;
-            rope_head(row + qh * d, c, s, q, d);
-            const uint16_t *kh = keys + (r * kv_heads + h) * width * d, *vh = values + (r * kv_heads + h) * width * d;
-            float top = -INFINITY;
+        for (int64_t h = 0; h < kv_heads; h++) {
+            uint16_t *kh = keys + (r * kv_heads + h) * width * d, *vh = values + (r * kv_heads + h) * width * d;
+            /* the new token's key (roped) and value */
+            rope_head(row + (heads + h) * d, c, s, row_f, d);
+            for (int64_t i = 0; i < d; i++) kh[pos * d + i] = f32_to_bf16(row_f[i]);
+            memcpy(vh + pos * d, row + (heads + kv_heads + h) * d, (size_t)d * sizeof(uint16_t));
+            for (int64_t g = 0; g < groups; g++) rope_head(row + (h * groups + g) * d, c, s, q + g * d, d);
             for (int64_t j = 0; j <= pos; j++) {
-                const uint16_t *k = kh + j * d;
-                float dot = 0.0f;
-                for (int64_t i = 0; i < d; i++) dot += q[i] * bf16_to_f32(k[i]);
-                scores[j] = bf16_round(dot * scaling);
-                if (scores[j] > top) top = scores[j];
+                for (int64_t i = 0; i < d; i++) row_f[i] = bf16_to_f32(kh[j * d + i]);
+                for (int64_t g = 0; g < groups; g++) {
+                    float dot = 0.0f;
+                    for (int64_t i = 0; i < d; i++) dot += q[g * d + i] * row_f[i];
+                    scores[g * width + j] = bf16_round(dot * scaling);
+                }
             }
-            float total = 0.0f;
+            for (int64_t g = 0; g < groups; g++) {
+                float *sg = scores + g * width, top = -INFINITY, total = 0.0f;
+                for (int64_t j = 0; j <= pos; j++) top = sg[j] > top ? sg[j] : top;
+                for (int64_t j = 0; j <= pos; j++) {
+                    sg[j] = expf(sg[j] - top);
+                    total += sg[j];
+                }
+                for (int64_t j = 0; j <= pos; j++) sg[j] = bf16_round(sg[j] / total);
+                for (int64_t i = 0; i < d; i++) acc[g * d + i] = 0.0f;
+            }
             for (int64_t j = 0; j <= pos; j++) {
-                scores[j] = expf(scores[j] - top);
-                total += scores[j];
+                for (int64_t i = 0; i < d; i++) row_f[i] = bf16_to_f32(vh[j * d + i]);
+                for (int64_t g = 0; g < groups; g++) {
+                    float weight = scores[g * width + j];
+                    for (int64_t i = 0; i < d; i++) acc[g * d + i] += weight * row_f[i];
+                }
             }
-            for (int64_t i = 0; i < d; i++) acc[i] = 0.0f;
-            for (int64_t j = 0; j <= pos; j++) {
-                float weight = bf16_round(scores[j] / total);
-                const uint16_t *v = vh + j * d;
-                for (int64_t i = 0; i < d; i++) acc[i] += weight * bf16_to_f32(v[i]);
+            for (int64_t g = 0; g < groups; g++) {
+                uint16_t *o = out + (r * heads + h * groups + g) * d;
+                for (int64_t i = 0; i < d; i++) o[i] = f32_to_bf16(acc[g * d + i]);
             }
-            uint16_t *o = out + (r * heads + qh) * d;
-            for (int64_t i = 0; i < d; i++) o[i] = f32_to_bf16(acc[i]);
         }
     }
     return 0;
