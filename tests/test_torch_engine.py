@@ -305,7 +305,7 @@ def test_the_two_level_draw_is_the_inverse_cdf_of_the_same_uniform():
     filtered = [0, _DRAW_BLOCK - 1, _DRAW_BLOCK, 3 * _DRAW_BLOCK + 5, vocab - 1]
     logits[:, filtered] = float("-inf")
     logp = torch.log_softmax(logits, dim=-1)
-    tokens = _draw(logp, torch.Generator().manual_seed(1))
+    tokens = _draw(logp.exp(), torch.Generator().manual_seed(1))
     u = torch.rand((4000, 1), generator=torch.Generator().manual_seed(1), dtype=torch.float64)
     cdf = logp.exp().cumsum(dim=-1, dtype=torch.float64)
     reference = torch.searchsorted(cdf, u * cdf[:, -1:], right=True).squeeze(-1)

@@ -48,12 +48,6 @@ log = logging.getLogger("llamarl.engines.cpu_kernels")
 GEMV_ROWS = 2
 """Rows up to which ``linear`` is used (module docstring: the measured crossover with oneDNN)."""
 
-LAYER_ROWS = 8
-"""Rows up to which ``FusedDecoder`` runs its layers through the helpers: measured faster there
-(SmolLM2-135M, one thread, ms per step with the helpers / without: 15.0 / 31.0 at 1 row, 24.7 /
-30.9 at 4, 30.8 / 37.5 at 8), not at 16 (50.9 / 49.9), where SwiGLU's and attention's loops
-(single-threaded, partly scalar) cost what the ops they replace cost."""
-
 _SOURCE = Path(__file__).with_name("csrc") / "bf16_decode.c"
 _FLAGS = ["-O3", "-shared", "-fPIC", "-fno-math-errno", "-fassociative-math", "-fno-signed-zeros", "-fno-trapping-math"]
 _GEMV_FLAGS = ["-DLLAMARL_GEMV", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16"]

@@ -14,7 +14,8 @@ turns it off):
   live weights: every call compares the weights' version counters (bumped by any in-place write,
   the weight channels' included) with those they were built from and rebuilds them when a weight
   changed (one copy of the weights), so an in-place update takes effect at the next call as it
-  does with the HF modules;
+  does with the HF modules (a parameter replaced by a new tensor is seen at the next
+  ``generate``: ``refresh``);
 * **a preallocated KV cache** ``[slots, kv_heads, width, head_dim]`` per layer with one row per
   slot, each row's positions left-aligned (``DecodeState``), so rows of different lengths share a
   step: each token's keys and values are written in place at its own row's column, and an attention
@@ -25,8 +26,7 @@ turns it off):
   a softmax, as HF's eager attention computes it (SDPA's CPU kernel spends ~1 ms per layer on a
   single row).
 
-* **C kernels in bf16** (``cpu_kernels``; one intra-op thread, up to ``cpu_kernels.LAYER_ROWS``
-  rows): each layer is eight calls (the four projections; attention with RoPE and the cache write
+* **C kernels in bf16** (``cpu_kernels``; one intra-op thread): each layer is eight calls (the four projections; attention with RoPE and the cache write
   over each row's own columns; the residual adds fused with the next RMSNorm; SwiGLU), the
   projections of one or two rows through an AVX512-BF16 GEMV where the CPU has it. A 1-row step of
   SmolLM2-135M: 31.0 -> 15.0 ms. They round where HF's bf16 modules round, so their outputs are
@@ -102,7 +102,8 @@ class FusedDecoder:
         self.scaling = self.head_dim ** -0.5
         self._fused: list[tuple[_Linear, _Linear, _Linear, _Linear]] | None = None
         self._head: _Linear | None = None
-        self._built_from: tuple[int, ...] = ()
+        self._built_from: tuple[tuple[int, int], ...] = ()
+        self._source_tensors: list[torch.Tensor] | None = None
         norms = [m for layer in model.model.layers for m in (layer.input_layernorm, layer.post_attention_layernorm)]
         # The C layer helpers (cpu_kernels): bf16 on the CPU, these families' RMSNorm and SwiGLU.
         self._native = (model.model.embed_tokens.weight.dtype == torch.bfloat16
@@ -111,12 +112,22 @@ class FusedDecoder:
                         and all(type(m).__name__ in _RMS_NORMS for m in (*norms, model.model.norm))
                         and cpu_kernels.available())
 
+    def refresh(self) -> None:
+        """Look up the model's parameters again at the next step (``TorchEngine`` calls this at
+        every ``generate``): a parameter *replaced* by another tensor is then seen, as an in-place
+        write always is (its version counter)."""
+        self._source_tensors = None
+
     def _sources(self) -> list[torch.Tensor]:
-        return [p for layer in self.model.model.layers
-                for p in (*layer.self_attn.parameters(), *layer.mlp.parameters())] + [self.model.lm_head.weight]
+        # Walking the modules costs ~1.5 ms (SmolLM2): once per generate call, not once per step.
+        if self._source_tensors is None:
+            self._source_tensors = [p for layer in self.model.model.layers
+                                    for p in (*layer.self_attn.parameters(), *layer.mlp.parameters())]
+            self._source_tensors.append(self.model.lm_head.weight)
+        return self._source_tensors
 
     def _layers(self, rows_hint: int) -> list[tuple[_Linear, _Linear, _Linear, _Linear]]:
-        versions = tuple(p._version for p in self._sources())
+        versions = tuple((id(p), p._version) for p in self._sources())
         if self._fused is None or versions != self._built_from:
             self._built_from = versions
             fused = []
@@ -147,7 +158,7 @@ class FusedDecoder:
     def step(self, state: DecodeState, tokens: torch.Tensor) -> torch.Tensor:
         """Logits ``[rows, vocab]`` of the next token after ``tokens`` ``[rows]``, one per live row of
         ``state``; each token sits at its row's next position, where its keys and values are written."""
-        if self._native and tokens.shape[0] <= cpu_kernels.LAYER_ROWS and torch.get_num_threads() == 1:
+        if self._native and torch.get_num_threads() == 1:
             return self._step_native(state, tokens)
         model = self.model
         rows = tokens.shape[0]

@@ -243,6 +243,20 @@ int llamarl_attention_bf16(const uint16_t *qkv, const uint16_t *cos, const uint1
             for (int64_t i = 0; i < d; i++) kh[pos * d + i] = f32_to_bf16(row_f[i]);
             memcpy(vh + pos * d, row + (heads + kv_heads + h) * d, (size_t)d * sizeof(uint16_t));
             for (int64_t g = 0; g < groups; g++) rope_head(row + (h * groups + g) * d, c, s, q + g * d, d);
+#ifdef LLAMARL_GEMV
+            /* q is bf16-valued (rope_head rounds): q . k as VDPBF16PS over bf16 pairs, fp32 sums */
+            uint16_t *q_bf16 = (uint16_t *)acc;
+            for (int64_t i = 0; i < groups * d; i++) q_bf16[i] = f32_to_bf16(q[i]);
+            for (int64_t j = 0; j <= pos; j++) {
+                const uint16_t *k = kh + j * d;
+                for (int64_t g = 0; g < groups; g++) {
+                    __m512 sum = _mm512_setzero_ps();
+                    for (int64_t i = 0; i < d; i += 32)
+                        sum = _mm512_dpbf16_ps(sum, load32(q_bf16 + g * d + i, d - i), load32(k + i, d - i));
+                    scores[g * width + j] = bf16_round(_mm512_reduce_add_ps(sum) * scaling);
+                }
+            }
+#else
             for (int64_t j = 0; j <= pos; j++) {
                 for (int64_t i = 0; i < d; i++) row_f[i] = bf16_to_f32(kh[j * d + i]);
                 for (int64_t g = 0; g < groups; g++) {
@@ -251,16 +265,27 @@ int llamarl_attention_bf16(const uint16_t *qkv, const uint16_t *cos, const uint1
                     scores[g * width + j] = bf16_round(dot * scaling);
                 }
             }
+#endif
             for (int64_t g = 0; g < groups; g++) {
                 float *sg = scores + g * width, top = -INFINITY, total = 0.0f;
                 for (int64_t j = 0; j <= pos; j++) top = sg[j] > top ? sg[j] : top;
-                for (int64_t j = 0; j <= pos; j++) {
-                    sg[j] = expf(sg[j] - top);
+                int64_t j = 0;
+#ifdef LLAMARL_GEMV
+                __m512 sums = _mm512_setzero_ps();
+                for (; j + 16 <= pos + 1; j += 16) {
+                    __m512 e = exp_approx16(_mm512_sub_ps(_mm512_loadu_ps(sg + j), _mm512_set1_ps(top)));
+                    _mm512_storeu_ps(sg + j, e);
+                    sums = _mm512_add_ps(sums, e);
+                }
+                total = _mm512_reduce_add_ps(sums);
+#endif
+                for (; j <= pos; j++) {
+                    sg[j] = exp_approx(sg[j] - top);
                     total += sg[j];
                 }
-                for (int64_t j = 0; j <= pos; j++) sg[j] = bf16_round(sg[j] / total);
-                for (int64_t i = 0; i < d; i++) acc[g * d + i] = 0.0f;
+                for (j = 0; j <= pos; j++) sg[j] = bf16_round(sg[j] / total);
             }
+            for (int64_t i = 0; i < groups * d; i++) acc[i] = 0.0f;
             for (int64_t j = 0; j <= pos; j++) {
                 for (int64_t i = 0; i < d; i++) row_f[i] = bf16_to_f32(vh[j * d + i]);
                 for (int64_t g = 0; g < groups; g++) {
