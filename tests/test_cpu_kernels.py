@@ -167,3 +167,24 @@ def test_decode_steps_through_the_helpers_match_the_pytorch_steps(family, monkey
         assert (native - plain).abs().max().item() < 0.05 * spread, family
         assert (native.argmax(-1) == plain.argmax(-1)).float().mean() >= 0.5
         calls.clear()
+
+
+def test_with_more_threads_the_helpers_run_only_small_batches(monkeypatch):
+    model = build_family("llama-tied").to(BF16)
+    decoder = FusedDecoder(model)
+    calls = []
+    monkeypatch.setattr(FusedDecoder, "_step_native", lambda self, state, tokens: calls.append(len(tokens)))
+    threads = torch.get_num_threads()
+    try:
+        for num_threads, rows, native in ((2, cpu_kernels.THREADED_ROWS, True), (2, cpu_kernels.THREADED_ROWS + 1, False),
+                                          (1, cpu_kernels.THREADED_ROWS + 1, True)):
+            torch.set_num_threads(num_threads)
+            calls.clear()
+            state = decoder.new_state(capacity=rows, like=model.model.embed_tokens.weight)
+            state.append(keys=[torch.zeros(rows, 2, 1, 16, dtype=BF16)] * 2,
+                         values=[torch.zeros(rows, 2, 1, 16, dtype=BF16)] * 2, lengths=[1] * rows, left_padded=False)
+            with torch.no_grad():
+                decoder.step(state, torch.zeros(rows, dtype=torch.long))
+            assert calls == ([rows] if native else []), (num_threads, rows)
+    finally:
+        torch.set_num_threads(threads)

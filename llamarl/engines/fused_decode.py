@@ -26,7 +26,8 @@ turns it off):
   a softmax, as HF's eager attention computes it (SDPA's CPU kernel spends ~1 ms per layer on a
   single row).
 
-* **C kernels in bf16** (``cpu_kernels``; one intra-op thread): each layer is eight calls (the four projections; attention with RoPE and the cache write
+* **C kernels in bf16** (``cpu_kernels``; single-threaded, so they run on one intra-op thread,
+  or up to ``cpu_kernels.THREADED_ROWS`` rows with more threads): each layer is eight calls (the four projections; attention with RoPE and the cache write
   over each row's own columns; the residual adds fused with the next RMSNorm; SwiGLU), the
   projections of one or two rows through an AVX512-BF16 GEMV where the CPU has it. A 1-row step of
   SmolLM2-135M: 31.0 -> 15.0 ms. They round where HF's bf16 modules round, so their outputs are
@@ -56,7 +57,8 @@ def _mkldnn_ready(weight: torch.Tensor) -> bool:
 
 class _Linear:
     """One fused projection: its weight (and bias), pre-packed for oneDNN on CPU; in bf16 at one or
-    two rows on one thread, the AVX512-BF16 GEMV where it runs (``cpu_kernels``: ~1.8x faster there)."""
+    two rows, the AVX512-BF16 GEMV where it runs (``cpu_kernels``: ~1.8x faster there, even
+    single-threaded against oneDNN on two threads)."""
 
     def __init__(self, weights: list[torch.Tensor], biases: list[torch.Tensor | None], *, rows_hint: int) -> None:
         self.weight = torch.cat(weights) if len(weights) > 1 else weights[0]
@@ -67,7 +69,7 @@ class _Linear:
                      and self.weight.is_contiguous() and cpu_kernels.gemv_available())
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        if self.gemv and x.shape[0] <= cpu_kernels.GEMV_ROWS and torch.get_num_threads() == 1:
+        if self.gemv and x.shape[0] <= cpu_kernels.GEMV_ROWS:
             return cpu_kernels.linear(x, self.weight, self.bias)
         if self.packed is not None:
             return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
@@ -158,7 +160,7 @@ class FusedDecoder:
     def step(self, state: DecodeState, tokens: torch.Tensor) -> torch.Tensor:
         """Logits ``[rows, vocab]`` of the next token after ``tokens`` ``[rows]``, one per live row of
         ``state``; each token sits at its row's next position, where its keys and values are written."""
-        if self._native and torch.get_num_threads() == 1:
+        if self._native and (tokens.shape[0] <= cpu_kernels.THREADED_ROWS or torch.get_num_threads() == 1):
             return self._step_native(state, tokens)
         model = self.model
         rows = tokens.shape[0]
