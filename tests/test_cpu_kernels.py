@@ -188,3 +188,18 @@ def test_with_more_threads_the_helpers_run_only_small_batches(monkeypatch):
             assert calls == ([rows] if native else []), (num_threads, rows)
     finally:
         torch.set_num_threads(threads)
+
+
+def test_the_portable_build_computes_the_same(tmp_path, monkeypatch):
+    """The library as built for a CPU without AVX512-BF16 (plain C loops, no GEMV): the helpers
+    still match the PyTorch ops, so CI on such a machine runs what is tested here."""
+    portable = cpu_kernels.load(cpu_kernels.build(gemv=False, cache_dir=tmp_path))
+    assert portable.llamarl_gemv_max_rows() == 0
+    monkeypatch.setattr(cpu_kernels, "_library", lambda: portable)
+    assert cpu_kernels.available() and not cpu_kernels.gemv_available()
+    test_rmsnorm_and_the_residual_add_match_hfs_bf16_norm()
+    test_swiglu_matches_silu_times_up_bitwise()
+    for shape in ((4, 2, 16), (9, 3, 64)):
+        test_attention_writes_the_cache_and_attends_like_hfs_eager_attention(*shape)
+    with pytest.raises(RuntimeError, match="needs a CPU with AVX512-BF16"):
+        cpu_kernels.linear(randn(1, 8, seed=0), randn(4, 8, seed=1))

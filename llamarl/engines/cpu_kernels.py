@@ -126,10 +126,15 @@ def _library() -> ctypes.CDLL | None:
     if os.environ.get("LLAMARL_CPU_KERNELS", "1") == "0":
         return None
     try:
-        library = ctypes.CDLL(str(build(gemv=cpu_has_avx512_bf16())))
+        return load(build(gemv=cpu_has_avx512_bf16()))
     except (OSError, RuntimeError) as error:
         log.warning("the bf16 CPU decode kernels are not used (%s); PyTorch ops run the decode steps", error)
         return None
+
+
+def load(path: Path) -> ctypes.CDLL:
+    """The library ``build`` wrote at ``path``, its functions' signatures declared."""
+    library = ctypes.CDLL(str(path))
     for name, (argtypes, restype) in _SIGNATURES.items():
         function = getattr(library, name)
         function.argtypes, function.restype = argtypes, restype

@@ -183,6 +183,21 @@ static inline __m256i to_bf16x16(__m512 v) {
 static inline __m512 round_bf16x16(__m512 v) {
     return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(to_bf16x16(v)), 16));
 }
+
+/* Lane m of the result = the sum of v[m]'s 16 lanes (a transpose-and-add tree: 16 sums for the
+ * price of about one reduction each of 16). */
+static inline __m512 sum16(const __m512 v[16]) {
+    __m512 t[8], u[4];
+    for (int i = 0; i < 8; i++)
+        t[i] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * i], v[2 * i + 1]), _mm512_unpackhi_ps(v[2 * i], v[2 * i + 1]));
+    for (int i = 0; i < 4; i++) {
+        __m512d a = _mm512_castps_pd(t[2 * i]), b = _mm512_castps_pd(t[2 * i + 1]);
+        u[i] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(a, b)), _mm512_castpd_ps(_mm512_unpackhi_pd(a, b)));
+    }
+    __m512 x01 = _mm512_add_ps(_mm512_shuffle_f32x4(u[0], u[1], 0x88), _mm512_shuffle_f32x4(u[0], u[1], 0xdd));
+    __m512 x23 = _mm512_add_ps(_mm512_shuffle_f32x4(u[2], u[3], 0x88), _mm512_shuffle_f32x4(u[2], u[3], 0xdd));
+    return _mm512_add_ps(_mm512_shuffle_f32x4(x01, x23, 0x88), _mm512_shuffle_f32x4(x01, x23, 0xdd));
+}
 #endif
 
 /* SwiGLU: gate_up [rows, 2 * inter] = [gate | up]; y [rows, inter] = bf16(bf16(silu(gate)) * up). */
@@ -247,7 +262,20 @@ int llamarl_attention_bf16(const uint16_t *qkv, const uint16_t *cos, const uint1
             /* q is bf16-valued (rope_head rounds): q . k as VDPBF16PS over bf16 pairs, fp32 sums */
             uint16_t *q_bf16 = (uint16_t *)acc;
             for (int64_t i = 0; i < groups * d; i++) q_bf16[i] = f32_to_bf16(q[i]);
-            for (int64_t j = 0; j <= pos; j++) {
+            int64_t j0 = 0;
+            for (; j0 + 16 <= pos + 1; j0 += 16) /* 16 keys at a time: one reduction for 16 scores */
+                for (int64_t g = 0; g < groups; g++) {
+                    __m512 sums[16];
+                    for (int m = 0; m < 16; m++) {
+                        const uint16_t *k = kh + (j0 + m) * d;
+                        sums[m] = _mm512_setzero_ps();
+                        for (int64_t i = 0; i < d; i += 32)
+                            sums[m] = _mm512_dpbf16_ps(sums[m], load32(q_bf16 + g * d + i, d - i), load32(k + i, d - i));
+                    }
+                    _mm512_storeu_ps(scores + g * width + j0,
+                                     round_bf16x16(_mm512_mul_ps(sum16(sums), _mm512_set1_ps(scaling))));
+                }
+            for (int64_t j = j0; j <= pos; j++) {
                 const uint16_t *k = kh + j * d;
                 for (int64_t g = 0; g < groups; g++) {
                     __m512 sum = _mm512_setzero_ps();
@@ -283,9 +311,29 @@ int llamarl_attention_bf16(const uint16_t *qkv, const uint16_t *cos, const uint1
                     sg[j] = exp_approx(sg[j] - top);
                     total += sg[j];
                 }
-                for (j = 0; j <= pos; j++) sg[j] = bf16_round(sg[j] / total);
+                j = 0;
+#ifdef LLAMARL_GEMV
+                for (; j + 16 <= pos + 1; j += 16)
+                    _mm512_storeu_ps(sg + j, round_bf16x16(_mm512_div_ps(_mm512_loadu_ps(sg + j), _mm512_set1_ps(total))));
+#endif
+                for (; j <= pos; j++) sg[j] = bf16_round(sg[j] / total);
             }
             for (int64_t i = 0; i < groups * d; i++) acc[i] = 0.0f;
+#ifdef LLAMARL_GEMV
+            if (d % 16 == 0 && groups <= 8) {
+                /* 16 lanes of d at a time, each query head's sums held in a register over all keys */
+                for (int64_t i = 0; i < d; i += 16) {
+                    __m512 sums[8];
+                    for (int64_t g = 0; g < groups; g++) sums[g] = _mm512_setzero_ps();
+                    for (int64_t j = 0; j <= pos; j++) {
+                        __m512 v = load_bf16x16(vh + j * d + i);
+                        for (int64_t g = 0; g < groups; g++)
+                            sums[g] = _mm512_fmadd_ps(_mm512_set1_ps(scores[g * width + j]), v, sums[g]);
+                    }
+                    for (int64_t g = 0; g < groups; g++) _mm512_storeu_ps(acc + g * d + i, sums[g]);
+                }
+            } else
+#endif
             for (int64_t j = 0; j <= pos; j++) {
                 for (int64_t i = 0; i < d; i++) row_f[i] = bf16_to_f32(vh[j * d + i]);
                 for (int64_t g = 0; g < groups; g++) {
