@@ -27,9 +27,10 @@ turns it off):
   single row).
 
 * **C kernels in bf16** (``cpu_kernels``; single-threaded, so they run on one intra-op thread,
-  or up to ``cpu_kernels.THREADED_ROWS`` rows with more threads): each layer is eight calls (the four projections; attention with RoPE and the cache write
-  over each row's own columns; the residual adds fused with the next RMSNorm; SwiGLU), the
-  projections of one or two rows through an AVX512-BF16 GEMV where the CPU has it. A 1-row step of
+  or up to ``cpu_kernels.THREADED_ROWS`` rows with more threads): each layer is eight calls (the
+  four projections; attention with RoPE and the cache write over each row's own columns; the
+  residual adds fused with the next RMSNorm; SwiGLU), the projections of one or two rows through
+  an AVX512-BF16 GEMV where the CPU has it. A 1-row step of
   SmolLM2-135M: 31.0 -> 15.0 ms. They round where HF's bf16 modules round, so their outputs are
   HF's up to the order of fp32 sums; fp32 models keep the PyTorch ops below.
 
@@ -166,15 +167,13 @@ class FusedDecoder:
         rows = tokens.shape[0]
         assert rows == state.num_rows, (rows, state.num_rows)
         row_index = torch.arange(rows, device=tokens.device)
-        columns = torch.tensor(state.lengths, dtype=torch.long, device=tokens.device)  # = the positions
-        state.reserve(max(state.lengths) + 1)
+        columns = state.next_positions(tokens.device)  # = the positions
         # Attention reads every allocated column (masked where a row has none): the cache's rows are
         # then contiguous batches for bmm, which on CPU is ~4x faster than over a column slice of them
         # (measured: 16 rows x 3 KV heads, 300 of 420 columns, bf16: 557 us sliced, 159 us whole).
         width = state.width
         hidden = model.model.embed_tokens(tokens.unsqueeze(1))  # [rows, 1, hidden]
         cos, sin = model.model.rotary_emb(hidden, columns.unsqueeze(1))  # [rows, 1, head_dim]
-        state.mask[row_index, columns] = True
         # The mask as an additive bias, added by the scores' own matmul (baddbmm): 0 where a row
         # sees a column, the dtype's minimum where it does not (HF's eager masking).
         bias = torch.zeros((rows, 1, width), dtype=hidden.dtype, device=hidden.device).masked_fill_(
@@ -218,9 +217,7 @@ class FusedDecoder:
         model = self.model
         rows = tokens.shape[0]
         assert rows == state.num_rows, (rows, state.num_rows)
-        positions = torch.tensor(state.lengths, dtype=torch.long, device=tokens.device)
-        state.reserve(max(state.lengths) + 1)
-        state.mask[torch.arange(rows, device=tokens.device), positions] = True  # for a later PyTorch step
+        positions = state.next_positions(tokens.device)  # the mask too, for a later PyTorch step
         hidden = model.model.embed_tokens(tokens)  # [rows, hidden], a new tensor: updated in place below
         cos, sin = model.model.rotary_emb(hidden.unsqueeze(1), positions.unsqueeze(1))
         cos, sin = cos.reshape(rows, -1).contiguous(), sin.reshape(rows, -1).contiguous()
@@ -295,6 +292,14 @@ class DecodeState:
         mask = self.mask.new_zeros((self.capacity, grown))
         mask[:, : self.width] = self.mask
         self.mask = mask
+
+    def next_positions(self, device: torch.device) -> torch.Tensor:
+        """The live rows' next positions (= their columns), int64 on ``device``, with room reserved
+        for them and each marked visible in the mask: where a step writes its tokens' keys."""
+        positions = torch.tensor(self.lengths, dtype=torch.long, device=device)
+        self.reserve(max(self.lengths) + 1)
+        self.mask[torch.arange(self.num_rows, device=device), positions] = True
+        return positions
 
     def append(self, *, keys: list[torch.Tensor], values: list[torch.Tensor], lengths: list[int],
                left_padded: bool) -> None:

@@ -56,10 +56,7 @@ def filtered_logprobs(logits: torch.Tensor, *, temperature: float, top_p: float 
     """
     if temperature <= 0:
         raise ValueError(f"filtered_logprobs needs temperature > 0, got {temperature}")
-    if temperature == 1.0 and not 0 < top_k < logits.shape[-1] and top_p >= 1.0:
-        # The common case in one pass: log_softmax upcasts as it reads (the same values as on a
-        # float copy, without writing the copy; T = 1 divides by nothing).
-        return torch.log_softmax(logits, dim=-1, dtype=torch.float32)
+    # T = 1 divides by nothing (x / 1.0 == x exactly): skip a pass over the vocabulary.
     x = logits.float() / temperature if temperature != 1.0 else logits.float()
     if 0 < top_k < x.shape[-1]:
         kth = torch.topk(x, top_k, dim=-1).values[..., -1:]

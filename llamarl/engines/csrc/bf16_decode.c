@@ -239,7 +239,7 @@ static void rope_head(const uint16_t *x, const uint16_t *cos, const uint16_t *si
  * softmax(bf16(scaling * q . k)) @ v per query head against its KV head (grouped-query), the
  * weights rounded to bf16 after an fp32 softmax, as HF's eager attention does. The query heads of
  * one KV head are done together, so each cached key and value is read and converted once.
- * scratch: at least (heads / kv_heads) * (width + d) + 2 * d floats. Returns 0, 1 on a position
+ * scratch: at least (heads / kv_heads) * (width + 2 * d) + d floats. Returns 0, 1 on a position
  * outside the cache (rows before it are done), 2 on a head dimension over 512. */
 int llamarl_attention_bf16(const uint16_t *qkv, const uint16_t *cos, const uint16_t *sin, uint16_t *keys,
                            uint16_t *values, const int64_t *positions, uint16_t *out, float *scratch, int64_t rows,
