@@ -53,8 +53,9 @@ class GeneratorConfig:
     """Native engine: run the decode steps of Llama-family models (Llama, Qwen2, Mistral) through
     fused, pre-packed projections over a preallocated KV cache (llamarl/engines/fused_decode.py:
     the same tokens, ~1.8x faster steps on CPU at 16-64 rows); in bf16, steps go through C kernels
-    (llamarl/engines/cpu_kernels.py: ~2x faster at one row; any batch on one thread, up to 16 rows
-    with more; ``LLAMARL_CPU_KERNELS=0`` turns them off); False: HF's modules for every step. Other
+    (llamarl/engines/cpu_kernels.py: ~2x faster at one row, ~1.9x at 16; any batch on one thread, up
+    to 16 rows with more; ``LLAMARL_CPU_KERNELS=0`` turns them off); False: HF's modules for every
+    step. Other
     architectures, tensor parallelism and CUDA always use HF's modules."""
     max_num_seqs: int | None = None
     """At most this many samples decode at once on a generator rank (vLLM's name). None: the native

@@ -1,6 +1,6 @@
 """The C kernels of bf16 CPU decode steps (llamarl/engines/cpu_kernels.py, csrc/bf16_decode.c)
 against the PyTorch ops they replace: each helper alone (RMSNorm with and without the residual add,
-SwiGLU, attention with RoPE and the KV-cache write, the AVX512-BF16 GEMV), refused inputs, a failed
+SwiGLU, attention with RoPE and the KV-cache write, the AVX512-BF16 GEMM and its weight layout), refused inputs, a failed
 build falling back, and whole decode steps of bf16 Llama / Qwen2 / Mistral layouts through
 ``FusedDecoder`` with and without them."""
 
@@ -25,7 +25,7 @@ def test_the_layer_helpers_build_here():
     # The helpers need only a C compiler (the CI machines have gcc); a failed build must be seen here,
     # not hidden behind the PyTorch fallback.
     assert cpu_kernels.available()
-    assert cpu_kernels.gemv_available() == cpu_kernels.cpu_has_avx512_bf16()
+    assert cpu_kernels.gemm_available() == cpu_kernels.cpu_has_avx512_bf16()
 
 
 def test_rmsnorm_and_the_residual_add_match_hfs_bf16_norm():
@@ -102,29 +102,53 @@ def test_bad_inputs_are_refused_before_the_kernels_touch_memory():
         cpu_kernels.rmsnorm(torch.zeros(4, 3, dtype=BF16), torch.ones(4, dtype=BF16), eps=1e-6)
 
 
-@pytest.mark.skipif(not cpu_kernels.cpu_has_avx512_bf16(), reason="the GEMV needs a CPU with AVX512-BF16")
-@pytest.mark.parametrize("rows,in_features,bias", [(1, 576, False), (2, 100, True), (1, 31, True), (2, 64, False)])
-def test_the_gemv_is_a_bf16_linear_layer(rows, in_features, bias):
-    x, weight = randn(rows, in_features, seed=8), randn(37, in_features, seed=9)
-    b = randn(37, seed=10) if bias else None
+def test_pack_lays_out_panels_of_16_rows_by_column_pairs():
+    weight = randn(19, 7, seed=11)  # a partial panel and an odd column count: both zero-padded
+    packed = cpu_kernels.pack(weight)
+    assert (packed.out_features, packed.in_features) == (19, 7)
+    padded = torch.zeros(32, 8, dtype=BF16)
+    padded[:19, :7] = weight
+    expected = padded.view(2, 16, 4, 2).permute(0, 2, 1, 3).reshape(-1)  # [panel, pair, row, 2]
+    assert torch.equal(packed.data, expected)
+
+
+@pytest.mark.skipif(not cpu_kernels.cpu_has_avx512_bf16(), reason="the GEMM needs a CPU with AVX512-BF16")
+@pytest.mark.parametrize("rows,in_features,out_features,bias", [
+    (1, 576, 37, False), (2, 100, 130, True), (5, 31, 37, True), (7, 64, 100, False), (13, 33, 64, True),
+    (64, 96, 20, False)])
+def test_the_gemm_is_a_bf16_linear_layer(rows, in_features, out_features, bias):
+    # Row counts across the 6-row tiles and their tails, output widths across 1-4 panels of 16 and
+    # a partial one, odd input widths (the last column alone).
+    x, weight = randn(rows, in_features, seed=8), randn(out_features, in_features, seed=9)
+    b = randn(out_features, seed=10) if bias else None
     exact = x.double() @ weight.double().T + (0 if b is None else b.double())
-    out = cpu_kernels.linear(x, weight, b)
+    out = cpu_kernels.linear(x, cpu_kernels.pack(weight), b)
     # fp32 sums of exact products, one rounding: within a bf16 rounding of the exact result.
     torch.testing.assert_close(out.double(), exact.to(BF16).double(), rtol=8e-3, atol=1e-6 * in_features)
     torch.testing.assert_close(out, torch.nn.functional.linear(x, weight, b))
-    with pytest.raises(ValueError, match="takes 1..2 rows"):
-        cpu_kernels.linear(randn(3, in_features, seed=1), weight, b)
+
+
+def test_the_gemm_refuses_mismatched_inputs():
+    packed = cpu_kernels.pack(randn(37, 64, seed=9))
+    with pytest.raises(ValueError, match=r"x must be a contiguous torch.bfloat16 CPU tensor of shape \(2, 64\)"):
+        cpu_kernels.linear(randn(2, 63, seed=1), packed)
+    with pytest.raises(ValueError, match="rows >= 1"):
+        cpu_kernels.linear(torch.zeros(0, 64, dtype=BF16), packed)
+    with pytest.raises(ValueError, match=r"bias must be .* of shape \(37,\)"):
+        cpu_kernels.linear(randn(2, 64, seed=1), packed, randn(36, seed=2))
+    with pytest.raises(ValueError, match="weight must be"):
+        cpu_kernels.pack(randn(37, 64, seed=9).t())
 
 
 def test_a_failed_build_is_an_error_naming_the_compiler_and_the_engine_falls_back(tmp_path, monkeypatch):
     with pytest.raises(RuntimeError, match="/bin/false failed on bf16_decode.c"):
-        cpu_kernels.build(gemv=False, cache_dir=tmp_path, compiler="/bin/false")
+        cpu_kernels.build(avx512_bf16=False, cache_dir=tmp_path, compiler="/bin/false")
     assert not list(tmp_path.iterdir())  # no partial library left behind
     monkeypatch.setenv("LLAMARL_CACHE_DIR", str(tmp_path))
     monkeypatch.setenv("CC", "/bin/false")
     cpu_kernels._library.cache_clear()
     try:
-        assert not cpu_kernels.available() and not cpu_kernels.gemv_available()
+        assert not cpu_kernels.available() and not cpu_kernels.gemm_available()
         model = build_family("llama-tied").to(BF16)
         assert not FusedDecoder(model)._native
     finally:
@@ -133,13 +157,19 @@ def test_a_failed_build_is_an_error_naming_the_compiler_and_the_engine_falls_bac
 
 def two_paths_step_logits(model, *, native: bool, rows: int):
     """Prefill ``rows`` contexts of different lengths with the HF model, then two decode steps; the
-    second step's logits and the state's lengths, with the C helpers on or off."""
+    second step's logits and the state's lengths, with the C kernels on (helpers and GEMM) or off
+    (PyTorch's ops and oneDNN's matmul)."""
     tok = chat_tokenizer()
     contexts = [tuple(tok(f"Write {i} words about the number {i * 37}.")["input_ids"][: 6 + 3 * i]) for i in range(rows)]
     engine = TorchEngine(model, eos_token_ids=[], pad_token_id=tok.pad_token_id)
     decoder = FusedDecoder(model)
     assert decoder._native  # bf16 on the CPU, RMSNorm and SiLU: the helpers apply
     decoder._native = native
+    if not native:
+        with pytest.MonkeyPatch.context() as patch:
+            patch.setattr(cpu_kernels, "gemm_available", lambda: False)
+            decoder._layers()  # the projections built now keep PyTorch's matmul
+        assert decoder._head.kernel is None
     state = decoder.new_state(capacity=rows, like=model.model.embed_tokens.weight)
     _, cache, _ = engine._prefill(contexts)
     state.append(keys=[layer.keys for layer in cache.layers], values=[layer.values for layer in cache.layers],
@@ -193,13 +223,47 @@ def test_with_more_threads_the_helpers_run_only_small_batches(monkeypatch):
 def test_the_portable_build_computes_the_same(tmp_path, monkeypatch):
     """The library as built for a CPU without AVX512-BF16 (plain C loops, no GEMV): the helpers
     still match the PyTorch ops, so CI on such a machine runs what is tested here."""
-    portable = cpu_kernels.load(cpu_kernels.build(gemv=False, cache_dir=tmp_path))
-    assert portable.llamarl_gemv_max_rows() == 0
+    portable = cpu_kernels.load(cpu_kernels.build(avx512_bf16=False, cache_dir=tmp_path))
+    assert portable.llamarl_has_gemm() == 0
     monkeypatch.setattr(cpu_kernels, "_library", lambda: portable)
-    assert cpu_kernels.available() and not cpu_kernels.gemv_available()
+    assert cpu_kernels.available() and not cpu_kernels.gemm_available()
     test_rmsnorm_and_the_residual_add_match_hfs_bf16_norm()
     test_swiglu_matches_silu_times_up_bitwise()
     for shape in ((4, 2, 16), (9, 3, 64)):
         test_attention_writes_the_cache_and_attends_like_hfs_eager_attention(*shape)
     with pytest.raises(RuntimeError, match="needs a CPU with AVX512-BF16"):
-        cpu_kernels.linear(randn(1, 8, seed=0), randn(4, 8, seed=1))
+        cpu_kernels.linear(randn(1, 8, seed=0), cpu_kernels.pack(randn(4, 8, seed=1)))
+
+
+def test_projections_take_the_gemm_on_one_thread_or_for_few_rows(monkeypatch):
+    from llamarl.engines.fused_decode import _Linear
+
+    weight, bias = randn(40, 24, seed=3), randn(40, seed=4)
+    calls = []
+    gemm = cpu_kernels.linear
+    monkeypatch.setattr(cpu_kernels, "linear", lambda x, *a: calls.append(x.shape[0]) or gemm(x, *a))
+    monkeypatch.setattr(cpu_kernels, "gemm_available", lambda: True)  # the dispatch, on any CPU
+    projection = _Linear([weight[:16], weight[16:]], [bias[:16], bias[16:]])
+    threads = torch.get_num_threads()
+    try:
+        for num_threads, rows, used in ((1, 64, True), (2, cpu_kernels.GEMM_THREADED_ROWS, True),
+                                        (2, cpu_kernels.GEMM_THREADED_ROWS + 1, False)):
+            torch.set_num_threads(num_threads)
+            calls.clear()
+            x = randn(rows, 24, seed=rows)
+            if used and not cpu_kernels.cpu_has_avx512_bf16():
+                continue  # the library here has no GEMM to call
+            out = projection(x)
+            assert calls == ([rows] if used else []), (num_threads, rows)
+            torch.testing.assert_close(out, torch.nn.functional.linear(x, weight, bias))
+    finally:
+        torch.set_num_threads(threads)
+    # Without the GEMM: oneDNN pre-packed from two rows, PyTorch's plain matmul for one bf16 row
+    # (oneDNN's one-row bf16 path is pathologically slow on some weights: fused_decode._Linear).
+    monkeypatch.setattr(cpu_kernels, "gemm_available", lambda: False)
+    plain = _Linear([weight], [bias])
+    x = randn(1, 24, seed=5)
+    assert plain.kernel is None and torch.equal(plain(x), torch.nn.functional.linear(x, weight, bias))
+    assert plain._onednn is None
+    plain(randn(3, 24, seed=6))
+    assert plain._onednn is not None or not torch.backends.mkldnn.is_available()

@@ -1,14 +1,20 @@
-"""C kernels for bf16 CPU decode steps: the linear layers at one or two rows (AVX512-BF16), and the
-norms, attention and activation of a layer as one call each (``csrc/bf16_decode.c``).
+"""C kernels for bf16 CPU decode steps: the linear layers (an AVX512-BF16 GEMM over weights packed
+for it), and the norms, attention and activation of a layer as one call each (``csrc/bf16_decode.c``).
 
-Why: a decode step reads every weight once and, at a few rows, does almost no arithmetic, so its
-floor is the weights' bytes over the memory bandwidth; what keeps eager PyTorch from it on a CPU is
-(1) oneDNN's bf16 matmul at one row, and (2) ~35 small ops per layer at a few microseconds each.
-Measured on SmolLM2-135M, one thread, AMD EPYC with AVX512-BF16, all the linear layers of a step
-(269 MB over 30 distinct layers, so the weights come from memory, not cache): oneDNN pre-packed
-22.1 ms at one row and 26.8 at two, this GEMV 12.3 and 14.7, against 11.0 ms to read the same
-bytes; at three rows oneDNN is as fast (18.7 vs 19.0 ms) and at four faster (16.7), so the GEMV
-runs for at most ``GEMV_ROWS`` rows. The layer helpers replace the ops around the linears:
+Why: a decode step reads every weight once and, at a few rows, does little arithmetic per byte, so
+its floor is the weights' bytes over the memory bandwidth (at one row) or the matmuls' FLOPs over
+the core's (from ~16 rows); what keeps eager PyTorch from it on a CPU is (1) oneDNN's bf16 matmul
+at small row counts, and (2) ~35 small ops per layer at a few microseconds each. The GEMM reads
+weights packed once (``pack``: panels of 16 output rows, each input-column pair's 16 x 2 weights
+side by side), so one 64-byte load is a VDPBF16PS operand for 16 outputs, a pair of x's columns is
+one broadcast, and 6 rows x 64 outputs of fp32 sums stay in registers (no horizontal sums).
+Measured on SmolLM2-135M, one thread, AMD EPYC (Zen 4) with AVX512-BF16, all the linear layers of
+a step (269 MB over 30 distinct layers, so the weights come from memory, not cache): oneDNN
+pre-packed 22.1 / 34.5 / 92.0 ms at 1 / 16 / 64 rows, this GEMM 13.1 / 28.9 / 88.2 (reading the
+bytes alone: 10-11 ms; the core's VDPBF16PS peak, 234 GFLOPS, is 18.4 ms at 16 rows). With two
+threads oneDNN splits the work and is faster from three rows (2 threads, 1 / 2 / 3 / 4 rows: oneDNN
+15.0 / 14.9 / 13.8 / 12.6 ms, this GEMM 13.8 / 14.4 / 15.5 / 15.2), so there the GEMM runs for at
+most ``GEMM_THREADED_ROWS`` rows. The layer helpers replace the ops around the linears:
 RMSNorm (with the residual add before it), RoPE + the KV-cache write + grouped-query attention
 over each row's valid columns only, and SwiGLU's ``silu(gate) * up``.
 
@@ -20,7 +26,7 @@ use them (the PyTorch path reproduces HF's tokens exactly there).
 When: bf16 weights on the CPU (the kernels are single-threaded: with more than one intra-op
 thread the layer helpers run only up to ``THREADED_ROWS`` rows, above which PyTorch's ops split the
 work across the threads); a C compiler (``$CC``, else ``cc`` / ``gcc``); not
-``LLAMARL_CPU_KERNELS=0``. The GEMV additionally needs the CPU's ``avx512_bf16`` flag (Linux x86-64;
+``LLAMARL_CPU_KERNELS=0``. The GEMM additionally needs the CPU's ``avx512_bf16`` flag (Linux x86-64;
 the library is built with it where the CPU has it, without it elsewhere). The source is compiled
 once per machine into ``$LLAMARL_CACHE_DIR`` (default ``$XDG_CACHE_HOME/llamarl`` or
 ``~/.cache/llamarl``), named by a hash of the source, the flags and the compiler, written to a
@@ -32,6 +38,7 @@ accelerator, never a requirement. Loaded with ``ctypes`` (no Python headers; cal
 from __future__ import annotations
 
 import ctypes
+import dataclasses
 import functools
 import hashlib
 import logging
@@ -46,8 +53,9 @@ import torch
 
 log = logging.getLogger("llamarl.engines.cpu_kernels")
 
-GEMV_ROWS = 2
-"""Rows up to which ``linear`` is used (module docstring: the measured crossover with oneDNN)."""
+GEMM_THREADED_ROWS = 2
+"""With more than one intra-op thread, rows up to which ``linear`` (single-threaded) still runs:
+above them oneDNN's matmul splits the work across the threads (module docstring)."""
 
 THREADED_ROWS = 16
 """With more than one intra-op thread, rows up to which ``FusedDecoder`` still runs its layers
@@ -57,11 +65,12 @@ PyTorch's ops use both cores. On one thread they run at any row count (faster at
 
 _SOURCE = Path(__file__).with_name("csrc") / "bf16_decode.c"
 _FLAGS = ["-O3", "-shared", "-fPIC", "-fno-math-errno", "-fassociative-math", "-fno-signed-zeros", "-fno-trapping-math"]
-_GEMV_FLAGS = ["-DLLAMARL_GEMV", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16"]
+_AVX512_BF16_FLAGS = ["-DLLAMARL_AVX512_BF16", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16"]
 _P, _I64, _F32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
 _SIGNATURES = {
-    "llamarl_gemv_bf16": ([_P] * 4 + [_I64] * 3, ctypes.c_int),
-    "llamarl_gemv_max_rows": ([], ctypes.c_int),
+    "llamarl_pack_bf16": ([_P] * 2 + [_I64] * 2, None),
+    "llamarl_gemm_bf16": ([_P] * 4 + [_I64] * 3, ctypes.c_int),
+    "llamarl_has_gemm": ([], ctypes.c_int),
     "llamarl_rmsnorm_bf16": ([_P] * 3 + [_I64] * 2 + [_F32], None),
     "llamarl_add_rmsnorm_bf16": ([_P] * 4 + [_I64] * 2 + [_F32], None),
     "llamarl_silu_mul_bf16": ([_P] * 2 + [_I64] * 2, None),
@@ -89,14 +98,14 @@ def _cache_dir() -> Path:
     return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "llamarl"
 
 
-def build(*, gemv: bool, cache_dir: Path | None = None, compiler: str | None = None) -> Path:
-    """Compile ``csrc/bf16_decode.c`` (with the AVX512-BF16 GEMV when ``gemv``) once per source,
-    flags and compiler, and return the shared library's path; raise ``RuntimeError`` naming the
-    compiler and its first error line when it cannot."""
+def build(*, avx512_bf16: bool, cache_dir: Path | None = None, compiler: str | None = None) -> Path:
+    """Compile ``csrc/bf16_decode.c`` (with the AVX512-BF16 GEMM and vector paths when
+    ``avx512_bf16``) once per source, flags and compiler, and return the shared library's path;
+    raise ``RuntimeError`` naming the compiler and its first error line when it cannot."""
     compiler = compiler or os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
     if compiler is None:
         raise RuntimeError("no C compiler found ($CC, cc, gcc)")
-    flags = _FLAGS + (_GEMV_FLAGS if gemv else [])
+    flags = _FLAGS + (_AVX512_BF16_FLAGS if avx512_bf16 else [])
     key = hashlib.sha256(_SOURCE.read_bytes() + " ".join([compiler, *flags]).encode()).hexdigest()[:16]
     target = (cache_dir or _cache_dir()) / f"bf16_decode-{key}.so"
     if target.exists():
@@ -126,7 +135,7 @@ def _library() -> ctypes.CDLL | None:
     if os.environ.get("LLAMARL_CPU_KERNELS", "1") == "0":
         return None
     try:
-        return load(build(gemv=cpu_has_avx512_bf16()))
+        return load(build(avx512_bf16=cpu_has_avx512_bf16()))
     except (OSError, RuntimeError) as error:
         log.warning("the bf16 CPU decode kernels are not used (%s); PyTorch ops run the decode steps", error)
         return None
@@ -146,10 +155,10 @@ def available() -> bool:
     return _library() is not None
 
 
-def gemv_available() -> bool:
-    """True when ``linear`` can run here (the library was built with the AVX512-BF16 GEMV)."""
+def gemm_available() -> bool:
+    """True when ``linear`` can run here (the library was built with the AVX512-BF16 GEMM)."""
     library = _library()
-    return library is not None and library.llamarl_gemv_max_rows() >= GEMV_ROWS
+    return library is not None and library.llamarl_has_gemm() == 1
 
 
 def _checked(name: str, t: torch.Tensor, shape: tuple[int, ...], dtype: torch.dtype = torch.bfloat16) -> int:
@@ -169,22 +178,43 @@ def _need() -> ctypes.CDLL:
     return library
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """``bf16(x @ weight.T + bias)`` for ``x`` ``[rows, in]`` with ``1 <= rows <= GEMV_ROWS``,
-    ``weight`` ``[out, in]``, ``bias`` ``[out]`` (all bf16, contiguous, CPU); a new ``[rows, out]``."""
+@dataclasses.dataclass(frozen=True)
+class PackedWeight:
+    """A ``[out_features, in_features]`` bf16 weight in ``linear``'s layout (``pack``): panels of 16
+    output rows, each input-column pair's 16 x 2 weights side by side, zero-padded; ``data`` is flat."""
+
+    data: torch.Tensor
+    out_features: int
+    in_features: int
+
+
+def pack(weight: torch.Tensor) -> PackedWeight:
+    """``weight`` (bf16, contiguous, CPU, ``[out, in]``) copied into ``linear``'s layout; a copy:
+    pack again after the weight changes."""
     library = _need()
     out_features, in_features = weight.shape if weight.dim() == 2 else (-1, -1)
-    w = _checked("weight", weight, (out_features, in_features))
-    b = 0 if bias is None else _checked("bias", bias, (out_features,))
-    if x.dim() != 2 or not 1 <= x.shape[0] <= GEMV_ROWS:
-        raise ValueError(f"cpu_kernels.linear takes 1..{GEMV_ROWS} rows; got x of shape {tuple(x.shape)}")
-    rows = x.shape[0]
-    out = torch.empty((rows, out_features), dtype=torch.bfloat16, device=x.device)
-    status = library.llamarl_gemv_bf16(_checked("x", x, (rows, in_features)), w, b, out.data_ptr(), rows,
-                                       out_features, in_features)
+    pointer = _checked("weight", weight, (out_features, in_features))
+    data = torch.empty(-(-out_features // 16) * 16 * -(-in_features // 2) * 2, dtype=torch.bfloat16,
+                       device=weight.device)
+    library.llamarl_pack_bf16(pointer, data.data_ptr(), out_features, in_features)
+    return PackedWeight(data=data, out_features=out_features, in_features=in_features)
+
+
+def linear(x: torch.Tensor, weight: PackedWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``bf16(x @ w.T + bias)`` for ``x`` ``[rows, in]``, the weight ``w`` ``[out, in]`` packed by
+    ``pack``, ``bias`` ``[out]`` (bf16, contiguous, CPU); a new ``[rows, out]``. Single-threaded."""
+    library = _need()
+    b = 0 if bias is None else _checked("bias", bias, (weight.out_features,))
+    rows = x.shape[0] if x.dim() == 2 else -1
+    if rows < 1:
+        raise ValueError(f"cpu_kernels.linear takes x of shape [rows >= 1, {weight.in_features}]; got {tuple(x.shape)}")
+    pointer = _checked("x", x, (rows, weight.in_features))
+    out = torch.empty((rows, weight.out_features), dtype=torch.bfloat16, device=x.device)
+    status = library.llamarl_gemm_bf16(pointer, weight.data.data_ptr(), b, out.data_ptr(), rows,
+                                       weight.out_features, weight.in_features)
     if status == 2:  # the library was built without it (checked here, not by a call per linear)
-        raise RuntimeError("the bf16 GEMV needs a CPU with AVX512-BF16 (cpu_kernels.gemv_available())")
-    assert status == 0, status  # rows checked above
+        raise RuntimeError("the bf16 GEMM needs a CPU with AVX512-BF16 (cpu_kernels.gemm_available())")
+    assert status == 0, status
     return out
 
 

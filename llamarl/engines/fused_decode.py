@@ -7,15 +7,12 @@ tensors, no tensor parallelism; ``--generator.no-fused-decode`` / ``TorchEngine(
 turns it off):
 
 * **fused projections**: q, k and v as one matmul, gate and up as one, so a layer runs four
-  matmuls instead of seven; on CPU the fused weights are also pre-packed for oneDNN
+  matmuls instead of seven; on CPU the fused weights are also packed for a faster matmul: for
+  ``cpu_kernels.linear`` in bf16 where the CPU has AVX512-BF16, else pre-packed for oneDNN
   (``torch.ops.mkldnn._reorder_linear_weight``), which reads them far faster at a few rows
   (measured with SmolLM2-135M, one thread: all the linears of a step at 1 / 16 / 64 rows 36.9 /
-  53.1 / 110 ms plain, 23.8 / 32.2 / 91.5 ms pre-packed). The fused copies are derived from the
-  live weights: every call compares the weights' version counters (bumped by any in-place write,
-  the weight channels' included) with those they were built from and rebuilds them when a weight
-  changed (one copy of the weights), so an in-place update takes effect at the next call as it
-  does with the HF modules (a parameter replaced by a new tensor is seen at the next
-  ``generate``: ``refresh``);
+  53.1 / 110 ms plain, 23.8 / 32.2 / 91.5 ms oneDNN pre-packed, 13.1 / 28.9 / 88.2 ms the C GEMM).
+  The fused copies are derived from the
 * **a preallocated KV cache** ``[slots, kv_heads, width, head_dim]`` per layer with one row per
   slot, each row's positions left-aligned (``DecodeState``), so rows of different lengths share a
   step: each token's keys and values are written in place at its own row's column, and an attention
@@ -29,10 +26,11 @@ turns it off):
 * **C kernels in bf16** (``cpu_kernels``; single-threaded, so they run on one intra-op thread,
   or up to ``cpu_kernels.THREADED_ROWS`` rows with more threads): each layer is eight calls (the
   four projections; attention with RoPE and the cache write over each row's own columns; the
-  residual adds fused with the next RMSNorm; SwiGLU), the projections of one or two rows through
-  an AVX512-BF16 GEMV where the CPU has it. A 1-row step of
-  SmolLM2-135M: 31.0 -> 15.0 ms. They round where HF's bf16 modules round, so their outputs are
-  HF's up to the order of fp32 sums; fp32 models keep the PyTorch ops below.
+  residual adds fused with the next RMSNorm; SwiGLU), the projections through an AVX512-BF16 GEMM
+  where the CPU has it (with more threads, up to ``cpu_kernels.GEMM_THREADED_ROWS`` rows). A
+  1-row step of SmolLM2-135M: 31.0 -> 16 ms; 16 rows: 73.6 -> 38 ms. They round where HF's bf16
+  modules round, so their outputs are HF's up to the order of fp32 sums; fp32 models keep the
+  PyTorch ops below.
 
 Otherwise norms, rotary embeddings, the activation and the LM head are the model's own modules, so
 the numerics are HF's eager path: greedy tokens equal the HF loop's (tests) and log-probs agree to
@@ -57,23 +55,31 @@ def _mkldnn_ready(weight: torch.Tensor) -> bool:
 
 
 class _Linear:
-    """One fused projection: its weight (and bias), pre-packed for oneDNN on CPU; in bf16 at one or
-    two rows, the AVX512-BF16 GEMV where it runs (``cpu_kernels``: ~1.8x faster there, even
-    single-threaded against oneDNN on two threads)."""
+    """One fused projection: its weight (and bias); in bf16 on a CPU with AVX512-BF16, packed for
+    ``cpu_kernels.linear`` (faster than oneDNN at 1 to 64 rows on one thread; with more threads it
+    runs up to ``cpu_kernels.GEMM_THREADED_ROWS`` rows), otherwise pre-packed for oneDNN on its
+    first call (which reads the weights far faster than the plain layout at a few rows)."""
 
-    def __init__(self, weights: list[torch.Tensor], biases: list[torch.Tensor | None], *, rows_hint: int) -> None:
+    def __init__(self, weights: list[torch.Tensor], biases: list[torch.Tensor | None]) -> None:
         self.weight = torch.cat(weights) if len(weights) > 1 else weights[0]
         self.bias = None if biases[0] is None else (torch.cat(biases) if len(biases) > 1 else biases[0])
-        self.packed = (torch.ops.mkldnn._reorder_linear_weight(self.weight, rows_hint)
-                       if _mkldnn_ready(self.weight) else None)
-        self.gemv = (self.weight.dtype == torch.bfloat16 and self.weight.device.type == "cpu"
-                     and self.weight.is_contiguous() and cpu_kernels.gemv_available())
+        self.kernel = (cpu_kernels.pack(self.weight)
+                       if self.weight.dtype == torch.bfloat16 and self.weight.device.type == "cpu"
+                       and self.weight.is_contiguous() and (self.bias is None or self.bias.is_contiguous())
+                       and cpu_kernels.gemm_available() else None)
+        self._onednn: torch.Tensor | None = None
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        if self.gemv and x.shape[0] <= cpu_kernels.GEMV_ROWS:
-            return cpu_kernels.linear(x, self.weight, self.bias)
-        if self.packed is not None:
-            return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
+        rows = x.shape[0]
+        if self.kernel is not None and (rows <= cpu_kernels.GEMM_THREADED_ROWS or torch.get_num_threads() == 1):
+            return cpu_kernels.linear(x, self.kernel, self.bias)
+        # Not at one bf16 row: there oneDNN's pre-packed matmul took 61 ms for one 3072 x 576 projection
+        # of SmolLM2's own weights (torch 2.13, Zen 4; 0.1 ms with random weights of that shape, 0.3 ms
+        # through F.linear), so a row alone takes PyTorch's plain matmul.
+        if _mkldnn_ready(self.weight) and (rows > 1 or self.weight.dtype != torch.bfloat16):
+            if self._onednn is None:  # the rows of the first call tune the layout (oneDNN's hint)
+                self._onednn = torch.ops.mkldnn._reorder_linear_weight(self.weight, rows)
+            return torch.ops.mkldnn._linear_pointwise(x, self._onednn, self.bias, "none", [], "")
         return torch.nn.functional.linear(x, self.weight, self.bias)
 
 
@@ -129,7 +135,7 @@ class FusedDecoder:
             self._source_tensors.append(self.model.lm_head.weight)
         return self._source_tensors
 
-    def _layers(self, rows_hint: int) -> list[tuple[_Linear, _Linear, _Linear, _Linear]]:
+    def _layers(self) -> list[tuple[_Linear, _Linear, _Linear, _Linear]]:
         versions = tuple((id(p), p._version) for p in self._sources())
         if self._fused is None or versions != self._built_from:
             self._built_from = versions
@@ -138,14 +144,13 @@ class FusedDecoder:
                 attn, mlp = layer.self_attn, layer.mlp
                 fused.append((
                     _Linear([attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight],
-                            [attn.q_proj.bias, attn.k_proj.bias, attn.v_proj.bias], rows_hint=rows_hint),
-                    _Linear([attn.o_proj.weight], [attn.o_proj.bias], rows_hint=rows_hint),
-                    _Linear([mlp.gate_proj.weight, mlp.up_proj.weight], [mlp.gate_proj.bias, mlp.up_proj.bias],
-                            rows_hint=rows_hint),
-                    _Linear([mlp.down_proj.weight], [mlp.down_proj.bias], rows_hint=rows_hint)))
+                            [attn.q_proj.bias, attn.k_proj.bias, attn.v_proj.bias]),
+                    _Linear([attn.o_proj.weight], [attn.o_proj.bias]),
+                    _Linear([mlp.gate_proj.weight, mlp.up_proj.weight], [mlp.gate_proj.bias, mlp.up_proj.bias]),
+                    _Linear([mlp.down_proj.weight], [mlp.down_proj.bias])))
             self._fused = fused
             head = self.model.lm_head  # the LM head too: a fifth of SmolLM2's weights, read every step
-            self._head = _Linear([head.weight], [head.bias], rows_hint=rows_hint)
+            self._head = _Linear([head.weight], [head.bias])
         return self._fused
 
     def new_state(self, *, capacity: int, like: torch.Tensor) -> DecodeState:
@@ -182,7 +187,7 @@ class FusedDecoder:
         q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         num_qk_heads, groups = self.num_heads + self.num_kv_heads, self.num_heads // self.num_kv_heads
         norm = _norm
-        for index, (layer, (qkv, out, gate_up, down)) in enumerate(zip(model.model.layers, self._layers(rows))):
+        for index, (layer, (qkv, out, gate_up, down)) in enumerate(zip(model.model.layers, self._layers())):
             x = norm(layer.input_layernorm, hidden)
             projected = qkv(x.view(rows, -1))
             # RoPE on q's and k's heads at once (the same elementwise math as HF's, half the ops).
@@ -224,7 +229,7 @@ class FusedDecoder:
         layers = model.model.layers
         first = layers[0].input_layernorm
         x = cpu_kernels.rmsnorm(hidden, first.weight, eps=first.variance_epsilon)
-        for index, (layer, (qkv, out, gate_up, down)) in enumerate(zip(layers, self._layers(rows))):
+        for index, (layer, (qkv, out, gate_up, down)) in enumerate(zip(layers, self._layers())):
             attended = cpu_kernels.attention(qkv(x), cos=cos, sin=sin, keys=state.keys[index],
                                              values=state.values[index], positions=positions,
                                              num_heads=self.num_heads, scaling=self.scaling)
