@@ -172,6 +172,28 @@ def test_decode_scaling_prints_one_row_per_batch_size(capsys):
         generation.decode_scaling(model, tok, batches=[1], new_tokens=1, repeats=1)
 
 
+def test_cpu_linears_times_every_projection_of_a_step_and_checks_them(monkeypatch):
+    """benchmarks/cpu_linears.py on a tiny bf16 model: the projections a fused step runs (four per
+    layer and the LM head), both paths timed, and a GEMM whose outputs differ fails the timing."""
+    from llamarl.engines import cpu_kernels
+
+    linears = load_benchmark("cpu_linears")
+    model = build_tiny_llama(seed=0, vocab_size=128).to(torch.bfloat16).eval()
+    weights = linears.step_weights(model)
+    assert len(weights) == 4 * len(model.model.layers) + 1
+    assert weights[0][0].shape[0] == sum(p.weight.shape[0] for p in (model.model.layers[0].self_attn.q_proj,
+                                                                      model.model.layers[0].self_attn.k_proj,
+                                                                      model.model.layers[0].self_attn.v_proj))
+    if not cpu_kernels.gemm_available():
+        pytest.skip("the C GEMM needs a CPU with AVX512-BF16")
+    pytorch_ms, gemm_ms = linears.time_linears(weights, rows=3, repeats=1)
+    assert pytorch_ms > 0 and gemm_ms > 0
+    monkeypatch.setattr(cpu_kernels, "linear", lambda x, w, b=None: torch.zeros(x.shape[0], w.out_features,
+                                                                                 dtype=torch.bfloat16))
+    with pytest.raises(RuntimeError, match="disagree at 3 rows"):
+        linears.time_linears(weights, rows=3, repeats=1)
+
+
 def test_generation_counts_the_tokens_it_timed():
     """Each timed call returns the tokens it produced, rows x new_tokens; an early stop raises."""
     generation = load_benchmark("generation")

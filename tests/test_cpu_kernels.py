@@ -169,7 +169,7 @@ def two_paths_step_logits(model, *, native: bool, rows: int):
         with pytest.MonkeyPatch.context() as patch:
             patch.setattr(cpu_kernels, "gemm_available", lambda: False)
             decoder._layers()  # the projections built now keep PyTorch's matmul
-        assert decoder._head.kernel is None
+        assert not decoder._head.gemm
     state = decoder.new_state(capacity=rows, like=model.model.embed_tokens.weight)
     _, cache, _ = engine._prefill(contexts)
     state.append(keys=[layer.keys for layer in cache.layers], values=[layer.values for layer in cache.layers],
@@ -244,6 +244,7 @@ def test_projections_take_the_gemm_on_one_thread_or_for_few_rows(monkeypatch):
     monkeypatch.setattr(cpu_kernels, "linear", lambda x, *a: calls.append(x.shape[0]) or gemm(x, *a))
     monkeypatch.setattr(cpu_kernels, "gemm_available", lambda: True)  # the dispatch, on any CPU
     projection = _Linear([weight[:16], weight[16:]], [bias[:16], bias[16:]])
+    assert projection.kernel is None and projection._onednn is None  # packed on first use only
     threads = torch.get_num_threads()
     try:
         for num_threads, rows, used in ((1, 64, True), (2, cpu_kernels.GEMM_THREADED_ROWS, True),
@@ -263,7 +264,8 @@ def test_projections_take_the_gemm_on_one_thread_or_for_few_rows(monkeypatch):
     monkeypatch.setattr(cpu_kernels, "gemm_available", lambda: False)
     plain = _Linear([weight], [bias])
     x = randn(1, 24, seed=5)
-    assert plain.kernel is None and torch.equal(plain(x), torch.nn.functional.linear(x, weight, bias))
+    assert not plain.gemm and torch.equal(plain(x), torch.nn.functional.linear(x, weight, bias))
+    assert plain.kernel is None
     assert plain._onednn is None
     plain(randn(3, 24, seed=6))
     assert plain._onednn is not None or not torch.backends.mkldnn.is_available()

@@ -63,15 +63,19 @@ class _Linear:
     def __init__(self, weights: list[torch.Tensor], biases: list[torch.Tensor | None]) -> None:
         self.weight = torch.cat(weights) if len(weights) > 1 else weights[0]
         self.bias = None if biases[0] is None else (torch.cat(biases) if len(biases) > 1 else biases[0])
-        self.kernel = (cpu_kernels.pack(self.weight)
-                       if self.weight.dtype == torch.bfloat16 and self.weight.device.type == "cpu"
-                       and self.weight.is_contiguous() and (self.bias is None or self.bias.is_contiguous())
-                       and cpu_kernels.gemm_available() else None)
+        self.gemm = (self.weight.dtype == torch.bfloat16 and self.weight.device.type == "cpu"
+                     and self.weight.is_contiguous() and (self.bias is None or self.bias.is_contiguous())
+                     and cpu_kernels.gemm_available())
+        # Each layout is made on its first use (0.16-0.18 s a copy of SmolLM2's weights, again after
+        # every weight update): a run whose steps all take one path keeps one extra copy, not two.
+        self.kernel: cpu_kernels.PackedWeight | None = None
         self._onednn: torch.Tensor | None = None
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.shape[0]
-        if self.kernel is not None and (rows <= cpu_kernels.GEMM_THREADED_ROWS or torch.get_num_threads() == 1):
+        if self.gemm and (rows <= cpu_kernels.GEMM_THREADED_ROWS or torch.get_num_threads() == 1):
+            if self.kernel is None:
+                self.kernel = cpu_kernels.pack(self.weight)
             return cpu_kernels.linear(x, self.kernel, self.bias)
         # Not at one bf16 row: there oneDNN's pre-packed matmul took 61 ms for one 3072 x 576 projection
         # of SmolLM2's own weights (torch 2.13, Zen 4; 0.1 ms with random weights of that shape, 0.3 ms
