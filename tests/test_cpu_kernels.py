@@ -269,3 +269,44 @@ def test_projections_take_the_gemm_on_one_thread_or_for_few_rows(monkeypatch):
     assert plain._onednn is None
     plain(randn(3, 24, seed=6))
     assert plain._onednn is not None or not torch.backends.mkldnn.is_available()
+
+
+def test_a_packed_weight_must_match_its_features():
+    with pytest.raises(ValueError, match=r"packed data must be .* of shape \(64,\)"):
+        cpu_kernels.PackedWeight(data=torch.zeros(32, dtype=BF16), out_features=2, in_features=3)
+    with pytest.raises(ValueError, match="packed data must be a contiguous torch.bfloat16"):
+        cpu_kernels.PackedWeight(data=torch.zeros(64), out_features=2, in_features=3)
+    with pytest.raises(ValueError, match="features must be >= 1"):
+        cpu_kernels.PackedWeight(data=torch.zeros(0, dtype=BF16), out_features=0, in_features=3)
+
+
+@pytest.mark.skipif(not cpu_kernels.cpu_has_avx512_bf16(), reason="the GEMM needs a CPU with AVX512-BF16")
+def test_an_in_place_update_reaches_the_packed_weights(monkeypatch):
+    """The GEMM reads packed copies: an in-place write into any projection (o, down, the tied LM
+    head: copies now, read live before) must reach the next generate, as a fresh engine sees it."""
+    from llamarl.engines.base import Request, SamplingParams
+
+    tok = chat_tokenizer()
+    model = build_family("llama-tied").to(BF16)
+    packed = []
+    pack = cpu_kernels.pack
+    monkeypatch.setattr(cpu_kernels, "pack", lambda w: packed.append(w.shape) or pack(w))
+    requests = [Request(sample_id=i, prompt_ids=tok(f"Count to {i + 3}.")["input_ids"]) for i in range(3)]
+    greedy = SamplingParams(temperature=0.0, max_new_tokens=8)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        engine = TorchEngine(model, eos_token_ids=[], pad_token_id=tok.pad_token_id)
+        before = [c.completion_ids for c in engine.generate(requests, sampling=greedy, version=0)]
+        assert len(packed) == 4 * len(model.model.layers) + 1  # every projection went through the GEMM
+        with torch.no_grad():
+            for layer in model.model.layers:
+                layer.self_attn.o_proj.weight.mul_(-1.0)
+                layer.mlp.down_proj.weight.copy_(layer.mlp.down_proj.weight.flip(0))
+            model.lm_head.weight.mul_(0.5)
+        after = [c.completion_ids for c in engine.generate(requests, sampling=greedy, version=1)]
+        fresh = TorchEngine(model, eos_token_ids=[], pad_token_id=tok.pad_token_id)
+        assert after == [c.completion_ids for c in fresh.generate(requests, sampling=greedy, version=1)]
+        assert after != before
+    finally:
+        torch.set_num_threads(threads)

@@ -187,6 +187,13 @@ class PackedWeight:
     out_features: int
     in_features: int
 
+    def __post_init__(self) -> None:
+        # ``linear`` hands data's memory to C: its size must be the layout's for these features.
+        size = -(-self.out_features // 16) * 16 * -(-self.in_features // 2) * 2
+        if self.out_features < 1 or self.in_features < 1:
+            raise ValueError(f"PackedWeight: features must be >= 1; got {self.out_features} x {self.in_features}")
+        _checked("packed data", self.data, (size,))
+
 
 def pack(weight: torch.Tensor) -> PackedWeight:
     """``weight`` (bf16, contiguous, CPU, ``[out, in]``) copied into ``linear``'s layout; a copy:

@@ -7,12 +7,20 @@ tensors, no tensor parallelism; ``--generator.no-fused-decode`` / ``TorchEngine(
 turns it off):
 
 * **fused projections**: q, k and v as one matmul, gate and up as one, so a layer runs four
-  matmuls instead of seven; on CPU the fused weights are also packed for a faster matmul: for
-  ``cpu_kernels.linear`` in bf16 where the CPU has AVX512-BF16, else pre-packed for oneDNN
-  (``torch.ops.mkldnn._reorder_linear_weight``), which reads them far faster at a few rows
-  (measured with SmolLM2-135M, one thread: all the linears of a step at 1 / 16 / 64 rows 36.9 /
-  53.1 / 110 ms plain, 23.8 / 32.2 / 91.5 ms oneDNN pre-packed, 13.1 / 28.9 / 88.2 ms the C GEMM).
-  The fused copies are derived from the
+  matmuls instead of seven; on CPU the weights are also packed for a faster matmul, each layout
+  made on its first use: for ``cpu_kernels.linear`` in bf16 where the CPU has AVX512-BF16, else
+  pre-packed for oneDNN (``torch.ops.mkldnn._reorder_linear_weight``), which reads them far faster
+  at a few rows (measured with SmolLM2-135M, one thread, all the linears of a step at 1 / 16 / 64
+  rows: 36.9 / 53.1 / 110 ms plain, 23.8 / 32.2 / 91.5 ms oneDNN pre-packed on 2026-11-24; the C
+  GEMM 13.1 / 27.7 / 85.0 ms on 2026-11-25, when oneDNN's pre-packed bf16 path took seconds at one
+  row on SmolLM2's own weights, so a single bf16 row without the GEMM takes ``F.linear``:
+  ``_Linear``). The fused and packed copies are derived from the live weights: every call compares
+  the weights' version counters (bumped by any in-place write, the weight channels' included) with
+  those they were built from and rebuilds them when a weight changed, so an in-place update takes
+  effect at the next call as it does with the HF modules (a parameter replaced by a new tensor is
+  seen at the next ``generate``: ``refresh``). Memory: the fused q/k/v and gate/up weights are
+  copies, and each packed layout in use is one more copy of the projections' weights (the LM head
+  included);
 * **a preallocated KV cache** ``[slots, kv_heads, width, head_dim]`` per layer with one row per
   slot, each row's positions left-aligned (``DecodeState``), so rows of different lengths share a
   step: each token's keys and values are written in place at its own row's column, and an attention
@@ -64,10 +72,11 @@ class _Linear:
         self.weight = torch.cat(weights) if len(weights) > 1 else weights[0]
         self.bias = None if biases[0] is None else (torch.cat(biases) if len(biases) > 1 else biases[0])
         self.gemm = (self.weight.dtype == torch.bfloat16 and self.weight.device.type == "cpu"
-                     and self.weight.is_contiguous() and (self.bias is None or self.bias.is_contiguous())
-                     and cpu_kernels.gemm_available())
-        # Each layout is made on its first use (0.16-0.18 s a copy of SmolLM2's weights, again after
-        # every weight update): a run whose steps all take one path keeps one extra copy, not two.
+                     and self.weight.is_contiguous() and cpu_kernels.gemm_available()
+                     and (self.bias is None or (self.bias.dtype == torch.bfloat16 and self.bias.device.type == "cpu"
+                                                and self.bias.is_contiguous())))
+        # Each layout is made on its first use (0.16-0.18 s for SmolLM2's weights, again after every
+        # weight update): a run whose steps all take one path builds only that one.
         self.kernel: cpu_kernels.PackedWeight | None = None
         self._onednn: torch.Tensor | None = None
 
