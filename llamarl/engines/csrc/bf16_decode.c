@@ -192,6 +192,48 @@ static void rope_head(const uint16_t *x, const uint16_t *cos, const uint16_t *si
     }
 }
 
+#ifdef LLAMARL_AVX512_BF16
+/* acc[g, :] = sum_j scores[g, j] * values[j, :] over j = 0 .. pos, for the G query heads of one KV
+ * head (d % 16 == 0): 32 lanes of d at a time, so each key's two value chunks feed 2 x G independent
+ * sums held in registers (the same fp32 fma order per lane as one chunk at a time). */
+static inline __attribute__((always_inline)) void weigh_values(const int G, const float *scores, int64_t width,
+                                                               const uint16_t *vh, int64_t d, int64_t pos,
+                                                               float *acc) {
+    int64_t i = 0;
+    for (; i + 32 <= d; i += 32) {
+        __m512 lo[8], hi[8];
+#pragma GCC unroll 8
+        for (int g = 0; g < G; g++) lo[g] = hi[g] = _mm512_setzero_ps();
+        for (int64_t j = 0; j <= pos; j++) {
+            const __m512 v0 = load_bf16x16(vh + j * d + i), v1 = load_bf16x16(vh + j * d + i + 16);
+#pragma GCC unroll 8
+            for (int g = 0; g < G; g++) {
+                const __m512 w = _mm512_set1_ps(scores[g * width + j]);
+                lo[g] = _mm512_fmadd_ps(w, v0, lo[g]);
+                hi[g] = _mm512_fmadd_ps(w, v1, hi[g]);
+            }
+        }
+#pragma GCC unroll 8
+        for (int g = 0; g < G; g++) {
+            _mm512_storeu_ps(acc + g * d + i, lo[g]);
+            _mm512_storeu_ps(acc + g * d + i + 16, hi[g]);
+        }
+    }
+    if (i < d) { /* d % 32 == 16: the last 16 lanes */
+        __m512 sums[8];
+#pragma GCC unroll 8
+        for (int g = 0; g < G; g++) sums[g] = _mm512_setzero_ps();
+        for (int64_t j = 0; j <= pos; j++) {
+            const __m512 v = load_bf16x16(vh + j * d + i);
+#pragma GCC unroll 8
+            for (int g = 0; g < G; g++) sums[g] = _mm512_fmadd_ps(_mm512_set1_ps(scores[g * width + j]), v, sums[g]);
+        }
+#pragma GCC unroll 8
+        for (int g = 0; g < G; g++) _mm512_storeu_ps(acc + g * d + i, sums[g]);
+    }
+}
+#endif
+
 /* One decode token per row through a layer's attention, after its q/k/v projection.
  * qkv: [rows, (heads + 2 * kv_heads) * d] (q heads, k heads, v heads); cos, sin: [rows, d] (the
  * rows' rotary embedding at their positions); keys, values: the layer's cache [capacity, kv_heads,
@@ -236,11 +278,18 @@ int llamarl_attention_bf16(const uint16_t *qkv, const uint16_t *cos, const uint1
             for (; j0 + 16 <= pos + 1; j0 += 16) /* 16 keys at a time: one reduction for 16 scores */
                 for (int64_t g = 0; g < groups; g++) {
                     __m512 sums[16];
+                    const uint16_t *qg = q_bf16 + g * d;
+                    /* unrolled over the 16 keys, each key's sum built in a register of its own (a
+                     * loop over m left the array in memory: a store per product) */
+#pragma GCC unroll 16
                     for (int m = 0; m < 16; m++) {
                         const uint16_t *k = kh + (j0 + m) * d;
-                        sums[m] = _mm512_setzero_ps();
-                        for (int64_t i = 0; i < d; i += 32)
-                            sums[m] = _mm512_dpbf16_ps(sums[m], load32(q_bf16 + g * d + i, d - i), load32(k + i, d - i));
+                        __m512 sum = _mm512_setzero_ps();
+                        int64_t i = 0;
+                        for (; i + 32 <= d; i += 32)
+                            sum = _mm512_dpbf16_ps(sum, load32(qg + i, 32), load32(k + i, 32));
+                        if (i < d) sum = _mm512_dpbf16_ps(sum, load32(qg + i, d - i), load32(k + i, d - i));
+                        sums[m] = sum;
                     }
                     _mm512_storeu_ps(scores + g * width + j0,
                                      round_bf16x16(_mm512_mul_ps(sum16(sums), _mm512_set1_ps(scaling))));
@@ -266,8 +315,14 @@ int llamarl_attention_bf16(const uint16_t *qkv, const uint16_t *cos, const uint1
 #endif
             for (int64_t g = 0; g < groups; g++) {
                 float *sg = scores + g * width, top = -INFINITY, total = 0.0f;
-                for (int64_t j = 0; j <= pos; j++) top = sg[j] > top ? sg[j] : top;
                 int64_t j = 0;
+#ifdef LLAMARL_AVX512_BF16
+                __m512 tops = _mm512_set1_ps(-INFINITY);
+                for (; j + 16 <= pos + 1; j += 16) tops = _mm512_max_ps(_mm512_loadu_ps(sg + j), tops); /* a NaN score skipped, as below */
+                top = _mm512_reduce_max_ps(tops);
+#endif
+                for (; j <= pos; j++) top = sg[j] > top ? sg[j] : top;
+                j = 0;
 #ifdef LLAMARL_AVX512_BF16
                 __m512 sums = _mm512_setzero_ps();
                 for (; j + 16 <= pos + 1; j += 16) {
@@ -291,16 +346,15 @@ int llamarl_attention_bf16(const uint16_t *qkv, const uint16_t *cos, const uint1
             for (int64_t i = 0; i < groups * d; i++) acc[i] = 0.0f;
 #ifdef LLAMARL_AVX512_BF16
             if (d % 16 == 0 && groups <= 8) {
-                /* 16 lanes of d at a time, each query head's sums held in a register over all keys */
-                for (int64_t i = 0; i < d; i += 16) {
-                    __m512 sums[8];
-                    for (int64_t g = 0; g < groups; g++) sums[g] = _mm512_setzero_ps();
-                    for (int64_t j = 0; j <= pos; j++) {
-                        __m512 v = load_bf16x16(vh + j * d + i);
-                        for (int64_t g = 0; g < groups; g++)
-                            sums[g] = _mm512_fmadd_ps(_mm512_set1_ps(scores[g * width + j]), v, sums[g]);
-                    }
-                    for (int64_t g = 0; g < groups; g++) _mm512_storeu_ps(acc + g * d + i, sums[g]);
+                switch (groups) { /* a constant head count per case: the sums stay in registers */
+                case 1: weigh_values(1, scores, width, vh, d, pos, acc); break;
+                case 2: weigh_values(2, scores, width, vh, d, pos, acc); break;
+                case 3: weigh_values(3, scores, width, vh, d, pos, acc); break;
+                case 4: weigh_values(4, scores, width, vh, d, pos, acc); break;
+                case 5: weigh_values(5, scores, width, vh, d, pos, acc); break;
+                case 6: weigh_values(6, scores, width, vh, d, pos, acc); break;
+                case 7: weigh_values(7, scores, width, vh, d, pos, acc); break;
+                default: weigh_values(8, scores, width, vh, d, pos, acc); break;
                 }
             } else
 #endif
