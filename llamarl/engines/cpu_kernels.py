@@ -9,8 +9,9 @@ weights packed once (``pack``: panels of 16 output rows, each input-column pair'
 side by side), so one 64-byte load is a VDPBF16PS operand for 16 outputs, a pair of x's columns is
 one broadcast, and 6 rows x 64 outputs of fp32 sums stay in registers (no horizontal sums).
 Measured on SmolLM2-135M, one thread, AMD EPYC (Zen 4) with AVX512-BF16, all the linear layers of
-a step (269 MB over 30 distinct layers, so the weights come from memory, not cache): oneDNN
-pre-packed 22.1 / 34.5 / 92.0 ms at 1 / 16 / 64 rows, this GEMM 13.1 / 28.9 / 88.2 (reading the
+a step (269 MB over 30 distinct layers, so the weights come from memory, not cache;
+``benchmarks/cpu_linears.py``): PyTorch as the step ran them before (oneDNN pre-packed, ``F.linear``
+at one row) 37.5 / 33.4 / 92.9 ms at 1 / 16 / 64 rows, this GEMM 13.1 / 27.7 / 85.0 (reading the
 bytes alone: 10-11 ms; the core's VDPBF16PS peak, 234 GFLOPS, is 18.4 ms at 16 rows). With two
 threads oneDNN splits the work and is faster from three rows (2 threads, 1 / 2 / 3 / 4 rows: oneDNN
 15.0 / 14.9 / 13.8 / 12.6 ms, this GEMM 13.8 / 14.4 / 15.5 / 15.2), so there the GEMM runs for at

@@ -381,8 +381,9 @@ int llamarl_attention_bf16(const uint16_t *qkv, const uint16_t *cos, const uint1
  * horizontal sums, and each panel streams from memory in order (zeros pad n and k). A tile of MT
  * rows of x by NB panels keeps MT x NB accumulators in registers; the weights of NB panels are read
  * from memory once for the first tile of rows and from cache for the others.
- * Measured (SmolLM2-135M, every linear of a step, one thread, weights from memory): 13.1 / 28.9 /
- * 88.2 ms at 1 / 16 / 64 rows against oneDNN's pre-packed 22.1 / 34.5 / 92.0. */
+ * Measured (SmolLM2-135M, every linear of a step, one thread, weights from memory;
+ * benchmarks/cpu_linears.py): 13.1 / 27.7 / 85.0 ms at 1 / 16 / 64 rows against PyTorch's 37.5 /
+ * 33.4 / 92.9 (oneDNN pre-packed; F.linear at one row). */
 void llamarl_pack_bf16(const uint16_t *w, uint16_t *packed, int64_t n, int64_t k) {
     const int64_t panels = (n + 15) / 16, pairs = (k + 1) / 2, whole = k / 2;
     for (int64_t p = 0; p < panels; p++) {
