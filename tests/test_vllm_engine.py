@@ -274,13 +274,16 @@ def test_a_sleeping_engine_wakes_what_each_call_needs(engine, hf_model, monkeypa
 
 def _arithmetic_run(tmp_path, *, nproc: int, flags: list[str]) -> dict[str, list[dict]]:
     """A short arithmetic run on SmolLM2 with a vLLM generator; each executor's metric lines.
-    8 prompts a tick: a tick whose groups all tie (no optimizer step, no sync) has odds of ~0.5 %."""
+    16 prompts a tick (the recipe's default): a tick whose groups all tie (no optimizer step, no
+    sync) has odds of ~0.003 % (each group of 4 ties about half the time at the base model's
+    accuracy). With 8 prompts (~0.5 %) a no-signal tick was seen once in CI on 2026-11-25, leaving
+    the async run's generator at version 0 after its 3 ticks."""
     from launch import check, run_torchrun
 
     out = tmp_path / "run"
     check(run_torchrun("run_module.py", nproc=nproc, timeout_s=500, args=[
         "--module", "recipes.arithmetic", "--", "--generator.engine", "vllm", "--generator.kv-cache-gib", "0.5",
-        "--generator.num-prompts-per-step", "8", "--run.max-steps", "3", "--run.eval-every", "3",
+        "--generator.num-prompts-per-step", "16", "--run.max-steps", "3", "--run.eval-every", "3",
         "--run.num-eval-problems", "8", "--run.output-dir", str(out), *flags]))
     assert (out / "summary.json").is_file()
     return {name: [json.loads(line) for line in (out / "metrics" / f"{name}.jsonl").read_text().splitlines()]
