@@ -22,8 +22,8 @@ import statistics
 import time
 
 import torch
-
 from generation import bound_ms, hardware_bound
+
 from llamarl.engines import cpu_kernels
 from llamarl.models import load_causal_lm
 

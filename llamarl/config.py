@@ -56,7 +56,19 @@ class GeneratorConfig:
     (llamarl/engines/cpu_kernels.py: ~2x faster at one row, ~1.9x at 16; any batch on one thread, up
     to 16 rows with more; ``LLAMARL_CPU_KERNELS=0`` turns them off); False: HF's modules for every
     step. Other
-    architectures, tensor parallelism and CUDA always use HF's modules."""
+    architectures and tensor parallelism use HF's modules; on CUDA see ``static_decode``."""
+    static_decode: Literal["auto", "compiled", "eager", "off"] = "auto"
+    """Native engine: decode through static shapes (llamarl/engines/static_decode.py: a KV cache
+    preallocated per call, one ``torch.compile`` graph per batch-size bucket, replayed as a CUDA
+    graph on CUDA; finished rows seen every ``eos_check_every`` steps, continuous batching and kept
+    carried caches as on the fused path) for Llama, Qwen2, Mistral and Qwen3 without TP. ``auto``:
+    on CUDA, where a step of HF's modules is bound by the host; not on CPU, where the fused step
+    and its C kernels are faster. ``compiled``: wherever supported (CPU too: the first step of each
+    bucket compiles, ~5-60 s). ``eager``: the same loop uncompiled. ``off``: never."""
+    eos_check_every: int = 8
+    """Native engine, static decode loop: decode steps between two host reads of which rows
+    finished (each read waits for the device). A row that ends between two reads keeps its slot
+    busy until the next; pending samples take free slots at the reads."""
     max_num_seqs: int | None = None
     """At most this many samples decode at once on a generator rank (vLLM's name). None: the native
     engine decodes every sample of a step in one batch (finished rows leave it), vLLM uses its
@@ -140,6 +152,7 @@ class GeneratorConfig:
                f"--generator.max-num-seqs must be >= 1, got {self.max_num_seqs}")
         _check(self.carried_cache == "recompute" or self.engine == "torch",
                f"--generator.carried-cache keep needs --generator.engine torch (got {self.engine!r})")
+        _check(self.eos_check_every >= 1, f"--generator.eos-check-every must be >= 1, got {self.eos_check_every}")
         _check(self.kv_cache_gib > 0, f"--generator.kv-cache-gib must be > 0, got {self.kv_cache_gib}")
         _check(0 < self.gpu_memory_utilization <= 1,
                f"--generator.gpu-memory-utilization must be in (0, 1], got {self.gpu_memory_utilization}")

@@ -297,7 +297,7 @@ def test_the_two_level_draw_is_the_inverse_cdf_of_the_same_uniform():
     """``_draw`` (block sums, then one block's cumulative sum) picks the token a full fp64 inverse CDF
     picks for the same uniform (up to rounding at an interval's edge), over a vocabulary of many
     blocks that is not a multiple of the block, with filtered tokens at block edges never drawn."""
-    from llamarl.engines.torch_engine import _DRAW_BLOCK, _draw
+    from llamarl.engines.sampling import _DRAW_BLOCK, _draw
 
     g = torch.Generator().manual_seed(0)
     vocab = 5 * _DRAW_BLOCK + 37
@@ -305,8 +305,8 @@ def test_the_two_level_draw_is_the_inverse_cdf_of_the_same_uniform():
     filtered = [0, _DRAW_BLOCK - 1, _DRAW_BLOCK, 3 * _DRAW_BLOCK + 5, vocab - 1]
     logits[:, filtered] = float("-inf")
     logp = torch.log_softmax(logits, dim=-1)
-    tokens = _draw(logp.exp(), torch.Generator().manual_seed(1))
     u = torch.rand((4000, 1), generator=torch.Generator().manual_seed(1), dtype=torch.float64)
+    tokens = _draw(logp.exp(), u.squeeze(1))
     cdf = logp.exp().cumsum(dim=-1, dtype=torch.float64)
     reference = torch.searchsorted(cdf, u * cdf[:, -1:], right=True).squeeze(-1)
     assert (tokens == reference).float().mean() >= 0.999

@@ -200,6 +200,11 @@ class EngineSetup:
     request of a call)."""
     carried_cache: str = "recompute"
     """Native engine: ``keep`` resumes a carried sample from the KV cache it had when carried."""
+    static_decode: str = "auto"
+    """Native engine: the static-shape, compiled decode loop (``auto``: on CUDA; ``compiled``,
+    ``eager``, ``off``)."""
+    eos_check_every: int = 8
+    """Native engine, static loop: steps between the host's looks at finished rows."""
     tp_group: object = None
     """The rank's tensor-parallel group (a ProcessGroup; None without TP): the native engine shares
     each step's sampled tokens from ``tp_src`` over it."""

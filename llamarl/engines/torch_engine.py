@@ -9,8 +9,10 @@ tagged with the weight ``version`` that produced it, so the trainer can correct 
 
 Batching: prompts are left-padded into one batch, with an explicit attention mask and position ids,
 and prefilled with the HF model into a transformers ``DynamicCache``. The decode steps run through
-``FusedDecoder`` (llamarl/engines/fused_decode.py: fused, pre-packed projections over a
-preallocated KV cache) for the Llama-family layouts it supports, else through the HF modules.
+``StaticDecoder`` on CUDA (llamarl/engines/static_decode.py: static shapes, compiled, replayed as
+CUDA graphs; the loop in static_loop.py), through ``FusedDecoder`` on CPU
+(llamarl/engines/fused_decode.py: fused, pre-packed projections over a preallocated KV cache, C
+kernels in bf16) for the Llama-family layouts they support, else through the HF modules.
 Finished rows are dropped from the batch and the KV cache, so long stragglers do not drag dead rows
 through every forward pass.
 
@@ -42,112 +44,13 @@ from llamarl.engines.base import (
     stop_ids,
 )
 from llamarl.engines.fused_decode import FusedDecoder
+from llamarl.engines.sampling import draw_uniforms, filtered_logprobs, sample_tokens
+from llamarl.engines.static_decode import StaticDecoder
+from llamarl.engines.static_loop import decode_static
 
+STATIC_DECODE_MODES = ("auto", "compiled", "eager", "off")
 
-def filtered_logprobs(logits: torch.Tensor, *, temperature: float, top_p: float = 1.0, top_k: int = 0):
-    """Return fp32 log-probs of the distribution sampled from: ``softmax(logits / T)`` after top-k then
-    top-p filtering, renormalised; filtered-out tokens get ``-inf``.
-
-    Contract: ``logits`` is ``(..., vocab)``; ``temperature > 0``. top-k keeps every token tied with the
-    k-th largest logit; top-p keeps the smallest prefix (by descending probability) whose mass reaches
-    ``top_p`` (so the most likely token always survives). With ``top_p == 1, top_k == 0`` the result is
-    exactly ``log_softmax(logits.float() / temperature)``. The order (temperature, top-k, top-p) matches
-    HF and vLLM.
-    """
-    if temperature <= 0:
-        raise ValueError(f"filtered_logprobs needs temperature > 0, got {temperature}")
-    # T = 1 divides by nothing (x / 1.0 == x exactly): skip a pass over the vocabulary.
-    x = logits.float() / temperature if temperature != 1.0 else logits.float()
-    if 0 < top_k < x.shape[-1]:
-        kth = torch.topk(x, top_k, dim=-1).values[..., -1:]
-        x = x.masked_fill(x < kth, float("-inf"))
-    if top_p < 1.0:
-        x = x.masked_fill(~_nucleus(x.softmax(dim=-1), top_p), float("-inf"))
-    return torch.log_softmax(x, dim=-1)
-
-
-def _nucleus(probs: torch.Tensor, top_p: float) -> torch.Tensor:
-    """Boolean mask of the top-p set: a token is kept while the mass strictly before it is < top_p."""
-    vocab = probs.shape[-1]
-    # A full-vocab sort costs ~200 ms for 64 x 49k on 2 threads; the nucleus is almost always inside
-    # the top few hundred tokens, and once a top-k prefix holds >= top_p of the mass every token past
-    # it is dropped anyway, so a growing top-k gives the exact same set far cheaper.
-    k = min(vocab, 256)
-    while True:
-        vals, order = torch.topk(probs, k, dim=-1, sorted=True)
-        cum = vals.cumsum(dim=-1)
-        if k == vocab or bool((cum[..., -1] >= top_p).all()):
-            break
-        k = min(vocab, k * 8)
-    keep_sorted = (cum - vals) < top_p
-    return torch.zeros_like(probs, dtype=torch.bool).scatter_(-1, order, keep_sorted)
-
-
-_DRAW_BLOCK = 256
-
-
-def _draw(probs: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
-    """Sample one index per row of ``probs`` ``(rows, vocab)`` (fp32, >= 0, any total) in proportion
-    to it by inverse CDF (one uniform per row), without a cumulative sum over the vocabulary.
-
-    Why not ``torch.multinomial``: it draws one exponential per vocab entry (~145 ms for 64 x 49k on
-    2 threads, more than a decode step's matmuls). Why two levels: the full fp64 cumulative sum of
-    the plain inverse CDF cost 8.3 ms (16 rows) / 35.9 ms (64 rows) of a 49k vocabulary on one
-    thread; here the probabilities are summed in blocks of 256 (one pass, accumulated in fp64), the
-    block is picked on the blocks' cumulative sum and the token within that block's 256 only: 1.0 /
-    5.5 ms (the block sums in fp32, their cumulative sum in fp64). It is the same function of the uniform ``u`` as the plain inverse CDF (the token whose
-    interval holds ``u x total``), up to rounding at an interval's edge. Zero-probability (filtered)
-    tokens have empty intervals and are never drawn: the target is kept strictly below each
-    cumulative total it is searched in.
-    """
-    rows, vocab = probs.shape
-    pad = (-vocab) % _DRAW_BLOCK
-    if pad:
-        probs = torch.nn.functional.pad(probs, (0, pad))
-    blocks = probs.view(rows, -1, _DRAW_BLOCK)
-    # Block sums in fp32 (a sum with dtype=float64 first converts the whole [rows, vocab] to fp64:
-    # 0.7 of 1.0 ms at 16 rows), their cumulative sum in fp64.
-    block_cdf = blocks.sum(dim=-1).double().cumsum(dim=-1)
-    total = block_cdf[:, -1:]
-    u = torch.rand(total.shape, generator=generator, dtype=torch.float64, device=probs.device)
-    zero = torch.zeros_like(total)
-    target = torch.minimum(u * total, torch.nextafter(total, zero))
-    block = torch.searchsorted(block_cdf, target, right=True)
-    before = torch.where(block > 0, block_cdf.gather(1, (block - 1).clamp(min=0)), zero)
-    inner = blocks.gather(1, block.unsqueeze(-1).expand(rows, 1, _DRAW_BLOCK)).squeeze(1).cumsum(dim=-1,
-                                                                                               dtype=torch.float64)
-    # The block's own sum and its cumulative sum round differently: stay strictly inside the latter.
-    offset = torch.minimum(target - before, torch.nextafter(inner[:, -1:], zero))
-    return (block * _DRAW_BLOCK + torch.searchsorted(inner, offset, right=True)).squeeze(-1)
-
-
-def sample_tokens(
-    logits: torch.Tensor, *, sampling: SamplingParams, generator: torch.Generator | None = None
-):
-    """Pick one token per row of ``logits`` ``(batch, vocab)``; return ``(tokens, logprobs)``.
-
-    Contract: tokens are int64 ``(batch,)``; logprobs are fp32 ``(batch,)`` behaviour log-probs as
-    documented in the module docstring (greedy when ``temperature == 0``). Sampling draws from
-    ``generator`` only, so a seeded generator makes the draw reproducible.
-    """
-    if sampling.temperature == 0:
-        logp = torch.log_softmax(logits.float(), dim=-1)
-        tokens = logp.argmax(dim=-1)
-    elif not 0 < sampling.top_k < logits.shape[-1] and sampling.top_p >= 1.0:
-        # No filtering: one softmax pass gives what is drawn from, and the drawn tokens' log-probs
-        # are the logs of their probabilities (within ~1e-7 of log_softmax's; a token whose
-        # probability underflows to 0 is never drawn). log_softmax then exp were two passes over
-        # the vocabulary: 1.5 vs 0.5 ms at 16 rows of 49k on one thread.
-        x = logits if sampling.temperature == 1.0 else logits.float() / sampling.temperature
-        probs = torch.softmax(x, dim=-1, dtype=torch.float32)
-        tokens = _draw(probs, generator)
-        return tokens, probs.gather(-1, tokens.unsqueeze(-1)).squeeze(-1).log()
-    else:
-        logp = filtered_logprobs(
-            logits, temperature=sampling.temperature, top_p=sampling.top_p, top_k=sampling.top_k
-        )
-        tokens = _draw(logp.exp(), generator)
-    return tokens, logp.gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
+__all__ = ["TorchEngine", "filtered_logprobs", "sample_tokens"]
 
 
 class TorchEngine:
@@ -155,7 +58,7 @@ class TorchEngine:
 
     def __init__(self, model: torch.nn.Module, *, eos_token_ids: list[int], pad_token_id: int,
                  fused_decode: bool = True, max_num_seqs: int | None = None, carried_cache: str = "recompute",
-                 tp_group=None, tp_src: int = 0):
+                 static_decode: str = "auto", eos_check_every: int = 8, tp_group=None, tp_src: int = 0):
         """Wrap ``model`` (any HF causal LM accepting ``past_key_values`` and ``logits_to_keep``).
 
         Contract: the engine keeps only a reference to ``model`` and caches nothing derived from its
@@ -178,6 +81,13 @@ class TorchEngine:
         those of the older weights (PipelineRL's in-flight weight update). Tokens keep their own
         ``versions`` either way. A kept cache lasts until its ``sample_id`` is next submitted: used
         if the request continues exactly where it was carried, dropped otherwise.
+        ``static_decode``: the static-shape decode loop (llamarl/engines/static_decode.py and
+        static_loop.py: a preallocated cache per call, one compiled graph per batch bucket, a CUDA
+        graph replay per step on CUDA, finished rows seen every ``eos_check_every`` steps) for the
+        models it supports (Llama, Qwen2, Mistral, Qwen3, unsharded). ``"auto"`` (default): on
+        CUDA (where a step is bound by the host), not on CPU (the fused step with its C kernels is
+        faster there); ``"compiled"``: wherever supported; ``"eager"``: the same loop uncompiled
+        (debugging); ``"off"``: never. It takes precedence over ``fused_decode``.
         ``tp_group`` (a tensor-parallel model's group; None without TP) and ``tp_src`` (its first
         rank, global): every step's sampled tokens and their log-probs are the first rank's,
         broadcast over the group. TP peers compute the same logits up to the all-reduce's
@@ -189,6 +99,10 @@ class TorchEngine:
             raise ValueError(f"max_num_seqs must be >= 1 (or None), got {max_num_seqs}")
         if carried_cache not in ("recompute", "keep"):
             raise ValueError(f"carried_cache must be 'recompute' or 'keep', got {carried_cache!r}")
+        if static_decode not in STATIC_DECODE_MODES:
+            raise ValueError(f"static_decode must be one of {STATIC_DECODE_MODES}, got {static_decode!r}")
+        if eos_check_every < 1:
+            raise ValueError(f"eos_check_every must be >= 1, got {eos_check_every}")
         self.model = model
         self.eos_token_ids = [int(t) for t in eos_token_ids]
         self.pad_token_id = int(pad_token_id)
@@ -196,6 +110,8 @@ class TorchEngine:
         self.max_num_seqs = max_num_seqs
         self.carried_cache = carried_cache
         self._fused: FusedDecoder | None = None
+        self.static_decode, self.eos_check_every = static_decode, int(eos_check_every)
+        self._static: StaticDecoder | None = None
         # sample_id -> (its context when carried, per-layer keys, per-layer values) for "keep".
         self._kept: dict[int, tuple[tuple[int, ...], list[torch.Tensor], list[torch.Tensor]]] = {}
         self.tp_group, self.tp_src = tp_group, int(tp_src)
@@ -204,9 +120,10 @@ class TorchEngine:
         self.kept_cache_rows = 0
         """Carried samples resumed from a kept KV cache so far (cumulative)."""
 
-    def _sample(self, logits: torch.Tensor, *, sampling: SamplingParams, generator):
-        """``sample_tokens``; under TP, the group's first rank's tokens and log-probs on every rank."""
-        tokens, lps = sample_tokens(logits, sampling=sampling, generator=generator)
+    def _sample(self, logits: torch.Tensor, *, sampling: SamplingParams, uniforms: torch.Tensor | None):
+        """``sample_tokens`` with the rows' ``uniforms``; under TP, the group's first rank's tokens and
+        log-probs on every rank."""
+        tokens, lps = sample_tokens(logits, sampling=sampling, uniforms=uniforms)
         if self.tp_group is None:
             return tokens, lps
         # One broadcast: token ids are exact in float64 (vocabularies are far below 2**53).
@@ -298,20 +215,34 @@ class TorchEngine:
         """Run prefill + decode; return per-request new token ids, log-probs and whether EOS stopped it."""
         contexts = [tuple(r.prompt_ids) + tuple(r.completion_ids) for r in reqs]
         width = max(len(c) + limit for c, limit in zip(contexts, limits))
+        device = self.model.get_input_embeddings().weight.device
+        uniforms = draw_uniforms(num_requests=len(reqs), num_tokens=max(limits), sampling=sampling,
+                                 generator=generator, device=device)
         # Checked per call: tensor parallelism may have been applied after the engine was built.
+        if self._static_wanted(device) and StaticDecoder.supports(self.model, length=width):
+            if self._static is None:
+                self._static = StaticDecoder(self.model, compiled=self.static_decode != "eager")
+            return decode_static(self, reqs, contexts=contexts, limits=limits, sampling=sampling, uniforms=uniforms)
         if self.fused_decode and FusedDecoder.supports(self.model, length=width):
             self._fused = self._fused or FusedDecoder(self.model)
             self._fused.refresh()
-            return self._decode_fused(reqs, contexts=contexts, limits=limits, sampling=sampling, generator=generator)
+            return self._decode_fused(reqs, contexts=contexts, limits=limits, sampling=sampling, uniforms=uniforms)
         size = self.max_num_seqs or len(reqs)
         new_ids, new_lps, stopped = [], [], []
         for first in range(0, len(reqs), size):
             ids, lps, stop = self._decode_hf(contexts[first : first + size], limits=limits[first : first + size],
-                                             sampling=sampling, generator=generator)
+                                             sampling=sampling,
+                                             uniforms=None if uniforms is None else uniforms[first : first + size])
             new_ids += ids
             new_lps += lps
             stopped += stop
         return new_ids, new_lps, stopped
+
+    def _static_wanted(self, device: torch.device) -> bool:
+        """Whether ``static_decode`` asks for the static step on ``device`` (``__init__``)."""
+        if self.static_decode == "auto":
+            return device.type == "cuda"
+        return self.static_decode in ("compiled", "eager")
 
     def _prefill(self, contexts: list[tuple[int, ...]]):
         """Prefill ``contexts`` with the HF model; return ``(logits [n, vocab], cache, mask [n, width])``
@@ -381,7 +312,7 @@ class TorchEngine:
         return order, torch.cat(parts) if len(parts) > 1 else parts[0]
 
     def _decode_fused(self, reqs: list[Request], *, contexts: list[tuple[int, ...]], limits: list[int],
-                      sampling: SamplingParams, generator):
+                      sampling: SamplingParams, uniforms: torch.Tensor | None):
         """The decode loop over ``FusedDecoder`` steps, with continuous batching (``max_num_seqs``)
         and kept carried caches (``carried_cache="keep"``): see ``__init__``."""
         device = self.model.get_input_embeddings().weight.device
@@ -403,8 +334,9 @@ class TorchEngine:
         limit = torch.tensor(limits, dtype=torch.long, device=device)
         eos = torch.tensor(stop_ids(self.eos_token_ids, sampling), dtype=torch.long, device=device)
         while True:
-            tokens, lps = self._sample(logits, sampling=sampling, generator=generator)
             column = n_new[active]
+            tokens, lps = self._sample(logits, sampling=sampling,
+                                       uniforms=None if uniforms is None else uniforms[active, column])
             out_ids[active, column] = tokens
             out_lps[active, column] = lps
             n_new[active] = column + 1
@@ -436,7 +368,8 @@ class TorchEngine:
         return ([row[:n] for row, n in zip(ids_rows, counts)], [row[:n] for row, n in zip(lps_rows, counts)],
                 stopped.tolist())
 
-    def _decode_hf(self, contexts: list[tuple[int, ...]], *, limits: list[int], sampling: SamplingParams, generator):
+    def _decode_hf(self, contexts: list[tuple[int, ...]], *, limits: list[int], sampling: SamplingParams,
+                   uniforms: torch.Tensor | None):
         """The decode loop over the HF modules (architectures and layouts the fused step does not
         cover): one batch, finished rows dropped from it and from the ``DynamicCache``."""
         device = self.model.get_input_embeddings().weight.device
@@ -452,7 +385,8 @@ class TorchEngine:
         eos = torch.tensor(stop_ids(self.eos_token_ids, sampling), dtype=torch.long, device=device)
         active = torch.arange(batch, device=device)  # original row of each live batch row
         for step in range(max_steps):
-            tokens, lps = self._sample(logits, sampling=sampling, generator=generator)
+            tokens, lps = self._sample(logits, sampling=sampling,
+                                       uniforms=None if uniforms is None else uniforms[active, step])
             out_ids[active, step] = tokens
             out_lps[active, step] = lps
             hit_eos = torch.isin(tokens, eos)
@@ -483,4 +417,5 @@ class TorchEngine:
 def _build_torch_engine(setup: EngineSetup) -> TorchEngine:
     return TorchEngine(setup.model, eos_token_ids=setup.eos_token_ids, pad_token_id=setup.pad_token_id,
                        fused_decode=setup.fused_decode, max_num_seqs=setup.max_num_seqs,
-                       carried_cache=setup.carried_cache, tp_group=setup.tp_group, tp_src=setup.tp_src)
+                       carried_cache=setup.carried_cache, static_decode=setup.static_decode,
+                       eos_check_every=setup.eos_check_every, tp_group=setup.tp_group, tp_src=setup.tp_src)

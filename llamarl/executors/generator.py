@@ -231,7 +231,8 @@ class GeneratorExecutor(Executor):
             pad_token_id=pad, seed=self.seed * 1000 + self.ctx.dp_rank, device=self.ctx.device,
             kv_cache_gib=self.config.kv_cache_gib, gpu_memory_utilization=self.config.gpu_memory_utilization,
             fused_decode=self.config.fused_decode, max_num_seqs=self.config.max_num_seqs,
-            carried_cache=self.config.carried_cache, seed_requests=self.config.seed_requests,
+            carried_cache=self.config.carried_cache, static_decode=self.config.static_decode,
+            eos_check_every=self.config.eos_check_every, seed_requests=self.config.seed_requests,
             tp_group=tp_group, tp_src=tp_src, sleep_mode=self.sleeps))
         self.base_engine = self.engine  # the engine itself, under an episode runner if any
         if self.env_config is not None:

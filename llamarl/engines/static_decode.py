@@ -1,0 +1,250 @@
+"""A decode step with static shapes, compiled once per batch bucket and, on CUDA, replayed as a CUDA
+graph: the native engine's path where a decode step is bound by the host, not the accelerator.
+
+Why: on one H100 the native engine's HF-module loop spent 103-115 ms per decode step (64 / 512
+rows) for ~7 ms of GPU work, all of it Python and kernel launches (docs/benchmarks.md). gpt-fast,
+nano-vllm and vLLM remove that the same way: every tensor a step touches has a fixed shape and
+address, so the step can be compiled (``torch.compile``, one graph, no graph breaks) and captured
+once, then replayed with one launch per step.
+
+* **Static state** (``StaticState``): per layer a KV cache ``[slots, kv_heads, width, head_dim]``
+  allocated once per ``generate`` call (slots rounded up to a power of two, width to a power of two
+  >= 64, so calls of similar shapes reuse the compiled graphs), each row's positions left-aligned
+  (position = column); the token each slot feeds next and its position live in device buffers
+  ``tokens`` / ``positions``. What a row sees is computed in the graph from its position
+  (``column <= position``): no mask tensor, no per-step concatenation.
+* **Batch buckets**: a step runs the first ``rows`` slots, ``rows`` a power of two (``bucket``);
+  each bucket is one compiled graph (``dynamic=False``) and, on CUDA, one captured graph. Slots of
+  finished or empty rows inside the bucket compute garbage that nothing reads (their writes go
+  to their own slot); the decode loop (llamarl/engines/static_loop.py) compacts rows into a
+  smaller bucket when they fit.
+* **The forward** is HF's eager math for Llama, Qwen2, Mistral and Qwen3 (q/k norms) written over
+  the model's own modules (norms, projections, MLP, LM head), so in-place weight updates are
+  read by the next step and the numerics are those of HF's eager attention (scores, the dtype's
+  minimum where masked, softmax in fp32, cast back). RoPE's cos / sin come from the model's own
+  rotary module, evaluated once per state for every column.
+
+Capture on CUDA: the first step of a bucket in a call runs the compiled function twice on a side
+stream (compiling it and warming the allocator), then captures it into a ``torch.cuda.CUDAGraph``
+sharing one memory pool. Running a step is idempotent for a row: it writes its token's keys and
+values at its own position, from the same inputs, so the warm-up runs change nothing the replay
+does not write again. Graphs hold the state's and the weights' addresses; the state is made per
+call and graphs with it, so a replaced parameter is picked up at the next call (in-place updates
+at once).
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+from torch.distributed.tensor import DTensor
+
+_SUPPORTED = ("LlamaForCausalLM", "Qwen2ForCausalLM", "MistralForCausalLM", "Qwen3ForCausalLM")
+# One compiled graph per (bucket, width) pair: 10 buckets up to 512 rows, a few widths.
+_RECOMPILE_LIMIT = 64
+
+
+def bucket(rows: int) -> int:
+    """The batch bucket that runs ``rows`` live rows: the smallest power of two >= ``rows``."""
+    if rows < 1:
+        raise ValueError(f"a bucket needs at least one row, got {rows}")
+    return 1 << (rows - 1).bit_length()
+
+
+def _width(positions: int) -> int:
+    """Cache columns for ``positions`` positions: a power of two, at least 64."""
+    return max(64, 1 << (positions - 1).bit_length())
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+def static_forward(model: torch.nn.Module, tokens: torch.Tensor, positions: torch.Tensor,
+                   keys: list[torch.Tensor], values: list[torch.Tensor], cos_table: torch.Tensor,
+                   sin_table: torch.Tensor, num_heads: int, num_kv_heads: int, head_dim: int,
+                   scaling: float) -> torch.Tensor:
+    """Logits ``[rows, vocab]`` of the token after ``tokens`` ``[rows]``, each fed at its row's
+    position ``positions`` ``[rows]``; writes its keys and values into slot r of ``keys[l]`` /
+    ``values[l]`` (``[slots, kv, width, d]``, slots >= rows) at that position and attends over the
+    slot's columns ``0 .. position``. Shapes depend only on ``rows`` and the state's: one graph."""
+    rows = tokens.shape[0]
+    inner = model.model
+    hidden = inner.embed_tokens(tokens)  # [rows, hidden]
+    cos, sin = cos_table[positions].unsqueeze(1), sin_table[positions].unsqueeze(1)  # [rows, 1, d]
+    width = keys[0].shape[2]
+    visible = torch.arange(width, device=tokens.device) <= positions.unsqueeze(1)  # [rows, width]
+    bias = torch.zeros((rows, 1, 1, width), dtype=hidden.dtype, device=hidden.device).masked_fill(
+        ~visible[:, None, None, :], torch.finfo(hidden.dtype).min)
+    row_index = torch.arange(rows, device=tokens.device)
+    groups = num_heads // num_kv_heads
+    for layer, layer_keys, layer_values in zip(inner.layers, keys, values):
+        attn = layer.self_attn
+        x = layer.input_layernorm(hidden)
+        q = attn.q_proj(x).view(rows, num_heads, head_dim)
+        k = attn.k_proj(x).view(rows, num_kv_heads, head_dim)
+        v = attn.v_proj(x).view(rows, num_kv_heads, head_dim)
+        if hasattr(attn, "q_norm"):  # Qwen3: RMSNorm over each head before RoPE
+            q, k = attn.q_norm(q), attn.k_norm(k)
+        q = q * cos + _rotate_half(q) * sin
+        k = k * cos + _rotate_half(k) * sin
+        layer_keys[row_index, :, positions] = k
+        layer_values[row_index, :, positions] = v
+        # Grouped query heads against their KV head: [rows, kv, groups, d] x [rows, kv, d, width].
+        scores = torch.matmul(q.view(rows, num_kv_heads, groups, head_dim),
+                              layer_keys[:rows].transpose(-1, -2)) * scaling + bias
+        weights = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
+        attended = torch.matmul(weights, layer_values[:rows])  # [rows, kv, groups, d]
+        hidden = hidden + attn.o_proj(attended.reshape(rows, num_heads * head_dim))
+        hidden = hidden + layer.mlp(layer.post_attention_layernorm(hidden))
+    return model.lm_head(inner.norm(hidden))
+
+
+class StaticState:
+    """One call's static buffers (module docstring): per-layer ``keys`` / ``values``
+    ``[slots, kv, width, d]``, ``tokens`` / ``positions`` ``[slots]`` (int64: what each slot feeds
+    at the next step, and where), RoPE's ``cos`` / ``sin`` ``[width, d]``, and the captured graphs
+    by bucket."""
+
+    def __init__(self, *, keys: list[torch.Tensor], values: list[torch.Tensor], cos: torch.Tensor,
+                 sin: torch.Tensor) -> None:
+        self.keys, self.values, self.cos, self.sin = keys, values, cos, sin
+        slots, device = keys[0].shape[0], keys[0].device
+        self.tokens = torch.zeros(slots, dtype=torch.long, device=device)
+        self.positions = torch.zeros(slots, dtype=torch.long, device=device)
+        self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+
+    @property
+    def capacity(self) -> int:
+        return self.keys[0].shape[0]
+
+    @property
+    def width(self) -> int:
+        return self.keys[0].shape[2]
+
+    def load(self, slots: list[int], *, keys: list[torch.Tensor], values: list[torch.Tensor],
+             lengths: list[int], left_padded: bool) -> None:
+        """Write rows into ``slots``: per layer ``keys[l]`` / ``values[l]`` ``[n, kv, T, d]`` hold row
+        j's ``lengths[j]`` cached positions, right-aligned in ``T`` (a left-padded prefill) when
+        ``left_padded``, else from column 0; they go to columns ``0 .. lengths[j] - 1``."""
+        for j, (slot, length) in enumerate(zip(slots, lengths)):
+            if length > self.width - 1:
+                raise ValueError(f"a row of {length} cached positions does not fit the state's {self.width} columns")
+            span = slice(keys[0].shape[2] - length, None) if left_padded else slice(0, length)
+            for mine, theirs in ((self.keys, keys), (self.values, values)):
+                for layer_cache, source in zip(mine, theirs):
+                    layer_cache[slot, :, :length] = source[j, :, span]
+
+    def move(self, sources: list[int], targets: list[int], *, num_columns: int) -> None:
+        """Copy slots ``sources`` to ``targets`` (the first ``num_columns`` columns of the cache, the
+        fed token and position): the loop's compaction into a smaller bucket."""
+        device = self.tokens.device
+        src = torch.tensor(sources, dtype=torch.long, device=device)
+        dst = torch.tensor(targets, dtype=torch.long, device=device)
+        for cache in (*self.keys, *self.values):
+            cache[dst, :, :num_columns] = cache[src, :, :num_columns]
+        self.tokens[dst] = self.tokens[src]
+        self.positions[dst] = self.positions[src]
+
+    def row_cache(self, slot: int, length: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """Copies of slot ``slot``'s first ``length`` cached positions per layer, ``[kv, length, d]``."""
+        return ([k[slot, :, :length].clone() for k in self.keys], [v[slot, :, :length].clone() for v in self.values])
+
+
+class StaticDecoder:
+    """Static-shape decode steps of one HF model (module docstring)."""
+
+    @staticmethod
+    def supports(model: torch.nn.Module, *, length: int) -> bool:
+        """True for the architectures this step reproduces (Llama, Qwen2, Mistral, Qwen3; a sliding
+        window, if any, longer than ``length`` positions), unsharded (tensor parallelism takes
+        the HF modules)."""
+        config = model.config
+        window = getattr(config, "sliding_window", None) if getattr(config, "use_sliding_window", True) else None
+        if type(model).__name__ not in _SUPPORTED or (window is not None and window < length):
+            return False
+        if getattr(config, "layer_types", None) and any(t != "full_attention" for t in config.layer_types):
+            return False
+        return not any(isinstance(p, DTensor) for p in model.parameters())
+
+    def __init__(self, model: torch.nn.Module, *, compiled: bool = True, backend: str = "inductor",
+                 cuda_graphs: bool | None = None) -> None:
+        """``compiled``: run ``static_forward`` through ``torch.compile(fullgraph=True,
+        dynamic=False)`` with ``backend`` (``"eager"`` traces without generating code: tests);
+        False runs it eagerly. ``cuda_graphs`` (None: on CUDA when compiled): capture each bucket's
+        step as a CUDA graph."""
+        self.model = model
+        config = model.config
+        self.num_heads, self.num_kv_heads = config.num_attention_heads, config.num_key_value_heads
+        self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        self.scaling = self.head_dim ** -0.5
+        self.compiled = compiled
+        self._forward = torch.compile(static_forward, fullgraph=True, dynamic=False, backend=backend) \
+            if compiled else static_forward
+        device = model.get_input_embeddings().weight.device
+        self.cuda_graphs = (device.type == "cuda" and compiled) if cuda_graphs is None else cuda_graphs
+        if self.cuda_graphs and device.type != "cuda":
+            raise ValueError(f"cuda_graphs needs the model on CUDA, it is on {device}")
+        self._pool = None
+        self.num_steps = 0
+        """Steps run (cumulative; a captured graph's replays included)."""
+        self.num_captures = 0
+        """CUDA graphs captured (cumulative: one per bucket per call)."""
+
+    def new_state(self, *, capacity: int, positions: int) -> StaticState:
+        """A zeroed state with at least ``capacity`` slots (rounded up to a bucket) and room for
+        ``positions`` positions per row (rounded up to a power of two >= 64), in the model's dtype
+        and on its device."""
+        weight = self.model.get_input_embeddings().weight
+        slots, width = bucket(capacity), _width(positions)
+        shape = (slots, self.num_kv_heads, width, self.head_dim)
+        num_layers = len(self.model.model.layers)
+        with torch.no_grad():
+            column_ids = torch.arange(width, device=weight.device).unsqueeze(0)
+            probe = torch.zeros((1, width, 1), dtype=weight.dtype, device=weight.device)
+            cos, sin = self.model.model.rotary_emb(probe, column_ids)
+        return StaticState(keys=[weight.new_zeros(shape) for _ in range(num_layers)],
+                           values=[weight.new_zeros(shape) for _ in range(num_layers)],
+                           cos=cos[0].contiguous(), sin=sin[0].contiguous())
+
+    def _run(self, state: StaticState, rows: int) -> torch.Tensor:
+        patch = (torch._dynamo.config.patch(recompile_limit=_RECOMPILE_LIMIT) if self.compiled
+                 else contextlib.nullcontext())
+        with patch:
+            return self._forward(self.model, state.tokens[:rows], state.positions[:rows], state.keys, state.values,
+                                 state.cos, state.sin, self.num_heads, self.num_kv_heads, self.head_dim, self.scaling)
+
+    @torch.no_grad()
+    def step(self, state: StaticState, rows: int) -> torch.Tensor:
+        """Run the first ``rows`` slots (a bucket) one step: each feeds ``state.tokens[slot]`` at
+        ``state.positions[slot]``; return their next-token logits ``[rows, vocab]``. Under CUDA
+        graphs the result is the graph's output buffer: read it before the next step."""
+        if rows != bucket(rows) or rows > state.capacity:
+            raise ValueError(f"a step runs a bucket of at most {state.capacity} rows, got {rows}")
+        self.num_steps += 1
+        if not self.cuda_graphs:
+            return self._run(state, rows)
+        captured = state.graphs.get(rows)
+        if captured is None:
+            captured = state.graphs[rows] = self._capture(state, rows)
+        graph, logits = captured
+        graph.replay()
+        return logits
+
+    def _capture(self, state: StaticState, rows: int) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
+        device = state.tokens.device
+        side = torch.cuda.Stream(device=device)
+        side.wait_stream(torch.cuda.current_stream(device))
+        with torch.cuda.stream(side):
+            for _ in range(2):  # compile, then a run with the allocator warm; idempotent (module docstring)
+                self._run(state, rows)
+        torch.cuda.current_stream(device).wait_stream(side)
+        if self._pool is None:
+            self._pool = torch.cuda.graph_pool_handle()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self._pool):
+            logits = self._run(state, rows)
+        self.num_captures += 1
+        return graph, logits

@@ -1,0 +1,177 @@
+"""The native engine's decode loop over ``StaticDecoder`` steps (llamarl/engines/static_decode.py):
+every per-step decision on the device, the host asked only every few steps.
+
+A step of the loop: the bucket of the first ``rows`` slots runs one decode step (a compiled graph,
+a CUDA graph replay on CUDA), every slot of it samples a token from its logits with its request's
+own uniform (llamarl/engines/sampling.py: the draw does not depend on the batch), and the
+bookkeeping is tensor ops: a live slot's token and log-prob are written at its request's next
+column, its count grows, EOS / stop ids or its limit mark it finished, its fed token and position
+advance. A finished slot keeps feeding its last token at its last position: the step rewrites
+keys and values it already wrote, from the same inputs, so its cache stays that of its tokens
+(what a kept carried cache needs). Nothing here reads a device value on the host.
+
+Every ``eos_check_every`` steps (``TorchEngine(eos_check_every=)``) the host reads which slots
+are still live (one synchronisation): finished rows leave (a carried row's cache is kept when
+``carried_cache="keep"``), pending requests of the call take the free slots (continuous batching:
+prefilled, their first token drawn from the prefill's logits at once), and when nothing is pending
+the live rows are compacted into the smallest bucket that holds them. A row that finishes between
+two checks costs its slot up to ``eos_check_every - 1`` steps of a bucket that runs anyway; on an
+accelerator that is nothing, on a CPU it is a few rows' work.
+
+Outputs: the same tokens as the HF-module and fused loops in fp32 greedy and for a seeded sample
+(each row's numbers do not depend on the other rows of its batch), log-probs equal to rounding.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from llamarl.engines.base import Request, SamplingParams, stop_ids
+from llamarl.engines.static_decode import StaticState, bucket
+
+
+class _Books:
+    """The loop's device-side records, one row per request plus a trash row (index ``n``) that
+    empty and finished slots write to, so every write is unconditional."""
+
+    def __init__(self, *, num_requests: int, limits: list[int], slots: int, device: torch.device) -> None:
+        n, width = num_requests, max(limits) + 1
+        self.trash = n
+        self.ids = torch.zeros((n + 1, width), dtype=torch.long, device=device)
+        self.lps = torch.zeros((n + 1, width), dtype=torch.float32, device=device)
+        self.num_new = torch.zeros(n + 1, dtype=torch.long, device=device)
+        self.stopped = torch.zeros(n + 1, dtype=torch.bool, device=device)
+        self.limit = torch.tensor([*limits, width], dtype=torch.long, device=device)
+        self.slot_request = torch.full((slots,), n, dtype=torch.long, device=device)
+        self.alive = torch.zeros(slots, dtype=torch.bool, device=device)
+
+
+def decode_static(engine, reqs: list[Request], *, contexts: list[tuple[int, ...]], limits: list[int],
+                  sampling: SamplingParams, uniforms: torch.Tensor | None):
+    """Decode ``reqs`` (their ``contexts`` and per-request ``limits``) with ``engine``'s
+    ``StaticDecoder`` (module docstring); return per-request new token ids, log-probs and whether
+    a stop id ended it, as ``TorchEngine._decode``."""
+    decoder = engine._static
+    device = engine.model.get_input_embeddings().weight.device
+    n = len(reqs)
+    capacity = min(n, engine.max_num_seqs or n)
+    state = decoder.new_state(capacity=capacity, positions=max(len(c) + lim for c, lim in zip(contexts, limits)))
+    books = _Books(num_requests=n, limits=limits, slots=state.capacity, device=device)
+    if uniforms is not None:  # the trash row and a column past every limit: padding slots' draws
+        uniforms = torch.nn.functional.pad(uniforms, (0, books.ids.shape[1] - uniforms.shape[1], 0, 1))
+    eos = torch.tensor(stop_ids(engine.eos_token_ids, sampling), dtype=torch.long, device=device)
+    carries = [engine.carried_cache == "keep" and limit < sampling.max_new_tokens - len(r.completion_ids)
+               for limit, r in zip(limits, reqs)]
+    slot_of: list[int | None] = [None] * state.capacity  # host view: the request in each slot
+    slot_ids = torch.arange(state.capacity, device=device)
+
+    def record(slots: torch.Tensor, logits: torch.Tensor, live: torch.Tensor) -> None:
+        """Sample every slot of ``slots`` from its ``logits``; book the tokens of the ``live`` ones."""
+        request = books.slot_request[slots]
+        column = books.num_new[request]
+        tokens, lps = engine._sample(logits, sampling=sampling,
+                                     uniforms=None if uniforms is None else uniforms[request, column])
+        target = torch.where(live, request, books.trash)
+        books.ids[target, column] = tokens
+        books.lps[target, column] = lps
+        books.num_new.index_put_((target,), live.long(), accumulate=True)
+        hit = torch.isin(tokens, eos) & live
+        books.stopped[target] = hit
+        still = live & ~hit & (books.num_new[request] < books.limit[request])
+        books.alive[slots] = still
+        state.tokens[slots] = torch.where(still, tokens, state.tokens[slots])
+        state.positions[slots] += still.long()
+
+    def admit(slots: list[int], indices: list[int]) -> None:
+        """Put requests ``indices`` into the free ``slots``: a carried sample with a kept cache from
+        it (its last token fed at the next step), the others prefilled and their first token drawn."""
+        kept, fresh = [], []
+        for slot, i in zip(slots, indices):
+            entry = engine._kept.pop(reqs[i].sample_id, None)
+            (kept if entry is not None and entry[0] == contexts[i] else fresh).append((slot, i, entry))
+            slot_of[slot] = i
+        if fresh:
+            logits, cache, _ = engine._prefill([contexts[i] for _, i, _ in fresh])
+            targets = [slot for slot, _, _ in fresh]
+            state.load(targets, keys=[layer.keys for layer in cache.layers],
+                       values=[layer.values for layer in cache.layers],
+                       lengths=[len(contexts[i]) for _, i, _ in fresh], left_padded=True)
+            where = torch.tensor(targets, dtype=torch.long, device=device)
+            books.slot_request[where] = torch.tensor([i for _, i, _ in fresh], dtype=torch.long, device=device)
+            state.positions[where] = torch.tensor([len(contexts[i]) - 1 for _, i, _ in fresh], device=device)
+            record(where, logits, torch.ones(len(fresh), dtype=torch.bool, device=device))
+        if kept:
+            engine.kept_cache_rows += len(kept)
+            targets = [slot for slot, _, _ in kept]
+            for slot, i, entry in kept:  # kept caches of different lengths: one row at a time
+                state.load([slot], keys=[k.unsqueeze(0) for k in entry[1]], values=[v.unsqueeze(0) for v in entry[2]],
+                           lengths=[len(contexts[i]) - 1], left_padded=False)
+            where = torch.tensor(targets, dtype=torch.long, device=device)
+            books.slot_request[where] = torch.tensor([i for _, i, _ in kept], dtype=torch.long, device=device)
+            state.tokens[where] = torch.tensor([contexts[i][-1] for _, i, _ in kept], dtype=torch.long, device=device)
+            state.positions[where] = torch.tensor([len(contexts[i]) - 1 for _, i, _ in kept], device=device)
+            books.alive[where] = True
+
+    pending = list(range(n))
+    check_every = engine.eos_check_every
+    steps_since_check = check_every  # check (and admit) before the first step
+    rows = 0
+    while True:
+        if steps_since_check >= check_every:
+            steps_since_check = 0
+            rows = _check(books=books, state=state, slot_of=slot_of, pending=pending, admit=admit, reqs=reqs,
+                          contexts=contexts, carries=carries, engine=engine)
+            if not rows:
+                break
+        record(slot_ids[:rows], decoder.step(state, rows), books.alive[:rows])
+        steps_since_check += 1
+    # One host transfer for the whole batch, then plain slicing.
+    ids_rows, lps_rows, counts = books.ids[:n].tolist(), books.lps[:n].tolist(), books.num_new[:n].tolist()
+    return ([row[:c] for row, c in zip(ids_rows, counts)], [row[:c] for row, c in zip(lps_rows, counts)],
+            books.stopped[:n].tolist())
+
+
+def _check(*, books: _Books, state: StaticState, slot_of: list[int | None], pending: list[int], admit, reqs,
+           contexts, carries, engine) -> int:
+    """The host's look at the loop (module docstring): retire finished rows, admit pending ones,
+    compact; return the bucket the next steps run (0: nothing left)."""
+    while True:
+        alive = books.alive.tolist()
+        finished = [slot for slot, i in enumerate(slot_of) if i is not None and not alive[slot]]
+        if finished:
+            counts, stopped = books.num_new.tolist(), books.stopped.tolist()
+            for slot in finished:
+                i = slot_of[slot]
+                slot_of[slot] = None
+                if carries[i] and not stopped[i]:  # ended by its budget: carried
+                    # Its cache holds all but its last sampled token (fed on resume).
+                    length = len(contexts[i]) + counts[i] - 1
+                    keys, values = state.row_cache(slot, length)
+                    new = tuple(books.ids[i, : counts[i]].tolist())
+                    engine._kept[reqs[i].sample_id] = (contexts[i] + new, keys, values)
+            books.slot_request[torch.tensor(finished, dtype=torch.long, device=books.alive.device)] = books.trash
+        free = [slot for slot, i in enumerate(slot_of) if i is None]
+        if not pending or not free:
+            break
+        taken = min(len(free), len(pending))
+        admit(free[:taken], pending[:taken])
+        del pending[:taken]
+    live = [slot for slot, i in enumerate(slot_of) if i is not None]
+    if not live:
+        return 0
+    rows = bucket(live[-1] + 1)
+    if not pending and bucket(len(live)) < rows:
+        targets = list(range(len(live)))
+        state.move(live, targets, num_columns=state.width)
+        device = books.alive.device
+        src, dst = (torch.tensor(s, dtype=torch.long, device=device) for s in (live, targets))
+        books.slot_request[dst] = books.slot_request[src].clone()
+        books.alive[dst] = books.alive[src].clone()
+        moved = [slot_of[s] for s in live]
+        slot_of[:] = [None] * len(slot_of)
+        slot_of[: len(moved)] = moved
+        free_after = torch.arange(len(live), len(slot_of), device=device)
+        books.slot_request[free_after] = books.trash
+        books.alive[free_after] = False
+        rows = bucket(len(live))
+    return rows
