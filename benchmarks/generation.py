@@ -79,12 +79,14 @@ def _expect_tokens(produced: int, *, rows: int, new_tokens: int, label: str) -> 
     return produced
 
 
-def _time_engine(engine, prompts, *, new_tokens: int, seed: int) -> tuple[float, float, int]:
-    """(wall s, CPU s, tokens produced) of one ``engine.generate`` over ``prompts``."""
+def _time_engine(engine, prompts, *, new_tokens: int, seed: int, device: str = "cpu") -> tuple[float, float, int]:
+    """(wall s, CPU s, tokens produced) of one ``engine.generate`` over ``prompts`` (its results are
+    host lists: the call has waited for ``device``)."""
     reqs = [Request(sample_id=i, prompt_ids=p) for i, p in enumerate(prompts)]
     sampling = SamplingParams(temperature=1.0, max_new_tokens=new_tokens)
+    generator = torch.Generator(device=device).manual_seed(seed)
     start, cpu = time.perf_counter(), time.process_time()
-    out = engine.generate(reqs, sampling=sampling, version=0, generator=torch.Generator().manual_seed(seed))
+    out = engine.generate(reqs, sampling=sampling, version=0, generator=generator)
     elapsed = (time.perf_counter() - start, time.process_time() - cpu)
     if len(out) != len(prompts) or any(len(c.completion_ids) != new_tokens for c in out):
         lengths = sorted({len(c.completion_ids) for c in out})
@@ -131,12 +133,23 @@ def _median_seconds(fn, repeats: int) -> float:
     return sorted(times)[len(times) // 2]
 
 
-def hardware_bound(model, *, repeats: int = 5) -> dict[str, float]:
+def _median_device_seconds(fn, repeats: int, device: str) -> float:
+    if device == "cpu":
+        return _median_seconds(fn, repeats)
+
+    def synced():
+        fn()
+        torch.cuda.synchronize()
+    synced()
+    return _median_seconds(synced, repeats)
+
+
+def hardware_bound(model, *, repeats: int = 5, device: str = "cpu") -> dict[str, float]:
     """This machine's probes and ``model``'s decode-step cost model (module docstring):
     ``weight_bytes`` (unique parameters), ``flops_per_row`` (2 x the parameters of its Linear
     layers, the LM head included), ``read_gbps`` (the fastest of a max over a weight-sized tensor
     as fp32, as int16, and a copy of it, counting the bytes read) and ``matmul_gflops`` (a 1024 x 1024 x 4096
-    matmul in the model's dtype); medians of ``repeats``."""
+    matmul in the model's dtype, 4x each side on CUDA); medians of ``repeats``, on ``device``."""
     params = {id(p): p for p in model.parameters()}.values()
     weight_bytes = sum(p.numel() * p.element_size() for p in params)
     linear = {id(m.weight): m.weight.numel() for m in model.modules() if isinstance(m, torch.nn.Linear)}
@@ -144,17 +157,17 @@ def hardware_bound(model, *, repeats: int = 5) -> dict[str, float]:
     dtype = next(iter(params)).dtype
     # The fastest of a few ways to read weight_bytes: the machine can read at least that fast (a bf16
     # sum converts each element and reads at a tenth of the speed of a max over the same bytes).
-    blob = torch.ones(weight_bytes // 4, dtype=torch.float32, device="cpu")
+    blob = torch.ones(weight_bytes // 4, dtype=torch.float32, device=device)
     copy = torch.empty_like(blob)
-    read_s = min(_median_seconds(lambda: blob.max(), repeats),
-                 _median_seconds(lambda: blob.view(torch.int16).max(), repeats),
-                 _median_seconds(lambda: copy.copy_(blob), repeats))
-    a = torch.randn(1024, 1024, device="cpu").to(dtype)
-    b = torch.randn(1024, 4096, device="cpu").to(dtype)
-    a @ b  # warm-up
-    matmul_s = _median_seconds(lambda: a @ b, repeats)
+    read_s = min(_median_device_seconds(lambda: blob.max(), repeats, device),
+                 _median_device_seconds(lambda: blob.view(torch.int16).max(), repeats, device),
+                 _median_device_seconds(lambda: copy.copy_(blob), repeats, device))
+    side = 1024 if device == "cpu" else 4096  # a GPU needs a larger matmul to reach its peak
+    a = torch.randn(side, side, device=device).to(dtype)
+    b = torch.randn(side, 4 * side, device=device).to(dtype)
+    matmul_s = _median_device_seconds(lambda: a @ b, repeats, device)
     return {"weight_bytes": float(weight_bytes), "flops_per_row": flops_per_row,
-            "read_gbps": weight_bytes / read_s / 1e9, "matmul_gflops": 2 * 1024 * 1024 * 4096 / matmul_s / 1e9}
+            "read_gbps": weight_bytes / read_s / 1e9, "matmul_gflops": 2 * side * side * 4 * side / matmul_s / 1e9}
 
 
 def bound_ms(bound: dict[str, float], rows: int) -> float:
@@ -165,23 +178,31 @@ def bound_ms(bound: dict[str, float], rows: int) -> float:
 
 
 def decode_scaling(model, tok, *, batches: list[int], new_tokens: int, repeats: int,
-                   fused_decode: bool = True, engine=None) -> dict[int, tuple[float, float]]:
+                   fused_decode: bool = True, static_decode: str = "auto", engine=None,
+                   device: str = "cpu") -> dict[int, tuple[float, float]]:
     """Print ms per decode step, its ratio to the smallest batch's, the bound and the ratio to it, per
     batch size; return ``{rows: (ms per step, bound ms)}``. ``engine``: time it instead of a
     ``TorchEngine`` over ``model`` (``--vllm``: vLLM on the same checkpoint; ``model`` still gives
-    the bound's weights)."""
+    the bound's weights). ``static_decode``: the ``TorchEngine`` option (``compiled``: each batch
+    size's bucket is compiled, and on CUDA captured, in an untimed first call)."""
     if new_tokens < 2:
         raise ValueError(f"--new-tokens must be >= 2 for --decode-scaling (got {new_tokens})")
     if engine is None:
-        engine = TorchEngine(model, eos_token_ids=[], pad_token_id=tok.pad_token_id, fused_decode=fused_decode)
-    _time_engine(engine, _prompts(tok, batch=4), new_tokens=2, seed=0)  # warm-up
+        engine = TorchEngine(model, eos_token_ids=[], pad_token_id=tok.pad_token_id, fused_decode=fused_decode,
+                             static_decode=static_decode)
+    _time_engine(engine, _prompts(tok, batch=4), new_tokens=2, seed=0, device=device)  # warm-up
     step_ms = {}
     for batch in batches:
         prompts = _prompts(tok, batch=batch)
-        full = min(_time_engine(engine, prompts, new_tokens=new_tokens, seed=s)[0] for s in range(repeats))
-        first = min(_time_engine(engine, prompts, new_tokens=1, seed=s)[0] for s in range(repeats))
+        _time_engine(engine, prompts, new_tokens=2, seed=0, device=device)  # this batch's compile / capture
+        full = min(_time_engine(engine, prompts, new_tokens=new_tokens, seed=s, device=device)[0]
+                   for s in range(repeats))
+        first = min(_time_engine(engine, prompts, new_tokens=1, seed=s, device=device)[0] for s in range(repeats))
         step_ms[batch] = 1000 * max(full - first, 0.0) / (new_tokens - 1)
-    bound = hardware_bound(model)
+    static = getattr(engine, "_static", None)
+    if static_decode != "off" and static is not None and not static.num_steps:
+        raise RuntimeError("--static-decode asked for the static loop but no static step ran")
+    bound = hardware_bound(model, device=device)
     print(f"bound probes: {bound['read_gbps']:.1f} GB/s reading, {bound['matmul_gflops']:.0f} GFLOPS matmul; "
           f"{bound['weight_bytes'] / 1e6:.0f} MB of weights, {bound['flops_per_row'] / 1e9:.3f} GFLOP per row")
     smallest = step_ms[batches[0]]
@@ -298,7 +319,7 @@ def sampler(rows_list: list[int], *, vocab: int, repeats: int) -> dict[int, tupl
     sum) and of the plain fp64 inverse CDF over the whole vocabulary, per row count, best of
     ``repeats`` x 10 draws; prints a row each and returns ``{rows: (two_level_ms, plain_ms)}``. Both
     must pick (almost) the same tokens for the same uniforms, or it fails."""
-    from llamarl.engines.torch_engine import _draw
+    from llamarl.engines.sampling import _draw
 
     def plain(logp, generator):
         cdf = logp.exp().cumsum(dim=-1, dtype=torch.float64)
@@ -310,11 +331,13 @@ def sampler(rows_list: list[int], *, vocab: int, repeats: int) -> dict[int, tupl
     out = {}
     for rows in rows_list:
         logp = torch.log_softmax(torch.randn(rows, vocab, generator=torch.Generator().manual_seed(rows)) * 3, -1)
-        same = _draw(logp.exp(), torch.Generator().manual_seed(0)) == plain(logp, torch.Generator().manual_seed(0))
+        uniforms = torch.rand((rows, 1), generator=torch.Generator().manual_seed(0), dtype=torch.float64)
+        same = _draw(logp.exp(), uniforms.squeeze(1)) == plain(logp, torch.Generator().manual_seed(0))
         if same.float().mean() < 0.99:
             raise SystemExit(f"{rows} rows: the two samplers disagree on {int((~same).sum())} rows")
         times = []
-        for fn in (lambda lp, gen: _draw(lp.exp(), gen), plain):
+        two_level = (lambda lp, gen, n=rows: _draw(lp.exp(), torch.rand(n, generator=gen, dtype=torch.float64)))
+        for fn in (two_level, plain):
             best = float("inf")
             for _ in range(repeats):
                 gen = torch.Generator().manual_seed(1)
@@ -348,6 +371,10 @@ def main() -> None:
                         help="--decode-scaling through the HF modules (TorchEngine(fused_decode=False))")
     parser.add_argument("--decode-scaling", default="",
                         help="comma-separated batch sizes: time one decode step per batch size instead")
+    parser.add_argument("--static-decode", default="auto", choices=["auto", "compiled", "eager", "off"],
+                        help="--decode-scaling: TorchEngine's static_decode (compiled: torch.compile'd static "
+                             "steps, CUDA graphs on CUDA; auto: on CUDA only)")
+    parser.add_argument("--device", default="cpu", help="--decode-scaling: cpu or cuda")
     parser.add_argument("--sampler", default="",
                         help="comma-separated row counts: time the sampler alone (49,152-id vocabulary)")
     args = parser.parse_args()
@@ -369,12 +396,17 @@ def main() -> None:
         batches = sorted(int(b) for b in args.decode_scaling.split(","))
         dtype_name = args.dtypes if "," not in args.dtypes else "bfloat16"
         model, tok = load_causal_lm(args.model, dtype=getattr(torch, dtype_name))
-        name = "vLLM" if args.vllm else f"TorchEngine ({'HF modules' if args.hf_steps else 'fused'})"
+        model.to(args.device)
+        static = args.static_decode == "compiled" or (args.static_decode == "auto" and args.device != "cpu")
+        path = ("static, compiled" if static else "static, eager" if args.static_decode == "eager"
+                else "HF modules" if args.hf_steps else "fused")
+        name = "vLLM" if args.vllm else f"TorchEngine ({path})"
         engine = _vllm_engine(args.model, [], tok.pad_token_id) if args.vllm else None
-        print(f"{name} decode step, {dtype_name}, {args.threads} threads, {args.new_tokens} new tokens, "
-              f"best of {args.repeats}")
+        print(f"{name} decode step, {dtype_name}, {args.threads} threads, {args.device}, {args.new_tokens} new "
+              f"tokens, best of {args.repeats}")
         decode_scaling(model, tok, batches=batches, new_tokens=args.new_tokens, repeats=args.repeats,
-                       fused_decode=not args.hf_steps, engine=engine)
+                       fused_decode=not args.hf_steps, static_decode=args.static_decode, engine=engine,
+                       device=args.device)
         return
 
     rows = []

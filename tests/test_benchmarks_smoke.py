@@ -170,6 +170,10 @@ def test_decode_scaling_prints_one_row_per_batch_size(capsys):
     assert sorted(result) == [1, 4] and all(least > 0 for _, least in result.values())
     with pytest.raises(ValueError, match="--new-tokens must be >= 2"):
         generation.decode_scaling(model, tok, batches=[1], new_tokens=1, repeats=1)
+    # The static loop (uncompiled here: the compile is tested in test_static_decode.py) times its own steps.
+    capsys.readouterr()
+    static = generation.decode_scaling(model, tok, batches=[2], new_tokens=3, repeats=1, static_decode="eager")
+    assert sorted(static) == [2]
 
 
 def test_cpu_linears_times_every_projection_of_a_step_and_checks_them(monkeypatch):

@@ -166,3 +166,24 @@ def test_buckets_and_refused_shapes():
                    lengths=[200], left_padded=True)
     with pytest.raises(ValueError, match="CUDA"):
         StaticDecoder(build_family("llama-tied"), cuda_graphs=True)
+
+
+def test_auto_falls_back_to_the_hf_modules_when_the_first_call_fails(monkeypatch, caplog):
+    """Under ``auto`` a static loop that cannot compile or capture in its first call (no Triton, an
+    op the capture refuses) leaves the run on HF's modules with one warning; asked for explicitly,
+    the failure is the caller's error."""
+    model = build_family("llama-tied")
+    monkeypatch.setattr(TorchEngine, "_static_wanted", lambda self, device: self.static_decode != "off")
+
+    def broken(self, state, rows):
+        raise RuntimeError("no Triton")
+
+    monkeypatch.setattr(StaticDecoder, "step", broken)
+    reference = generate(engine(model, static=False), requests(), SAMPLED)
+    auto = TorchEngine(model, eos_token_ids=[], pad_token_id=chat_tokenizer().pad_token_id, fused_decode=False)
+    with caplog.at_level("WARNING", logger="llamarl.engines.torch_engine"):
+        assert_same(generate(auto, requests(), SAMPLED), reference)
+    assert auto.static_decode == "off" and "no Triton" in caplog.text
+    explicit = TorchEngine(model, eos_token_ids=[], pad_token_id=0, static_decode="compiled")
+    with pytest.raises(RuntimeError, match="no Triton"):
+        generate(explicit, requests(), SAMPLED)

@@ -192,6 +192,8 @@ class StaticDecoder:
         """Steps run (cumulative; a captured graph's replays included)."""
         self.num_captures = 0
         """CUDA graphs captured (cumulative: one per bucket per call)."""
+        self.num_calls = 0
+        """Decode loops completed with this decoder (``static_loop.decode_static``)."""
 
     def new_state(self, *, capacity: int, positions: int) -> StaticState:
         """A zeroed state with at least ``capacity`` slots (rounded up to a bucket) and room for

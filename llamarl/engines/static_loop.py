@@ -125,6 +125,7 @@ def decode_static(engine, reqs: list[Request], *, contexts: list[tuple[int, ...]
                 break
         record(slot_ids[:rows], decoder.step(state, rows), books.alive[:rows])
         steps_since_check += 1
+    decoder.num_calls += 1
     # One host transfer for the whole batch, then plain slicing.
     ids_rows, lps_rows, counts = books.ids[:n].tolist(), books.lps[:n].tolist(), books.num_new[:n].tolist()
     return ([row[:c] for row, c in zip(ids_rows, counts)], [row[:c] for row, c in zip(lps_rows, counts)],

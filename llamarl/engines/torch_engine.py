@@ -27,6 +27,8 @@ Behaviour log-prob (what ``Completion.logprobs`` holds), computed in fp32:
 
 from __future__ import annotations
 
+import logging
+
 import torch
 from transformers import DynamicCache
 
@@ -49,6 +51,7 @@ from llamarl.engines.static_decode import StaticDecoder
 from llamarl.engines.static_loop import decode_static
 
 STATIC_DECODE_MODES = ("auto", "compiled", "eager", "off")
+log = logging.getLogger("llamarl.engines.torch_engine")
 
 __all__ = ["TorchEngine", "filtered_logprobs", "sample_tokens"]
 
@@ -222,7 +225,19 @@ class TorchEngine:
         if self._static_wanted(device) and StaticDecoder.supports(self.model, length=width):
             if self._static is None:
                 self._static = StaticDecoder(self.model, compiled=self.static_decode != "eager")
-            return decode_static(self, reqs, contexts=contexts, limits=limits, sampling=sampling, uniforms=uniforms)
+            try:
+                return decode_static(self, reqs, contexts=contexts, limits=limits, sampling=sampling,
+                                     uniforms=uniforms)
+            except Exception as error:  # only the first call under "auto" falls back (below)
+                if self.static_decode != "auto" or self._static.num_calls:
+                    raise
+                # The default path failed in its first call (no C compiler or Triton to compile
+                # with, an op the CUDA graph capture refuses): keep the run going on the HF
+                # modules and say so once; --generator.static-decode compiled makes it an error.
+                log.warning("static decode loop failed on its first use (%s: %s); decoding with HF's modules "
+                            "from now on", type(error).__name__, error)
+                self.static_decode = "off"
+                self._static = None
         if self.fused_decode and FusedDecoder.supports(self.model, length=width):
             self._fused = self._fused or FusedDecoder(self.model)
             self._fused.refresh()
