@@ -81,7 +81,8 @@ class GeneratorConfig:
     (every cached key and value from the current policy). ``keep``: the KV cache it had when carried
     is kept and decoding continues from it (no re-prefill; the kept keys and values are the older
     policy's, as PipelineRL's in-flight updates). Token versions are exact either way; ``keep``
-    applies on the fused decode path (Llama-family models on CPU), elsewhere samples recompute."""
+    applies on the fused and static decode paths (Llama-family models: on CPU, and on CUDA through
+    ``static_decode``), elsewhere samples recompute."""
     kv_cache_gib: float = 2.0
     """vLLM engine on CPU: KV-cache size per generator rank in GiB (unset, vLLM takes most of the RAM)."""
     seed_requests: bool = False

@@ -212,8 +212,9 @@ class StaticDecoder:
                            cos=cos[0].contiguous(), sin=sin[0].contiguous())
 
     def _run(self, state: StaticState, rows: int) -> torch.Tensor:
-        patch = (torch._dynamo.config.patch(recompile_limit=_RECOMPILE_LIMIT) if self.compiled
-                 else contextlib.nullcontext())
+        # Older torch (< 2.7) names the limit cache_size_limit.
+        name = "recompile_limit" if hasattr(torch._dynamo.config, "recompile_limit") else "cache_size_limit"
+        patch = torch._dynamo.config.patch(**{name: _RECOMPILE_LIMIT}) if self.compiled else contextlib.nullcontext()
         with patch:
             return self._forward(self.model, state.tokens[:rows], state.positions[:rows], state.keys, state.values,
                                  state.cos, state.sin, self.num_heads, self.num_kv_heads, self.head_dim, self.scaling)
