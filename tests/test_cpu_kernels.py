@@ -246,13 +246,20 @@ def test_projections_take_the_gemm_on_one_thread_or_for_few_rows(monkeypatch):
     projection = _Linear([weight[:16], weight[16:]], [bias[:16], bias[16:]])
     assert projection.kernel is None and projection._onednn is None  # packed on first use only
     threads = torch.get_num_threads()
+    has_gemm = cpu_kernels.cpu_has_avx512_bf16()
+    no_amx, amx = frozenset({"avx512_bf16"}), frozenset({"avx512_bf16", "amx_bf16"})
     try:
-        for num_threads, rows, used in ((1, 64, True), (2, cpu_kernels.GEMM_THREADED_ROWS, True),
-                                        (2, cpu_kernels.GEMM_THREADED_ROWS + 1, False)):
+        # One thread: any row count, but on a CPU with AMX (where oneDNN's matmul runs on the
+        # tiles) only up to GEMM_AMX_ROWS; more threads: up to GEMM_THREADED_ROWS.
+        for flags, num_threads, rows, used in ((no_amx, 1, 64, True), (amx, 1, cpu_kernels.GEMM_AMX_ROWS, True),
+                                               (amx, 1, cpu_kernels.GEMM_AMX_ROWS + 1, False),
+                                               (no_amx, 2, cpu_kernels.GEMM_THREADED_ROWS, True),
+                                               (amx, 2, cpu_kernels.GEMM_THREADED_ROWS + 1, False)):
+            monkeypatch.setattr(cpu_kernels, "cpu_flags", lambda flags=flags: flags)
             torch.set_num_threads(num_threads)
             calls.clear()
             x = randn(rows, 24, seed=rows)
-            if used and not cpu_kernels.cpu_has_avx512_bf16():
+            if used and not has_gemm:
                 continue  # the library here has no GEMM to call
             out = projection(x)
             assert calls == ([rows] if used else []), (num_threads, rows)

@@ -58,6 +58,12 @@ GEMM_THREADED_ROWS = 2
 """With more than one intra-op thread, rows up to which ``linear`` (single-threaded) still runs:
 above them oneDNN's matmul splits the work across the threads (module docstring)."""
 
+GEMM_AMX_ROWS = 4
+"""On one thread of a CPU with AMX, rows up to which ``linear`` runs: SmolLM2-135M, all linears of
+a step, oneDNN (AMX) / this GEMM at 1 / 2 / 4 / 8 / 16 / 64 rows: 39.6 / 22.0, 29.2 / 24.1,
+29.0 / 26.3, 29.8 / 33.2, 30.4 / 52.1, 41.8 / 171.5 ms (Intel Xeon with AMX, 2026-11-25,
+``benchmarks/cpu_linears.py``)."""
+
 THREADED_ROWS = 16
 """With more than one intra-op thread, rows up to which ``FusedDecoder`` still runs its layers
 through the (single-threaded) helpers: SmolLM2-135M on two threads, ms per step with / without
@@ -79,18 +85,35 @@ _SIGNATURES = {
 }
 
 
-def cpu_has_avx512_bf16() -> bool:
-    """True when this Linux x86-64 CPU reports the ``avx512_bf16`` flag (``/proc/cpuinfo``)."""
+@functools.lru_cache(maxsize=1)
+def cpu_flags() -> frozenset[str]:
+    """This Linux x86-64 CPU's feature flags (``/proc/cpuinfo``); empty elsewhere."""
     if platform.system() != "Linux" or platform.machine() not in ("x86_64", "AMD64"):
-        return False
+        return frozenset()
     try:
         with open("/proc/cpuinfo", encoding="utf-8") as info:
             for line in info:
                 if line.startswith("flags"):
-                    return "avx512_bf16" in line.split()
+                    return frozenset(line.split(":", 1)[1].split())
     except OSError:
-        return False
-    return False
+        return frozenset()
+    return frozenset()
+
+
+def cpu_has_avx512_bf16() -> bool:
+    """True when this Linux x86-64 CPU reports the ``avx512_bf16`` flag (``/proc/cpuinfo``)."""
+    return "avx512_bf16" in cpu_flags()
+
+
+def gemm_max_rows(num_threads: int) -> int | None:
+    """The most rows ``linear`` should run on ``num_threads`` intra-op threads (None: any), where
+    oneDNN's matmul is not faster. More than one thread: ``GEMM_THREADED_ROWS``. One thread on a
+    CPU with AMX (``amx_bf16``: Intel Xeon 4th generation and later): ``GEMM_AMX_ROWS``, since
+    oneDNN's bf16 matmul runs on the AMX tiles there (1,157 GFLOPS on one core against this GEMM's
+    VDPBF16PS at ~150-230). Otherwise any row count (AMD Zen 4: the GEMM was faster at 1 to 64 rows)."""
+    if num_threads > 1:
+        return GEMM_THREADED_ROWS
+    return GEMM_AMX_ROWS if "amx_bf16" in cpu_flags() else None
 
 
 def _cache_dir() -> Path:

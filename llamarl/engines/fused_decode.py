@@ -82,7 +82,8 @@ class _Linear:
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.shape[0]
-        if self.gemm and (rows <= cpu_kernels.GEMM_THREADED_ROWS or torch.get_num_threads() == 1):
+        most = cpu_kernels.gemm_max_rows(torch.get_num_threads())
+        if self.gemm and (most is None or rows <= most):
             if self.kernel is None:
                 self.kernel = cpu_kernels.pack(self.weight)
             return cpu_kernels.linear(x, self.kernel, self.bias)
