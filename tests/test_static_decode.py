@@ -100,14 +100,21 @@ def test_finished_rows_seen_every_k_steps_change_only_the_steps_run():
     assert steps[1] < steps[4] <= steps[64]
 
 
-def test_continuous_batching_refills_free_slots_with_the_same_tokens():
+def test_continuous_batching_refills_free_slots_with_the_same_tokens(monkeypatch):
     model = build_family("llama-tied")
     whole = generate(engine(model, static=False), staggered(), SAMPLED)
-    for every in (1, 3):
-        capped = engine(model, static=True, max_num_seqs=2, eos_check_every=every)
+    prefilled = []
+    prefill = TorchEngine._prefill
+    monkeypatch.setattr(TorchEngine, "_prefill", lambda self, contexts: prefilled.append(len(contexts)) or
+                        prefill(self, contexts))
+    for every, cap in ((1, 2), (3, 2), (2, 3)):
+        prefilled.clear()
+        capped = engine(model, static=True, max_num_seqs=cap, eos_check_every=every)
         before = capped.prefill_tokens
         assert_same(generate(capped, staggered(), SAMPLED), whole)
         assert capped.prefill_tokens - before == sum(len(r.prompt_ids) + len(r.completion_ids) for r in staggered())
+        # At most max_num_seqs rows at once, though a state of 3 rows has 4 slots (a bucket).
+        assert prefilled[0] == cap and sum(prefilled) == 4, (cap, prefilled)
 
 
 def test_a_kept_carried_cache_resumes_without_prefill_and_from_the_older_keys():
@@ -140,6 +147,9 @@ def test_auto_takes_the_static_loop_on_cuda_only_and_other_layouts_fall_back():
     assert auto._static is None  # CPU: the fused step
     assert auto._static_wanted(torch.device("cuda")) and not auto._static_wanted(torch.device("cpu"))
     assert not StaticDecoder.supports(build_family("gemma2"), length=100)
+    scaled = build_family("llama-tied")  # frequencies that depend on the longest position: HF's modules
+    scaled.config.rope_parameters = {"rope_type": "dynamic", "factor": 2.0, "rope_theta": 10000.0}
+    assert not StaticDecoder.supports(scaled, length=100)
     mistral = build_family("mistral")
     assert StaticDecoder.supports(mistral, length=4096) and not StaticDecoder.supports(mistral, length=4097)
     gemma = engine(build_family("gemma2"), static=True)

@@ -30,19 +30,29 @@ sharing one memory pool. Running a step is idempotent for a row: it writes its t
 values at its own position, from the same inputs, so the warm-up runs change nothing the replay
 does not write again. Graphs hold the state's and the weights' addresses; the state is made per
 call and graphs with it, so a replaced parameter is picked up at the next call (in-place updates
-at once).
+at once) and the KV cache's memory is free between calls (a colocated trainer gets it back). The
+price: every call captures each bucket it runs again (two warm-up steps, a device synchronisation
+and the allocator's cache emptied by ``torch.cuda.graph``), tens of milliseconds per bucket,
+against generations of seconds. Compiled graphs are kept for the process (per decoder: its own
+code object), keyed by (bucket, width).
 """
 
 from __future__ import annotations
 
 import contextlib
+import types
 
 import torch
 from torch.distributed.tensor import DTensor
 
 _SUPPORTED = ("LlamaForCausalLM", "Qwen2ForCausalLM", "MistralForCausalLM", "Qwen3ForCausalLM")
-# One compiled graph per (bucket, width) pair: 10 buckets up to 512 rows, a few widths.
-_RECOMPILE_LIMIT = 64
+# One compiled graph per (bucket, width) pair of one model: 10 buckets up to 512 rows x the widths
+# (powers of two) its calls reach; each decoder has a code object of its own, so other models' and
+# dead engines' graphs do not count against it.
+_RECOMPILE_LIMIT = 256
+# Position scalings whose frequencies depend on the longest position seen: a table built once for
+# the state's width would differ from HF's per-step frequencies.
+_LENGTH_DEPENDENT_ROPE = ("dynamic", "longrope")
 
 
 def bucket(rows: int) -> int:
@@ -67,9 +77,10 @@ def static_forward(model: torch.nn.Module, tokens: torch.Tensor, positions: torc
                    sin_table: torch.Tensor, num_heads: int, num_kv_heads: int, head_dim: int,
                    scaling: float) -> torch.Tensor:
     """Logits ``[rows, vocab]`` of the token after ``tokens`` ``[rows]``, each fed at its row's
-    position ``positions`` ``[rows]``; writes its keys and values into slot r of ``keys[l]`` /
-    ``values[l]`` (``[slots, kv, width, d]``, slots >= rows) at that position and attends over the
-    slot's columns ``0 .. position``. Shapes depend only on ``rows`` and the state's: one graph."""
+    position ``positions`` ``[rows]``; writes its keys and values into row r of ``keys[l]`` /
+    ``values[l]`` (``[rows, kv, width, d]``: views of the state's first ``rows`` slots) at that
+    position and attends over the row's columns ``0 .. position``. Shapes depend only on ``rows``
+    and the width: one graph per pair."""
     rows = tokens.shape[0]
     inner = model.model
     hidden = inner.embed_tokens(tokens)  # [rows, hidden]
@@ -94,9 +105,9 @@ def static_forward(model: torch.nn.Module, tokens: torch.Tensor, positions: torc
         layer_values[row_index, :, positions] = v
         # Grouped query heads against their KV head: [rows, kv, groups, d] x [rows, kv, d, width].
         scores = torch.matmul(q.view(rows, num_kv_heads, groups, head_dim),
-                              layer_keys[:rows].transpose(-1, -2)) * scaling + bias
+                              layer_keys.transpose(-1, -2)) * scaling + bias
         weights = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
-        attended = torch.matmul(weights, layer_values[:rows])  # [rows, kv, groups, d]
+        attended = torch.matmul(weights, layer_values)  # [rows, kv, groups, d]
         hidden = hidden + attn.o_proj(attended.reshape(rows, num_heads * head_dim))
         hidden = hidden + layer.mlp(layer.post_attention_layernorm(hidden))
     return model.lm_head(inner.norm(hidden))
@@ -159,13 +170,17 @@ class StaticDecoder:
     @staticmethod
     def supports(model: torch.nn.Module, *, length: int) -> bool:
         """True for the architectures this step reproduces (Llama, Qwen2, Mistral, Qwen3; a sliding
-        window, if any, longer than ``length`` positions), unsharded (tensor parallelism takes
-        the HF modules)."""
+        window, if any, longer than ``length`` positions; every layer full attention; RoPE whose
+        frequencies do not depend on the sequence length), unsharded (tensor parallelism takes the
+        HF modules)."""
         config = model.config
         window = getattr(config, "sliding_window", None) if getattr(config, "use_sliding_window", True) else None
         if type(model).__name__ not in _SUPPORTED or (window is not None and window < length):
             return False
         if getattr(config, "layer_types", None) and any(t != "full_attention" for t in config.layer_types):
+            return False
+        rope = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {}
+        if rope.get("rope_type", rope.get("type")) in _LENGTH_DEPENDENT_ROPE:
             return False
         return not any(isinstance(p, DTensor) for p in model.parameters())
 
@@ -181,8 +196,9 @@ class StaticDecoder:
         self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
         self.scaling = self.head_dim ** -0.5
         self.compiled = compiled
-        self._forward = torch.compile(static_forward, fullgraph=True, dynamic=False, backend=backend) \
-            if compiled else static_forward
+        # A code object of its own: dynamo caches graphs per code object (module constant above).
+        own = types.FunctionType(static_forward.__code__.replace(), static_forward.__globals__, "static_forward")
+        self._forward = torch.compile(own, fullgraph=True, dynamic=False, backend=backend) if compiled else own
         device = model.get_input_embeddings().weight.device
         self.cuda_graphs = (device.type == "cuda" and compiled) if cuda_graphs is None else cuda_graphs
         if self.cuda_graphs and device.type != "cuda":
@@ -216,7 +232,8 @@ class StaticDecoder:
         name = "recompile_limit" if hasattr(torch._dynamo.config, "recompile_limit") else "cache_size_limit"
         patch = torch._dynamo.config.patch(**{name: _RECOMPILE_LIMIT}) if self.compiled else contextlib.nullcontext()
         with patch:
-            return self._forward(self.model, state.tokens[:rows], state.positions[:rows], state.keys, state.values,
+            return self._forward(self.model, state.tokens[:rows], state.positions[:rows],
+                                 [k[:rows] for k in state.keys], [v[:rows] for v in state.values],
                                  state.cos, state.sin, self.num_heads, self.num_kv_heads, self.head_dim, self.scaling)
 
     @torch.no_grad()
@@ -247,7 +264,8 @@ class StaticDecoder:
         if self._pool is None:
             self._pool = torch.cuda.graph_pool_handle()
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self._pool):
+        # thread_local: a CUDA call of another thread (a tool worker, a data loader) does not void it.
+        with torch.cuda.graph(graph, pool=self._pool, capture_error_mode="thread_local"):
             logits = self._run(state, rows)
         self.num_captures += 1
         return graph, logits

@@ -62,7 +62,9 @@ def decode_static(engine, reqs: list[Request], *, contexts: list[tuple[int, ...]
     eos = torch.tensor(stop_ids(engine.eos_token_ids, sampling), dtype=torch.long, device=device)
     carries = [engine.carried_cache == "keep" and limit < sampling.max_new_tokens - len(r.completion_ids)
                for limit, r in zip(limits, reqs)]
-    slot_of: list[int | None] = [None] * state.capacity  # host view: the request in each slot
+    # Host view: the request in each slot. Only the first max_num_seqs slots take requests; the
+    # state's rounding up to a bucket leaves the others empty.
+    slot_of: list[int | None] = [None] * capacity
     slot_ids = torch.arange(state.capacity, device=device)
 
     def record(slots: torch.Tensor, logits: torch.Tensor, live: torch.Tensor) -> None:
@@ -75,7 +77,7 @@ def decode_static(engine, reqs: list[Request], *, contexts: list[tuple[int, ...]
         books.ids[target, column] = tokens
         books.lps[target, column] = lps
         books.num_new.index_put_((target,), live.long(), accumulate=True)
-        hit = torch.isin(tokens, eos) & live
+        hit = (tokens.unsqueeze(1) == eos).any(dim=1) & live  # torch.isin syncs for long id lists
         books.stopped[target] = hit
         still = live & ~hit & (books.num_new[request] < books.limit[request])
         books.alive[slots] = still
@@ -98,6 +100,9 @@ def decode_static(engine, reqs: list[Request], *, contexts: list[tuple[int, ...]
                        lengths=[len(contexts[i]) for _, i, _ in fresh], left_padded=True)
             where = torch.tensor(targets, dtype=torch.long, device=device)
             books.slot_request[where] = torch.tensor([i for _, i, _ in fresh], dtype=torch.long, device=device)
+            # The last context token at its position: a row that ends at its first token and is
+            # stepped before the next look rewrites exactly what its prefill cached there.
+            state.tokens[where] = torch.tensor([contexts[i][-1] for _, i, _ in fresh], dtype=torch.long, device=device)
             state.positions[where] = torch.tensor([len(contexts[i]) - 1 for _, i, _ in fresh], device=device)
             record(where, logits, torch.ones(len(fresh), dtype=torch.bool, device=device))
         if kept:
