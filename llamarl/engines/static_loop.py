@@ -60,8 +60,7 @@ def decode_static(engine, reqs: list[Request], *, contexts: list[tuple[int, ...]
     if uniforms is not None:  # the trash row and a column past every limit: padding slots' draws
         uniforms = torch.nn.functional.pad(uniforms, (0, books.ids.shape[1] - uniforms.shape[1], 0, 1))
     eos = torch.tensor(stop_ids(engine.eos_token_ids, sampling), dtype=torch.long, device=device)
-    carries = [engine.carried_cache == "keep" and limit < sampling.max_new_tokens - len(r.completion_ids)
-               for limit, r in zip(limits, reqs)]
+    carries = engine._carries(reqs, limits, sampling)
     # Host view: the request in each slot. Only the first max_num_seqs slots take requests; the
     # state's rounding up to a bucket leaves the others empty.
     slot_of: list[int | None] = [None] * capacity
@@ -89,33 +88,30 @@ def decode_static(engine, reqs: list[Request], *, contexts: list[tuple[int, ...]
         it (its last token fed at the next step), the others prefilled and their first token drawn."""
         kept, fresh = [], []
         for slot, i in zip(slots, indices):
-            entry = engine._kept.pop(reqs[i].sample_id, None)
-            (kept if entry is not None and entry[0] == contexts[i] else fresh).append((slot, i, entry))
+            entry = engine._take_kept(reqs[i], contexts[i])
+            (kept if entry is not None else fresh).append((slot, i, entry))
             slot_of[slot] = i
+        # Every admitted slot feeds its last context token at its position next: for a kept row,
+        # the token its cache lacks; for a fresh one (its first token drawn below), what its
+        # prefill cached there, rewritten alike if it ends at once and is stepped before the next look.
+        where = torch.tensor(slots, dtype=torch.long, device=device)
+        books.slot_request[where] = torch.tensor(indices, dtype=torch.long, device=device)
+        state.tokens[where] = torch.tensor([contexts[i][-1] for i in indices], dtype=torch.long, device=device)
+        state.positions[where] = torch.tensor([len(contexts[i]) - 1 for i in indices], device=device)
         if fresh:
             logits, cache, _ = engine._prefill([contexts[i] for _, i, _ in fresh])
             targets = [slot for slot, _, _ in fresh]
             state.load(targets, keys=[layer.keys for layer in cache.layers],
                        values=[layer.values for layer in cache.layers],
                        lengths=[len(contexts[i]) for _, i, _ in fresh], left_padded=True)
-            where = torch.tensor(targets, dtype=torch.long, device=device)
-            books.slot_request[where] = torch.tensor([i for _, i, _ in fresh], dtype=torch.long, device=device)
-            # The last context token at its position: a row that ends at its first token and is
-            # stepped before the next look rewrites exactly what its prefill cached there.
-            state.tokens[where] = torch.tensor([contexts[i][-1] for _, i, _ in fresh], dtype=torch.long, device=device)
-            state.positions[where] = torch.tensor([len(contexts[i]) - 1 for _, i, _ in fresh], device=device)
-            record(where, logits, torch.ones(len(fresh), dtype=torch.bool, device=device))
+            record(torch.tensor(targets, dtype=torch.long, device=device), logits,
+                   torch.ones(len(fresh), dtype=torch.bool, device=device))
         if kept:
             engine.kept_cache_rows += len(kept)
-            targets = [slot for slot, _, _ in kept]
             for slot, i, entry in kept:  # kept caches of different lengths: one row at a time
                 state.load([slot], keys=[k.unsqueeze(0) for k in entry[1]], values=[v.unsqueeze(0) for v in entry[2]],
                            lengths=[len(contexts[i]) - 1], left_padded=False)
-            where = torch.tensor(targets, dtype=torch.long, device=device)
-            books.slot_request[where] = torch.tensor([i for _, i, _ in kept], dtype=torch.long, device=device)
-            state.tokens[where] = torch.tensor([contexts[i][-1] for _, i, _ in kept], dtype=torch.long, device=device)
-            state.positions[where] = torch.tensor([len(contexts[i]) - 1 for _, i, _ in kept], device=device)
-            books.alive[where] = True
+            books.alive[torch.tensor([slot for slot, _, _ in kept], dtype=torch.long, device=device)] = True
 
     pending = list(range(n))
     check_every = engine.eos_check_every

@@ -293,6 +293,18 @@ class TorchEngine:
             cache.batch_select_indices(rows_from)
         return logits, cache, mask
 
+    def _take_kept(self, request: Request, context: tuple[int, ...]):
+        """The kept cache entry of ``request`` (``carried_cache="keep"``), removed from the store:
+        ``(context, keys, values)`` when it was carried exactly at ``context``, else None (dropped)."""
+        entry = self._kept.pop(request.sample_id, None)
+        return entry if entry is not None and entry[0] == context else None
+
+    def _carries(self, reqs: list[Request], limits: list[int], sampling: SamplingParams) -> list[bool]:
+        """Per request: whether its cache is kept if it ends at its limit (``carried_cache="keep"``
+        and a budget that ends before its ``max_new_tokens``: it is carried, not finished)."""
+        return [self.carried_cache == "keep" and limit < sampling.max_new_tokens - len(r.completion_ids)
+                for limit, r in zip(limits, reqs)]
+
     def _admit(self, state, reqs: list[Request], contexts: list[tuple[int, ...]], indices: list[int]):
         """Append the requests ``indices`` to the fused decode ``state``; return ``(order, logits)``:
         the request index of each appended row, in row order, and each row's next-token logits.
@@ -301,8 +313,8 @@ class TorchEngine:
         fused = self._fused
         kept, fresh = [], []
         for i in indices:
-            entry = self._kept.pop(reqs[i].sample_id, None)
-            (kept if entry is not None and entry[0] == contexts[i] else fresh).append((i, entry))
+            entry = self._take_kept(reqs[i], contexts[i])
+            (kept if entry is not None else fresh).append((i, entry))
         order, parts = [], []
         if fresh:
             logits, cache, _ = self._prefill([contexts[i] for i, _ in fresh])
@@ -334,9 +346,7 @@ class TorchEngine:
         batch = len(reqs)
         capacity = min(batch, self.max_num_seqs or batch)
         state = self._fused.new_state(capacity=capacity, like=self.model.get_input_embeddings().weight)
-        # A row whose budget ends before its max_new_tokens is carried: with "keep", its cache is kept.
-        carries = [self.carried_cache == "keep" and limit < sampling.max_new_tokens - len(r.completion_ids)
-                   for limit, r in zip(limits, reqs)]
+        carries = self._carries(reqs, limits, sampling)
         pending = list(range(batch))
         order, logits = self._admit(state, reqs, contexts, pending[:capacity])
         pending = pending[capacity:]
