@@ -1,6 +1,7 @@
 """The C kernels of bf16 CPU decode steps (llamarl/engines/cpu_kernels.py, csrc/bf16_decode.c)
 against the PyTorch ops they replace: each helper alone (RMSNorm with and without the residual add,
-SwiGLU, attention with RoPE and the KV-cache write, the AVX512-BF16 GEMM and its weight layout), refused inputs, a failed
+SwiGLU, attention with RoPE and the KV-cache write, the AVX512-BF16 and AMX GEMMs and their weight
+layout), refused inputs, a failed
 build falling back, and whole decode steps of bf16 Llama / Qwen2 / Mistral layouts through
 ``FusedDecoder`` with and without them."""
 
@@ -26,6 +27,8 @@ def test_the_layer_helpers_build_here():
     # not hidden behind the PyTorch fallback.
     assert cpu_kernels.available()
     assert cpu_kernels.gemm_available() == cpu_kernels.cpu_has_avx512_bf16()
+    # gcc >= 11 has -mamx-bf16: on an AMX CPU the AMX GEMM must be built and granted the tiles.
+    assert cpu_kernels.amx_available() == ("amx_bf16" in cpu_kernels.cpu_flags() and cpu_kernels.cpu_has_avx512_bf16())
 
 
 def test_rmsnorm_and_the_residual_add_match_hfs_bf16_norm():
@@ -126,6 +129,31 @@ def test_the_gemm_is_a_bf16_linear_layer(rows, in_features, out_features, bias):
     # fp32 sums of exact products, one rounding: within a bf16 rounding of the exact result.
     torch.testing.assert_close(out.double(), exact.to(BF16).double(), rtol=8e-3, atol=1e-6 * in_features)
     torch.testing.assert_close(out, torch.nn.functional.linear(x, weight, b))
+
+
+@pytest.mark.skipif(not cpu_kernels.amx_available(), reason="the AMX GEMM needs a CPU with AMX (amx_bf16)")
+@pytest.mark.parametrize("rows,in_features,out_features,bias", [
+    (1, 576, 37, False), (15, 31, 16, True), (16, 32, 48, True), (17, 97, 20, False), (33, 1536, 130, True),
+    (64, 576, 64, False), (70, 64, 33, True)])
+def test_the_amx_gemm_is_the_avx512_gemm_on_tiles(rows, in_features, out_features, bias):
+    # Rows across the 16-row tiles, the padding and the 32-row passes; input widths with no whole
+    # 32-column block, exactly one, and a tail with an odd last column; 1-9 panels, pairs and a
+    # partial last one. Both GEMMs called directly, over the same packed weights.
+    library = cpu_kernels._library()
+    x, weight = randn(rows, in_features, seed=18), randn(out_features, in_features, seed=19)
+    b = randn(out_features, seed=20) if bias else None
+    packed = cpu_kernels.pack(weight)
+    outs = {}
+    for name in ("llamarl_gemm_amx_bf16", "llamarl_gemm_bf16"):
+        outs[name] = torch.full((rows, out_features), float("nan"), dtype=BF16)
+        status = getattr(library, name)(x.data_ptr(), packed.data.data_ptr(), 0 if b is None else b.data_ptr(),
+                                        outs[name].data_ptr(), rows, out_features, in_features)
+        assert status == 0, (name, status)
+    exact = x.double() @ weight.double().T + (0 if b is None else b.double())
+    amx = outs["llamarl_gemm_amx_bf16"]
+    torch.testing.assert_close(amx.double(), exact.to(BF16).double(), rtol=8e-3, atol=1e-6 * in_features)
+    torch.testing.assert_close(amx, outs["llamarl_gemm_bf16"])  # fp32 sums in another order
+    torch.testing.assert_close(amx, torch.nn.functional.linear(x, weight, b))
 
 
 def test_the_gemm_refuses_mismatched_inputs():
@@ -249,13 +277,17 @@ def test_projections_take_the_gemm_on_one_thread_or_for_few_rows(monkeypatch):
     has_gemm = cpu_kernels.cpu_has_avx512_bf16()
     no_amx, amx = frozenset({"avx512_bf16"}), frozenset({"avx512_bf16", "amx_bf16"})
     try:
-        # One thread: any row count, but on a CPU with AMX (where oneDNN's matmul runs on the
-        # tiles) only up to GEMM_AMX_ROWS; more threads: up to GEMM_THREADED_ROWS.
-        for flags, num_threads, rows, used in ((no_amx, 1, 64, True), (amx, 1, cpu_kernels.GEMM_AMX_ROWS, True),
-                                               (amx, 1, cpu_kernels.GEMM_AMX_ROWS + 1, False),
-                                               (no_amx, 2, cpu_kernels.GEMM_THREADED_ROWS, True),
-                                               (amx, 2, cpu_kernels.GEMM_THREADED_ROWS + 1, False)):
+        # One thread: any row count (with the AMX GEMM on an AMX CPU), but on an AMX CPU whose
+        # library lacks the AMX GEMM (where oneDNN's matmul runs on the tiles) only up to
+        # GEMM_AMX_ROWS; more threads: up to GEMM_THREADED_ROWS.
+        for flags, amx_gemm, num_threads, rows, used in (
+                (no_amx, False, 1, 64, True), (amx, True, 1, 64, True),
+                (amx, False, 1, cpu_kernels.GEMM_AMX_ROWS, True), (amx, False, 1, cpu_kernels.GEMM_AMX_ROWS + 1, False),
+                (no_amx, False, 2, cpu_kernels.GEMM_THREADED_ROWS, True),
+                (amx, True, 2, cpu_kernels.GEMM_THREADED_ROWS + 1, False)):
             monkeypatch.setattr(cpu_kernels, "cpu_flags", lambda flags=flags: flags)
+            # The dispatch only: linear runs whichever GEMM the library here has.
+            monkeypatch.setattr(cpu_kernels, "amx_available", lambda amx_gemm=amx_gemm: amx_gemm)
             torch.set_num_threads(num_threads)
             calls.clear()
             x = randn(rows, 24, seed=rows)
@@ -317,3 +349,23 @@ def test_an_in_place_update_reaches_the_packed_weights(monkeypatch):
         assert after != before
     finally:
         torch.set_num_threads(threads)
+
+
+def test_without_the_amx_build_the_avx512_kernels_still_run(monkeypatch, caplog):
+    """A compiler without -mamx-bf16 on an AMX CPU: the library is built again without the AMX
+    GEMM (logged), and the projections keep oneDNN above GEMM_AMX_ROWS rows (gemm_max_rows)."""
+    build = cpu_kernels.build
+
+    def no_amx(*, avx512_bf16, amx=False, **kwargs):
+        if amx:
+            raise RuntimeError("cc failed on bf16_decode.c: unrecognized command-line option '-mamx-bf16'")
+        return build(avx512_bf16=avx512_bf16, **kwargs)
+
+    monkeypatch.setattr(cpu_kernels, "build", no_amx)
+    monkeypatch.setattr(cpu_kernels, "cpu_flags", lambda: frozenset({"avx512_bf16", "amx_bf16"}))
+    with caplog.at_level("WARNING", logger="llamarl.engines.cpu_kernels"):
+        library = cpu_kernels._library.__wrapped__()
+    assert library is not None and not library.amx_ready
+    assert "the AMX GEMM is not built" in caplog.text and "-mamx-bf16" in caplog.text
+    monkeypatch.setattr(cpu_kernels, "_library", lambda: library)
+    assert not cpu_kernels.amx_available() and cpu_kernels.gemm_max_rows(1) == cpu_kernels.GEMM_AMX_ROWS

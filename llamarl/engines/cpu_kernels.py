@@ -59,10 +59,12 @@ GEMM_THREADED_ROWS = 2
 above them oneDNN's matmul splits the work across the threads (module docstring)."""
 
 GEMM_AMX_ROWS = 4
-"""On one thread of a CPU with AMX, rows up to which ``linear`` runs: SmolLM2-135M, all linears of
-a step, oneDNN (AMX) / this GEMM at 1 / 2 / 4 / 8 / 16 / 64 rows: 39.6 / 22.0, 29.2 / 24.1,
-29.0 / 26.3, 29.8 / 33.2, 30.4 / 52.1, 41.8 / 171.5 ms (Intel Xeon with AMX, 2026-11-25,
-``benchmarks/cpu_linears.py``)."""
+"""On one thread of a CPU with AMX whose library was built without the AMX GEMM (a compiler without
+``-mamx-bf16``, or the kernel refused the tile state), rows up to which ``linear``'s AVX512-BF16
+GEMM still runs: SmolLM2-135M, all linears of a step, oneDNN (AMX) / that GEMM at 1 / 2 / 4 / 8 /
+16 / 64 rows: 39.6 / 22.0, 29.2 / 24.1, 29.0 / 26.3, 29.8 / 33.2, 30.4 / 52.1, 41.8 / 171.5 ms
+(Intel Xeon with AMX, 2026-11-25, ``benchmarks/cpu_linears.py``). With the AMX GEMM
+(``csrc/amx_gemm.c``) ``linear`` runs at any row count there."""
 
 THREADED_ROWS = 16
 """With more than one intra-op thread, rows up to which ``FusedDecoder`` still runs its layers
@@ -71,13 +73,19 @@ them: 17.3 / 29.3 at 1 row, 19.2 / 28.8 at 4, 28.9 / 38.7 at 16, but 97.7 / 77.6
 PyTorch's ops use both cores. On one thread they run at any row count (faster at 1 to 64 rows)."""
 
 _SOURCE = Path(__file__).with_name("csrc") / "bf16_decode.c"
+_AMX_SOURCE = _SOURCE.with_name("amx_gemm.c")
+_HEADER = _SOURCE.with_name("bf16_math.h")
 _FLAGS = ["-O3", "-shared", "-fPIC", "-fno-math-errno", "-fassociative-math", "-fno-signed-zeros", "-fno-trapping-math"]
 _AVX512_BF16_FLAGS = ["-DLLAMARL_AVX512_BF16", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16"]
+_AMX_FLAGS = ["-DLLAMARL_AMX", "-mamx-tile", "-mamx-bf16"]
 _P, _I64, _F32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
 _SIGNATURES = {
     "llamarl_pack_bf16": ([_P] * 2 + [_I64] * 2, None),
     "llamarl_gemm_bf16": ([_P] * 4 + [_I64] * 3, ctypes.c_int),
     "llamarl_has_gemm": ([], ctypes.c_int),
+    "llamarl_gemm_amx_bf16": ([_P] * 4 + [_I64] * 3, ctypes.c_int),
+    "llamarl_has_amx": ([], ctypes.c_int),
+    "llamarl_amx_init": ([], ctypes.c_int),
     "llamarl_rmsnorm_bf16": ([_P] * 3 + [_I64] * 2 + [_F32], None),
     "llamarl_add_rmsnorm_bf16": ([_P] * 4 + [_I64] * 2 + [_F32], None),
     "llamarl_silu_mul_bf16": ([_P] * 2 + [_I64] * 2, None),
@@ -107,13 +115,15 @@ def cpu_has_avx512_bf16() -> bool:
 
 def gemm_max_rows(num_threads: int) -> int | None:
     """The most rows ``linear`` should run on ``num_threads`` intra-op threads (None: any), where
-    oneDNN's matmul is not faster. More than one thread: ``GEMM_THREADED_ROWS``. One thread on a
-    CPU with AMX (``amx_bf16``: Intel Xeon 4th generation and later): ``GEMM_AMX_ROWS``, since
-    oneDNN's bf16 matmul runs on the AMX tiles there (1,157 GFLOPS on one core against this GEMM's
-    VDPBF16PS at ~150-230). Otherwise any row count (AMD Zen 4: the GEMM was faster at 1 to 64 rows)."""
+    oneDNN's matmul is not faster. More than one thread: ``GEMM_THREADED_ROWS`` (``linear`` is
+    single-threaded, oneDNN splits the work). One thread: any row count, with the AMX GEMM where the
+    CPU has AMX (``amx_bf16``: Intel Xeon 4th generation and later) and the AVX512-BF16 one elsewhere
+    (AMD Zen 4: faster than oneDNN at 1 to 64 rows); but on an AMX CPU whose library lacks the AMX
+    GEMM, ``GEMM_AMX_ROWS``, since oneDNN's matmul runs on the tiles there (1,157 GFLOPS on one core
+    against VDPBF16PS's ~150-230)."""
     if num_threads > 1:
         return GEMM_THREADED_ROWS
-    return GEMM_AMX_ROWS if "amx_bf16" in cpu_flags() else None
+    return GEMM_AMX_ROWS if "amx_bf16" in cpu_flags() and not amx_available() else None
 
 
 def _cache_dir() -> Path:
@@ -122,15 +132,20 @@ def _cache_dir() -> Path:
     return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "llamarl"
 
 
-def build(*, avx512_bf16: bool, cache_dir: Path | None = None, compiler: str | None = None) -> Path:
-    """Compile ``csrc/bf16_decode.c`` (with the AVX512-BF16 GEMM and vector paths when
-    ``avx512_bf16``) once per source, flags and compiler, and return the shared library's path;
-    raise ``RuntimeError`` naming the compiler and its first error line when it cannot."""
+def build(*, avx512_bf16: bool, amx: bool = False, cache_dir: Path | None = None,
+          compiler: str | None = None) -> Path:
+    """Compile ``csrc/bf16_decode.c`` and ``csrc/amx_gemm.c`` (with the AVX512-BF16 GEMM and vector
+    paths when ``avx512_bf16``, and the AMX GEMM when ``amx`` too) once per source, flags and
+    compiler, and return the shared library's path; raise ``RuntimeError`` naming the compiler and
+    its first error line when it cannot."""
     compiler = compiler or os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
     if compiler is None:
         raise RuntimeError("no C compiler found ($CC, cc, gcc)")
-    flags = _FLAGS + (_AVX512_BF16_FLAGS if avx512_bf16 else [])
-    key = hashlib.sha256(_SOURCE.read_bytes() + " ".join([compiler, *flags]).encode()).hexdigest()[:16]
+    if amx and not avx512_bf16:
+        raise ValueError("cpu_kernels.build: the AMX GEMM needs the AVX512-BF16 build (avx512_bf16=True)")
+    flags = _FLAGS + (_AVX512_BF16_FLAGS if avx512_bf16 else []) + (_AMX_FLAGS if amx else [])
+    sources = b"".join(path.read_bytes() for path in (_SOURCE, _AMX_SOURCE, _HEADER))
+    key = hashlib.sha256(sources + " ".join([compiler, *flags]).encode()).hexdigest()[:16]
     target = (cache_dir or _cache_dir()) / f"bf16_decode-{key}.so"
     if target.exists():
         return target
@@ -139,7 +154,8 @@ def build(*, avx512_bf16: bool, cache_dir: Path | None = None, compiler: str | N
     os.close(fd)
     try:
         try:
-            done = subprocess.run([compiler, *flags, str(_SOURCE), "-o", partial, "-lm"], capture_output=True,
+            done = subprocess.run([compiler, *flags, str(_SOURCE), str(_AMX_SOURCE), "-o", partial, "-lm"],
+                                  capture_output=True,
                                   text=True, timeout=120, check=False)
         except (OSError, subprocess.TimeoutExpired) as error:
             raise RuntimeError(f"{compiler} could not compile {_SOURCE.name}: {error}") from error
@@ -158,8 +174,14 @@ def _library() -> ctypes.CDLL | None:
     """The loaded kernels, or None where they cannot run here (module docstring; logged once)."""
     if os.environ.get("LLAMARL_CPU_KERNELS", "1") == "0":
         return None
+    avx512_bf16 = cpu_has_avx512_bf16()
+    if avx512_bf16 and "amx_bf16" in cpu_flags():
+        try:
+            return load(build(avx512_bf16=True, amx=True))
+        except (OSError, RuntimeError) as error:  # an older compiler: the rest still runs
+            log.warning("the AMX GEMM is not built (%s); the AVX512-BF16 kernels run", error)
     try:
-        return load(build(avx512_bf16=cpu_has_avx512_bf16()))
+        return load(build(avx512_bf16=avx512_bf16))
     except (OSError, RuntimeError) as error:
         log.warning("the bf16 CPU decode kernels are not used (%s); PyTorch ops run the decode steps", error)
         return None
@@ -171,6 +193,8 @@ def load(path: Path) -> ctypes.CDLL:
     for name, (argtypes, restype) in _SIGNATURES.items():
         function = getattr(library, name)
         function.argtypes, function.restype = argtypes, restype
+    # The tile state is granted per process (arch_prctl): asked once per load, before any tile use.
+    library.amx_ready = library.llamarl_has_amx() == 1 and library.llamarl_amx_init() == 0
     return library
 
 
@@ -183,6 +207,13 @@ def gemm_available() -> bool:
     """True when ``linear`` can run here (the library was built with the AVX512-BF16 GEMM)."""
     library = _library()
     return library is not None and library.llamarl_has_gemm() == 1
+
+
+def amx_available() -> bool:
+    """True when ``linear`` runs on the AMX tiles here: the library was built with the AMX GEMM and
+    Linux granted this process the tile state (``load`` asks)."""
+    library = _library()
+    return library is not None and getattr(library, "amx_ready", False)
 
 
 def _checked(name: str, t: torch.Tensor, shape: tuple[int, ...], dtype: torch.dtype = torch.bfloat16) -> int:
@@ -233,7 +264,8 @@ def pack(weight: torch.Tensor) -> PackedWeight:
 
 def linear(x: torch.Tensor, weight: PackedWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
     """``bf16(x @ w.T + bias)`` for ``x`` ``[rows, in]``, the weight ``w`` ``[out, in]`` packed by
-    ``pack``, ``bias`` ``[out]`` (bf16, contiguous, CPU); a new ``[rows, out]``. Single-threaded."""
+    ``pack``, ``bias`` ``[out]`` (bf16, contiguous, CPU); a new ``[rows, out]``. Single-threaded; on
+    the AMX tiles where ``amx_available()``, else with AVX512-BF16 (the same sums in another order)."""
     library = _need()
     b = 0 if bias is None else _checked("bias", bias, (weight.out_features,))
     rows = x.shape[0] if x.dim() == 2 else -1
@@ -241,8 +273,10 @@ def linear(x: torch.Tensor, weight: PackedWeight, bias: torch.Tensor | None = No
         raise ValueError(f"cpu_kernels.linear takes x of shape [rows >= 1, {weight.in_features}]; got {tuple(x.shape)}")
     pointer = _checked("x", x, (rows, weight.in_features))
     out = torch.empty((rows, weight.out_features), dtype=torch.bfloat16, device=x.device)
-    status = library.llamarl_gemm_bf16(pointer, weight.data.data_ptr(), b, out.data_ptr(), rows,
-                                       weight.out_features, weight.in_features)
+    gemm = library.llamarl_gemm_amx_bf16 if getattr(library, "amx_ready", False) else library.llamarl_gemm_bf16
+    status = gemm(pointer, weight.data.data_ptr(), b, out.data_ptr(), rows, weight.out_features, weight.in_features)
+    if status == 4:
+        raise MemoryError(f"cpu_kernels.linear: no memory to pad {rows} rows of {weight.in_features} columns")
     if status == 2:  # the library was built without it (checked here, not by a call per linear)
         raise RuntimeError("the bf16 GEMM needs a CPU with AVX512-BF16 (cpu_kernels.gemm_available())")
     assert status == 0, status

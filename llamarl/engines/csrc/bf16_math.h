@@ -1,0 +1,59 @@
+/* bf16 <-> fp32 conversions shared by the decode kernels (bf16_decode.c) and the AMX GEMM
+ * (amx_gemm.c): round to nearest even, NaN kept a (quiet) NaN, as PyTorch's .to(torch.bfloat16). */
+#ifndef LLAMARL_BF16_MATH_H
+#define LLAMARL_BF16_MATH_H
+
+#include <stdint.h>
+#include <string.h>
+#ifdef LLAMARL_AVX512_BF16
+#include <immintrin.h>
+#endif
+
+static inline float bf16_to_f32(uint16_t h) {
+    uint32_t u = (uint32_t)h << 16;
+    float f;
+    memcpy(&f, &u, 4);
+    return f;
+}
+
+static inline uint16_t f32_to_bf16(float f) { /* round to nearest even; NaN stays NaN */
+    uint32_t u;
+    memcpy(&u, &f, 4);
+    if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40u);
+    u += 0x7fffu + ((u >> 16) & 1u);
+    return (uint16_t)(u >> 16);
+}
+
+#ifdef LLAMARL_AVX512_BF16
+/* 32 bf16 from p, zeros past the first `left` (a row's tail when k is not a multiple of 32). */
+static inline __m512bh load32(const uint16_t *p, int64_t left) {
+    if (left >= 32) return (__m512bh)_mm512_loadu_si512((const void *)p);
+    return (__m512bh)_mm512_maskz_loadu_epi16((__mmask32)((1u << left) - 1u), (const void *)p);
+}
+#endif
+
+static inline float bf16_round(float f) { return bf16_to_f32(f32_to_bf16(f)); }
+
+#ifdef LLAMARL_AVX512_BF16
+static inline __m512 load_bf16x16(const uint16_t *p) {
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p)), 16));
+}
+
+/* fp32 -> bf16 on 16 lanes, round to nearest even (the scalar f32_to_bf16's integer steps; NaN quieted). */
+static inline __m256i to_bf16x16(__m512 v) {
+    __m512i u = _mm512_castps_si512(v);
+    __m512i rounded = _mm512_srli_epi32(
+        _mm512_add_epi32(u, _mm512_add_epi32(_mm512_set1_epi32(0x7fff),
+                                             _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1)))), 16);
+    __mmask16 nan = _mm512_cmpgt_epu32_mask(_mm512_and_si512(u, _mm512_set1_epi32(0x7fffffff)),
+                                            _mm512_set1_epi32(0x7f800000));
+    rounded = _mm512_mask_mov_epi32(rounded, nan, _mm512_or_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(0x40)));
+    return _mm512_cvtepi32_epi16(rounded);
+}
+
+static inline __m512 round_bf16x16(__m512 v) {
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(to_bf16x16(v)), 16));
+}
+#endif
+
+#endif
