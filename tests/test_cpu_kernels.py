@@ -259,6 +259,7 @@ def test_the_portable_build_computes_the_same(tmp_path, monkeypatch):
     test_swiglu_matches_silu_times_up_bitwise()
     for shape in ((4, 2, 16), (9, 3, 64)):
         test_attention_writes_the_cache_and_attends_like_hfs_eager_attention(*shape)
+    test_the_softmax_is_pytorchs_to_float_rounding()
     with pytest.raises(RuntimeError, match="needs a CPU with AVX512-BF16"):
         cpu_kernels.linear(randn(1, 8, seed=0), cpu_kernels.pack(randn(4, 8, seed=1)))
 
@@ -369,3 +370,41 @@ def test_without_the_amx_build_the_avx512_kernels_still_run(monkeypatch, caplog)
     assert "the AMX GEMM is not built" in caplog.text and "-mamx-bf16" in caplog.text
     monkeypatch.setattr(cpu_kernels, "_library", lambda: library)
     assert not cpu_kernels.amx_available() and cpu_kernels.gemm_max_rows(1) == cpu_kernels.GEMM_AMX_ROWS
+
+
+def test_the_softmax_is_pytorchs_to_float_rounding():
+    # A vocabulary that is not a multiple of 16 (the scalar tail), a masked (-inf) logit, a row with
+    # a NaN and a row of -inf (both NaN throughout, as PyTorch's), logits far below the max.
+    logits = randn(5, 1000 + 7, seed=30, scale=8.0)
+    logits[1, 3] = float("-inf")
+    logits[2, 900:] = -200.0
+    logits[3, 17] = float("nan")
+    logits[4] = float("-inf")
+    out = torch.full(logits.shape, 7.0)
+    probs = cpu_kernels.softmax(logits, out=out)
+    expected = torch.softmax(logits, dim=-1, dtype=torch.float32)
+    assert probs.data_ptr() == out.data_ptr()
+    torch.testing.assert_close(probs[:3], expected[:3], rtol=1e-5, atol=1e-30)
+    assert probs[1, 3] == 0 and probs[3].isnan().all() and probs[4].isnan().all()
+    torch.testing.assert_close(probs[:3].double().sum(-1), torch.ones(3, dtype=torch.float64), rtol=0, atol=1e-5)
+    with pytest.raises(ValueError, match=r"out must be a contiguous torch.float32 CPU tensor of shape \(5, 1007\)"):
+        cpu_kernels.softmax(logits, out=torch.empty(5, 1006))
+
+
+def test_the_sampler_draws_from_the_c_softmax_in_bf16(monkeypatch):
+    from llamarl.engines import sampling
+    from llamarl.engines.base import SamplingParams
+
+    calls = []
+    softmax = cpu_kernels.softmax
+    monkeypatch.setattr(cpu_kernels, "softmax", lambda x, **k: calls.append(x.shape) or softmax(x, **k))
+    logits = randn(4, 300, seed=31, scale=3.0)
+    uniforms = torch.rand(4, generator=torch.Generator().manual_seed(32), dtype=torch.float64)
+    tokens, logprobs = sampling.sample_tokens(logits, sampling=SamplingParams(temperature=1.0), uniforms=uniforms)
+    assert calls == [(4, 300)]
+    expected = torch.softmax(logits, dim=-1, dtype=torch.float32)
+    # The same inverse-CDF draw as over PyTorch's probabilities (no uniform this close to an edge).
+    assert torch.equal(tokens, sampling._draw(expected, uniforms))
+    torch.testing.assert_close(logprobs, expected.gather(-1, tokens[:, None]).squeeze(-1).log(), rtol=0, atol=1e-5)
+    sampling.sample_tokens(logits.float(), sampling=SamplingParams(temperature=1.0), uniforms=uniforms)
+    assert calls == [(4, 300)]  # fp32 logits: PyTorch's softmax

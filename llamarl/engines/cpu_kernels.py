@@ -73,7 +73,7 @@ them: 17.3 / 29.3 at 1 row, 19.2 / 28.8 at 4, 28.9 / 38.7 at 16, but 97.7 / 77.6
 PyTorch's ops use both cores. On one thread they run at any row count (faster at 1 to 64 rows)."""
 
 _SOURCE = Path(__file__).with_name("csrc") / "bf16_decode.c"
-_AMX_SOURCE = _SOURCE.with_name("amx_gemm.c")
+_SOURCES = (_SOURCE, _SOURCE.with_name("amx_gemm.c"), _SOURCE.with_name("softmax.c"))
 _HEADER = _SOURCE.with_name("bf16_math.h")
 _FLAGS = ["-O3", "-shared", "-fPIC", "-fno-math-errno", "-fassociative-math", "-fno-signed-zeros", "-fno-trapping-math"]
 _AVX512_BF16_FLAGS = ["-DLLAMARL_AVX512_BF16", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16"]
@@ -86,6 +86,7 @@ _SIGNATURES = {
     "llamarl_gemm_amx_bf16": ([_P] * 4 + [_I64] * 3, ctypes.c_int),
     "llamarl_has_amx": ([], ctypes.c_int),
     "llamarl_amx_init": ([], ctypes.c_int),
+    "llamarl_softmax_bf16": ([_P] * 2 + [_I64] * 2, None),
     "llamarl_rmsnorm_bf16": ([_P] * 3 + [_I64] * 2 + [_F32], None),
     "llamarl_add_rmsnorm_bf16": ([_P] * 4 + [_I64] * 2 + [_F32], None),
     "llamarl_silu_mul_bf16": ([_P] * 2 + [_I64] * 2, None),
@@ -134,7 +135,7 @@ def _cache_dir() -> Path:
 
 def build(*, avx512_bf16: bool, amx: bool = False, cache_dir: Path | None = None,
           compiler: str | None = None) -> Path:
-    """Compile ``csrc/bf16_decode.c`` and ``csrc/amx_gemm.c`` (with the AVX512-BF16 GEMM and vector
+    """Compile ``csrc/bf16_decode.c``, ``amx_gemm.c`` and ``softmax.c`` (with the AVX512-BF16 GEMM and vector
     paths when ``avx512_bf16``, and the AMX GEMM when ``amx`` too) once per source, flags and
     compiler, and return the shared library's path; raise ``RuntimeError`` naming the compiler and
     its first error line when it cannot."""
@@ -144,7 +145,7 @@ def build(*, avx512_bf16: bool, amx: bool = False, cache_dir: Path | None = None
     if amx and not avx512_bf16:
         raise ValueError("cpu_kernels.build: the AMX GEMM needs the AVX512-BF16 build (avx512_bf16=True)")
     flags = _FLAGS + (_AVX512_BF16_FLAGS if avx512_bf16 else []) + (_AMX_FLAGS if amx else [])
-    sources = b"".join(path.read_bytes() for path in (_SOURCE, _AMX_SOURCE, _HEADER))
+    sources = b"".join(path.read_bytes() for path in (*_SOURCES, _HEADER))
     key = hashlib.sha256(sources + " ".join([compiler, *flags]).encode()).hexdigest()[:16]
     target = (cache_dir or _cache_dir()) / f"bf16_decode-{key}.so"
     if target.exists():
@@ -154,7 +155,7 @@ def build(*, avx512_bf16: bool, amx: bool = False, cache_dir: Path | None = None
     os.close(fd)
     try:
         try:
-            done = subprocess.run([compiler, *flags, str(_SOURCE), str(_AMX_SOURCE), "-o", partial, "-lm"],
+            done = subprocess.run([compiler, *flags, *map(str, _SOURCES), "-o", partial, "-lm"],
                                   capture_output=True,
                                   text=True, timeout=120, check=False)
         except (OSError, subprocess.TimeoutExpired) as error:
@@ -341,4 +342,17 @@ def attention(qkv: torch.Tensor, *, cos: torch.Tensor, sin: torch.Tensor, keys: 
     if status != 0:
         raise ValueError(f"cpu_kernels.attention: a position in {positions.tolist()} is outside the cache's "
                          f"{width} columns")
+    return out
+
+
+def softmax(logits: torch.Tensor, *, out: torch.Tensor | None = None) -> torch.Tensor:
+    """``torch.softmax(logits, -1, dtype=torch.float32)`` for bf16 ``logits`` ``[rows, vocab]``
+    (``csrc/softmax.c``: within ~2e-6 relative; a -inf logit gets exactly 0), written into ``out``
+    (fp32, contiguous, ``[rows, vocab]``) when given, else into a new tensor. Single-threaded."""
+    library = _need()
+    rows, vocab = logits.shape if logits.dim() == 2 else (-1, -1)
+    pointer = _checked("logits", logits, (rows, vocab))
+    if out is None:
+        out = torch.empty((rows, vocab), dtype=torch.float32, device=logits.device)
+    library.llamarl_softmax_bf16(pointer, _checked("out", out, (rows, vocab), torch.float32), rows, vocab)
     return out
