@@ -168,6 +168,16 @@ def test_the_gemm_refuses_mismatched_inputs():
         cpu_kernels.pack(randn(37, 64, seed=9).t())
 
 
+@pytest.mark.skipif(not cpu_kernels.cpu_has_avx512_bf16(), reason="the GEMM needs a CPU with AVX512-BF16")
+def test_the_gemm_writes_a_reused_buffer():
+    # Written in place, refused when its shape or dtype is not the result's.
+    packed = cpu_kernels.pack(randn(37, 64, seed=9))
+    x, buffer = randn(2, 64, seed=1), torch.zeros(2, 37, dtype=BF16)
+    assert cpu_kernels.linear(x, packed, out=buffer) is buffer and torch.equal(buffer, cpu_kernels.linear(x, packed))
+    with pytest.raises(ValueError, match=r"out must be a contiguous torch.bfloat16 CPU tensor of shape \(2, 37\)"):
+        cpu_kernels.linear(x, packed, out=torch.zeros(2, 37))
+
+
 def test_a_failed_build_is_an_error_naming_the_compiler_and_the_engine_falls_back(tmp_path, monkeypatch):
     with pytest.raises(RuntimeError, match="/bin/false failed on bf16_decode.c"):
         cpu_kernels.build(avx512_bf16=False, cache_dir=tmp_path, compiler="/bin/false")
@@ -270,7 +280,7 @@ def test_projections_take_the_gemm_on_one_thread_or_for_few_rows(monkeypatch):
     weight, bias = randn(40, 24, seed=3), randn(40, seed=4)
     calls = []
     gemm = cpu_kernels.linear
-    monkeypatch.setattr(cpu_kernels, "linear", lambda x, *a: calls.append(x.shape[0]) or gemm(x, *a))
+    monkeypatch.setattr(cpu_kernels, "linear", lambda x, *a, **k: calls.append(x.shape[0]) or gemm(x, *a, **k))
     monkeypatch.setattr(cpu_kernels, "gemm_available", lambda: True)  # the dispatch, on any CPU
     projection = _Linear([weight[:16], weight[16:]], [bias[:16], bias[16:]])
     assert projection.kernel is None and projection._onednn is None  # packed on first use only

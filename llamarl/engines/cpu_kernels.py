@@ -263,17 +263,29 @@ def pack(weight: torch.Tensor) -> PackedWeight:
     return PackedWeight(data=data, out_features=out_features, in_features=in_features)
 
 
-def linear(x: torch.Tensor, weight: PackedWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
+def _output(out: torch.Tensor | None, shape: tuple[int, ...], like: torch.Tensor) -> torch.Tensor:
+    """``out`` checked to be a contiguous bf16 CPU tensor of ``shape`` (a caller's reused buffer:
+    a fresh tensor's first touch costs page faults, ~0.5 us per 4 KB, a few ms of a 64-row step), or
+    a new one on ``like``'s device."""
+    if out is None:
+        return torch.empty(shape, dtype=torch.bfloat16, device=like.device)
+    _checked("out", out, shape)
+    return out
+
+
+def linear(x: torch.Tensor, weight: PackedWeight, bias: torch.Tensor | None = None, *,
+           out: torch.Tensor | None = None) -> torch.Tensor:
     """``bf16(x @ w.T + bias)`` for ``x`` ``[rows, in]``, the weight ``w`` ``[out, in]`` packed by
     ``pack``, ``bias`` ``[out]`` (bf16, contiguous, CPU); a new ``[rows, out]``. Single-threaded; on
-    the AMX tiles where ``amx_available()``, else with AVX512-BF16 (the same sums in another order)."""
+    the AMX tiles where ``amx_available()``, else with AVX512-BF16 (the same sums in another order).
+    ``out``: written and returned instead of a new tensor (``_output``)."""
     library = _need()
     b = 0 if bias is None else _checked("bias", bias, (weight.out_features,))
     rows = x.shape[0] if x.dim() == 2 else -1
     if rows < 1:
         raise ValueError(f"cpu_kernels.linear takes x of shape [rows >= 1, {weight.in_features}]; got {tuple(x.shape)}")
     pointer = _checked("x", x, (rows, weight.in_features))
-    out = torch.empty((rows, weight.out_features), dtype=torch.bfloat16, device=x.device)
+    out = _output(out, (rows, weight.out_features), x)
     gemm = library.llamarl_gemm_amx_bf16 if getattr(library, "amx_ready", False) else library.llamarl_gemm_bf16
     status = gemm(pointer, weight.data.data_ptr(), b, out.data_ptr(), rows, weight.out_features, weight.in_features)
     if status == 4:
@@ -294,35 +306,37 @@ def rmsnorm(x: torch.Tensor, weight: torch.Tensor, *, eps: float) -> torch.Tenso
     return out
 
 
-def add_rmsnorm(hidden: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, *, eps: float) -> torch.Tensor:
+def add_rmsnorm(hidden: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, *, eps: float,
+                out: torch.Tensor | None = None) -> torch.Tensor:
     """The residual add then the next RMSNorm: ``hidden += delta`` in place (bf16), and return
-    RMSNorm(hidden) with ``weight``; ``hidden`` and ``delta`` ``[rows, dim]``."""
+    RMSNorm(hidden) with ``weight``; ``hidden`` and ``delta`` ``[rows, dim]``; into ``out`` if given."""
     library = _need()
     rows, dim = hidden.shape
-    out = torch.empty_like(hidden)
+    out = _output(out, (rows, dim), hidden)
     library.llamarl_add_rmsnorm_bf16(_checked("hidden", hidden, (rows, dim)), _checked("delta", delta, (rows, dim)),
                                      _checked("norm weight", weight, (dim,)), out.data_ptr(), rows, dim, eps)
     return out
 
 
-def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
-    """SwiGLU's ``bf16(silu(gate)) * up`` for ``gate_up`` ``[rows, 2 * inter]`` = ``[gate | up]``."""
+def silu_mul(gate_up: torch.Tensor, *, out: torch.Tensor | None = None) -> torch.Tensor:
+    """SwiGLU's ``bf16(silu(gate)) * up`` for ``gate_up`` ``[rows, 2 * inter]`` = ``[gate | up]``;
+    into ``out`` if given."""
     library = _need()
     rows, double = gate_up.shape
-    out = torch.empty((rows, double // 2), dtype=torch.bfloat16, device=gate_up.device)
+    out = _output(out, (rows, double // 2), gate_up)
     library.llamarl_silu_mul_bf16(_checked("gate_up", gate_up, (rows, 2 * (double // 2))), out.data_ptr(), rows,
                                   double // 2)
     return out
 
 
 def attention(qkv: torch.Tensor, *, cos: torch.Tensor, sin: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
-              positions: torch.Tensor, num_heads: int, scaling: float) -> torch.Tensor:
+              positions: torch.Tensor, num_heads: int, scaling: float, out: torch.Tensor | None = None) -> torch.Tensor:
     """One token per row through a layer's attention after its q/k/v projection (``csrc``'s
     ``llamarl_attention_bf16``): RoPE on q and k, the token's key and value written into the cache
     ``keys`` / ``values`` ``[capacity, kv_heads, width, d]`` at column ``positions[r]`` of slot r,
     and grouped-query attention over columns ``0 .. positions[r]``. ``qkv`` ``[rows, (heads + 2 x
     kv_heads) x d]``, ``cos`` / ``sin`` ``[rows, d]``, ``positions`` int64 ``[rows]``, each < width.
-    Returns ``[rows, heads x d]``."""
+    Returns ``[rows, heads x d]`` (``out`` if given)."""
     library = _need()
     capacity, num_kv_heads, width, head_dim = keys.shape
     rows = qkv.shape[0]
@@ -334,7 +348,7 @@ def attention(qkv: torch.Tensor, *, cos: torch.Tensor, sin: torch.Tensor, keys: 
                 _checked("keys", keys, (capacity, num_kv_heads, width, head_dim)),
                 _checked("values", values, (capacity, num_kv_heads, width, head_dim)),
                 _checked("positions", positions, (rows,), torch.int64)]
-    out = torch.empty((rows, num_heads * head_dim), dtype=torch.bfloat16, device=qkv.device)
+    out = _output(out, (rows, num_heads * head_dim), qkv)
     groups = num_heads // num_kv_heads
     scratch = torch.empty(groups * (width + 2 * head_dim) + head_dim, dtype=torch.float32, device=qkv.device)
     status = library.llamarl_attention_bf16(*pointers, out.data_ptr(), scratch.data_ptr(), rows, num_heads,

@@ -80,13 +80,14 @@ class _Linear:
         self.kernel: cpu_kernels.PackedWeight | None = None
         self._onednn: torch.Tensor | None = None
 
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+    def __call__(self, x: torch.Tensor, *, out: torch.Tensor | None = None) -> torch.Tensor:
+        """``x @ weight.T + bias``; ``out`` (a reused buffer) is written only on the C GEMM's path."""
         rows = x.shape[0]
         most = cpu_kernels.gemm_max_rows(torch.get_num_threads())
         if self.gemm and (most is None or rows <= most):
             if self.kernel is None:
                 self.kernel = cpu_kernels.pack(self.weight)
-            return cpu_kernels.linear(x, self.kernel, self.bias)
+            return cpu_kernels.linear(x, self.kernel, self.bias, out=out)
         # Not at one bf16 row: there oneDNN's pre-packed matmul took 61 ms for one 3072 x 576 projection
         # of SmolLM2's own weights (torch 2.13, Zen 4; 0.1 ms with random weights of that shape, 0.3 ms
         # through F.linear), so a row alone takes PyTorch's plain matmul.
@@ -127,6 +128,7 @@ class FusedDecoder:
         self._head: _Linear | None = None
         self._built_from: tuple[tuple[int, int], ...] = ()
         self._source_tensors: list[torch.Tensor] | None = None
+        self._workspace: dict[str, torch.Tensor] = {}
         norms = [m for layer in model.model.layers for m in (layer.input_layernorm, layer.post_attention_layernorm)]
         # The C layer helpers (cpu_kernels): bf16 on the CPU, these families' RMSNorm and SwiGLU.
         self._native = (model.model.embed_tokens.weight.dtype == torch.bfloat16
@@ -227,6 +229,17 @@ class FusedDecoder:
         return self._head(hidden.view(rows, -1))
 
 
+    def _buffers(self, rows: int, layer: tuple[_Linear, _Linear, _Linear, _Linear], *,
+                 like: torch.Tensor) -> dict[str, torch.Tensor]:
+        """The native step's intermediate outputs, reused from step to step and layer to layer
+        (each is read before the next layer writes it): fresh tensors cost their first touch's page
+        faults, ~4 ms of a 64-row SmolLM2 step (32 MB of intermediates) on one thread."""
+        qkv, _, gate_up, _ = layer
+        hidden = like.shape[-1]
+        widths = {"qkv": qkv.weight.shape[0], "attended": self.num_heads * self.head_dim, "delta": hidden,
+                  "x": hidden, "gate_up": gate_up.weight.shape[0], "act": gate_up.weight.shape[0] // 2}
+        return _buffers_for(self._workspace, rows=rows, widths=widths, like=like)
+
     @torch.no_grad()
     def _step_native(self, state: DecodeState, tokens: torch.Tensor) -> torch.Tensor:
         """``step`` through the C layer helpers (``cpu_kernels``): per layer the q/k/v projection,
@@ -243,17 +256,31 @@ class FusedDecoder:
         layers = model.model.layers
         first = layers[0].input_layernorm
         x = cpu_kernels.rmsnorm(hidden, first.weight, eps=first.variance_epsilon)
-        for index, (layer, (qkv, out, gate_up, down)) in enumerate(zip(layers, self._layers())):
-            attended = cpu_kernels.attention(qkv(x), cos=cos, sin=sin, keys=state.keys[index],
+        fused = self._layers()
+        work = self._buffers(rows, fused[0], like=hidden)
+        for index, (layer, (qkv, out, gate_up, down)) in enumerate(zip(layers, fused)):
+            attended = cpu_kernels.attention(qkv(x, out=work["qkv"]), cos=cos, sin=sin, keys=state.keys[index],
                                              values=state.values[index], positions=positions,
-                                             num_heads=self.num_heads, scaling=self.scaling)
+                                             num_heads=self.num_heads, scaling=self.scaling, out=work["attended"])
             norm = layer.post_attention_layernorm
-            x = cpu_kernels.add_rmsnorm(hidden, out(attended), norm.weight, eps=norm.variance_epsilon)
-            mlp = down(cpu_kernels.silu_mul(gate_up(x)))
+            x = cpu_kernels.add_rmsnorm(hidden, out(attended, out=work["delta"]), norm.weight,
+                                        eps=norm.variance_epsilon, out=work["x"])
+            mlp = down(cpu_kernels.silu_mul(gate_up(x, out=work["gate_up"]), out=work["act"]), out=work["delta"])
             norm = layers[index + 1].input_layernorm if index + 1 < len(layers) else model.model.norm
-            x = cpu_kernels.add_rmsnorm(hidden, mlp, norm.weight, eps=norm.variance_epsilon)
+            x = cpu_kernels.add_rmsnorm(hidden, mlp, norm.weight, eps=norm.variance_epsilon, out=work["x"])
         state.lengths = [length + 1 for length in state.lengths]
         return self._head(x)
+
+
+def _buffers_for(workspace: dict[str, torch.Tensor], *, rows: int, widths: dict[str, int],
+                 like: torch.Tensor) -> dict[str, torch.Tensor]:
+    """The first ``rows`` rows of ``workspace``'s buffers (grown, for more rows or another model's
+    widths, by replacing them): one bf16 ``[rows, width]`` per name of ``widths``."""
+    for name, width in widths.items():
+        buffer = workspace.get(name)
+        if buffer is None or buffer.shape[0] < rows or buffer.shape[1] != width or buffer.device != like.device:
+            workspace[name] = torch.empty((rows, width), dtype=torch.bfloat16, device=like.device)
+    return {name: workspace[name][:rows] for name in widths}
 
 
 def _norm(module: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:

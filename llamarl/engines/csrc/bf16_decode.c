@@ -19,15 +19,32 @@
 #include "bf16_math.h"
 
 
-/* HF's RMSNorm in bf16: h = fp32(x); n = bf16(h * rsqrt(mean(h^2) + eps)); y = bf16(w * n). */
+/* HF's RMSNorm in bf16: h = fp32(x); n = bf16(h * rsqrt(mean(h^2) + eps)); y = bf16(w * n).
+ * 16 lanes at a time where built with AVX512-BF16 (the sum of squares in another order; the
+ * scalar loop took 2.5 ms of a 64-row SmolLM2 step). */
 static void rmsnorm_row(const uint16_t *x, const uint16_t *w, uint16_t *y, int64_t dim, float eps) {
     float sum = 0.0f;
-    for (int64_t c = 0; c < dim; c++) {
+    int64_t c = 0;
+#ifdef LLAMARL_AVX512_BF16
+    __m512 sums = _mm512_setzero_ps();
+    for (; c + 16 <= dim; c += 16) {
+        const __m512 h = load_bf16x16(x + c);
+        sums = _mm512_fmadd_ps(h, h, sums);
+    }
+    sum = _mm512_reduce_add_ps(sums);
+#endif
+    for (; c < dim; c++) {
         float h = bf16_to_f32(x[c]);
         sum += h * h;
     }
     float scale = 1.0f / sqrtf(sum / (float)dim + eps);
-    for (int64_t c = 0; c < dim; c++)
+    c = 0;
+#ifdef LLAMARL_AVX512_BF16
+    for (; c + 16 <= dim; c += 16)
+        _mm256_storeu_si256((__m256i *)(y + c), to_bf16x16(_mm512_mul_ps(
+            load_bf16x16(w + c), round_bf16x16(_mm512_mul_ps(load_bf16x16(x + c), _mm512_set1_ps(scale))))));
+#endif
+    for (; c < dim; c++)
         y[c] = f32_to_bf16(bf16_to_f32(w[c]) * bf16_round(bf16_to_f32(x[c]) * scale));
 }
 
@@ -42,7 +59,12 @@ void llamarl_add_rmsnorm_bf16(uint16_t *hidden, const uint16_t *delta, const uin
     for (int64_t r = 0; r < rows; r++) {
         uint16_t *h = hidden + r * dim;
         const uint16_t *d = delta + r * dim;
-        for (int64_t c = 0; c < dim; c++) h[c] = f32_to_bf16(bf16_to_f32(h[c]) + bf16_to_f32(d[c]));
+        int64_t c = 0;
+#ifdef LLAMARL_AVX512_BF16
+        for (; c + 16 <= dim; c += 16)
+            _mm256_storeu_si256((__m256i *)(h + c), to_bf16x16(_mm512_add_ps(load_bf16x16(h + c), load_bf16x16(d + c))));
+#endif
+        for (; c < dim; c++) h[c] = f32_to_bf16(bf16_to_f32(h[c]) + bf16_to_f32(d[c]));
         rmsnorm_row(h, w, y + r * dim, dim, eps);
     }
 }
