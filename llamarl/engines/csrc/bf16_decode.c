@@ -230,7 +230,10 @@ int llamarl_attention_bf16(const uint16_t *qkv, const uint16_t *cos, const uint1
                 _mm256_storeu_si256((__m256i *)(q_bf16 + i16), to_bf16x16(_mm512_loadu_ps(q + i16)));
             for (; i16 < groups * d; i16++) q_bf16[i16] = f32_to_bf16(q[i16]);
             int64_t j0 = 0;
-            for (; j0 + 16 <= pos + 1; j0 += 16) /* 16 keys at a time: one reduction for 16 scores */
+            for (; j0 <= pos; j0 += 16) { /* 16 keys at a time: one reduction for 16 scores */
+                /* the last block's missing keys are zeros, its scores stored masked (a per-key
+                 * reduction for the tail cost more than the whole blocks before it) */
+                const int count = pos + 1 - j0 < 16 ? (int)(pos + 1 - j0) : 16;
                 for (int64_t g = 0; g < groups; g++) {
                     __m512 sums[16];
                     const uint16_t *qg = q_bf16 + g * d;
@@ -238,24 +241,18 @@ int llamarl_attention_bf16(const uint16_t *qkv, const uint16_t *cos, const uint1
                      * loop over m left the array in memory: a store per product) */
 #pragma GCC unroll 16
                     for (int m = 0; m < 16; m++) {
-                        const uint16_t *k = kh + (j0 + m) * d;
                         __m512 sum = _mm512_setzero_ps();
-                        int64_t i = 0;
-                        for (; i + 32 <= d; i += 32)
-                            sum = _mm512_dpbf16_ps(sum, load32(qg + i, 32), load32(k + i, 32));
-                        if (i < d) sum = _mm512_dpbf16_ps(sum, load32(qg + i, d - i), load32(k + i, d - i));
+                        if (m < count) {
+                            const uint16_t *k = kh + (j0 + m) * d;
+                            int64_t i = 0;
+                            for (; i + 32 <= d; i += 32)
+                                sum = _mm512_dpbf16_ps(sum, load32(qg + i, 32), load32(k + i, 32));
+                            if (i < d) sum = _mm512_dpbf16_ps(sum, load32(qg + i, d - i), load32(k + i, d - i));
+                        }
                         sums[m] = sum;
                     }
-                    _mm512_storeu_ps(scores + g * width + j0,
-                                     round_bf16x16(_mm512_mul_ps(sum16(sums), _mm512_set1_ps(scaling))));
-                }
-            for (int64_t j = j0; j <= pos; j++) {
-                const uint16_t *k = kh + j * d;
-                for (int64_t g = 0; g < groups; g++) {
-                    __m512 sum = _mm512_setzero_ps();
-                    for (int64_t i = 0; i < d; i += 32)
-                        sum = _mm512_dpbf16_ps(sum, load32(q_bf16 + g * d + i, d - i), load32(k + i, d - i));
-                    scores[g * width + j] = bf16_round(_mm512_reduce_add_ps(sum) * scaling);
+                    _mm512_mask_storeu_ps(scores + g * width + j0, (__mmask16)((1u << count) - 1u),
+                                          round_bf16x16(_mm512_mul_ps(sum16(sums), _mm512_set1_ps(scaling))));
                 }
             }
 #else
@@ -272,31 +269,37 @@ int llamarl_attention_bf16(const uint16_t *qkv, const uint16_t *cos, const uint1
                 float *sg = scores + g * width, top = -INFINITY, total = 0.0f;
                 int64_t j = 0;
 #ifdef LLAMARL_AVX512_BF16
+                /* 16 scores at a time, the last partial block masked (its lanes past pos: -inf for
+                 * the max, 0 for the sum, not stored) */
+                const int64_t n = pos + 1;
                 __m512 tops = _mm512_set1_ps(-INFINITY);
-                for (; j + 16 <= pos + 1; j += 16) tops = _mm512_max_ps(_mm512_loadu_ps(sg + j), tops); /* a NaN score skipped, as below */
+                for (j = 0; j < n; j += 16) {
+                    const __mmask16 live = n - j >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (n - j)) - 1u);
+                    tops = _mm512_max_ps(_mm512_mask_loadu_ps(_mm512_set1_ps(-INFINITY), live, sg + j), tops); /* a NaN score skipped, as below */
+                }
                 top = _mm512_reduce_max_ps(tops);
-#endif
-                for (; j <= pos; j++) top = sg[j] > top ? sg[j] : top;
-                j = 0;
-#ifdef LLAMARL_AVX512_BF16
                 __m512 sums = _mm512_setzero_ps();
-                for (; j + 16 <= pos + 1; j += 16) {
-                    __m512 e = exp_approx16(_mm512_sub_ps(_mm512_loadu_ps(sg + j), _mm512_set1_ps(top)));
-                    _mm512_storeu_ps(sg + j, e);
+                for (j = 0; j < n; j += 16) {
+                    const __mmask16 live = n - j >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (n - j)) - 1u);
+                    __m512 e = _mm512_maskz_mov_ps(live, exp_approx16(_mm512_sub_ps(_mm512_maskz_loadu_ps(live, sg + j),
+                                                                                   _mm512_set1_ps(top))));
+                    _mm512_mask_storeu_ps(sg + j, live, e);
                     sums = _mm512_add_ps(sums, e);
                 }
                 total = _mm512_reduce_add_ps(sums);
-#endif
-                for (; j <= pos; j++) {
+                for (j = 0; j < n; j += 16) {
+                    const __mmask16 live = n - j >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (n - j)) - 1u);
+                    _mm512_mask_storeu_ps(sg + j, live, round_bf16x16(_mm512_div_ps(_mm512_maskz_loadu_ps(live, sg + j),
+                                                                                    _mm512_set1_ps(total))));
+                }
+#else
+                for (; j <= pos; j++) top = sg[j] > top ? sg[j] : top;
+                for (j = 0; j <= pos; j++) {
                     sg[j] = exp_approx(sg[j] - top);
                     total += sg[j];
                 }
-                j = 0;
-#ifdef LLAMARL_AVX512_BF16
-                for (; j + 16 <= pos + 1; j += 16)
-                    _mm512_storeu_ps(sg + j, round_bf16x16(_mm512_div_ps(_mm512_loadu_ps(sg + j), _mm512_set1_ps(total))));
+                for (j = 0; j <= pos; j++) sg[j] = bf16_round(sg[j] / total);
 #endif
-                for (; j <= pos; j++) sg[j] = bf16_round(sg[j] / total);
             }
             for (int64_t i = 0; i < groups * d; i++) acc[i] = 0.0f;
 #ifdef LLAMARL_AVX512_BF16
