@@ -418,3 +418,9 @@ def test_the_sampler_draws_from_the_c_softmax_in_bf16(monkeypatch):
     torch.testing.assert_close(logprobs, expected.gather(-1, tokens[:, None]).squeeze(-1).log(), rtol=0, atol=1e-5)
     sampling.sample_tokens(logits.float(), sampling=SamplingParams(temperature=1.0), uniforms=uniforms)
     assert calls == [(4, 300)]  # fp32 logits: PyTorch's softmax
+    # The buffer is reused from call to call up to _SCRATCH_MAX probabilities, a new tensor beyond.
+    first, second = sampling._softmax(logits), sampling._softmax(logits[:2])
+    assert first.data_ptr() == second.data_ptr()
+    monkeypatch.setattr(sampling, "_SCRATCH_MAX", 100)
+    third = sampling._softmax(logits)
+    assert third.data_ptr() != first.data_ptr() and torch.equal(third, softmax(logits))

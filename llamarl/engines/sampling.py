@@ -18,6 +18,9 @@ from llamarl.engines import cpu_kernels
 from llamarl.engines.base import SamplingParams
 
 _scratch = threading.local()  # the C softmax's fp32 buffer, reused across steps (one per thread)
+_SCRATCH_MAX = 16 * 2**20
+"""Probabilities (fp32) up to which that buffer is kept between steps (64 MiB: 64 rows of a 256k
+vocabulary); a larger batch's softmax writes a new tensor, whose page faults matter less there."""
 
 
 def _softmax(logits: torch.Tensor) -> torch.Tensor:
@@ -30,6 +33,8 @@ def _softmax(logits: torch.Tensor) -> torch.Tensor:
             or not cpu_kernels.available():
         return torch.softmax(logits, dim=-1, dtype=torch.float32)
     size = logits.numel()
+    if size > _SCRATCH_MAX:  # kept for the next step only up to _SCRATCH_MAX: beyond, a new one each time
+        return cpu_kernels.softmax(logits.contiguous())
     buffer = getattr(_scratch, "buffer", None)
     if buffer is None or buffer.numel() < size:
         buffer = _scratch.buffer = torch.empty(size, dtype=torch.float32, device=logits.device)
