@@ -20,7 +20,10 @@ on the machine at hand. Each row also gives the step's **bound** on this machine
 same invocation (``hardware_bound``): a decode step must read every weight once (the weight bytes
 over the bandwidth of reading a weight-sized tensor) and do ``2 x (Linear parameters)`` FLOPs per row
 (over the speed of a large matmul in the model's dtype), so it takes at least the larger of the two;
-attention and norms are left out, so the bound is optimistic and the ratio conservative.
+attention and norms are left out, so the bound is optimistic and the ratio conservative. A second
+bound adds what the step's attention must read besides the weights, the KV cache of every row at its
+positions (``kv_cache_bytes``: at 64 rows of ~56 positions, SmolLM2's cache is ~84 MB against its
+269 MB of weights), read at the same probed bandwidth: the ``+KV`` columns.
 
 ``--workloads`` instead times whole generations of two recipes' shapes with the decode steps fused
 (``FusedDecoder``, the default) and through the HF modules, interleaved, best of ``--repeats``:
@@ -177,6 +180,19 @@ def bound_ms(bound: dict[str, float], rows: int) -> float:
     return 1000 * max(reads, matmuls)
 
 
+def kv_cache_bytes(model, prompts: list[list[int]], *, new_tokens: int) -> float:
+    """Bytes of cached keys and values a timed decode step of ``prompts`` reads, averaged over the
+    steps: decode step t (1 .. new_tokens - 1) attends over ``len(prompt) + t`` positions per row, so
+    the mean is ``len(prompt) + new_tokens / 2``; each position holds a key and a value per KV head
+    and layer, ``head_dim`` elements of the model's dtype each."""
+    config = model.config
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    kv_heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
+    element = next(model.parameters()).element_size()
+    per_position = config.num_hidden_layers * 2 * kv_heads * head_dim * element
+    return float(per_position * sum(len(p) + new_tokens / 2 for p in prompts))
+
+
 def decode_scaling(model, tok, *, batches: list[int], new_tokens: int, repeats: int,
                    fused_decode: bool = True, static_decode: str = "auto", engine=None,
                    device: str = "cpu") -> dict[int, tuple[float, float]]:
@@ -191,9 +207,10 @@ def decode_scaling(model, tok, *, batches: list[int], new_tokens: int, repeats: 
         engine = TorchEngine(model, eos_token_ids=[], pad_token_id=tok.pad_token_id, fused_decode=fused_decode,
                              static_decode=static_decode)
     _time_engine(engine, _prompts(tok, batch=4), new_tokens=2, seed=0, device=device)  # warm-up
-    step_ms = {}
+    step_ms, kv_bytes = {}, {}
     for batch in batches:
         prompts = _prompts(tok, batch=batch)
+        kv_bytes[batch] = kv_cache_bytes(model, prompts, new_tokens=new_tokens)
         _time_engine(engine, prompts, new_tokens=2, seed=0, device=device)  # this batch's compile / capture
         full = min(_time_engine(engine, prompts, new_tokens=new_tokens, seed=s, device=device)[0]
                    for s in range(repeats))
@@ -206,14 +223,17 @@ def decode_scaling(model, tok, *, batches: list[int], new_tokens: int, repeats: 
     print(f"bound probes: {bound['read_gbps']:.1f} GB/s reading, {bound['matmul_gflops']:.0f} GFLOPS matmul; "
           f"{bound['weight_bytes'] / 1e6:.0f} MB of weights, {bound['flops_per_row'] / 1e9:.3f} GFLOP per row")
     smallest = step_ms[batches[0]]
-    print(f"{'rows':>6} {'ms/step':>8} {'x rows ' + str(batches[0]):>10} {'tok/s':>8} {'bound ms':>9} {'x bound':>8}")
+    print(f"{'rows':>6} {'ms/step':>8} {'x rows ' + str(batches[0]):>10} {'tok/s':>8} {'bound ms':>9} {'x bound':>8} "
+          f"{'+KV ms':>8} {'x +KV':>7}")
     result = {}
     for batch, ms in step_ms.items():
         # A step below the timer's noise (a tiny model) reads 0: no ratio then, rather than a crash.
         ratio, tokens_per_s = ((ms / smallest, 1000 * batch / ms) if min(ms, smallest) > 0
                                else (math.nan, math.nan))
         least = bound_ms(bound, batch)
-        print(f"{batch:>6} {ms:>8.1f} {ratio:>10.2f} {tokens_per_s:>8.1f} {least:>9.1f} {ms / least:>8.2f}")
+        with_cache = least + 1000 * kv_bytes[batch] / (bound["read_gbps"] * 1e9)
+        print(f"{batch:>6} {ms:>8.1f} {ratio:>10.2f} {tokens_per_s:>8.1f} {least:>9.1f} {ms / least:>8.2f} "
+              f"{with_cache:>8.1f} {ms / with_cache:>7.2f}")
         result[batch] = (ms, least)
     return result
 

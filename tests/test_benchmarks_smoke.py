@@ -168,6 +168,15 @@ def test_decode_scaling_prints_one_row_per_batch_size(capsys):
     assert generation.bound_ms(bound, 10**6) == pytest.approx(
         1000 * 10**6 * bound["flops_per_row"] / (bound["matmul_gflops"] * 1e9))
     assert sorted(result) == [1, 4] and all(least > 0 for _, least in result.values())
+    # The +KV bound adds the cache a step reads: layers x (key, value) x KV heads x head_dim x bytes
+    # per position, at each row's mean context over the timed steps (prompt + new_tokens / 2).
+    config = model.config
+    per_position = config.num_hidden_layers * 2 * config.num_key_value_heads * (
+        config.hidden_size // config.num_attention_heads) * next(model.parameters()).element_size()
+    prompts = generation._prompts(tok, batch=4)
+    assert generation.kv_cache_bytes(model, prompts, new_tokens=3) == pytest.approx(
+        per_position * sum(len(p) + 1.5 for p in prompts))
+    assert "+KV ms" in header and all(len(r.split()) == 8 for r in rows)
     with pytest.raises(ValueError, match="--new-tokens must be >= 2"):
         generation.decode_scaling(model, tok, batches=[1], new_tokens=1, repeats=1)
     # The static loop (uncompiled here: the compile is tested in test_static_decode.py) times its own steps.
