@@ -181,7 +181,9 @@ class FusedDecoder:
     @torch.no_grad()
     def step(self, state: DecodeState, tokens: torch.Tensor) -> torch.Tensor:
         """Logits ``[rows, vocab]`` of the next token after ``tokens`` ``[rows]``, one per live row of
-        ``state``; each token sits at its row's next position, where its keys and values are written."""
+        ``state``; each token sits at its row's next position, where its keys and values are written.
+        Through the C kernels (bf16 on CPU) the logits may be a buffer the next step overwrites
+        (``_LOGITS_KEPT``): read them before stepping again, as ``TorchEngine``'s loop does."""
         if self._native and (tokens.shape[0] <= cpu_kernels.THREADED_ROWS or torch.get_num_threads() == 1):
             return self._step_native(state, tokens)
         model = self.model
@@ -269,7 +271,16 @@ class FusedDecoder:
             norm = layers[index + 1].input_layernorm if index + 1 < len(layers) else model.model.norm
             x = cpu_kernels.add_rmsnorm(hidden, mlp, norm.weight, eps=norm.variance_epsilon, out=work["x"])
         state.lengths = [length + 1 for length in state.lengths]
-        return self._head(x)
+        vocab = self._head.weight.shape[0]
+        if rows * vocab > _LOGITS_KEPT:
+            return self._head(x)
+        return self._head(x, out=_buffers_for(self._workspace, rows=rows, widths={"logits": vocab}, like=x)["logits"])
+
+
+_LOGITS_KEPT = 32 * 2**20
+"""Logits (bf16) up to which the native step writes them into a buffer kept for the next step (64
+MiB: 64 rows of SmolLM2's 49k vocabulary are 6.3 MB, whose first touch in a fresh tensor cost ~1 ms
+of page faults a step); more rows of a larger vocabulary get a new tensor each step."""
 
 
 def _buffers_for(workspace: dict[str, torch.Tensor], *, rows: int, widths: dict[str, int],
