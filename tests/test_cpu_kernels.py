@@ -27,8 +27,11 @@ def test_the_layer_helpers_build_here():
     # not hidden behind the PyTorch fallback.
     assert cpu_kernels.available()
     assert cpu_kernels.gemm_available() == cpu_kernels.cpu_has_avx512_bf16()
-    # gcc >= 11 has -mamx-bf16: on an AMX CPU the AMX GEMM must be built and granted the tiles.
-    assert cpu_kernels.amx_available() == ("amx_bf16" in cpu_kernels.cpu_flags() and cpu_kernels.cpu_has_avx512_bf16())
+    # gcc >= 11 has -mamx-bf16: on an AMX CPU the AMX GEMM must be built (used where Linux grants
+    # the process the tile state, which a kernel before 5.16 does not).
+    amx_cpu = "amx_bf16" in cpu_kernels.cpu_flags() and cpu_kernels.cpu_has_avx512_bf16()
+    assert cpu_kernels._library().llamarl_has_amx() == int(amx_cpu)
+    assert cpu_kernels.amx_available() == (amx_cpu and cpu_kernels._library().llamarl_amx_init() == 0)
 
 
 def test_rmsnorm_and_the_residual_add_match_hfs_bf16_norm():
