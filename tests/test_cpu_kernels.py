@@ -225,7 +225,7 @@ def test_decode_steps_through_the_helpers_match_the_pytorch_steps(family, monkey
     model = build_family(family).to(BF16)
     calls = []
     native_step = FusedDecoder._step_native
-    monkeypatch.setattr(FusedDecoder, "_step_native", lambda self, *a: calls.append(1) or native_step(self, *a))
+    monkeypatch.setattr(FusedDecoder, "_step_native", lambda self, *a, **k: calls.append(1) or native_step(self, *a, **k))
     torch.set_num_threads(1)
     for rows in (1, 3):
         with torch.no_grad():
@@ -244,7 +244,7 @@ def test_with_more_threads_the_helpers_run_only_small_batches(monkeypatch):
     model = build_family("llama-tied").to(BF16)
     decoder = FusedDecoder(model)
     calls = []
-    monkeypatch.setattr(FusedDecoder, "_step_native", lambda self, state, tokens: calls.append(len(tokens)))
+    monkeypatch.setattr(FusedDecoder, "_step_native", lambda self, state, tokens, **k: calls.append(len(tokens)))
     threads = torch.get_num_threads()
     try:
         for num_threads, rows, native in ((2, cpu_kernels.THREADED_ROWS, True), (2, cpu_kernels.THREADED_ROWS + 1, False),
@@ -388,7 +388,8 @@ def test_without_the_amx_build_the_avx512_kernels_still_run(monkeypatch, caplog)
 def test_the_softmax_is_pytorchs_to_float_rounding():
     # A vocabulary that is not a multiple of 16 (the scalar tail), a masked (-inf) logit, a row with
     # a NaN and a row of -inf (both NaN throughout, as PyTorch's), logits far below the max.
-    logits = randn(5, 1000 + 7, seed=30, scale=8.0)
+    logits = randn(6, 1000 + 7, seed=30, scale=8.0)
+    logits[5, 999] = float("inf")
     logits[1, 3] = float("-inf")
     logits[2, 900:] = -200.0
     logits[3, 17] = float("nan")
@@ -398,10 +399,11 @@ def test_the_softmax_is_pytorchs_to_float_rounding():
     expected = torch.softmax(logits, dim=-1, dtype=torch.float32)
     assert probs.data_ptr() == out.data_ptr()
     torch.testing.assert_close(probs[:3], expected[:3], rtol=1e-5, atol=1e-30)
-    assert probs[1, 3] == 0 and probs[3].isnan().all() and probs[4].isnan().all()
+    assert probs[1, 3] == 0 and probs[3].isnan().all() and probs[4].isnan().all() and probs[5].isnan().all()
+    assert expected[3:].isnan().all()  # PyTorch's rows, the same
     torch.testing.assert_close(probs[:3].double().sum(-1), torch.ones(3, dtype=torch.float64), rtol=0, atol=1e-5)
-    with pytest.raises(ValueError, match=r"out must be a contiguous torch.float32 CPU tensor of shape \(5, 1007\)"):
-        cpu_kernels.softmax(logits, out=torch.empty(5, 1006))
+    with pytest.raises(ValueError, match=r"out must be a contiguous torch.float32 CPU tensor of shape \(6, 1007\)"):
+        cpu_kernels.softmax(logits, out=torch.empty(6, 1006))
 
 
 def test_the_sampler_draws_from_the_c_softmax_in_bf16(monkeypatch):

@@ -36,7 +36,7 @@ def test_fused_steps_give_the_hf_loops_tokens(family, monkeypatch):
     assert FusedDecoder.supports(model, length=100)
     steps = []
     step = FusedDecoder.step
-    monkeypatch.setattr(FusedDecoder, "step", lambda self, *a: steps.append(1) or step(self, *a))
+    monkeypatch.setattr(FusedDecoder, "step", lambda self, *a, **k: steps.append(1) or step(self, *a, **k))
     for sampling in (SamplingParams(temperature=0.0, max_new_tokens=12),
                      SamplingParams(temperature=1.0, max_new_tokens=12)):
         steps.clear()
@@ -87,8 +87,8 @@ def test_continuous_batching_refills_finished_rows_with_the_same_tokens(monkeypa
     pad = chat_tokenizer().pad_token_id
     rows_per_step = []
     step = FusedDecoder.step
-    monkeypatch.setattr(FusedDecoder, "step", lambda self, state, tokens: rows_per_step.append(
-        tokens.shape[0]) or step(self, state, tokens))
+    monkeypatch.setattr(FusedDecoder, "step", lambda self, state, tokens, **k: rows_per_step.append(
+        tokens.shape[0]) or step(self, state, tokens, **k))
     whole = TorchEngine(model, eos_token_ids=[], pad_token_id=pad).generate(staggered(), sampling=greedy, version=1)
     assert max(rows_per_step) == 4
     rows_per_step.clear()
@@ -178,3 +178,34 @@ def test_a_kept_cache_that_no_longer_matches_is_dropped_and_recomputed():
     assert again[0].completion_ids == carried[0].completion_ids
     with pytest.raises(ValueError, match="carried_cache"):
         TorchEngine(model, eos_token_ids=[], pad_token_id=0, carried_cache="stale")
+
+
+def test_kept_caches_admitted_mid_loop_leave_the_live_rows_logits_alone(monkeypatch):
+    """bf16 on the C kernels, whose step writes its logits into a buffer kept for the next step: a
+    kept cache admitted while rows are live runs a step of its own, which must not overwrite the
+    live rows' logits before they are sampled (the same tokens as with a new tensor every step)."""
+    from llamarl.engines import cpu_kernels, fused_decode
+
+    if not cpu_kernels.available():
+        pytest.skip("the C decode kernels could not be built here")
+    model = build_family("llama-untied").to(torch.bfloat16)
+    with torch.no_grad():  # peaked, context-dependent next-token distributions: a mix-up shows
+        model.lm_head.weight.mul_(40.0)
+    # Sampled, not greedy: a tiny random model's argmax is often the same token whatever the row.
+    sampling = SamplingParams(temperature=1.0, max_new_tokens=12)
+    pad = chat_tokenizer().pad_token_id
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # the native step at any row count
+    try:
+        resumed, default = {}, fused_decode._LOGITS_KEPT
+        for kept_logits in (default, 0):
+            monkeypatch.setattr(fused_decode, "_LOGITS_KEPT", kept_logits)
+            engine = TorchEngine(model, eos_token_ids=[], pad_token_id=pad, carried_cache="keep", max_num_seqs=3)
+            carried = engine.generate(staggered(), sampling=sampling, version=0, token_budget=3,
+                                      generator=torch.Generator().manual_seed(1))
+            resumed[kept_logits] = engine.generate([c.to_request() for c in carried], sampling=sampling, version=0,
+                                                   generator=torch.Generator().manual_seed(2))
+            assert engine.kept_cache_rows == 4  # the fourth admitted once a row finished, the others live
+    finally:
+        torch.set_num_threads(threads)
+    assert [c.completion_ids for c in resumed[default]] == [c.completion_ids for c in resumed[0]]

@@ -179,13 +179,15 @@ class FusedDecoder:
                            mask=torch.zeros((capacity, 0), dtype=torch.bool, device=like.device))
 
     @torch.no_grad()
-    def step(self, state: DecodeState, tokens: torch.Tensor) -> torch.Tensor:
+    def step(self, state: DecodeState, tokens: torch.Tensor, *, fresh_logits: bool = False) -> torch.Tensor:
         """Logits ``[rows, vocab]`` of the next token after ``tokens`` ``[rows]``, one per live row of
         ``state``; each token sits at its row's next position, where its keys and values are written.
         Through the C kernels (bf16 on CPU) the logits may be a buffer the next step overwrites
-        (``_LOGITS_KEPT``): read them before stepping again, as ``TorchEngine``'s loop does."""
+        (``_LOGITS_KEPT``): read them before stepping again, or pass ``fresh_logits`` for a step
+        whose logits must outlive another's (``TorchEngine._admit``'s step of kept caches, taken
+        while the batch's own logits wait to be sampled) or must not overwrite them."""
         if self._native and (tokens.shape[0] <= cpu_kernels.THREADED_ROWS or torch.get_num_threads() == 1):
-            return self._step_native(state, tokens)
+            return self._step_native(state, tokens, fresh_logits=fresh_logits)
         model = self.model
         rows = tokens.shape[0]
         assert rows == state.num_rows, (rows, state.num_rows)
@@ -243,7 +245,7 @@ class FusedDecoder:
         return _buffers_for(self._workspace, rows=rows, widths=widths, like=like)
 
     @torch.no_grad()
-    def _step_native(self, state: DecodeState, tokens: torch.Tensor) -> torch.Tensor:
+    def _step_native(self, state: DecodeState, tokens: torch.Tensor, *, fresh_logits: bool = False) -> torch.Tensor:
         """``step`` through the C layer helpers (``cpu_kernels``): per layer the q/k/v projection,
         attention (RoPE, the cache write, grouped-query attention over each row's own columns), the
         output projection, the residual add with the next norm, gate/up, SwiGLU, down and again the
@@ -272,7 +274,7 @@ class FusedDecoder:
             x = cpu_kernels.add_rmsnorm(hidden, mlp, norm.weight, eps=norm.variance_epsilon, out=work["x"])
         state.lengths = [length + 1 for length in state.lengths]
         vocab = self._head.weight.shape[0]
-        if rows * vocab > _LOGITS_KEPT:
+        if fresh_logits or rows * vocab > _LOGITS_KEPT:
             return self._head(x)
         return self._head(x, out=_buffers_for(self._workspace, rows=rows, widths={"logits": vocab}, like=x)["logits"])
 

@@ -333,7 +333,8 @@ class TorchEngine:
                 own.append(keys=[k.unsqueeze(0) for k in entry[1]], values=[v.unsqueeze(0) for v in entry[2]],
                            lengths=[length], left_padded=False)
             last = torch.tensor([e[0][-1] for e in entries], dtype=torch.long, device=own.mask.device)
-            parts.append(fused.step(own, last))
+            # Fresh logits: the batch's own (the decoder's reused buffer) are not sampled yet.
+            parts.append(fused.step(own, last, fresh_logits=True))
             state.append(keys=own.keys, values=own.values, lengths=own.lengths, left_padded=False)
             order += [i for i, _ in kept]
         return order, torch.cat(parts) if len(parts) > 1 else parts[0]

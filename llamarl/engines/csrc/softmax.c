@@ -12,7 +12,7 @@
  * Numerics: exp_approx (bf16_math.h, ~1 ulp of fp32) instead of PyTorch's exp, and the sums in
  * another order: the probabilities agree with torch.softmax's within ~2e-6 relative, not bitwise (and
  * a logit more than 87 below the row's max gets e^-87 relative, not less; a -inf one exactly 0). A
- * NaN logit makes its row NaN, as PyTorch's; a row of -inf is NaN too (0 / 0), as PyTorch's. */
+ * NaN logit makes its row NaN, as PyTorch's; so do a row of -inf (0 / 0) and a +inf logit (inf - inf). */
 #include <math.h>
 #include <stdint.h>
 #include "bf16_math.h"
@@ -39,7 +39,7 @@ void llamarl_softmax_bf16(const uint16_t *logits, float *probs, int64_t rows, in
             nan |= v != v;
             top = v > top ? v : top;
         }
-        if (nan || top == -INFINITY) { /* PyTorch's result: NaN throughout */
+        if (nan || top == -INFINITY || top == INFINITY) { /* PyTorch's result: NaN throughout (inf - inf) */
             for (c = 0; c < vocab; c++) p[c] = NAN;
             continue;
         }
