@@ -214,7 +214,7 @@ def amx_available() -> bool:
     """True when ``linear`` runs on the AMX tiles here: the library was built with the AMX GEMM and
     Linux granted this process the tile state (``load`` asks)."""
     library = _library()
-    return library is not None and getattr(library, "amx_ready", False)
+    return library is not None and library.amx_ready
 
 
 def _checked(name: str, t: torch.Tensor, shape: tuple[int, ...], dtype: torch.dtype = torch.bfloat16) -> int:
@@ -263,13 +263,14 @@ def pack(weight: torch.Tensor) -> PackedWeight:
     return PackedWeight(data=data, out_features=out_features, in_features=in_features)
 
 
-def _output(out: torch.Tensor | None, shape: tuple[int, ...], like: torch.Tensor) -> torch.Tensor:
-    """``out`` checked to be a contiguous bf16 CPU tensor of ``shape`` (a caller's reused buffer:
-    a fresh tensor's first touch costs page faults, ~0.5 us per 4 KB, a few ms of a 64-row step), or
-    a new one on ``like``'s device."""
+def _output(out: torch.Tensor | None, shape: tuple[int, ...], like: torch.Tensor,
+            dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+    """``out`` checked to be a contiguous ``dtype`` CPU tensor of ``shape`` (a caller's reused
+    buffer: a fresh tensor's first touch costs page faults, ~0.5 us per 4 KB, a few ms of a 64-row
+    step), or a new one on ``like``'s device."""
     if out is None:
-        return torch.empty(shape, dtype=torch.bfloat16, device=like.device)
-    _checked("out", out, shape)
+        return torch.empty(shape, dtype=dtype, device=like.device)
+    _checked("out", out, shape, dtype)
     return out
 
 
@@ -286,7 +287,7 @@ def linear(x: torch.Tensor, weight: PackedWeight, bias: torch.Tensor | None = No
         raise ValueError(f"cpu_kernels.linear takes x of shape [rows >= 1, {weight.in_features}]; got {tuple(x.shape)}")
     pointer = _checked("x", x, (rows, weight.in_features))
     out = _output(out, (rows, weight.out_features), x)
-    gemm = library.llamarl_gemm_amx_bf16 if getattr(library, "amx_ready", False) else library.llamarl_gemm_bf16
+    gemm = library.llamarl_gemm_amx_bf16 if library.amx_ready else library.llamarl_gemm_bf16
     status = gemm(pointer, weight.data.data_ptr(), b, out.data_ptr(), rows, weight.out_features, weight.in_features)
     if status == 4:
         raise MemoryError(f"cpu_kernels.linear: no memory to pad {rows} rows of {weight.in_features} columns")
@@ -366,7 +367,6 @@ def softmax(logits: torch.Tensor, *, out: torch.Tensor | None = None) -> torch.T
     library = _need()
     rows, vocab = logits.shape if logits.dim() == 2 else (-1, -1)
     pointer = _checked("logits", logits, (rows, vocab))
-    if out is None:
-        out = torch.empty((rows, vocab), dtype=torch.float32, device=logits.device)
-    library.llamarl_softmax_bf16(pointer, _checked("out", out, (rows, vocab), torch.float32), rows, vocab)
+    out = _output(out, (rows, vocab), logits, torch.float32)
+    library.llamarl_softmax_bf16(pointer, out.data_ptr(), rows, vocab)
     return out

@@ -232,7 +232,6 @@ class FusedDecoder:
         state.lengths = [length + 1 for length in state.lengths]
         return self._head(hidden.view(rows, -1))
 
-
     def _buffers(self, rows: int, layer: tuple[_Linear, _Linear, _Linear, _Linear], *,
                  like: torch.Tensor) -> dict[str, torch.Tensor]:
         """The native step's intermediate outputs, reused from step to step and layer to layer

@@ -48,7 +48,7 @@ static __thread int64_t padded_size;
 static void store_block(const float *acc, const uint16_t *x, const uint16_t *panel, const uint16_t *bias,
                         uint16_t *y, int64_t m, int64_t n, int64_t k, int64_t row0, int64_t col0, int64_t first_pair) {
     const int64_t pairs = (k + 1) / 2, whole = k / 2, left = n - col0;
-    const __mmask16 lanes = left >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << left) - 1u);
+    const __mmask16 lanes = first_lanes(left);
     const __m512 b = bias ? _mm512_castsi512_ps(_mm512_slli_epi32(
                                 _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(lanes, bias + col0)), 16))
                           : _mm512_setzero_ps();

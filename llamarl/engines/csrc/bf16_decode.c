@@ -251,7 +251,7 @@ int llamarl_attention_bf16(const uint16_t *qkv, const uint16_t *cos, const uint1
                         }
                         sums[m] = sum;
                     }
-                    _mm512_mask_storeu_ps(scores + g * width + j0, (__mmask16)((1u << count) - 1u),
+                    _mm512_mask_storeu_ps(scores + g * width + j0, first_lanes(count),
                                           round_bf16x16(_mm512_mul_ps(sum16(sums), _mm512_set1_ps(scaling))));
                 }
             }
@@ -274,13 +274,13 @@ int llamarl_attention_bf16(const uint16_t *qkv, const uint16_t *cos, const uint1
                 const int64_t n = pos + 1;
                 __m512 tops = _mm512_set1_ps(-INFINITY);
                 for (j = 0; j < n; j += 16) {
-                    const __mmask16 live = n - j >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (n - j)) - 1u);
+                    const __mmask16 live = first_lanes(n - j);
                     tops = _mm512_max_ps(_mm512_mask_loadu_ps(_mm512_set1_ps(-INFINITY), live, sg + j), tops); /* a NaN score skipped, as below */
                 }
                 top = _mm512_reduce_max_ps(tops);
                 __m512 sums = _mm512_setzero_ps();
                 for (j = 0; j < n; j += 16) {
-                    const __mmask16 live = n - j >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (n - j)) - 1u);
+                    const __mmask16 live = first_lanes(n - j);
                     __m512 e = _mm512_maskz_mov_ps(live, exp_approx16(_mm512_sub_ps(_mm512_maskz_loadu_ps(live, sg + j),
                                                                                    _mm512_set1_ps(top))));
                     _mm512_mask_storeu_ps(sg + j, live, e);
@@ -288,7 +288,7 @@ int llamarl_attention_bf16(const uint16_t *qkv, const uint16_t *cos, const uint1
                 }
                 total = _mm512_reduce_add_ps(sums);
                 for (j = 0; j < n; j += 16) {
-                    const __mmask16 live = n - j >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (n - j)) - 1u);
+                    const __mmask16 live = first_lanes(n - j);
                     _mm512_mask_storeu_ps(sg + j, live, round_bf16x16(_mm512_div_ps(_mm512_maskz_loadu_ps(live, sg + j),
                                                                                     _mm512_set1_ps(total))));
                 }
@@ -391,7 +391,7 @@ static inline __attribute__((always_inline)) void gemm_tile(const int MT, const 
 #pragma GCC unroll 4
     for (int j = 0; j < NB; j++) {
         const int64_t column = (p + j) * 16, left = n - column;
-        const __mmask16 lanes = left >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << left) - 1u);
+        const __mmask16 lanes = first_lanes(left);
         const __m512 b = bias ? _mm512_castsi512_ps(_mm512_slli_epi32(
                                     _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(lanes, bias + column)), 16))
                               : _mm512_setzero_ps();

@@ -33,6 +33,13 @@ static inline __m512bh load32(const uint16_t *p, int64_t left) {
 }
 #endif
 
+#ifdef LLAMARL_AVX512_BF16
+/* The first min(left, 16) of 16 lanes (a row's last partial vector; left >= 0). */
+static inline __mmask16 first_lanes(int64_t left) {
+    return left >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << left) - 1u);
+}
+#endif
+
 static inline float bf16_round(float f) { return bf16_to_f32(f32_to_bf16(f)); }
 
 #ifdef LLAMARL_AVX512_BF16
