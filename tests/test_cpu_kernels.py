@@ -147,11 +147,14 @@ def test_the_amx_gemm_is_the_avx512_gemm_on_tiles(rows, in_features, out_feature
     b = randn(out_features, seed=20) if bias else None
     packed = cpu_kernels.pack(weight)
     outs = {}
-    for name in ("llamarl_gemm_amx_bf16", "llamarl_gemm_bf16"):
-        outs[name] = torch.full((rows, out_features), float("nan"), dtype=BF16)
+    for name, threads in (("llamarl_gemm_amx_bf16", 1), ("llamarl_gemm_bf16", 1), ("llamarl_gemm_amx_bf16", 3)):
+        outs[name, threads] = torch.full((rows, out_features), float("nan"), dtype=BF16)
         status = getattr(library, name)(x.data_ptr(), packed.data.data_ptr(), 0 if b is None else b.data_ptr(),
-                                        outs[name].data_ptr(), rows, out_features, in_features)
+                                        outs[name, threads].data_ptr(), rows, out_features, in_features, threads)
         assert status == 0, (name, status)
+    outs = {name: out for (name, threads), out in outs.items() if threads == 1} | {"3 threads": outs[
+        "llamarl_gemm_amx_bf16", 3]}
+    assert torch.equal(outs["3 threads"], outs["llamarl_gemm_amx_bf16"])  # panels split, sums unchanged
     exact = x.double() @ weight.double().T + (0 if b is None else b.double())
     amx = outs["llamarl_gemm_amx_bf16"]
     torch.testing.assert_close(amx.double(), exact.to(BF16).double(), rtol=8e-3, atol=1e-6 * in_features)
@@ -240,15 +243,19 @@ def test_decode_steps_through_the_helpers_match_the_pytorch_steps(family, monkey
         calls.clear()
 
 
-def test_with_more_threads_the_helpers_run_only_small_batches(monkeypatch):
+def test_with_more_threads_the_helpers_run_only_small_batches_unless_threaded(monkeypatch):
     model = build_family("llama-tied").to(BF16)
     decoder = FusedDecoder(model)
     calls = []
     monkeypatch.setattr(FusedDecoder, "_step_native", lambda self, state, tokens, **k: calls.append(len(tokens)))
     threads = torch.get_num_threads()
     try:
-        for num_threads, rows, native in ((2, cpu_kernels.THREADED_ROWS, True), (2, cpu_kernels.THREADED_ROWS + 1, False),
-                                          (1, cpu_kernels.THREADED_ROWS + 1, True)):
+        # A library without OpenMP runs on one thread: with two, only up to THREADED_ROWS rows; built
+        # with it (the kernels split their work), any row count.
+        for split, num_threads, rows, native in (
+                (False, 2, cpu_kernels.THREADED_ROWS, True), (False, 2, cpu_kernels.THREADED_ROWS + 1, False),
+                (False, 1, cpu_kernels.THREADED_ROWS + 1, True), (True, 2, 64, True)):
+            monkeypatch.setattr(cpu_kernels, "threaded", lambda split=split: split)
             torch.set_num_threads(num_threads)
             calls.clear()
             state = decoder.new_state(capacity=rows, like=model.model.embed_tokens.weight)
@@ -291,15 +298,19 @@ def test_projections_take_the_gemm_on_one_thread_or_for_few_rows(monkeypatch):
     has_gemm = cpu_kernels.cpu_has_avx512_bf16()
     no_amx, amx = frozenset({"avx512_bf16"}), frozenset({"avx512_bf16", "amx_bf16"})
     try:
-        # One thread: any row count (with the AMX GEMM on an AMX CPU), but on an AMX CPU whose
-        # library lacks the AMX GEMM (where oneDNN's matmul runs on the tiles) only up to
-        # GEMM_AMX_ROWS; more threads: up to GEMM_THREADED_ROWS.
-        for flags, amx_gemm, num_threads, rows, used in (
-                (no_amx, False, 1, 64, True), (amx, True, 1, 64, True),
-                (amx, False, 1, cpu_kernels.GEMM_AMX_ROWS, True), (amx, False, 1, cpu_kernels.GEMM_AMX_ROWS + 1, False),
-                (no_amx, False, 2, cpu_kernels.GEMM_THREADED_ROWS, True),
-                (amx, True, 2, cpu_kernels.GEMM_THREADED_ROWS + 1, False)):
+        # One thread, or more with a library built with OpenMP: any row count (with the AMX GEMM on
+        # an AMX CPU), but on an AMX CPU whose library lacks the AMX GEMM (where oneDNN's matmul
+        # runs on the tiles) only up to GEMM_AMX_ROWS; more threads without OpenMP: up to
+        # GEMM_THREADED_ROWS.
+        for flags, amx_gemm, split, num_threads, rows, used in (
+                (no_amx, False, False, 1, 64, True), (amx, True, False, 1, 64, True),
+                (amx, False, False, 1, cpu_kernels.GEMM_AMX_ROWS, True),
+                (amx, False, True, 2, cpu_kernels.GEMM_AMX_ROWS + 1, False),
+                (no_amx, False, False, 2, cpu_kernels.GEMM_THREADED_ROWS, True),
+                (amx, True, False, 2, cpu_kernels.GEMM_THREADED_ROWS + 1, False),
+                (amx, True, True, 2, 64, True), (no_amx, False, True, 2, 64, True)):
             monkeypatch.setattr(cpu_kernels, "cpu_flags", lambda flags=flags: flags)
+            monkeypatch.setattr(cpu_kernels, "threaded", lambda split=split: split)
             # The dispatch only: linear runs whichever GEMM the library here has.
             monkeypatch.setattr(cpu_kernels, "amx_available", lambda amx_gemm=amx_gemm: amx_gemm)
             torch.set_num_threads(num_threads)
@@ -380,9 +391,72 @@ def test_without_the_amx_build_the_avx512_kernels_still_run(monkeypatch, caplog)
     with caplog.at_level("WARNING", logger="llamarl.engines.cpu_kernels"):
         library = cpu_kernels._library.__wrapped__()
     assert library is not None and not library.amx_ready
-    assert "the AMX GEMM is not built" in caplog.text and "-mamx-bf16" in caplog.text
+    assert "built without the AMX GEMM (" in caplog.text and "-mamx-bf16" in caplog.text
     monkeypatch.setattr(cpu_kernels, "_library", lambda: library)
     assert not cpu_kernels.amx_available() and cpu_kernels.gemm_max_rows(1) == cpu_kernels.GEMM_AMX_ROWS
+
+
+def test_without_openmp_the_kernels_run_on_the_calling_thread(monkeypatch, caplog):
+    """A compiler without OpenMP: the library is built again without it (logged); it ignores the
+    thread counts, and the decoder keeps PyTorch's ops above THREADED_ROWS rows on more threads."""
+    build = cpu_kernels.build
+
+    def no_openmp(*, avx512_bf16, amx=False, openmp=True, **kwargs):
+        if openmp:
+            raise RuntimeError("cc failed on bf16_decode.c: unrecognized command-line option '-fopenmp'")
+        return build(avx512_bf16=avx512_bf16, amx=amx, openmp=False, **kwargs)
+
+    monkeypatch.setattr(cpu_kernels, "build", no_openmp)
+    with caplog.at_level("WARNING", logger="llamarl.engines.cpu_kernels"):
+        library = cpu_kernels._library.__wrapped__()
+    assert library is not None and not library.threaded and library.llamarl_parallel_width(4) == 1
+    assert "built without OpenMP threads (" in caplog.text and "-fopenmp" in caplog.text
+    assert library.amx_ready == cpu_kernels.amx_available()  # only OpenMP was dropped
+    monkeypatch.setattr(cpu_kernels, "_library", lambda: library)
+    assert cpu_kernels.helpers_max_rows(2) == cpu_kernels.THREADED_ROWS and cpu_kernels.helpers_max_rows(1) is None
+    x, weight = randn(5, 64, seed=30), randn(40, 64, seed=31)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(3)
+        out = cpu_kernels.linear(x, cpu_kernels.pack(weight)) if cpu_kernels.gemm_available() else None
+    finally:
+        torch.set_num_threads(threads)
+    if out is not None:
+        torch.testing.assert_close(out, torch.nn.functional.linear(x, weight))
+
+
+@pytest.mark.skipif(not cpu_kernels.threaded(), reason="the library was built without OpenMP (no compiler support)")
+def test_the_kernels_split_across_threads_and_compute_the_same_bits():
+    """Each kernel on 1 and on 3 threads (an uneven split, over 2 cores): the same bits, since the
+    split is over outputs and rows, never inside a sum; and a region asking for 3 threads gets 3."""
+    library = cpu_kernels._library()
+    assert library.llamarl_parallel_width(3) == 3 and library.llamarl_parallel_width(1) == 1
+    rows, dim, heads, kv_heads, head_dim, width = 7, 640, 6, 2, 16, 12  # 7 x 640 norms: over PARALLEL_ELEMENTS
+    qkv = randn(rows, (heads + 2 * kv_heads) * head_dim, seed=40)
+    cos, sin = randn(rows, head_dim, seed=41), randn(rows, head_dim, seed=42)
+    positions = torch.tensor([0, 3, 11, 5, 2, 7, 1])
+    hidden, delta, norm = randn(rows, dim, seed=43), randn(rows, dim, seed=44), randn(dim, seed=45)
+    gate_up, logits = randn(rows, 2 * 700, seed=46), randn(rows, 1000, seed=47)
+    weight = cpu_kernels.pack(randn(130, dim, seed=48))
+    results = {}
+    threads = torch.get_num_threads()
+    try:
+        for num_threads in (1, 3):
+            torch.set_num_threads(num_threads)
+            keys = randn(rows, kv_heads, width, head_dim, seed=49)
+            values = randn(rows, kv_heads, width, head_dim, seed=50)
+            h = hidden.clone()
+            results[num_threads] = [
+                cpu_kernels.attention(qkv, cos=cos, sin=sin, keys=keys, values=values, positions=positions,
+                                      num_heads=heads, scaling=0.25), keys, values,
+                cpu_kernels.add_rmsnorm(h, delta, norm, eps=1e-5), h, cpu_kernels.rmsnorm(hidden, norm, eps=1e-5),
+                cpu_kernels.silu_mul(gate_up), cpu_kernels.softmax(logits)]
+            if cpu_kernels.gemm_available():
+                results[num_threads].append(cpu_kernels.linear(randn(rows, dim, seed=51), weight))
+    finally:
+        torch.set_num_threads(threads)
+    for one, three in zip(results[1], results[3], strict=True):
+        assert torch.equal(one, three)
 
 
 def test_the_softmax_is_pytorchs_to_float_rounding():

@@ -14,8 +14,9 @@ a step (269 MB over 30 distinct layers, so the weights come from memory, not cac
 at one row) 37.5 / 33.4 / 92.9 ms at 1 / 16 / 64 rows, this GEMM 13.1 / 27.7 / 85.0 (reading the
 bytes alone: 10-11 ms; the core's VDPBF16PS peak, 234 GFLOPS, is 18.4 ms at 16 rows). With two
 threads oneDNN splits the work and is faster from three rows (2 threads, 1 / 2 / 3 / 4 rows: oneDNN
-15.0 / 14.9 / 13.8 / 12.6 ms, this GEMM 13.8 / 14.4 / 15.5 / 15.2), so there the GEMM runs for at
-most ``GEMM_THREADED_ROWS`` rows. The layer helpers replace the ops around the linears:
+15.0 / 14.9 / 13.8 / 12.6 ms, this GEMM 13.8 / 14.4 / 15.5 / 15.2, single-threaded then), so a
+library built without OpenMP runs the GEMM there for at most ``GEMM_THREADED_ROWS`` rows. The
+layer helpers replace the ops around the linears:
 RMSNorm (with the residual add before it), RoPE + the KV-cache write + grouped-query attention
 over each row's valid columns only, and SwiGLU's ``silu(gate) * up``.
 
@@ -24,9 +25,18 @@ between, so the outputs equal theirs up to the order of fp32 sums (the last bf16
 ``tests/test_cpu_kernels.py`` checks each against the PyTorch ops it replaces). fp32 models never
 use them (the PyTorch path reproduces HF's tokens exactly there).
 
-When: bf16 weights on the CPU (the kernels are single-threaded: with more than one intra-op
-thread the layer helpers run only up to ``THREADED_ROWS`` rows, above which PyTorch's ops split the
-work across the threads); a C compiler (``$CC``, else ``cc`` / ``gcc``); not
+Threads: built with OpenMP (``-fopenmp``; ``threaded()``), each kernel splits its work across
+PyTorch's intra-op threads (``torch.get_num_threads()``, read per call): the GEMMs by panels of
+outputs (each thread reads its own share of the weights, so two cores read them at twice one's
+bandwidth), attention by (row, KV head), the norms, SwiGLU and the softmax by rows. The split never
+changes a sum's order: outputs are bitwise the same on any thread count (tested). The library links
+``libgomp.so.1``, which PyTorch (CPU wheels, ATen's OpenMP backend) has loaded already, so the
+kernels and PyTorch's ops share one pool of threads. A compiler without OpenMP gives a library that
+runs on the calling thread; with more than one intra-op thread the layer helpers then run only up
+to ``THREADED_ROWS`` rows and the GEMM up to ``GEMM_THREADED_ROWS`` (PyTorch's ops split the work
+above them).
+
+When: bf16 weights on the CPU; a C compiler (``$CC``, else ``cc`` / ``gcc``); not
 ``LLAMARL_CPU_KERNELS=0``. The GEMM additionally needs the CPU's ``avx512_bf16`` flag (Linux x86-64;
 the library is built with it where the CPU has it, without it elsewhere). The source is compiled
 once per machine into ``$LLAMARL_CACHE_DIR`` (default ``$XDG_CACHE_HOME/llamarl`` or
@@ -55,8 +65,10 @@ import torch
 log = logging.getLogger("llamarl.engines.cpu_kernels")
 
 GEMM_THREADED_ROWS = 2
-"""With more than one intra-op thread, rows up to which ``linear`` (single-threaded) still runs:
-above them oneDNN's matmul splits the work across the threads (module docstring)."""
+"""With more than one intra-op thread and a library built without OpenMP (``threaded()`` False),
+rows up to which ``linear`` (then single-threaded) still runs: above them oneDNN's matmul splits the
+work across the threads (module docstring). Built with OpenMP, ``linear`` splits it too and runs at
+any row count."""
 
 GEMM_AMX_ROWS = 4
 """On one thread of a CPU with AMX whose library was built without the AMX GEMM (a compiler without
@@ -67,10 +79,13 @@ GEMM still runs: SmolLM2-135M, all linears of a step, oneDNN (AMX) / that GEMM a
 (``csrc/amx_gemm.c``) ``linear`` runs at any row count there."""
 
 THREADED_ROWS = 16
-"""With more than one intra-op thread, rows up to which ``FusedDecoder`` still runs its layers
-through the (single-threaded) helpers: SmolLM2-135M on two threads, ms per step with / without
-them: 17.3 / 29.3 at 1 row, 19.2 / 28.8 at 4, 28.9 / 38.7 at 16, but 97.7 / 77.6 at 64, where
-PyTorch's ops use both cores. On one thread they run at any row count (faster at 1 to 64 rows)."""
+"""With more than one intra-op thread and a library built without OpenMP, rows up to which
+``FusedDecoder`` still runs its layers through the (then single-threaded) helpers: SmolLM2-135M on
+two threads, ms per step with / without them: 17.3 / 29.3 at 1 row, 19.2 / 28.8 at 4, 28.9 / 38.7
+at 16, but 97.7 / 77.6 at 64, where PyTorch's ops use both cores. On one thread, or built with
+OpenMP (``threaded()``: the kernels split their work across the threads), they run at any row count
+(two threads, Intel Xeon with AMX, ms per step at 1 / 4 / 16 / 64 rows: 15.8 / 26.3 / 29.2 / 77.3
+with the limits, 17.0 / 19.3 / 21.5 / 34.7 threaded without them)."""
 
 _SOURCE = Path(__file__).with_name("csrc") / "bf16_decode.c"
 _SOURCES = (_SOURCE, _SOURCE.with_name("amx_gemm.c"), _SOURCE.with_name("softmax.c"))
@@ -78,19 +93,22 @@ _HEADER = _SOURCE.with_name("bf16_math.h")
 _FLAGS = ["-O3", "-shared", "-fPIC", "-fno-math-errno", "-fassociative-math", "-fno-signed-zeros", "-fno-trapping-math"]
 _AVX512_BF16_FLAGS = ["-DLLAMARL_AVX512_BF16", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16"]
 _AMX_FLAGS = ["-DLLAMARL_AMX", "-mamx-tile", "-mamx-bf16"]
-_P, _I64, _F32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
+_OPENMP_FLAGS = ["-fopenmp"]
+_P, _I64, _F32, _INT = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float, ctypes.c_int
 _SIGNATURES = {
     "llamarl_pack_bf16": ([_P] * 2 + [_I64] * 2, None),
-    "llamarl_gemm_bf16": ([_P] * 4 + [_I64] * 3, ctypes.c_int),
-    "llamarl_has_gemm": ([], ctypes.c_int),
-    "llamarl_gemm_amx_bf16": ([_P] * 4 + [_I64] * 3, ctypes.c_int),
-    "llamarl_has_amx": ([], ctypes.c_int),
-    "llamarl_amx_init": ([], ctypes.c_int),
-    "llamarl_softmax_bf16": ([_P] * 2 + [_I64] * 2, None),
-    "llamarl_rmsnorm_bf16": ([_P] * 3 + [_I64] * 2 + [_F32], None),
-    "llamarl_add_rmsnorm_bf16": ([_P] * 4 + [_I64] * 2 + [_F32], None),
-    "llamarl_silu_mul_bf16": ([_P] * 2 + [_I64] * 2, None),
-    "llamarl_attention_bf16": ([_P] * 8 + [_I64] * 5 + [_F32], ctypes.c_int),
+    "llamarl_gemm_bf16": ([_P] * 4 + [_I64] * 3 + [_INT], _INT),
+    "llamarl_has_gemm": ([], _INT),
+    "llamarl_gemm_amx_bf16": ([_P] * 4 + [_I64] * 3 + [_INT], _INT),
+    "llamarl_has_amx": ([], _INT),
+    "llamarl_amx_init": ([], _INT),
+    "llamarl_has_openmp": ([], _INT),
+    "llamarl_parallel_width": ([_INT], _INT),
+    "llamarl_softmax_bf16": ([_P] * 2 + [_I64] * 2 + [_INT], None),
+    "llamarl_rmsnorm_bf16": ([_P] * 3 + [_I64] * 2 + [_F32, _INT], None),
+    "llamarl_add_rmsnorm_bf16": ([_P] * 4 + [_I64] * 2 + [_F32, _INT], None),
+    "llamarl_silu_mul_bf16": ([_P] * 2 + [_I64] * 2 + [_INT], None),
+    "llamarl_attention_bf16": ([_P] * 8 + [_I64] * 5 + [_F32, _INT], _INT),
 }
 
 
@@ -116,15 +134,22 @@ def cpu_has_avx512_bf16() -> bool:
 
 def gemm_max_rows(num_threads: int) -> int | None:
     """The most rows ``linear`` should run on ``num_threads`` intra-op threads (None: any), where
-    oneDNN's matmul is not faster. More than one thread: ``GEMM_THREADED_ROWS`` (``linear`` is
-    single-threaded, oneDNN splits the work). One thread: any row count, with the AMX GEMM where the
-    CPU has AMX (``amx_bf16``: Intel Xeon 4th generation and later) and the AVX512-BF16 one elsewhere
-    (AMD Zen 4: faster than oneDNN at 1 to 64 rows); but on an AMX CPU whose library lacks the AMX
-    GEMM, ``GEMM_AMX_ROWS``, since oneDNN's matmul runs on the tiles there (1,157 GFLOPS on one core
-    against VDPBF16PS's ~150-230)."""
-    if num_threads > 1:
+    oneDNN's matmul is not faster. More than one thread with a library built without OpenMP:
+    ``GEMM_THREADED_ROWS`` (``linear`` is then single-threaded, oneDNN splits the work). Otherwise
+    any row count, with the AMX GEMM where the CPU has AMX (``amx_bf16``: Intel Xeon 4th generation
+    and later) and the AVX512-BF16 one elsewhere (AMD Zen 4: faster than oneDNN at 1 to 64 rows);
+    but on an AMX CPU whose library lacks the AMX GEMM, ``GEMM_AMX_ROWS``, since oneDNN's matmul
+    runs on the tiles there (1,157 GFLOPS on one core against VDPBF16PS's ~150-230)."""
+    if num_threads > 1 and not threaded():
         return GEMM_THREADED_ROWS
     return GEMM_AMX_ROWS if "amx_bf16" in cpu_flags() and not amx_available() else None
+
+
+def helpers_max_rows(num_threads: int) -> int | None:
+    """The most rows ``FusedDecoder`` should run through the layer helpers on ``num_threads``
+    intra-op threads (None: any): ``THREADED_ROWS`` with more than one thread when the library runs
+    on the calling thread only (built without OpenMP), else any."""
+    return THREADED_ROWS if num_threads > 1 and not threaded() else None
 
 
 def _cache_dir() -> Path:
@@ -133,18 +158,19 @@ def _cache_dir() -> Path:
     return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "llamarl"
 
 
-def build(*, avx512_bf16: bool, amx: bool = False, cache_dir: Path | None = None,
+def build(*, avx512_bf16: bool, amx: bool = False, openmp: bool = True, cache_dir: Path | None = None,
           compiler: str | None = None) -> Path:
     """Compile ``csrc/bf16_decode.c``, ``amx_gemm.c`` and ``softmax.c`` (with the AVX512-BF16 GEMM and vector
-    paths when ``avx512_bf16``, and the AMX GEMM when ``amx`` too) once per source, flags and
-    compiler, and return the shared library's path; raise ``RuntimeError`` naming the compiler and
-    its first error line when it cannot."""
+    paths when ``avx512_bf16``, the AMX GEMM when ``amx`` too, and the kernels split across threads
+    when ``openmp``) once per source, flags and compiler, and return the shared library's path; raise
+    ``RuntimeError`` naming the compiler and its first error line when it cannot."""
     compiler = compiler or os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
     if compiler is None:
         raise RuntimeError("no C compiler found ($CC, cc, gcc)")
     if amx and not avx512_bf16:
         raise ValueError("cpu_kernels.build: the AMX GEMM needs the AVX512-BF16 build (avx512_bf16=True)")
-    flags = _FLAGS + (_AVX512_BF16_FLAGS if avx512_bf16 else []) + (_AMX_FLAGS if amx else [])
+    flags = (_FLAGS + (_AVX512_BF16_FLAGS if avx512_bf16 else []) + (_AMX_FLAGS if amx else [])
+             + (_OPENMP_FLAGS if openmp else []))
     sources = b"".join(path.read_bytes() for path in (*_SOURCES, _HEADER))
     key = hashlib.sha256(sources + " ".join([compiler, *flags]).encode()).hexdigest()[:16]
     target = (cache_dir or _cache_dir()) / f"bf16_decode-{key}.so"
@@ -176,16 +202,24 @@ def _library() -> ctypes.CDLL | None:
     if os.environ.get("LLAMARL_CPU_KERNELS", "1") == "0":
         return None
     avx512_bf16 = cpu_has_avx512_bf16()
-    if avx512_bf16 and "amx_bf16" in cpu_flags():
+    # The most capable build this CPU and compiler allow: without OpenMP (a compiler lacking it) the
+    # kernels run on the calling thread; without AMX (an older compiler) the AVX512-BF16 GEMM runs.
+    candidates = [(amx, openmp) for amx in ((True, False) if avx512_bf16 and "amx_bf16" in cpu_flags() else (False,))
+                  for openmp in (True, False)]
+    errors = []
+    for amx, openmp in candidates:
         try:
-            return load(build(avx512_bf16=True, amx=True))
-        except (OSError, RuntimeError) as error:  # an older compiler: the rest still runs
-            log.warning("the AMX GEMM is not built (%s); the AVX512-BF16 kernels run", error)
-    try:
-        return load(build(avx512_bf16=avx512_bf16))
-    except (OSError, RuntimeError) as error:
-        log.warning("the bf16 CPU decode kernels are not used (%s); PyTorch ops run the decode steps", error)
-        return None
+            library = load(build(avx512_bf16=avx512_bf16, amx=amx, openmp=openmp))
+        except (OSError, RuntimeError) as error:
+            errors.append(str(error))
+            continue
+        if errors:
+            missing = [what for what, lacks in (("the AMX GEMM", candidates[0][0] and not amx),
+                                                ("OpenMP threads", not openmp)) if lacks]
+            log.warning("the bf16 CPU kernels are built without %s (%s)", " and ".join(missing), errors[0])
+        return library
+    log.warning("the bf16 CPU decode kernels are not used (%s); PyTorch ops run the decode steps", errors[-1])
+    return None
 
 
 def load(path: Path) -> ctypes.CDLL:
@@ -196,6 +230,7 @@ def load(path: Path) -> ctypes.CDLL:
         function.argtypes, function.restype = argtypes, restype
     # The tile state is granted per process (arch_prctl): asked once per load, before any tile use.
     library.amx_ready = library.llamarl_has_amx() == 1 and library.llamarl_amx_init() == 0
+    library.threaded = library.llamarl_has_openmp() == 1
     return library
 
 
@@ -227,11 +262,24 @@ def _checked(name: str, t: torch.Tensor, shape: tuple[int, ...], dtype: torch.dt
     return t.data_ptr()
 
 
+def threaded() -> bool:
+    """True when the kernels split their work across PyTorch's intra-op threads (built with OpenMP:
+    the same libgomp as PyTorch's, so the same pool); False when they run on the calling thread."""
+    library = _library()
+    return library is not None and library.threaded
+
+
 def _need() -> ctypes.CDLL:
     library = _library()
     if library is None:
         raise RuntimeError("the bf16 CPU decode kernels are not available here (cpu_kernels.available())")
     return library
+
+
+def _threads() -> int:
+    """The threads a kernel may use: PyTorch's intra-op count, asked per call (a caller may change it,
+    and each Python thread has its own)."""
+    return torch.get_num_threads()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -277,7 +325,8 @@ def _output(out: torch.Tensor | None, shape: tuple[int, ...], like: torch.Tensor
 def linear(x: torch.Tensor, weight: PackedWeight, bias: torch.Tensor | None = None, *,
            out: torch.Tensor | None = None) -> torch.Tensor:
     """``bf16(x @ w.T + bias)`` for ``x`` ``[rows, in]``, the weight ``w`` ``[out, in]`` packed by
-    ``pack``, ``bias`` ``[out]`` (bf16, contiguous, CPU); a new ``[rows, out]``. Single-threaded; on
+    ``pack``, ``bias`` ``[out]`` (bf16, contiguous, CPU); a new ``[rows, out]``. On PyTorch's intra-op
+    threads where ``threaded()`` (module docstring); on
     the AMX tiles where ``amx_available()``, else with AVX512-BF16 (the same sums in another order).
     ``out``: written and returned instead of a new tensor (``_output``)."""
     library = _need()
@@ -288,7 +337,8 @@ def linear(x: torch.Tensor, weight: PackedWeight, bias: torch.Tensor | None = No
     pointer = _checked("x", x, (rows, weight.in_features))
     out = _output(out, (rows, weight.out_features), x)
     gemm = library.llamarl_gemm_amx_bf16 if library.amx_ready else library.llamarl_gemm_bf16
-    status = gemm(pointer, weight.data.data_ptr(), b, out.data_ptr(), rows, weight.out_features, weight.in_features)
+    status = gemm(pointer, weight.data.data_ptr(), b, out.data_ptr(), rows, weight.out_features, weight.in_features,
+                  _threads())
     if status == 4:
         raise MemoryError(f"cpu_kernels.linear: no memory to pad {rows} rows of {weight.in_features} columns")
     if status == 2:  # the library was built without it (checked here, not by a call per linear)
@@ -303,7 +353,7 @@ def rmsnorm(x: torch.Tensor, weight: torch.Tensor, *, eps: float) -> torch.Tenso
     rows, dim = x.shape
     out = torch.empty_like(x)
     library.llamarl_rmsnorm_bf16(_checked("x", x, (rows, dim)), _checked("norm weight", weight, (dim,)),
-                                 out.data_ptr(), rows, dim, eps)
+                                 out.data_ptr(), rows, dim, eps, _threads())
     return out
 
 
@@ -315,7 +365,8 @@ def add_rmsnorm(hidden: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor,
     rows, dim = hidden.shape
     out = _output(out, (rows, dim), hidden)
     library.llamarl_add_rmsnorm_bf16(_checked("hidden", hidden, (rows, dim)), _checked("delta", delta, (rows, dim)),
-                                     _checked("norm weight", weight, (dim,)), out.data_ptr(), rows, dim, eps)
+                                     _checked("norm weight", weight, (dim,)), out.data_ptr(), rows, dim, eps,
+                                     _threads())
     return out
 
 
@@ -326,7 +377,7 @@ def silu_mul(gate_up: torch.Tensor, *, out: torch.Tensor | None = None) -> torch
     rows, double = gate_up.shape
     out = _output(out, (rows, double // 2), gate_up)
     library.llamarl_silu_mul_bf16(_checked("gate_up", gate_up, (rows, 2 * (double // 2))), out.data_ptr(), rows,
-                                  double // 2)
+                                  double // 2, _threads())
     return out
 
 
@@ -350,10 +401,11 @@ def attention(qkv: torch.Tensor, *, cos: torch.Tensor, sin: torch.Tensor, keys: 
                 _checked("values", values, (capacity, num_kv_heads, width, head_dim)),
                 _checked("positions", positions, (rows,), torch.int64)]
     out = _output(out, (rows, num_heads * head_dim), qkv)
-    groups = num_heads // num_kv_heads
-    scratch = torch.empty(groups * (width + 2 * head_dim) + head_dim, dtype=torch.float32, device=qkv.device)
+    groups, threads = num_heads // num_kv_heads, _threads()
+    scratch = torch.empty(threads * (groups * (width + 2 * head_dim) + head_dim), dtype=torch.float32,
+                          device=qkv.device)
     status = library.llamarl_attention_bf16(*pointers, out.data_ptr(), scratch.data_ptr(), rows, num_heads,
-                                            num_kv_heads, head_dim, width, scaling)
+                                            num_kv_heads, head_dim, width, scaling, threads)
     if status != 0:
         raise ValueError(f"cpu_kernels.attention: a position in {positions.tolist()} is outside the cache's "
                          f"{width} columns")
@@ -363,10 +415,11 @@ def attention(qkv: torch.Tensor, *, cos: torch.Tensor, sin: torch.Tensor, keys: 
 def softmax(logits: torch.Tensor, *, out: torch.Tensor | None = None) -> torch.Tensor:
     """``torch.softmax(logits, -1, dtype=torch.float32)`` for bf16 ``logits`` ``[rows, vocab]``
     (``csrc/softmax.c``: within ~2e-6 relative; a -inf logit gets exactly 0), written into ``out``
-    (fp32, contiguous, ``[rows, vocab]``) when given, else into a new tensor. Single-threaded."""
+    (fp32, contiguous, ``[rows, vocab]``) when given, else into a new tensor; rows split across
+    PyTorch's intra-op threads where ``threaded()``."""
     library = _need()
     rows, vocab = logits.shape if logits.dim() == 2 else (-1, -1)
     pointer = _checked("logits", logits, (rows, vocab))
     out = _output(out, (rows, vocab), logits, torch.float32)
-    library.llamarl_softmax_bf16(pointer, out.data_ptr(), rows, vocab)
+    library.llamarl_softmax_bf16(pointer, out.data_ptr(), rows, vocab, _threads())
     return out

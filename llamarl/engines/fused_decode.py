@@ -31,11 +31,11 @@ turns it off):
   a softmax, as HF's eager attention computes it (SDPA's CPU kernel spends ~1 ms per layer on a
   single row).
 
-* **C kernels in bf16** (``cpu_kernels``; single-threaded, so they run on one intra-op thread,
-  or up to ``cpu_kernels.THREADED_ROWS`` rows with more threads): each layer is eight calls (the
-  four projections; attention with RoPE and the cache write over each row's own columns; the
-  residual adds fused with the next RMSNorm; SwiGLU), the projections through an AVX512-BF16 GEMM
-  where the CPU has it (with more threads, up to ``cpu_kernels.GEMM_THREADED_ROWS`` rows). A
+* **C kernels in bf16** (``cpu_kernels``; on PyTorch's intra-op threads where built with OpenMP,
+  else on one thread, and then with more intra-op threads only up to ``cpu_kernels.THREADED_ROWS``
+  rows): each layer is eight calls (the four projections; attention with RoPE and the cache write
+  over each row's own columns; the residual adds fused with the next RMSNorm; SwiGLU), the
+  projections through an AMX or AVX512-BF16 GEMM where the CPU has it (``gemm_max_rows``). A
   1-row step of SmolLM2-135M: 31.0 -> 16 ms; 16 rows: 73.6 -> 38 ms. They round where HF's bf16
   modules round, so their outputs are HF's up to the order of fp32 sums; fp32 models keep the
   PyTorch ops below.
@@ -64,8 +64,8 @@ def _mkldnn_ready(weight: torch.Tensor) -> bool:
 
 class _Linear:
     """One fused projection: its weight (and bias); in bf16 on a CPU with AVX512-BF16, packed for
-    ``cpu_kernels.linear`` (faster than oneDNN at 1 to 64 rows on one thread; with more threads it
-    runs up to ``cpu_kernels.GEMM_THREADED_ROWS`` rows), otherwise pre-packed for oneDNN on its
+    ``cpu_kernels.linear`` (faster than oneDNN at 1 to 64 rows; up to ``cpu_kernels.gemm_max_rows``),
+    otherwise pre-packed for oneDNN on its
     first call (which reads the weights far faster than the plain layout at a few rows)."""
 
     def __init__(self, weights: list[torch.Tensor], biases: list[torch.Tensor | None]) -> None:
@@ -186,7 +186,8 @@ class FusedDecoder:
         (``_LOGITS_KEPT``): read them before stepping again, or pass ``fresh_logits`` for a step
         whose logits must outlive another's (``TorchEngine._admit``'s step of kept caches, taken
         while the batch's own logits wait to be sampled) or must not overwrite them."""
-        if self._native and (tokens.shape[0] <= cpu_kernels.THREADED_ROWS or torch.get_num_threads() == 1):
+        most = cpu_kernels.helpers_max_rows(torch.get_num_threads()) if self._native else None
+        if self._native and (most is None or tokens.shape[0] <= most):
             return self._step_native(state, tokens, fresh_logits=fresh_logits)
         model = self.model
         rows = tokens.shape[0]

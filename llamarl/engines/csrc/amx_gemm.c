@@ -68,7 +68,7 @@ static void store_block(const float *acc, const uint16_t *x, const uint16_t *pan
 
 /* Returns 0; 4 when the row padding could not be allocated (nothing written). */
 int llamarl_gemm_amx_bf16(const uint16_t *x, const uint16_t *packed, const uint16_t *bias, uint16_t *y, int64_t m,
-                          int64_t n, int64_t k) {
+                          int64_t n, int64_t k, int threads) {
     const int64_t pairs = (k + 1) / 2, panels = (n + 15) / 16, blocks = k / 32, padded = (m + 15) / 16 * 16;
     const uint16_t *a = x;
     if (padded != m && blocks > 0) {
@@ -89,46 +89,52 @@ int llamarl_gemm_amx_bf16(const uint16_t *x, const uint16_t *packed, const uint1
         config.colsb[t] = 64;
         config.rows[t] = 16;
     }
-    _tile_loadconfig(&config);
-    float acc[2][2][256] __attribute__((aligned(64)));
-    const int64_t stride = k * (int64_t)sizeof(uint16_t);
-    for (int64_t p = 0; p < panels; p += 2) {
-        const int both = p + 1 < panels;
-        const uint16_t *b0 = packed + p * pairs * 32, *b1 = b0 + pairs * 32;
-        for (int64_t i = 0; i < padded; i += 32) { /* the first pass streams b0/b1; later ones hit L2 */
-            const int two = i + 16 < padded;
-            const uint16_t *a0 = a + i * k, *a1 = a0 + 16 * k;
-            _tile_zero(0);
-            _tile_zero(1);
-            _tile_zero(2);
-            _tile_zero(3);
-            for (int64_t blk = 0; blk < blocks; blk++) {
-                _tile_loadd(4, a0 + blk * 32, stride);
-                _tile_loadd(6, b0 + blk * 512, 64);
-                _tile_dpbf16ps(0, 4, 6);
-                if (both) {
-                    _tile_loadd(7, b1 + blk * 512, 64);
-                    _tile_dpbf16ps(1, 4, 7);
+    const int64_t stride = k * (int64_t)sizeof(uint16_t), duos = (panels + 1) / 2;
+    /* pairs of panels split across the threads (each its own tiles: the configuration is per thread) */
+#pragma omp parallel num_threads(threads) if (threads > 1 && duos > 1)
+    {
+        _tile_loadconfig(&config);
+        float acc[2][2][256] __attribute__((aligned(64)));
+#pragma omp for schedule(static)
+        for (int64_t duo = 0; duo < duos; duo++) {
+            const int64_t p = 2 * duo;
+            const int both = p + 1 < panels;
+            const uint16_t *b0 = packed + p * pairs * 32, *b1 = b0 + pairs * 32;
+            for (int64_t i = 0; i < padded; i += 32) { /* the first pass streams b0/b1; later ones hit L2 */
+                const int two = i + 16 < padded;
+                const uint16_t *a0 = a + i * k, *a1 = a0 + 16 * k;
+                _tile_zero(0);
+                _tile_zero(1);
+                _tile_zero(2);
+                _tile_zero(3);
+                for (int64_t blk = 0; blk < blocks; blk++) {
+                    _tile_loadd(4, a0 + blk * 32, stride);
+                    _tile_loadd(6, b0 + blk * 512, 64);
+                    _tile_dpbf16ps(0, 4, 6);
+                    if (both) {
+                        _tile_loadd(7, b1 + blk * 512, 64);
+                        _tile_dpbf16ps(1, 4, 7);
+                    }
+                    if (two) {
+                        _tile_loadd(5, a1 + blk * 32, stride);
+                        _tile_dpbf16ps(2, 5, 6);
+                        if (both) _tile_dpbf16ps(3, 5, 7);
+                    }
                 }
+                _tile_stored(0, acc[0][0], 64);
+                if (both) _tile_stored(1, acc[0][1], 64);
                 if (two) {
-                    _tile_loadd(5, a1 + blk * 32, stride);
-                    _tile_dpbf16ps(2, 5, 6);
-                    if (both) _tile_dpbf16ps(3, 5, 7);
+                    _tile_stored(2, acc[1][0], 64);
+                    if (both) _tile_stored(3, acc[1][1], 64);
                 }
+                for (int mi = 0; mi <= two; mi++)
+                    for (int ni = 0; ni <= both; ni++)
+                        store_block(acc[mi][ni], x, ni ? b1 : b0, bias, y, m, n, k, i + 16 * mi, (p + ni) * 16,
+                                    blocks * 16);
             }
-            _tile_stored(0, acc[0][0], 64);
-            if (both) _tile_stored(1, acc[0][1], 64);
-            if (two) {
-                _tile_stored(2, acc[1][0], 64);
-                if (both) _tile_stored(3, acc[1][1], 64);
-            }
-            for (int mi = 0; mi <= two; mi++)
-                for (int ni = 0; ni <= both; ni++)
-                    store_block(acc[mi][ni], x, ni ? b1 : b0, bias, y, m, n, k, i + 16 * mi, (p + ni) * 16,
-                                blocks * 16);
         }
+        _tile_release();
     }
-    _tile_release();
     return 0;
 }
 #else
@@ -137,8 +143,8 @@ int llamarl_amx_init(void) { return 1; }
 int llamarl_has_amx(void) { return 0; }
 
 int llamarl_gemm_amx_bf16(const uint16_t *x, const uint16_t *packed, const uint16_t *bias, uint16_t *y, int64_t m,
-                          int64_t n, int64_t k) {
-    (void)x; (void)packed; (void)bias; (void)y; (void)m; (void)n; (void)k;
+                          int64_t n, int64_t k, int threads) {
+    (void)x; (void)packed; (void)bias; (void)y; (void)m; (void)n; (void)k; (void)threads;
     return 2;
 }
 #endif

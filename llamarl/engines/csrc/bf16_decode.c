@@ -18,6 +18,29 @@
 #endif
 #include "bf16_math.h"
 
+/* Elementwise kernels split their rows across the threads from this many elements (below, a
+ * fork and join of the pool costs more than the work). */
+#define PARALLEL_ELEMENTS 4096
+
+/* 1 when built with OpenMP (the `threads` arguments are used), else 0. */
+int llamarl_has_openmp(void) {
+#ifdef _OPENMP
+    return 1;
+#else
+    return 0;
+#endif
+}
+
+/* How many threads a kernel's parallel region asking for `threads` gets (1 without OpenMP). */
+int llamarl_parallel_width(int threads) {
+    int width = 1;
+#pragma omp parallel num_threads(threads) if (threads > 1)
+    {
+#pragma omp single
+        width = omp_threads();
+    }
+    return width;
+}
 
 /* HF's RMSNorm in bf16: h = fp32(x); n = bf16(h * rsqrt(mean(h^2) + eps)); y = bf16(w * n).
  * 16 lanes at a time where built with AVX512-BF16 (the sum of squares in another order; the
@@ -49,13 +72,16 @@ static void rmsnorm_row(const uint16_t *x, const uint16_t *w, uint16_t *y, int64
 }
 
 /* y[rows, dim] = RMSNorm(x) with weight w [dim]. */
-void llamarl_rmsnorm_bf16(const uint16_t *x, const uint16_t *w, uint16_t *y, int64_t rows, int64_t dim, float eps) {
+void llamarl_rmsnorm_bf16(const uint16_t *x, const uint16_t *w, uint16_t *y, int64_t rows, int64_t dim, float eps,
+                          int threads) {
+#pragma omp parallel for num_threads(threads) schedule(static) if (threads > 1 && rows * dim >= PARALLEL_ELEMENTS)
     for (int64_t r = 0; r < rows; r++) rmsnorm_row(x + r * dim, w, y + r * dim, dim, eps);
 }
 
 /* The residual add and the next norm: hidden = bf16(hidden + delta) in place, then y = RMSNorm(hidden). */
 void llamarl_add_rmsnorm_bf16(uint16_t *hidden, const uint16_t *delta, const uint16_t *w, uint16_t *y, int64_t rows,
-                              int64_t dim, float eps) {
+                              int64_t dim, float eps, int threads) {
+#pragma omp parallel for num_threads(threads) schedule(static) if (threads > 1 && rows * dim >= PARALLEL_ELEMENTS)
     for (int64_t r = 0; r < rows; r++) {
         uint16_t *h = hidden + r * dim;
         const uint16_t *d = delta + r * dim;
@@ -87,7 +113,8 @@ static inline __m512 sum16(const __m512 v[16]) {
 #endif
 
 /* SwiGLU: gate_up [rows, 2 * inter] = [gate | up]; y [rows, inter] = bf16(bf16(silu(gate)) * up). */
-void llamarl_silu_mul_bf16(const uint16_t *gate_up, uint16_t *y, int64_t rows, int64_t inter) {
+void llamarl_silu_mul_bf16(const uint16_t *gate_up, uint16_t *y, int64_t rows, int64_t inter, int threads) {
+#pragma omp parallel for num_threads(threads) schedule(static) if (threads > 1 && rows * inter >= PARALLEL_ELEMENTS)
     for (int64_t r = 0; r < rows; r++) {
         const uint16_t *g = gate_up + r * 2 * inter, *u = g + inter;
         int64_t c = 0;
@@ -174,6 +201,148 @@ static inline __attribute__((always_inline)) void weigh_values(const int G, cons
 }
 #endif
 
+/* One (row, KV head) of llamarl_attention_bf16: the token's key and value into the cache, then
+ * the attention of the KV head's query heads; `scratch` is this thread's own. */
+static void attend_head(const uint16_t *qkv, const uint16_t *cos, const uint16_t *sin, uint16_t *keys,
+                        uint16_t *values, const int64_t *positions, uint16_t *out, float *scratch, int64_t rows,
+                        int64_t heads, int64_t kv_heads, int64_t d, int64_t width, float scaling, int64_t r,
+                        int64_t h) {
+    const int64_t groups = heads / kv_heads, stride = (heads + 2 * kv_heads) * d, pos = positions[r];
+    float *scores = scratch, *q = scratch + groups * width, *acc = q + groups * d, *row_f = acc + groups * d;
+    const uint16_t *row = qkv + r * stride, *c = cos + r * d, *s = sin + r * d;
+    uint16_t *kh = keys + (r * kv_heads + h) * width * d, *vh = values + (r * kv_heads + h) * width * d;
+    /* Prefetch the next (row, KV head)'s cached keys and values while this one computes: each
+     * is a block of a few KB, width * d apart, too short for the hardware prefetcher to ramp
+     * up on (Intel Xeon, SmolLM2 shapes, 64 rows at position 60: 22.1 -> 16.9 ms a step). */
+    {
+        int64_t r2 = h + 1 < kv_heads ? r : r + 1, h2 = h + 1 < kv_heads ? h + 1 : 0;
+        if (r2 < rows && positions[r2] >= 0 && positions[r2] < width) {
+            const char *k2 = (const char *)(keys + (r2 * kv_heads + h2) * width * d);
+            const char *v2 = (const char *)(values + (r2 * kv_heads + h2) * width * d);
+            int64_t bytes = (positions[r2] + 1) * d * (int64_t)sizeof(uint16_t);
+            for (int64_t b = 0; b < bytes; b += 64) {
+                __builtin_prefetch(k2 + b, 0, 3);
+                __builtin_prefetch(v2 + b, 0, 3);
+            }
+        }
+    }
+    /* the new token's key (roped) and value */
+    rope_head(row + (heads + h) * d, c, s, row_f, d);
+    int64_t i0 = 0;
+#ifdef LLAMARL_AVX512_BF16
+    for (; i0 + 16 <= d; i0 += 16)
+        _mm256_storeu_si256((__m256i *)(kh + pos * d + i0), to_bf16x16(_mm512_loadu_ps(row_f + i0)));
+#endif
+    for (; i0 < d; i0++) kh[pos * d + i0] = f32_to_bf16(row_f[i0]);
+    memcpy(vh + pos * d, row + (heads + kv_heads + h) * d, (size_t)d * sizeof(uint16_t));
+    for (int64_t g = 0; g < groups; g++) rope_head(row + (h * groups + g) * d, c, s, q + g * d, d);
+#ifdef LLAMARL_AVX512_BF16
+    /* q is bf16-valued (rope_head rounds): q . k as VDPBF16PS over bf16 pairs, fp32 sums */
+    uint16_t *q_bf16 = (uint16_t *)acc;
+    int64_t i16 = 0;
+    for (; i16 + 16 <= groups * d; i16 += 16)
+        _mm256_storeu_si256((__m256i *)(q_bf16 + i16), to_bf16x16(_mm512_loadu_ps(q + i16)));
+    for (; i16 < groups * d; i16++) q_bf16[i16] = f32_to_bf16(q[i16]);
+    int64_t j0 = 0;
+    for (; j0 <= pos; j0 += 16) { /* 16 keys at a time: one reduction for 16 scores */
+        /* the last block's missing keys are zeros, its scores stored masked (a per-key
+         * reduction for the tail cost more than the whole blocks before it) */
+        const int count = pos + 1 - j0 < 16 ? (int)(pos + 1 - j0) : 16;
+        for (int64_t g = 0; g < groups; g++) {
+            __m512 sums[16];
+            const uint16_t *qg = q_bf16 + g * d;
+            /* unrolled over the 16 keys, each key's sum built in a register of its own (a
+             * loop over m left the array in memory: a store per product) */
+#pragma GCC unroll 16
+            for (int m = 0; m < 16; m++) {
+                __m512 sum = _mm512_setzero_ps();
+                if (m < count) {
+                    const uint16_t *k = kh + (j0 + m) * d;
+                    int64_t i = 0;
+                    for (; i + 32 <= d; i += 32)
+                        sum = _mm512_dpbf16_ps(sum, load32(qg + i, 32), load32(k + i, 32));
+                    if (i < d) sum = _mm512_dpbf16_ps(sum, load32(qg + i, d - i), load32(k + i, d - i));
+                }
+                sums[m] = sum;
+            }
+            _mm512_mask_storeu_ps(scores + g * width + j0, first_lanes(count),
+                                  round_bf16x16(_mm512_mul_ps(sum16(sums), _mm512_set1_ps(scaling))));
+        }
+    }
+#else
+    for (int64_t j = 0; j <= pos; j++) {
+        for (int64_t i = 0; i < d; i++) row_f[i] = bf16_to_f32(kh[j * d + i]);
+        for (int64_t g = 0; g < groups; g++) {
+            float dot = 0.0f;
+            for (int64_t i = 0; i < d; i++) dot += q[g * d + i] * row_f[i];
+            scores[g * width + j] = bf16_round(dot * scaling);
+        }
+    }
+#endif
+    for (int64_t g = 0; g < groups; g++) {
+        float *sg = scores + g * width, top = -INFINITY, total = 0.0f;
+        int64_t j = 0;
+#ifdef LLAMARL_AVX512_BF16
+        /* 16 scores at a time, the last partial block masked (its lanes past pos: -inf for
+         * the max, 0 for the sum, not stored) */
+        const int64_t n = pos + 1;
+        __m512 tops = _mm512_set1_ps(-INFINITY);
+        for (j = 0; j < n; j += 16) {
+            const __mmask16 live = first_lanes(n - j);
+            tops = _mm512_max_ps(_mm512_mask_loadu_ps(_mm512_set1_ps(-INFINITY), live, sg + j), tops); /* a NaN score skipped, as below */
+        }
+        top = _mm512_reduce_max_ps(tops);
+        __m512 sums = _mm512_setzero_ps();
+        for (j = 0; j < n; j += 16) {
+            const __mmask16 live = first_lanes(n - j);
+            __m512 e = _mm512_maskz_mov_ps(live, exp_approx16(_mm512_sub_ps(_mm512_maskz_loadu_ps(live, sg + j),
+                                                                           _mm512_set1_ps(top))));
+            _mm512_mask_storeu_ps(sg + j, live, e);
+            sums = _mm512_add_ps(sums, e);
+        }
+        total = _mm512_reduce_add_ps(sums);
+        for (j = 0; j < n; j += 16) {
+            const __mmask16 live = first_lanes(n - j);
+            _mm512_mask_storeu_ps(sg + j, live, round_bf16x16(_mm512_div_ps(_mm512_maskz_loadu_ps(live, sg + j),
+                                                                            _mm512_set1_ps(total))));
+        }
+#else
+        for (; j <= pos; j++) top = sg[j] > top ? sg[j] : top;
+        for (j = 0; j <= pos; j++) {
+            sg[j] = exp_approx(sg[j] - top);
+            total += sg[j];
+        }
+        for (j = 0; j <= pos; j++) sg[j] = bf16_round(sg[j] / total);
+#endif
+    }
+    for (int64_t i = 0; i < groups * d; i++) acc[i] = 0.0f;
+#ifdef LLAMARL_AVX512_BF16
+    if (d % 16 == 0 && groups <= 8) {
+        switch (groups) { /* a constant head count per case: the sums stay in registers */
+        case 1: weigh_values(1, scores, width, vh, d, pos, acc); break;
+        case 2: weigh_values(2, scores, width, vh, d, pos, acc); break;
+        case 3: weigh_values(3, scores, width, vh, d, pos, acc); break;
+        case 4: weigh_values(4, scores, width, vh, d, pos, acc); break;
+        case 5: weigh_values(5, scores, width, vh, d, pos, acc); break;
+        case 6: weigh_values(6, scores, width, vh, d, pos, acc); break;
+        case 7: weigh_values(7, scores, width, vh, d, pos, acc); break;
+        default: weigh_values(8, scores, width, vh, d, pos, acc); break;
+        }
+    } else
+#endif
+    for (int64_t j = 0; j <= pos; j++) {
+        for (int64_t i = 0; i < d; i++) row_f[i] = bf16_to_f32(vh[j * d + i]);
+        for (int64_t g = 0; g < groups; g++) {
+            float weight = scores[g * width + j];
+            for (int64_t i = 0; i < d; i++) acc[g * d + i] += weight * row_f[i];
+        }
+    }
+    for (int64_t g = 0; g < groups; g++) {
+        uint16_t *o = out + (r * heads + h * groups + g) * d;
+        for (int64_t i = 0; i < d; i++) o[i] = f32_to_bf16(acc[g * d + i]);
+    }
+}
+
 /* One decode token per row through a layer's attention, after its q/k/v projection.
  * qkv: [rows, (heads + 2 * kv_heads) * d] (q heads, k heads, v heads); cos, sin: [rows, d] (the
  * rows' rotary embedding at their positions); keys, values: the layer's cache [capacity, kv_heads,
@@ -183,151 +352,24 @@ static inline __attribute__((always_inline)) void weigh_values(const int G, cons
  * softmax(bf16(scaling * q . k)) @ v per query head against its KV head (grouped-query), the
  * weights rounded to bf16 after an fp32 softmax, as HF's eager attention does. The query heads of
  * one KV head are done together, so each cached key and value is read and converted once.
- * scratch: at least (heads / kv_heads) * (width + 2 * d) + d floats. Returns 0, 1 on a position
- * outside the cache (rows before it are done), 2 on a head dimension over 512. */
+ * The (row, KV head) pairs are split across `threads` OpenMP threads (where built with OpenMP).
+ * scratch: at least threads * ((heads / kv_heads) * (width + 2 * d) + d) floats. Returns 0, 1 on a
+ * position outside the cache, 2 on a head dimension over 512 (both before anything is written). */
 int llamarl_attention_bf16(const uint16_t *qkv, const uint16_t *cos, const uint16_t *sin, uint16_t *keys,
                            uint16_t *values, const int64_t *positions, uint16_t *out, float *scratch, int64_t rows,
-                           int64_t heads, int64_t kv_heads, int64_t d, int64_t width, float scaling) {
-    int64_t groups = heads / kv_heads, stride = (heads + 2 * kv_heads) * d;
+                           int64_t heads, int64_t kv_heads, int64_t d, int64_t width, float scaling, int threads) {
     if (d > 512) return 2;
-    float *scores = scratch, *q = scratch + groups * width, *acc = q + groups * d, *row_f = acc + groups * d;
-    for (int64_t r = 0; r < rows; r++) {
-        int64_t pos = positions[r];
-        if (pos < 0 || pos >= width) return 1;
-        const uint16_t *row = qkv + r * stride, *c = cos + r * d, *s = sin + r * d;
-        for (int64_t h = 0; h < kv_heads; h++) {
-            uint16_t *kh = keys + (r * kv_heads + h) * width * d, *vh = values + (r * kv_heads + h) * width * d;
-            /* Prefetch the next (row, KV head)'s cached keys and values while this one computes: each
-             * is a block of a few KB, width * d apart, too short for the hardware prefetcher to ramp
-             * up on (Intel Xeon, SmolLM2 shapes, 64 rows at position 60: 22.1 -> 16.9 ms a step). */
-            {
-                int64_t r2 = h + 1 < kv_heads ? r : r + 1, h2 = h + 1 < kv_heads ? h + 1 : 0;
-                if (r2 < rows && positions[r2] >= 0 && positions[r2] < width) {
-                    const char *k2 = (const char *)(keys + (r2 * kv_heads + h2) * width * d);
-                    const char *v2 = (const char *)(values + (r2 * kv_heads + h2) * width * d);
-                    int64_t bytes = (positions[r2] + 1) * d * (int64_t)sizeof(uint16_t);
-                    for (int64_t b = 0; b < bytes; b += 64) {
-                        __builtin_prefetch(k2 + b, 0, 3);
-                        __builtin_prefetch(v2 + b, 0, 3);
-                    }
-                }
-            }
-            /* the new token's key (roped) and value */
-            rope_head(row + (heads + h) * d, c, s, row_f, d);
-            int64_t i0 = 0;
-#ifdef LLAMARL_AVX512_BF16
-            for (; i0 + 16 <= d; i0 += 16)
-                _mm256_storeu_si256((__m256i *)(kh + pos * d + i0), to_bf16x16(_mm512_loadu_ps(row_f + i0)));
-#endif
-            for (; i0 < d; i0++) kh[pos * d + i0] = f32_to_bf16(row_f[i0]);
-            memcpy(vh + pos * d, row + (heads + kv_heads + h) * d, (size_t)d * sizeof(uint16_t));
-            for (int64_t g = 0; g < groups; g++) rope_head(row + (h * groups + g) * d, c, s, q + g * d, d);
-#ifdef LLAMARL_AVX512_BF16
-            /* q is bf16-valued (rope_head rounds): q . k as VDPBF16PS over bf16 pairs, fp32 sums */
-            uint16_t *q_bf16 = (uint16_t *)acc;
-            int64_t i16 = 0;
-            for (; i16 + 16 <= groups * d; i16 += 16)
-                _mm256_storeu_si256((__m256i *)(q_bf16 + i16), to_bf16x16(_mm512_loadu_ps(q + i16)));
-            for (; i16 < groups * d; i16++) q_bf16[i16] = f32_to_bf16(q[i16]);
-            int64_t j0 = 0;
-            for (; j0 <= pos; j0 += 16) { /* 16 keys at a time: one reduction for 16 scores */
-                /* the last block's missing keys are zeros, its scores stored masked (a per-key
-                 * reduction for the tail cost more than the whole blocks before it) */
-                const int count = pos + 1 - j0 < 16 ? (int)(pos + 1 - j0) : 16;
-                for (int64_t g = 0; g < groups; g++) {
-                    __m512 sums[16];
-                    const uint16_t *qg = q_bf16 + g * d;
-                    /* unrolled over the 16 keys, each key's sum built in a register of its own (a
-                     * loop over m left the array in memory: a store per product) */
-#pragma GCC unroll 16
-                    for (int m = 0; m < 16; m++) {
-                        __m512 sum = _mm512_setzero_ps();
-                        if (m < count) {
-                            const uint16_t *k = kh + (j0 + m) * d;
-                            int64_t i = 0;
-                            for (; i + 32 <= d; i += 32)
-                                sum = _mm512_dpbf16_ps(sum, load32(qg + i, 32), load32(k + i, 32));
-                            if (i < d) sum = _mm512_dpbf16_ps(sum, load32(qg + i, d - i), load32(k + i, d - i));
-                        }
-                        sums[m] = sum;
-                    }
-                    _mm512_mask_storeu_ps(scores + g * width + j0, first_lanes(count),
-                                          round_bf16x16(_mm512_mul_ps(sum16(sums), _mm512_set1_ps(scaling))));
-                }
-            }
-#else
-            for (int64_t j = 0; j <= pos; j++) {
-                for (int64_t i = 0; i < d; i++) row_f[i] = bf16_to_f32(kh[j * d + i]);
-                for (int64_t g = 0; g < groups; g++) {
-                    float dot = 0.0f;
-                    for (int64_t i = 0; i < d; i++) dot += q[g * d + i] * row_f[i];
-                    scores[g * width + j] = bf16_round(dot * scaling);
-                }
-            }
-#endif
-            for (int64_t g = 0; g < groups; g++) {
-                float *sg = scores + g * width, top = -INFINITY, total = 0.0f;
-                int64_t j = 0;
-#ifdef LLAMARL_AVX512_BF16
-                /* 16 scores at a time, the last partial block masked (its lanes past pos: -inf for
-                 * the max, 0 for the sum, not stored) */
-                const int64_t n = pos + 1;
-                __m512 tops = _mm512_set1_ps(-INFINITY);
-                for (j = 0; j < n; j += 16) {
-                    const __mmask16 live = first_lanes(n - j);
-                    tops = _mm512_max_ps(_mm512_mask_loadu_ps(_mm512_set1_ps(-INFINITY), live, sg + j), tops); /* a NaN score skipped, as below */
-                }
-                top = _mm512_reduce_max_ps(tops);
-                __m512 sums = _mm512_setzero_ps();
-                for (j = 0; j < n; j += 16) {
-                    const __mmask16 live = first_lanes(n - j);
-                    __m512 e = _mm512_maskz_mov_ps(live, exp_approx16(_mm512_sub_ps(_mm512_maskz_loadu_ps(live, sg + j),
-                                                                                   _mm512_set1_ps(top))));
-                    _mm512_mask_storeu_ps(sg + j, live, e);
-                    sums = _mm512_add_ps(sums, e);
-                }
-                total = _mm512_reduce_add_ps(sums);
-                for (j = 0; j < n; j += 16) {
-                    const __mmask16 live = first_lanes(n - j);
-                    _mm512_mask_storeu_ps(sg + j, live, round_bf16x16(_mm512_div_ps(_mm512_maskz_loadu_ps(live, sg + j),
-                                                                                    _mm512_set1_ps(total))));
-                }
-#else
-                for (; j <= pos; j++) top = sg[j] > top ? sg[j] : top;
-                for (j = 0; j <= pos; j++) {
-                    sg[j] = exp_approx(sg[j] - top);
-                    total += sg[j];
-                }
-                for (j = 0; j <= pos; j++) sg[j] = bf16_round(sg[j] / total);
-#endif
-            }
-            for (int64_t i = 0; i < groups * d; i++) acc[i] = 0.0f;
-#ifdef LLAMARL_AVX512_BF16
-            if (d % 16 == 0 && groups <= 8) {
-                switch (groups) { /* a constant head count per case: the sums stay in registers */
-                case 1: weigh_values(1, scores, width, vh, d, pos, acc); break;
-                case 2: weigh_values(2, scores, width, vh, d, pos, acc); break;
-                case 3: weigh_values(3, scores, width, vh, d, pos, acc); break;
-                case 4: weigh_values(4, scores, width, vh, d, pos, acc); break;
-                case 5: weigh_values(5, scores, width, vh, d, pos, acc); break;
-                case 6: weigh_values(6, scores, width, vh, d, pos, acc); break;
-                case 7: weigh_values(7, scores, width, vh, d, pos, acc); break;
-                default: weigh_values(8, scores, width, vh, d, pos, acc); break;
-                }
-            } else
-#endif
-            for (int64_t j = 0; j <= pos; j++) {
-                for (int64_t i = 0; i < d; i++) row_f[i] = bf16_to_f32(vh[j * d + i]);
-                for (int64_t g = 0; g < groups; g++) {
-                    float weight = scores[g * width + j];
-                    for (int64_t i = 0; i < d; i++) acc[g * d + i] += weight * row_f[i];
-                }
-            }
-            for (int64_t g = 0; g < groups; g++) {
-                uint16_t *o = out + (r * heads + h * groups + g) * d;
-                for (int64_t i = 0; i < d; i++) o[i] = f32_to_bf16(acc[g * d + i]);
-            }
-        }
+    for (int64_t r = 0; r < rows; r++)
+        if (positions[r] < 0 || positions[r] >= width) return 1;
+    const int64_t units = rows * kv_heads, per_thread = (heads / kv_heads) * (width + 2 * d) + d;
+    /* (row, KV head) units split across the threads: each writes only its own cache slot and heads */
+#pragma omp parallel num_threads(threads) if (threads > 1 && units > 1)
+    {
+        float *own = scratch + (int64_t)omp_thread() * per_thread;
+#pragma omp for schedule(static)
+        for (int64_t u = 0; u < units; u++)
+            attend_head(qkv, cos, sin, keys, values, positions, out, own, rows, heads, kv_heads, d, width, scaling,
+                        u / kv_heads, u % kv_heads);
     }
     return 0;
 }
@@ -413,9 +455,12 @@ static inline __attribute__((always_inline)) void gemm_tile(const int MT, const 
 
 /* Returns 0 (2 when built without AVX512-BF16: nothing written). */
 int llamarl_gemm_bf16(const uint16_t *x, const uint16_t *packed, const uint16_t *bias, uint16_t *y, int64_t m,
-                      int64_t n, int64_t k) {
-    const int64_t panels = (n + 15) / 16, pairs = (k + 1) / 2;
-    for (int64_t p = 0; p < panels; p += GEMM_PANELS) {
+                      int64_t n, int64_t k, int threads) {
+    const int64_t panels = (n + 15) / 16, pairs = (k + 1) / 2, groups = (panels + GEMM_PANELS - 1) / GEMM_PANELS;
+    /* the outputs' panel groups split across the threads: each reads its own share of the weights */
+#pragma omp parallel for num_threads(threads) schedule(static) if (threads > 1 && groups > 1)
+    for (int64_t group = 0; group < groups; group++) {
+        const int64_t p = group * GEMM_PANELS;
         const uint16_t *panel = packed + p * pairs * 32;
         const int64_t nb = panels - p < GEMM_PANELS ? panels - p : GEMM_PANELS;
         for (int64_t i = 0; i < m; i += GEMM_ROWS) {
@@ -432,8 +477,8 @@ int llamarl_gemm_bf16(const uint16_t *x, const uint16_t *packed, const uint16_t 
 }
 #else
 int llamarl_gemm_bf16(const uint16_t *x, const uint16_t *packed, const uint16_t *bias, uint16_t *y, int64_t m,
-                      int64_t n, int64_t k) {
-    (void)x; (void)packed; (void)bias; (void)y; (void)m; (void)n; (void)k;
+                      int64_t n, int64_t k, int threads) {
+    (void)x; (void)packed; (void)bias; (void)y; (void)m; (void)n; (void)k; (void)threads;
     return 2;
 }
 #endif

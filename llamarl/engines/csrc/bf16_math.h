@@ -9,6 +9,28 @@
 #ifdef LLAMARL_AVX512_BF16
 #include <immintrin.h>
 #endif
+#ifdef _OPENMP
+#include <omp.h>
+#endif
+
+/* Built with -fopenmp the kernels split their rows / outputs across the `threads` the caller passes
+ * (PyTorch's intra-op count: the same libgomp, so the same thread pool); without it the pragmas are
+ * ignored and everything runs on the calling thread. */
+static inline int omp_thread(void) {
+#ifdef _OPENMP
+    return omp_get_thread_num();
+#else
+    return 0;
+#endif
+}
+
+static inline int omp_threads(void) {
+#ifdef _OPENMP
+    return omp_get_num_threads();
+#else
+    return 1;
+#endif
+}
 
 static inline float bf16_to_f32(uint16_t h) {
     uint32_t u = (uint32_t)h << 16;

@@ -17,7 +17,8 @@
 #include <stdint.h>
 #include "bf16_math.h"
 
-void llamarl_softmax_bf16(const uint16_t *logits, float *probs, int64_t rows, int64_t vocab) {
+void llamarl_softmax_bf16(const uint16_t *logits, float *probs, int64_t rows, int64_t vocab, int threads) {
+#pragma omp parallel for num_threads(threads) schedule(static) if (threads > 1 && rows > 1)
     for (int64_t r = 0; r < rows; r++) {
         const uint16_t *x = logits + r * vocab;
         float *p = probs + r * vocab, top = -INFINITY, total = 0.0f;
