@@ -88,8 +88,9 @@ OpenMP (``threaded()``: the kernels split their work across the threads), they r
 with the limits, 17.0 / 19.3 / 21.5 / 34.7 threaded without them)."""
 
 _SOURCE = Path(__file__).with_name("csrc") / "bf16_decode.c"
-_SOURCES = (_SOURCE, _SOURCE.with_name("amx_gemm.c"), _SOURCE.with_name("softmax.c"))
-_HEADER = _SOURCE.with_name("bf16_math.h")
+_SOURCES = (_SOURCE, _SOURCE.with_name("amx_gemm.c"), _SOURCE.with_name("softmax.c"),
+            _SOURCE.with_name("decode_step.c"))
+_HEADERS = (_SOURCE.with_name("bf16_math.h"), _SOURCE.with_name("kernels.h"))
 _FLAGS = ["-O3", "-shared", "-fPIC", "-fno-math-errno", "-fassociative-math", "-fno-signed-zeros", "-fno-trapping-math"]
 _AVX512_BF16_FLAGS = ["-DLLAMARL_AVX512_BF16", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16"]
 _AMX_FLAGS = ["-DLLAMARL_AMX", "-mamx-tile", "-mamx-bf16"]
@@ -109,6 +110,7 @@ _SIGNATURES = {
     "llamarl_add_rmsnorm_bf16": ([_P] * 4 + [_I64] * 2 + [_F32, _INT], None),
     "llamarl_silu_mul_bf16": ([_P] * 2 + [_I64] * 2 + [_INT], None),
     "llamarl_attention_bf16": ([_P] * 8 + [_I64] * 5 + [_F32, _INT], _INT),
+    "llamarl_decode_layers_bf16": ([_P], _INT),
 }
 
 
@@ -171,7 +173,7 @@ def build(*, avx512_bf16: bool, amx: bool = False, openmp: bool = True, cache_di
         raise ValueError("cpu_kernels.build: the AMX GEMM needs the AVX512-BF16 build (avx512_bf16=True)")
     flags = (_FLAGS + (_AVX512_BF16_FLAGS if avx512_bf16 else []) + (_AMX_FLAGS if amx else [])
              + (_OPENMP_FLAGS if openmp else []))
-    sources = b"".join(path.read_bytes() for path in (*_SOURCES, _HEADER))
+    sources = b"".join(path.read_bytes() for path in (*_SOURCES, *_HEADERS))
     key = hashlib.sha256(sources + " ".join([compiler, *flags]).encode()).hexdigest()[:16]
     target = (cache_dir or _cache_dir()) / f"bf16_decode-{key}.so"
     if target.exists():

@@ -51,7 +51,7 @@ from __future__ import annotations
 import torch
 from torch.distributed.tensor import DTensor
 
-from llamarl.engines import cpu_kernels
+from llamarl.engines import cpu_kernels, native_step
 
 _SUPPORTED = ("LlamaForCausalLM", "Qwen2ForCausalLM", "MistralForCausalLM")
 _RMS_NORMS = ("LlamaRMSNorm", "Qwen2RMSNorm", "MistralRMSNorm")
@@ -80,14 +80,18 @@ class _Linear:
         self.kernel: cpu_kernels.PackedWeight | None = None
         self._onednn: torch.Tensor | None = None
 
+    def packed(self) -> cpu_kernels.PackedWeight:
+        """The weight in ``cpu_kernels.linear``'s layout (packed on the first call; needs ``gemm``)."""
+        if self.kernel is None:
+            self.kernel = cpu_kernels.pack(self.weight)
+        return self.kernel
+
     def __call__(self, x: torch.Tensor, *, out: torch.Tensor | None = None) -> torch.Tensor:
         """``x @ weight.T + bias``; ``out`` (a reused buffer) is written only on the C GEMM's path."""
         rows = x.shape[0]
         most = cpu_kernels.gemm_max_rows(torch.get_num_threads())
         if self.gemm and (most is None or rows <= most):
-            if self.kernel is None:
-                self.kernel = cpu_kernels.pack(self.weight)
-            return cpu_kernels.linear(x, self.kernel, self.bias, out=out)
+            return cpu_kernels.linear(x, self.packed(), self.bias, out=out)
         # Not at one bf16 row: there oneDNN's pre-packed matmul took 61 ms for one 3072 x 576 projection
         # of SmolLM2's own weights (torch 2.13, Zen 4; 0.1 ms with random weights of that shape, 0.3 ms
         # through F.linear), so a row alone takes PyTorch's plain matmul.
@@ -129,6 +133,7 @@ class FusedDecoder:
         self._built_from: tuple[tuple[int, int], ...] = ()
         self._source_tensors: list[torch.Tensor] | None = None
         self._workspace: dict[str, torch.Tensor] = {}
+        self._tables: tuple[tuple[list, list[torch.Tensor]], native_step.LayerTables] | None = None
         norms = [m for layer in model.model.layers for m in (layer.input_layernorm, layer.post_attention_layernorm)]
         # The C layer helpers (cpu_kernels): bf16 on the CPU, these families' RMSNorm and SwiGLU.
         self._native = (model.model.embed_tokens.weight.dtype == torch.bfloat16
@@ -136,6 +141,12 @@ class FusedDecoder:
                         and getattr(config, "hidden_act", None) == "silu"
                         and all(type(m).__name__ in _RMS_NORMS for m in (*norms, model.model.norm))
                         and cpu_kernels.available())
+        eps = {m.variance_epsilon for m in (*norms, model.model.norm)} if self._native else set()
+        # The whole step in one C call (native_step) where the projections take the C GEMM: one
+        # epsilon for every norm (the C step takes one), attention's limits. False: kernel by kernel.
+        self.one_call = (len(eps) == 1 and self.head_dim <= 512 and self.head_dim % 2 == 0
+                         and self.num_heads % self.num_kv_heads == 0)
+        self._eps = eps.pop() if len(eps) == 1 else None
 
     def refresh(self) -> None:
         """Look up the model's parameters again at the next step (``TorchEngine`` calls this at
@@ -242,7 +253,37 @@ class FusedDecoder:
         hidden = like.shape[-1]
         widths = {"qkv": qkv.weight.shape[0], "attended": self.num_heads * self.head_dim, "delta": hidden,
                   "x": hidden, "gate_up": gate_up.weight.shape[0], "act": gate_up.weight.shape[0] // 2}
-        return _buffers_for(self._workspace, rows=rows, widths=widths, like=like)
+        # Rows up to a multiple of 16: the one-call step's AMX GEMMs read them in place.
+        padded = _buffers_for(self._workspace, rows=native_step.padded_rows(rows), widths=widths, like=like)
+        return {name: buffer[:rows] for name, buffer in padded.items()}
+
+    def _in_one_call(self, fused: list[tuple[_Linear, _Linear, _Linear, _Linear]], rows: int) -> bool:
+        """True when this step's layers run as one C call (``native_step``): ``one_call``, and every
+        projection takes the C GEMM at ``rows`` rows."""
+        if not (self.one_call and native_step.available()):
+            return False
+        most = cpu_kernels.gemm_max_rows(torch.get_num_threads())
+        return (most is None or rows <= most) and all(linear.gemm for layer in fused for linear in layer)
+
+    def _layer_tables(self, fused: list[tuple[_Linear, _Linear, _Linear, _Linear]],
+                      state: DecodeState) -> native_step.LayerTables:
+        """``native_step``'s checked address table of the layers' tensors, rebuilt when any of them
+        is another object (new projections after a weight update, widened caches, a replaced norm)."""
+        layers = self.model.model.layers
+        norms = [(layer.input_layernorm.weight, layer.post_attention_layernorm.weight) for layer in layers]
+        sources = [tensor for pair in norms for tensor in pair] + state.keys + state.values
+        if self._tables is not None:
+            (built_for, built_from), tables = self._tables
+            if built_for is fused and len(built_from) == len(sources) and all(map(_same, built_from, sources)):
+                return tables
+        projections = [[(linear.packed(), linear.bias) for linear in layer] for layer in fused]
+        config = self.model.config
+        shape = native_step.Shape(dim=config.hidden_size, heads=self.num_heads, kv_heads=self.num_kv_heads,
+                                  head_dim=self.head_dim, inter=fused[0][2].weight.shape[0] // 2)
+        tables = native_step.LayerTables(shape=shape, projections=projections, norms=norms, keys=state.keys,
+                                         values=state.values)
+        self._tables = ((fused, sources), tables)
+        return tables
 
     @torch.no_grad()
     def _step_native(self, state: DecodeState, tokens: torch.Tensor, *, fresh_logits: bool = False) -> torch.Tensor:
@@ -258,10 +299,22 @@ class FusedDecoder:
         cos, sin = model.model.rotary_emb(hidden.unsqueeze(1), positions.unsqueeze(1))
         cos, sin = cos.reshape(rows, -1).contiguous(), sin.reshape(rows, -1).contiguous()
         layers = model.model.layers
-        first = layers[0].input_layernorm
-        x = cpu_kernels.rmsnorm(hidden, first.weight, eps=first.variance_epsilon)
         fused = self._layers()
         work = self._buffers(rows, fused[0], like=hidden)
+        if self._in_one_call(fused, rows):
+            tables = self._layer_tables(fused, state)
+            threads = torch.get_num_threads()
+            groups = self.num_heads // self.num_kv_heads
+            floats = threads * (groups * (tables.width + 2 * self.head_dim) + self.head_dim)
+            scratch = self._workspace.get("scratch")
+            if scratch is None or scratch.numel() < floats:
+                scratch = self._workspace["scratch"] = torch.empty(floats, dtype=torch.float32, device=hidden.device)
+            native_step.decode_layers(tables, hidden=hidden, buffers={name: self._workspace[name] for name in work},
+                                      cos=cos, sin=sin, positions=positions, final_norm=model.model.norm.weight,
+                                      eps=self._eps, scaling=self.scaling, scratch=scratch)
+            return self._logits(work["x"], rows=rows, fresh_logits=fresh_logits, state=state)
+        first = layers[0].input_layernorm
+        x = cpu_kernels.rmsnorm(hidden, first.weight, eps=first.variance_epsilon)
         for index, (layer, (qkv, out, gate_up, down)) in enumerate(zip(layers, fused)):
             attended = cpu_kernels.attention(qkv(x, out=work["qkv"]), cos=cos, sin=sin, keys=state.keys[index],
                                              values=state.values[index], positions=positions,
@@ -272,6 +325,10 @@ class FusedDecoder:
             mlp = down(cpu_kernels.silu_mul(gate_up(x, out=work["gate_up"]), out=work["act"]), out=work["delta"])
             norm = layers[index + 1].input_layernorm if index + 1 < len(layers) else model.model.norm
             x = cpu_kernels.add_rmsnorm(hidden, mlp, norm.weight, eps=norm.variance_epsilon, out=work["x"])
+        return self._logits(x, rows=rows, fresh_logits=fresh_logits, state=state)
+
+    def _logits(self, x: torch.Tensor, *, rows: int, fresh_logits: bool, state: DecodeState) -> torch.Tensor:
+        """The native step's end: the rows' lengths advanced, the LM head on ``x`` (the final norm)."""
         state.lengths = [length + 1 for length in state.lengths]
         vocab = self._head.weight.shape[0]
         if fresh_logits or rows * vocab > _LOGITS_KEPT:
@@ -303,6 +360,10 @@ def _norm(module: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
     if eps is None or type(module).__name__ not in _RMS_NORMS:
         return module(x)
     return module.weight * torch.nn.functional.rms_norm(x.float(), (x.shape[-1],), eps=eps).to(x.dtype)
+
+
+def _same(a: object, b: object) -> bool:
+    return a is b
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:

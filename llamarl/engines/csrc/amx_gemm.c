@@ -22,6 +22,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include "bf16_math.h"
+#include "kernels.h"
 
 #ifdef LLAMARL_AMX
 #include <immintrin.h>
@@ -66,12 +67,77 @@ static void store_block(const float *acc, const uint16_t *x, const uint16_t *pan
     }
 }
 
+static tile_config tiles(void) {
+    tile_config config;
+    memset(&config, 0, sizeof config);
+    config.palette = 1;
+    for (int t = 0; t < 8; t++) { /* every tile 16 rows of 64 bytes: C 16 x 16 fp32, A 16 x 32 bf16, B 16 x 16 x 2 */
+        config.colsb[t] = 64;
+        config.rows[t] = 16;
+    }
+    return config;
+}
+
+void amx_tiles_on(void) {
+    const tile_config config = tiles();
+    _tile_loadconfig(&config);
+}
+
+void amx_tiles_off(void) { _tile_release(); }
+
+/* The body (kernels.h), between amx_tiles_on and amx_tiles_off on each thread of the team: pairs
+ * of panels split across the team. */
+void gemm_amx_panels(const uint16_t *a, const uint16_t *packed, const uint16_t *bias, uint16_t *y, int64_t m,
+                     int64_t n, int64_t k) {
+    const int64_t pairs = (k + 1) / 2, panels = (n + 15) / 16, blocks = k / 32, padded = (m + 15) / 16 * 16;
+    const int64_t stride = k * (int64_t)sizeof(uint16_t), duos = (panels + 1) / 2;
+    float acc[2][2][256] __attribute__((aligned(64)));
+#pragma omp for schedule(static)
+    for (int64_t duo = 0; duo < duos; duo++) {
+        const int64_t p = 2 * duo;
+        const int both = p + 1 < panels;
+        const uint16_t *b0 = packed + p * pairs * 32, *b1 = b0 + pairs * 32;
+        for (int64_t i = 0; i < padded; i += 32) { /* the first pass streams b0/b1; later ones hit L2 */
+            const int two = i + 16 < padded;
+            const uint16_t *a0 = a + i * k, *a1 = a0 + 16 * k;
+            _tile_zero(0);
+            _tile_zero(1);
+            _tile_zero(2);
+            _tile_zero(3);
+            for (int64_t blk = 0; blk < blocks; blk++) {
+                _tile_loadd(4, a0 + blk * 32, stride);
+                _tile_loadd(6, b0 + blk * 512, 64);
+                _tile_dpbf16ps(0, 4, 6);
+                if (both) {
+                    _tile_loadd(7, b1 + blk * 512, 64);
+                    _tile_dpbf16ps(1, 4, 7);
+                }
+                if (two) {
+                    _tile_loadd(5, a1 + blk * 32, stride);
+                    _tile_dpbf16ps(2, 5, 6);
+                    if (both) _tile_dpbf16ps(3, 5, 7);
+                }
+            }
+            _tile_stored(0, acc[0][0], 64);
+            if (both) _tile_stored(1, acc[0][1], 64);
+            if (two) {
+                _tile_stored(2, acc[1][0], 64);
+                if (both) _tile_stored(3, acc[1][1], 64);
+            }
+            for (int mi = 0; mi <= two; mi++)
+                for (int ni = 0; ni <= both; ni++)
+                    store_block(acc[mi][ni], a, ni ? b1 : b0, bias, y, m, n, k, i + 16 * mi, (p + ni) * 16,
+                                blocks * 16);
+        }
+    }
+}
+
 /* Returns 0; 4 when the row padding could not be allocated (nothing written). */
 int llamarl_gemm_amx_bf16(const uint16_t *x, const uint16_t *packed, const uint16_t *bias, uint16_t *y, int64_t m,
                           int64_t n, int64_t k, int threads) {
-    const int64_t pairs = (k + 1) / 2, panels = (n + 15) / 16, blocks = k / 32, padded = (m + 15) / 16 * 16;
+    const int64_t panels = (n + 15) / 16, blocks = k / 32, padded = (m + 15) / 16 * 16;
     const uint16_t *a = x;
-    if (padded != m && blocks > 0) {
+    if (padded != m && blocks > 0) { /* x's own rows only: copied into rows readable up to `padded` */
         if (padded_size < padded * k) {
             free(padded_rows);
             padded_rows = aligned_alloc(64, (size_t)((padded * k * 2 + 63) / 64 * 64));
@@ -82,58 +148,11 @@ int llamarl_gemm_amx_bf16(const uint16_t *x, const uint16_t *packed, const uint1
         memset(padded_rows + m * k, 0, (size_t)((padded - m) * k) * sizeof(uint16_t));
         a = padded_rows;
     }
-    tile_config config;
-    memset(&config, 0, sizeof config);
-    config.palette = 1;
-    for (int t = 0; t < 8; t++) { /* every tile 16 rows of 64 bytes: C 16 x 16 fp32, A 16 x 32 bf16, B 16 x 16 x 2 */
-        config.colsb[t] = 64;
-        config.rows[t] = 16;
-    }
-    const int64_t stride = k * (int64_t)sizeof(uint16_t), duos = (panels + 1) / 2;
-    /* pairs of panels split across the threads (each its own tiles: the configuration is per thread) */
-#pragma omp parallel num_threads(threads) if (threads > 1 && duos > 1)
+#pragma omp parallel num_threads(threads) if (threads > 1 && panels > 2)
     {
-        _tile_loadconfig(&config);
-        float acc[2][2][256] __attribute__((aligned(64)));
-#pragma omp for schedule(static)
-        for (int64_t duo = 0; duo < duos; duo++) {
-            const int64_t p = 2 * duo;
-            const int both = p + 1 < panels;
-            const uint16_t *b0 = packed + p * pairs * 32, *b1 = b0 + pairs * 32;
-            for (int64_t i = 0; i < padded; i += 32) { /* the first pass streams b0/b1; later ones hit L2 */
-                const int two = i + 16 < padded;
-                const uint16_t *a0 = a + i * k, *a1 = a0 + 16 * k;
-                _tile_zero(0);
-                _tile_zero(1);
-                _tile_zero(2);
-                _tile_zero(3);
-                for (int64_t blk = 0; blk < blocks; blk++) {
-                    _tile_loadd(4, a0 + blk * 32, stride);
-                    _tile_loadd(6, b0 + blk * 512, 64);
-                    _tile_dpbf16ps(0, 4, 6);
-                    if (both) {
-                        _tile_loadd(7, b1 + blk * 512, 64);
-                        _tile_dpbf16ps(1, 4, 7);
-                    }
-                    if (two) {
-                        _tile_loadd(5, a1 + blk * 32, stride);
-                        _tile_dpbf16ps(2, 5, 6);
-                        if (both) _tile_dpbf16ps(3, 5, 7);
-                    }
-                }
-                _tile_stored(0, acc[0][0], 64);
-                if (both) _tile_stored(1, acc[0][1], 64);
-                if (two) {
-                    _tile_stored(2, acc[1][0], 64);
-                    if (both) _tile_stored(3, acc[1][1], 64);
-                }
-                for (int mi = 0; mi <= two; mi++)
-                    for (int ni = 0; ni <= both; ni++)
-                        store_block(acc[mi][ni], x, ni ? b1 : b0, bias, y, m, n, k, i + 16 * mi, (p + ni) * 16,
-                                    blocks * 16);
-            }
-        }
-        _tile_release();
+        amx_tiles_on();
+        gemm_amx_panels(a, packed, bias, y, m, n, k);
+        amx_tiles_off();
     }
     return 0;
 }

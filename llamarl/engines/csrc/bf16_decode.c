@@ -17,6 +17,7 @@
 #include <immintrin.h>
 #endif
 #include "bf16_math.h"
+#include "kernels.h"
 
 /* Elementwise kernels split their rows across the threads from this many elements (below, a
  * fork and join of the pool costs more than the work). */
@@ -71,17 +72,25 @@ static void rmsnorm_row(const uint16_t *x, const uint16_t *w, uint16_t *y, int64
         y[c] = f32_to_bf16(bf16_to_f32(w[c]) * bf16_round(bf16_to_f32(x[c]) * scale));
 }
 
+/* The kernels' bodies (kernels.h) split their loop with an orphaned `omp for`: called inside a
+ * parallel region (the public functions' own, or llamarl_decode_layers_bf16's one for a whole step)
+ * the team shares it and meets at its closing barrier; called outside one, it runs whole. */
 /* y[rows, dim] = RMSNorm(x) with weight w [dim]. */
-void llamarl_rmsnorm_bf16(const uint16_t *x, const uint16_t *w, uint16_t *y, int64_t rows, int64_t dim, float eps,
-                          int threads) {
-#pragma omp parallel for num_threads(threads) schedule(static) if (threads > 1 && rows * dim >= PARALLEL_ELEMENTS)
+void rmsnorm_rows(const uint16_t *x, const uint16_t *w, uint16_t *y, int64_t rows, int64_t dim, float eps) {
+#pragma omp for schedule(static)
     for (int64_t r = 0; r < rows; r++) rmsnorm_row(x + r * dim, w, y + r * dim, dim, eps);
 }
 
+void llamarl_rmsnorm_bf16(const uint16_t *x, const uint16_t *w, uint16_t *y, int64_t rows, int64_t dim, float eps,
+                          int threads) {
+#pragma omp parallel num_threads(threads) if (threads > 1 && rows * dim >= PARALLEL_ELEMENTS)
+    rmsnorm_rows(x, w, y, rows, dim, eps);
+}
+
 /* The residual add and the next norm: hidden = bf16(hidden + delta) in place, then y = RMSNorm(hidden). */
-void llamarl_add_rmsnorm_bf16(uint16_t *hidden, const uint16_t *delta, const uint16_t *w, uint16_t *y, int64_t rows,
-                              int64_t dim, float eps, int threads) {
-#pragma omp parallel for num_threads(threads) schedule(static) if (threads > 1 && rows * dim >= PARALLEL_ELEMENTS)
+void add_rmsnorm_rows(uint16_t *hidden, const uint16_t *delta, const uint16_t *w, uint16_t *y, int64_t rows,
+                      int64_t dim, float eps) {
+#pragma omp for schedule(static)
     for (int64_t r = 0; r < rows; r++) {
         uint16_t *h = hidden + r * dim;
         const uint16_t *d = delta + r * dim;
@@ -93,6 +102,12 @@ void llamarl_add_rmsnorm_bf16(uint16_t *hidden, const uint16_t *delta, const uin
         for (; c < dim; c++) h[c] = f32_to_bf16(bf16_to_f32(h[c]) + bf16_to_f32(d[c]));
         rmsnorm_row(h, w, y + r * dim, dim, eps);
     }
+}
+
+void llamarl_add_rmsnorm_bf16(uint16_t *hidden, const uint16_t *delta, const uint16_t *w, uint16_t *y, int64_t rows,
+                              int64_t dim, float eps, int threads) {
+#pragma omp parallel num_threads(threads) if (threads > 1 && rows * dim >= PARALLEL_ELEMENTS)
+    add_rmsnorm_rows(hidden, delta, w, y, rows, dim, eps);
 }
 
 #ifdef LLAMARL_AVX512_BF16
@@ -113,8 +128,8 @@ static inline __m512 sum16(const __m512 v[16]) {
 #endif
 
 /* SwiGLU: gate_up [rows, 2 * inter] = [gate | up]; y [rows, inter] = bf16(bf16(silu(gate)) * up). */
-void llamarl_silu_mul_bf16(const uint16_t *gate_up, uint16_t *y, int64_t rows, int64_t inter, int threads) {
-#pragma omp parallel for num_threads(threads) schedule(static) if (threads > 1 && rows * inter >= PARALLEL_ELEMENTS)
+void silu_mul_rows(const uint16_t *gate_up, uint16_t *y, int64_t rows, int64_t inter) {
+#pragma omp for schedule(static)
     for (int64_t r = 0; r < rows; r++) {
         const uint16_t *g = gate_up + r * 2 * inter, *u = g + inter;
         int64_t c = 0;
@@ -131,6 +146,11 @@ void llamarl_silu_mul_bf16(const uint16_t *gate_up, uint16_t *y, int64_t rows, i
             y[r * inter + c] = f32_to_bf16(bf16_round(x / (1.0f + exp_approx(-x))) * bf16_to_f32(u[c]));
         }
     }
+}
+
+void llamarl_silu_mul_bf16(const uint16_t *gate_up, uint16_t *y, int64_t rows, int64_t inter, int threads) {
+#pragma omp parallel num_threads(threads) if (threads > 1 && rows * inter >= PARALLEL_ELEMENTS)
+    silu_mul_rows(gate_up, y, rows, inter);
 }
 
 /* RoPE on one head, HF's rotate-half form in bf16: bf16(bf16(x * cos) + bf16(rotate_half(x) * sin)). */
@@ -372,22 +392,32 @@ static void attend_head(const uint16_t *qkv, const uint16_t *cos, const uint16_t
  * The (row, KV head) pairs are split across `threads` OpenMP threads (where built with OpenMP).
  * scratch: at least threads * ((heads / kv_heads) * (width + 2 * d) + d) floats. Returns 0, 1 on a
  * position outside the cache, 2 on a head dimension over 512 (both before anything is written). */
-int llamarl_attention_bf16(const uint16_t *qkv, const uint16_t *cos, const uint16_t *sin, uint16_t *keys,
-                           uint16_t *values, const int64_t *positions, uint16_t *out, float *scratch, int64_t rows,
-                           int64_t heads, int64_t kv_heads, int64_t d, int64_t width, float scaling, int threads) {
+int attention_check(const int64_t *positions, int64_t rows, int64_t d, int64_t width) {
     if (d > 512) return 2;
     for (int64_t r = 0; r < rows; r++)
         if (positions[r] < 0 || positions[r] >= width) return 1;
-    const int64_t units = rows * kv_heads, per_thread = (heads / kv_heads) * (width + 2 * d) + d;
-    /* (row, KV head) units split across the threads: each writes only its own cache slot and heads */
-#pragma omp parallel num_threads(threads) if (threads > 1 && units > 1)
-    {
-        float *own = scratch + (int64_t)omp_thread() * per_thread;
+    return 0;
+}
+
+/* The body, after attention_check: the (row, KV head) units split across the team, each writing
+ * only its own cache slot and heads, with its thread's part of `scratch`. */
+void attention_units(const uint16_t *qkv, const uint16_t *cos, const uint16_t *sin, uint16_t *keys, uint16_t *values,
+                     const int64_t *positions, uint16_t *out, float *scratch, int64_t rows, int64_t heads,
+                     int64_t kv_heads, int64_t d, int64_t width, float scaling) {
+    float *own = scratch + (int64_t)omp_thread() * attention_scratch(heads, kv_heads, d, width);
 #pragma omp for schedule(static)
-        for (int64_t u = 0; u < units; u++)
-            attend_head(qkv, cos, sin, keys, values, positions, out, own, rows, heads, kv_heads, d, width, scaling,
-                        u / kv_heads, u % kv_heads);
-    }
+    for (int64_t u = 0; u < rows * kv_heads; u++)
+        attend_head(qkv, cos, sin, keys, values, positions, out, own, rows, heads, kv_heads, d, width, scaling,
+                    u / kv_heads, u % kv_heads);
+}
+
+int llamarl_attention_bf16(const uint16_t *qkv, const uint16_t *cos, const uint16_t *sin, uint16_t *keys,
+                           uint16_t *values, const int64_t *positions, uint16_t *out, float *scratch, int64_t rows,
+                           int64_t heads, int64_t kv_heads, int64_t d, int64_t width, float scaling, int threads) {
+    const int status = attention_check(positions, rows, d, width);
+    if (status) return status;
+#pragma omp parallel num_threads(threads) if (threads > 1 && rows * kv_heads > 1)
+    attention_units(qkv, cos, sin, keys, values, positions, out, scratch, rows, heads, kv_heads, d, width, scaling);
     return 0;
 }
 
@@ -470,12 +500,12 @@ static inline __attribute__((always_inline)) void gemm_tile(const int MT, const 
     default: gemm_tile(6, NB, x, panel, bias, y, n, k, p, i); break;                                        \
     }
 
-/* Returns 0 (2 when built without AVX512-BF16: nothing written). */
-int llamarl_gemm_bf16(const uint16_t *x, const uint16_t *packed, const uint16_t *bias, uint16_t *y, int64_t m,
-                      int64_t n, int64_t k, int threads) {
+/* The body: the outputs' panel groups split across the team (each thread reads its own share of
+ * the weights). */
+void gemm_avx512_panels(const uint16_t *x, const uint16_t *packed, const uint16_t *bias, uint16_t *y, int64_t m,
+                        int64_t n, int64_t k) {
     const int64_t panels = (n + 15) / 16, pairs = (k + 1) / 2, groups = (panels + GEMM_PANELS - 1) / GEMM_PANELS;
-    /* the outputs' panel groups split across the threads: each reads its own share of the weights */
-#pragma omp parallel for num_threads(threads) schedule(static) if (threads > 1 && groups > 1)
+#pragma omp for schedule(static)
     for (int64_t group = 0; group < groups; group++) {
         const int64_t p = group * GEMM_PANELS;
         const uint16_t *panel = packed + p * pairs * 32;
@@ -490,6 +520,13 @@ int llamarl_gemm_bf16(const uint16_t *x, const uint16_t *packed, const uint16_t 
             }
         }
     }
+}
+
+/* Returns 0 (2 when built without AVX512-BF16: nothing written). */
+int llamarl_gemm_bf16(const uint16_t *x, const uint16_t *packed, const uint16_t *bias, uint16_t *y, int64_t m,
+                      int64_t n, int64_t k, int threads) {
+#pragma omp parallel num_threads(threads) if (threads > 1 && n > 16 * GEMM_PANELS)
+    gemm_avx512_panels(x, packed, bias, y, m, n, k);
     return 0;
 }
 #else
