@@ -503,3 +503,19 @@ def test_the_sampler_draws_from_the_c_softmax_in_bf16(monkeypatch):
     monkeypatch.setattr(sampling, "_SCRATCH_MAX", 100)
     third = sampling._softmax(logits)
     assert third.data_ptr() != first.data_ptr() and torch.equal(third, softmax(logits))
+
+
+@pytest.mark.skipif(not cpu_kernels.threaded(), reason="the library was built without OpenMP (no compiler support)")
+def test_an_openmp_runtime_without_a_team_leaves_the_kernels_on_one_thread():
+    """The check ``load`` makes before it lets the kernels split their work: OMP_THREAD_LIMIT=1 (as a
+    runtime other than PyTorch's libgomp would) gives no team of two, so they run on one thread."""
+    import os
+    import subprocess
+    import sys
+
+    code = ("import logging; logging.basicConfig(); from llamarl.engines import cpu_kernels as c; "
+            "print(c.available(), c.threaded(), c._threads())")
+    done = subprocess.run([sys.executable, "-c", code], env={**os.environ, "OMP_THREAD_LIMIT": "1"},
+                          capture_output=True, text=True, timeout=300, check=False)
+    assert done.stdout.split() == ["True", "False", "1"], done.stdout + done.stderr
+    assert "gave no team of 2 threads" in done.stderr

@@ -34,39 +34,66 @@ def generate(model, *, one_call: bool, rows: int, max_new_tokens: int, calls: li
 
 
 @pytest.mark.parametrize("family", ["llama-tied", "qwen2", "mistral"])
-def test_one_call_is_the_kernel_by_kernel_step_bit_for_bit(family, monkeypatch):
+@pytest.mark.parametrize("amx", [True, False], ids=["amx-if-here", "avx512"])
+def test_one_call_is_the_kernel_by_kernel_step_bit_for_bit(family, amx, monkeypatch):
     model = build_family(family).to(BF16)
-    calls = []
+    library = cpu_kernels._library()
+    monkeypatch.setattr(library, "amx_ready", library.amx_ready and amx)  # both paths take the same GEMM
+    if not amx:  # as on a CPU without AMX, where the AVX512-BF16 GEMM takes any row count
+        flags = cpu_kernels.cpu_flags() - {"amx_bf16"}
+        monkeypatch.setattr(cpu_kernels, "cpu_flags", lambda: flags)
+    calls, widths = [], []
     decode_layers = native_step.decode_layers
     monkeypatch.setattr(native_step, "decode_layers", lambda *a, **k: calls.append(1) or decode_layers(*a, **k))
+    tables = native_step.LayerTables
+
+    class Recorded(tables):
+        def __init__(self, **kwargs):
+            super().__init__(**kwargs)
+            widths.append(self.width)
+
+    monkeypatch.setattr(native_step, "LayerTables", Recorded)
     threads = torch.get_num_threads()
     try:
         for num_threads, rows in ((1, 3), (3, 17), (1, 16)):
             torch.set_num_threads(num_threads)
-            # 40 new tokens: the caches widen during the decode (DecodeState.reserve), new tables.
-            one = generate(model, one_call=True, rows=rows, max_new_tokens=40, calls=calls)
-            assert len(calls) == 39, (num_threads, rows, len(calls))  # every decode step, the first is prefill
-            assert generate(model, one_call=False, rows=rows, max_new_tokens=40, calls=calls) == one and not calls
+            widths.clear()
+            # 80 new tokens: the caches widen during the decode (DecodeState.reserve), new tables.
+            one = generate(model, one_call=True, rows=rows, max_new_tokens=80, calls=calls)
+            assert len(calls) == 79, (num_threads, rows, len(calls))  # every decode step, the first is prefill
+            assert len(set(widths)) >= 2, widths
+            assert generate(model, one_call=False, rows=rows, max_new_tokens=80, calls=calls) == one and not calls
     finally:
         torch.set_num_threads(threads)
 
 
-def test_the_tables_follow_a_weight_update_and_widened_caches(monkeypatch):
-    model = build_family("qwen2").to(BF16)
-    decoder = FusedDecoder(model)
+def two_steps_across_a_weight_update(*, one_call: bool) -> tuple[torch.Tensor, bool]:
+    """Two decode steps of one state, a weight written in place between them: the second step's
+    logits, and whether the one-call tables were rebuilt for it (Mistral: no biases, whose fused
+    copies would change the table's addresses anyway)."""
+    model = build_family("mistral").to(BF16)
     tok = chat_tokenizer()
     engine = TorchEngine(model, eos_token_ids=[], pad_token_id=tok.pad_token_id)
-    engine._fused = decoder
-    requests = [Request(sample_id=0, prompt_ids=tuple(tok("Hello there")["input_ids"]))]
-    greedy = SamplingParams(max_new_tokens=6, temperature=0.0)
-    before = engine.generate(requests, sampling=greedy, version=0)[0].completion_ids
-    tables = decoder._tables[1]
+    decoder = FusedDecoder(model)
+    decoder.one_call = one_call
+    contexts = [tuple(tok(f"Tell me about {word}.")["input_ids"]) for word in ("cats", "the moon and tides")]
+    state = decoder.new_state(capacity=2, like=model.model.embed_tokens.weight)
+    _, cache, _ = engine._prefill(contexts)
+    state.append(keys=[layer.keys for layer in cache.layers], values=[layer.values for layer in cache.layers],
+                 lengths=[len(c) for c in contexts], left_padded=True)
+    tokens = torch.tensor([11, 12])
     with torch.no_grad():
+        decoder.step(state, tokens)
+        before = state.native_tables
         model.model.layers[0].mlp.down_proj.weight.mul_(-3.0)  # in place: the same tensor, a new version
-    after = engine.generate(requests, sampling=greedy, version=1)[0].completion_ids
-    assert decoder._tables[1] is not tables  # new packed weights, a new table
-    decoder.one_call = False
-    assert engine.generate(requests, sampling=greedy, version=1)[0].completion_ids == after != before
+        logits = decoder.step(state, tokens + 1).clone()
+    return logits, before is not None and state.native_tables[1] is not before[1]
+
+
+def test_the_tables_follow_a_weight_update_within_a_decode():
+    logits, rebuilt = two_steps_across_a_weight_update(one_call=True)
+    reference, _ = two_steps_across_a_weight_update(one_call=False)
+    assert rebuilt and torch.equal(logits, reference)
 
 
 def test_bad_inputs_are_refused_before_the_step_runs():

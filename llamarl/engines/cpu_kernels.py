@@ -232,7 +232,13 @@ def load(path: Path) -> ctypes.CDLL:
         function.argtypes, function.restype = argtypes, restype
     # The tile state is granted per process (arch_prctl): asked once per load, before any tile use.
     library.amx_ready = library.llamarl_has_amx() == 1 and library.llamarl_amx_init() == 0
-    library.threaded = library.llamarl_has_openmp() == 1
+    # Threads only when the OpenMP runtime the kernels call is the one that forks their regions: a
+    # compiler whose -fopenmp links another runtime than the libgomp PyTorch loaded (clang's libomp)
+    # would number every thread 0 (shared scratch, a race); OMP_THREAD_LIMIT=1 leaves no team either.
+    library.threaded = library.llamarl_has_openmp() == 1 and library.llamarl_parallel_width(2) == 2
+    if library.llamarl_has_openmp() == 1 and not library.threaded:
+        log.warning("the bf16 CPU kernels' OpenMP runtime gave no team of 2 threads (another runtime than "
+                    "PyTorch's libgomp, or OMP_THREAD_LIMIT); they run on the calling thread")
     return library
 
 
@@ -279,9 +285,9 @@ def _need() -> ctypes.CDLL:
 
 
 def _threads() -> int:
-    """The threads a kernel may use: PyTorch's intra-op count, asked per call (a caller may change it,
-    and each Python thread has its own)."""
-    return torch.get_num_threads()
+    """The threads a kernel may use: PyTorch's intra-op count, asked per call (a caller may change
+    it), where ``threaded()``; else 1."""
+    return torch.get_num_threads() if threaded() else 1
 
 
 @dataclasses.dataclass(frozen=True)

@@ -33,9 +33,10 @@ turns it off):
 
 * **C kernels in bf16** (``cpu_kernels``; on PyTorch's intra-op threads where built with OpenMP,
   else on one thread, and then with more intra-op threads only up to ``cpu_kernels.THREADED_ROWS``
-  rows): each layer is eight calls (the four projections; attention with RoPE and the cache write
-  over each row's own columns; the residual adds fused with the next RMSNorm; SwiGLU), the
-  projections through an AMX or AVX512-BF16 GEMM where the CPU has it (``gemm_max_rows``). A
+  rows): each layer is eight kernels (the four projections; attention with RoPE and the cache
+  write over each row's own columns; the residual adds fused with the next RMSNorm; SwiGLU), the
+  projections through an AMX or AVX512-BF16 GEMM where the CPU has it (``gemm_max_rows``); where
+  every projection takes the GEMM, all the layers of a step are one C call (``native_step``). A
   1-row step of SmolLM2-135M: 31.0 -> 16 ms; 16 rows: 73.6 -> 38 ms. They round where HF's bf16
   modules round, so their outputs are HF's up to the order of fp32 sums; fp32 models keep the
   PyTorch ops below.
@@ -133,7 +134,6 @@ class FusedDecoder:
         self._built_from: tuple[tuple[int, int], ...] = ()
         self._source_tensors: list[torch.Tensor] | None = None
         self._workspace: dict[str, torch.Tensor] = {}
-        self._tables: tuple[tuple[list, list[torch.Tensor]], native_step.LayerTables] | None = None
         norms = [m for layer in model.model.layers for m in (layer.input_layernorm, layer.post_attention_layernorm)]
         # The C layer helpers (cpu_kernels): bf16 on the CPU, these families' RMSNorm and SwiGLU.
         self._native = (model.model.embed_tokens.weight.dtype == torch.bfloat16
@@ -267,14 +267,19 @@ class FusedDecoder:
 
     def _layer_tables(self, fused: list[tuple[_Linear, _Linear, _Linear, _Linear]],
                       state: DecodeState) -> native_step.LayerTables:
-        """``native_step``'s checked address table of the layers' tensors, rebuilt when any of them
-        is another object (new projections after a weight update, widened caches, a replaced norm)."""
+        """``native_step``'s checked address table of the layers' tensors, kept on ``state`` (so it
+        holds nothing past the state's own caches and projections) and rebuilt when any of them is
+        another object or at another address (new projections after a weight update, widened
+        caches, a norm or bias replaced or given new storage)."""
         layers = self.model.model.layers
         norms = [(layer.input_layernorm.weight, layer.post_attention_layernorm.weight) for layer in layers]
-        sources = [tensor for pair in norms for tensor in pair] + state.keys + state.values
-        if self._tables is not None:
-            (built_for, built_from), tables = self._tables
-            if built_for is fused and len(built_from) == len(sources) and all(map(_same, built_from, sources)):
+        addresses = [tensor.data_ptr() for pair in norms for tensor in pair] + [
+            linear.bias.data_ptr() for layer in fused for linear in layer if linear.bias is not None]
+        caches = state.keys + state.values
+        if state.native_tables is not None:
+            (built_for, built_at, built_from), tables = state.native_tables
+            if built_for is fused and built_at == addresses and len(built_from) == len(caches) \
+                    and all(map(_same, built_from, caches)):
                 return tables
         projections = [[(linear.packed(), linear.bias) for linear in layer] for layer in fused]
         config = self.model.config
@@ -282,7 +287,7 @@ class FusedDecoder:
                                   head_dim=self.head_dim, inter=fused[0][2].weight.shape[0] // 2)
         tables = native_step.LayerTables(shape=shape, projections=projections, norms=norms, keys=state.keys,
                                          values=state.values)
-        self._tables = ((fused, sources), tables)
+        state.native_tables = ((fused, addresses, caches), tables)
         return tables
 
     @torch.no_grad()
@@ -290,7 +295,8 @@ class FusedDecoder:
         """``step`` through the C layer helpers (``cpu_kernels``): per layer the q/k/v projection,
         attention (RoPE, the cache write, grouped-query attention over each row's own columns), the
         output projection, the residual add with the next norm, gate/up, SwiGLU, down and again the
-        residual add with the next norm: eight calls instead of ~35 ops."""
+        residual add with the next norm: eight kernels instead of ~35 ops; all the layers in one C
+        call where every projection takes the C GEMM (``native_step``), else kernel by kernel."""
         model = self.model
         rows = tokens.shape[0]
         assert rows == state.num_rows, (rows, state.num_rows)
@@ -303,7 +309,7 @@ class FusedDecoder:
         work = self._buffers(rows, fused[0], like=hidden)
         if self._in_one_call(fused, rows):
             tables = self._layer_tables(fused, state)
-            threads = torch.get_num_threads()
+            threads = cpu_kernels._threads()
             groups = self.num_heads // self.num_kv_heads
             floats = threads * (groups * (tables.width + 2 * self.head_dim) + self.head_dim)
             scratch = self._workspace.get("scratch")
@@ -380,6 +386,7 @@ class DecodeState:
     def __init__(self, *, keys: list[torch.Tensor], values: list[torch.Tensor], mask: torch.Tensor) -> None:
         self.keys, self.values, self.mask = keys, values, mask  # [capacity, kv, width, d], [capacity, width]
         self.lengths: list[int] = []  # positions cached per live row (host-side: no sync to read)
+        self.native_tables: tuple | None = None  # FusedDecoder._layer_tables' cache for this state
 
     @property
     def num_rows(self) -> int:

@@ -114,7 +114,7 @@ def decode_layers(tables: LayerTables, *, hidden: torch.Tensor, buffers: dict[st
     rows = hidden.shape[0] if hidden.dim() == 2 else -1
     if not 1 <= rows <= tables.capacity:
         raise ValueError(f"native_step: {rows} rows for caches of {tables.capacity} slots")
-    padded, threads = padded_rows(rows), torch.get_num_threads()
+    padded, threads = padded_rows(rows), cpu_kernels._threads()
     widths = {"x": shape.dim, "delta": shape.dim, "qkv": shape.qkv_width, "attended": shape.heads * shape.head_dim,
               "gate_up": 2 * shape.inter, "act": shape.inter}
     pointers = {}
