@@ -280,6 +280,7 @@ def test_the_portable_build_computes_the_same(tmp_path, monkeypatch):
     for shape in ((4, 2, 16), (9, 3, 64)):
         test_attention_writes_the_cache_and_attends_like_hfs_eager_attention(*shape)
     test_the_softmax_is_pytorchs_to_float_rounding()
+    test_the_c_draw_is_the_inverse_cdf_over_its_blocks()
     with pytest.raises(RuntimeError, match="needs a CPU with AVX512-BF16"):
         cpu_kernels.linear(randn(1, 8, seed=0), cpu_kernels.pack(randn(4, 8, seed=1)))
 
@@ -480,13 +481,13 @@ def test_the_softmax_is_pytorchs_to_float_rounding():
         cpu_kernels.softmax(logits, out=torch.empty(6, 1006))
 
 
-def test_the_sampler_draws_from_the_c_softmax_in_bf16(monkeypatch):
+def test_the_sampler_draws_in_c_in_bf16(monkeypatch):
     from llamarl.engines import sampling
     from llamarl.engines.base import SamplingParams
 
     calls = []
-    softmax = cpu_kernels.softmax
-    monkeypatch.setattr(cpu_kernels, "softmax", lambda x, **k: calls.append(x.shape) or softmax(x, **k))
+    sample = cpu_kernels.sample
+    monkeypatch.setattr(cpu_kernels, "sample", lambda x, u: calls.append(x.shape) or sample(x, u))
     logits = randn(4, 300, seed=31, scale=3.0)
     uniforms = torch.rand(4, generator=torch.Generator().manual_seed(32), dtype=torch.float64)
     tokens, logprobs = sampling.sample_tokens(logits, sampling=SamplingParams(temperature=1.0), uniforms=uniforms)
@@ -495,14 +496,14 @@ def test_the_sampler_draws_from_the_c_softmax_in_bf16(monkeypatch):
     # The same inverse-CDF draw as over PyTorch's probabilities (no uniform this close to an edge).
     assert torch.equal(tokens, sampling._draw(expected, uniforms))
     torch.testing.assert_close(logprobs, expected.gather(-1, tokens[:, None]).squeeze(-1).log(), rtol=0, atol=1e-5)
-    sampling.sample_tokens(logits.float(), sampling=SamplingParams(temperature=1.0), uniforms=uniforms)
-    assert calls == [(4, 300)]  # fp32 logits: PyTorch's softmax
+    fp32 = sampling.sample_tokens(logits.float(), sampling=SamplingParams(temperature=1.0), uniforms=uniforms)
+    assert calls == [(4, 300)] and torch.equal(fp32[0], tokens)  # fp32 logits: PyTorch's softmax and draw
     # The buffer is reused from call to call up to _SCRATCH_MAX probabilities, a new tensor beyond.
     first, second = sampling._softmax(logits), sampling._softmax(logits[:2])
     assert first.data_ptr() == second.data_ptr()
     monkeypatch.setattr(sampling, "_SCRATCH_MAX", 100)
     third = sampling._softmax(logits)
-    assert third.data_ptr() != first.data_ptr() and torch.equal(third, softmax(logits))
+    assert third.data_ptr() != first.data_ptr() and torch.equal(third, cpu_kernels.softmax(logits))
 
 
 @pytest.mark.skipif(not cpu_kernels.threaded(), reason="the library was built without OpenMP (no compiler support)")
@@ -519,3 +520,34 @@ def test_an_openmp_runtime_without_a_team_leaves_the_kernels_on_one_thread():
                           capture_output=True, text=True, timeout=300, check=False)
     assert done.stdout.split() == ["True", "False", "1"], done.stdout + done.stderr
     assert "gave no team of 2 threads" in done.stderr
+
+
+def test_the_c_draw_is_the_inverse_cdf_over_its_blocks():
+    """cpu_kernels.sample against sampling._draw over PyTorch's softmax: a vocabulary across several
+    256-blocks with a partial last one, uniforms at 0 and just below 1 (the first and the last token
+    with probability), -inf (filtered) logits never drawn even at their intervals' edges, and rows
+    with a NaN / +inf logit or only -inf ones (token -1, NaN log-prob, as PyTorch's softmax is NaN)."""
+    vocab = 1000
+    logits = randn(6, vocab, seed=60, scale=2.0)
+    logits[:, :5] = float("-inf")  # the first tokens filtered out: u = 0 must land past them
+    logits[:, -7:] = float("-inf")  # and the last ones: u -> 1 must stop before them
+    logits[1, 256:512] = float("-inf")  # a whole block without probability
+    uniforms = torch.tensor([0.0, 0.3, 0.5, 1.0 - 2.0**-52, 0.999, 0.25], dtype=torch.float64)
+    tokens, logprobs = cpu_kernels.sample(logits, uniforms)
+    probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
+    assert torch.equal(tokens, sampling_draw(probs, uniforms))
+    assert tokens[0] == 5 and tokens[3] == vocab - 8 and not (256 <= tokens[1] < 512)
+    assert bool((probs.gather(1, tokens[:, None]) > 0).all())
+    torch.testing.assert_close(logprobs, probs.gather(1, tokens[:, None]).squeeze(1).log(), rtol=0, atol=1e-5)
+    broken = logits[:3].clone()
+    broken[0, 7], broken[1, 9], broken[2] = float("nan"), float("inf"), float("-inf")
+    tokens, logprobs = cpu_kernels.sample(broken, uniforms[:3])
+    assert tokens.tolist() == [-1, -1, -1] and bool(logprobs.isnan().all())
+    with pytest.raises(ValueError, match="uniforms must be a contiguous torch.float64"):
+        cpu_kernels.sample(logits, uniforms.float())
+
+
+def sampling_draw(probs: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
+    from llamarl.engines import sampling
+
+    return sampling._draw(probs, uniforms)

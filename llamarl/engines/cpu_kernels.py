@@ -106,6 +106,7 @@ _SIGNATURES = {
     "llamarl_has_openmp": ([], _INT),
     "llamarl_parallel_width": ([_INT], _INT),
     "llamarl_softmax_bf16": ([_P] * 2 + [_I64] * 2 + [_INT], None),
+    "llamarl_sample_bf16": ([_P] * 4 + [_I64] * 2 + [_INT], _INT),
     "llamarl_rmsnorm_bf16": ([_P] * 3 + [_I64] * 2 + [_F32, _INT], None),
     "llamarl_add_rmsnorm_bf16": ([_P] * 4 + [_I64] * 2 + [_F32, _INT], None),
     "llamarl_silu_mul_bf16": ([_P] * 2 + [_I64] * 2 + [_INT], None),
@@ -431,3 +432,21 @@ def softmax(logits: torch.Tensor, *, out: torch.Tensor | None = None) -> torch.T
     out = _output(out, (rows, vocab), logits, torch.float32)
     library.llamarl_softmax_bf16(pointer, out.data_ptr(), rows, vocab, _threads())
     return out
+
+
+def sample(logits: torch.Tensor, uniforms: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """One token per row of bf16 ``logits`` ``[rows, vocab]`` drawn from their softmax with the
+    row's uniform (fp64 ``[rows]`` in [0, 1)), and its fp32 log-probability: ``sampling._draw`` over
+    ``softmax``'s probabilities without writing them (``csrc/softmax.c``; the same draw up to
+    rounding at an interval's edge, the log-prob within ~1e-6). A row with a NaN or +inf logit (or
+    only -inf ones) gets token -1 and a NaN log-prob. None when the vocabulary is over the kernel's
+    2M (the caller keeps PyTorch's path)."""
+    library = _need()
+    rows, vocab = logits.shape if logits.dim() == 2 else (-1, -1)
+    pointer = _checked("logits", logits, (rows, vocab))
+    draws = _checked("uniforms", uniforms, (rows,), torch.float64)
+    tokens = torch.empty(rows, dtype=torch.int64, device=logits.device)
+    logprobs = torch.empty(rows, dtype=torch.float32, device=logits.device)
+    if library.llamarl_sample_bf16(pointer, draws, tokens.data_ptr(), logprobs.data_ptr(), rows, vocab, _threads()):
+        return None
+    return tokens, logprobs

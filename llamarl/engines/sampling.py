@@ -153,6 +153,12 @@ def sample_tokens(
         # probability underflows to 0 is never drawn). log_softmax then exp were two passes over
         # the vocabulary: 1.5 vs 0.5 ms at 16 rows of 49k on one thread.
         x = logits if sampling.temperature == 1.0 else logits.float() / sampling.temperature
+        if x.dtype == torch.bfloat16 and x.device.type == "cpu" and x.dim() == 2 and cpu_kernels.available():
+            # The draw and its log-prob in C without writing the probabilities (one pass for the
+            # max, one for the block sums): 64 rows of a 49k vocabulary, one thread, 2.1 -> 1.2 ms.
+            drawn = cpu_kernels.sample(x.contiguous(), uniforms.to(torch.float64).contiguous())
+            if drawn is not None:
+                return drawn
         probs = _softmax(x)
         tokens = _draw(probs, uniforms)
         return tokens, probs.gather(-1, tokens.unsqueeze(-1)).squeeze(-1).log()
