@@ -526,7 +526,7 @@ def test_the_c_draw_is_the_inverse_cdf_over_its_blocks():
     """cpu_kernels.sample against sampling._draw over PyTorch's softmax: a vocabulary across several
     256-blocks with a partial last one, uniforms at 0 and just below 1 (the first and the last token
     with probability), -inf (filtered) logits never drawn even at their intervals' edges, and rows
-    with a NaN / +inf logit or only -inf ones (token -1, NaN log-prob, as PyTorch's softmax is NaN)."""
+    with a NaN / +inf logit or only -inf ones (refused, naming the rows: PyTorch's softmax is NaN)."""
     vocab = 1000
     logits = randn(6, vocab, seed=60, scale=2.0)
     logits[:, :5] = float("-inf")  # the first tokens filtered out: u = 0 must land past them
@@ -541,8 +541,10 @@ def test_the_c_draw_is_the_inverse_cdf_over_its_blocks():
     torch.testing.assert_close(logprobs, probs.gather(1, tokens[:, None]).squeeze(1).log(), rtol=0, atol=1e-5)
     broken = logits[:3].clone()
     broken[0, 7], broken[1, 9], broken[2] = float("nan"), float("inf"), float("-inf")
-    tokens, logprobs = cpu_kernels.sample(broken, uniforms[:3])
-    assert tokens.tolist() == [-1, -1, -1] and bool(logprobs.isnan().all())
+    with pytest.raises(ValueError, match=r"logits rows \[0, 1, 2\] hold a NaN or \+inf"):
+        cpu_kernels.sample(broken, uniforms[:3])
+    with pytest.raises(ValueError, match=r"logits rows \[1\] hold"):  # one bad row among good ones
+        cpu_kernels.sample(torch.cat([logits[:1], broken[:1]]), uniforms[:2])
     with pytest.raises(ValueError, match="uniforms must be a contiguous torch.float64"):
         cpu_kernels.sample(logits, uniforms.float())
 

@@ -439,8 +439,8 @@ def sample(logits: torch.Tensor, uniforms: torch.Tensor) -> tuple[torch.Tensor, 
     row's uniform (fp64 ``[rows]`` in [0, 1)), and its fp32 log-probability: ``sampling._draw`` over
     ``softmax``'s probabilities without writing them (``csrc/softmax.c``; the same draw up to
     rounding at an interval's edge, the log-prob within ~1e-6). A row with a NaN or +inf logit (or
-    only -inf ones) gets token -1 and a NaN log-prob. None when the vocabulary is over the kernel's
-    2M (the caller keeps PyTorch's path)."""
+    only -inf ones) has nothing to draw from: ``ValueError`` naming the rows (PyTorch's softmax is NaN
+    there). None when the vocabulary is over the kernel's 2M (the caller keeps PyTorch's path)."""
     library = _need()
     rows, vocab = logits.shape if logits.dim() == 2 else (-1, -1)
     pointer = _checked("logits", logits, (rows, vocab))
@@ -449,4 +449,8 @@ def sample(logits: torch.Tensor, uniforms: torch.Tensor) -> tuple[torch.Tensor, 
     logprobs = torch.empty(rows, dtype=torch.float32, device=logits.device)
     if library.llamarl_sample_bf16(pointer, draws, tokens.data_ptr(), logprobs.data_ptr(), rows, vocab, _threads()):
         return None
+    if bool((tokens < 0).any()):  # the kernel's mark for a row without a distribution
+        bad = (tokens < 0).nonzero().flatten().tolist()
+        raise ValueError(f"cpu_kernels.sample: logits rows {bad[:8]} hold a NaN or +inf (or only -inf): "
+                         f"nothing to draw from (non-finite weights or activations?)")
     return tokens, logprobs
