@@ -1,5 +1,6 @@
 """C kernels for bf16 CPU decode steps: the linear layers (an AVX512-BF16 GEMM over weights packed
-for it), and the norms, attention and activation of a layer as one call each (``csrc/bf16_decode.c``).
+for it), and the norms, attention and activation of a layer as one call each (``csrc/bf16_decode.c``);
+the sampler's softmax and draw (``csrc/softmax.c``); a step's layers in one call (``native_step``).
 
 Why: a decode step reads every weight once and, at a few rows, does little arithmetic per byte, so
 its floor is the weights' bytes over the memory bandwidth (at one row) or the matmuls' FLOPs over
