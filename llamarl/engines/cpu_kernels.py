@@ -391,6 +391,12 @@ def silu_mul(gate_up: torch.Tensor, *, out: torch.Tensor | None = None) -> torch
     return out
 
 
+def attention_scratch(*, num_heads: int, num_kv_heads: int, head_dim: int, width: int) -> int:
+    """Floats of attention scratch each thread needs (``csrc/kernels.h``'s ``attention_scratch``):
+    the scores and the query and output heads of one KV head's query heads, and a row of d."""
+    return (num_heads // num_kv_heads) * (width + 2 * head_dim) + head_dim
+
+
 def attention(qkv: torch.Tensor, *, cos: torch.Tensor, sin: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
               positions: torch.Tensor, num_heads: int, scaling: float, out: torch.Tensor | None = None) -> torch.Tensor:
     """One token per row through a layer's attention after its q/k/v projection (``csrc``'s
@@ -411,9 +417,10 @@ def attention(qkv: torch.Tensor, *, cos: torch.Tensor, sin: torch.Tensor, keys: 
                 _checked("values", values, (capacity, num_kv_heads, width, head_dim)),
                 _checked("positions", positions, (rows,), torch.int64)]
     out = _output(out, (rows, num_heads * head_dim), qkv)
-    groups, threads = num_heads // num_kv_heads, _threads()
-    scratch = torch.empty(threads * (groups * (width + 2 * head_dim) + head_dim), dtype=torch.float32,
-                          device=qkv.device)
+    threads = _threads()
+    scratch = torch.empty(threads * attention_scratch(num_heads=num_heads, num_kv_heads=num_kv_heads,
+                                                      head_dim=head_dim, width=width),
+                          dtype=torch.float32, device=qkv.device)
     status = library.llamarl_attention_bf16(*pointers, out.data_ptr(), scratch.data_ptr(), rows, num_heads,
                                             num_kv_heads, head_dim, width, scaling, threads)
     if status != 0:

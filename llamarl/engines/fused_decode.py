@@ -49,6 +49,8 @@ every step, so a seeded sampler draws the same numbers).
 
 from __future__ import annotations
 
+import operator
+
 import torch
 from torch.distributed.tensor import DTensor
 
@@ -279,7 +281,7 @@ class FusedDecoder:
         if state.native_tables is not None:
             (built_for, built_at, built_from), tables = state.native_tables
             if built_for is fused and built_at == addresses and len(built_from) == len(caches) \
-                    and all(map(_same, built_from, caches)):
+                    and all(map(operator.is_, built_from, caches)):
                 return tables
         projections = [[(linear.packed(), linear.bias) for linear in layer] for layer in fused]
         config = self.model.config
@@ -309,9 +311,8 @@ class FusedDecoder:
         work = self._buffers(rows, fused[0], like=hidden)
         if self._in_one_call(fused, rows):
             tables = self._layer_tables(fused, state)
-            threads = cpu_kernels._threads()
-            groups = self.num_heads // self.num_kv_heads
-            floats = threads * (groups * (tables.width + 2 * self.head_dim) + self.head_dim)
+            floats = cpu_kernels._threads() * cpu_kernels.attention_scratch(
+                num_heads=self.num_heads, num_kv_heads=self.num_kv_heads, head_dim=self.head_dim, width=tables.width)
             scratch = self._workspace.get("scratch")
             if scratch is None or scratch.numel() < floats:
                 scratch = self._workspace["scratch"] = torch.empty(floats, dtype=torch.float32, device=hidden.device)
@@ -366,10 +367,6 @@ def _norm(module: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
     if eps is None or type(module).__name__ not in _RMS_NORMS:
         return module(x)
     return module.weight * torch.nn.functional.rms_norm(x.float(), (x.shape[-1],), eps=eps).to(x.dtype)
-
-
-def _same(a: object, b: object) -> bool:
-    return a is b
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:

@@ -124,8 +124,8 @@ def decode_layers(tables: LayerTables, *, hidden: torch.Tensor, buffers: dict[st
             raise ValueError(f"native_step: buffer {name} has shape {tuple(buffer.shape)}; {rows} rows need "
                              f"[>= {padded}, {width}]")
         pointers[name] = cpu_kernels._checked(f"buffer {name}", buffer, (buffer.shape[0], width))
-    groups = shape.heads // shape.kv_heads
-    per_thread = groups * (tables.width + 2 * shape.head_dim) + shape.head_dim  # kernels.h's attention_scratch
+    per_thread = cpu_kernels.attention_scratch(num_heads=shape.heads, num_kv_heads=shape.kv_heads,
+                                               head_dim=shape.head_dim, width=tables.width)
     if scratch.dtype != torch.float32 or not scratch.is_contiguous() or scratch.numel() < threads * per_thread \
             or scratch.device.type != "cpu":
         raise ValueError(f"native_step: scratch must be a contiguous fp32 CPU tensor of >= {threads * per_thread} "

@@ -17,34 +17,43 @@
 #include <stdint.h>
 #include "bf16_math.h"
 
+/* The largest of a row's logits (fp32), and in *nan whether any is NaN. */
+static float row_top(const uint16_t *x, int64_t vocab, int *nan) {
+    float top = -INFINITY;
+    int found = 0;
+    int64_t c = 0;
+#ifdef LLAMARL_AVX512_BF16
+    __m512 tops = _mm512_set1_ps(-INFINITY);
+    __mmask16 nans = 0;
+    for (; c + 16 <= vocab; c += 16) {
+        const __m512 v = load_bf16x16(x + c);
+        nans |= _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
+        tops = _mm512_max_ps(tops, v);
+    }
+    top = _mm512_reduce_max_ps(tops);
+    found = nans != 0;
+#endif
+    for (; c < vocab; c++) {
+        const float v = bf16_to_f32(x[c]);
+        found |= v != v;
+        top = v > top ? v : top;
+    }
+    *nan = found;
+    return top;
+}
+
 void llamarl_softmax_bf16(const uint16_t *logits, float *probs, int64_t rows, int64_t vocab, int threads) {
 #pragma omp parallel for num_threads(threads) schedule(static) if (threads > 1 && rows > 1)
     for (int64_t r = 0; r < rows; r++) {
         const uint16_t *x = logits + r * vocab;
-        float *p = probs + r * vocab, top = -INFINITY, total = 0.0f;
-        int nan = 0;
-        int64_t c = 0;
-#ifdef LLAMARL_AVX512_BF16
-        __m512 tops = _mm512_set1_ps(-INFINITY);
-        __mmask16 nans = 0;
-        for (; c + 16 <= vocab; c += 16) {
-            const __m512 v = load_bf16x16(x + c);
-            nans |= _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
-            tops = _mm512_max_ps(tops, v);
-        }
-        top = _mm512_reduce_max_ps(tops);
-        nan = nans != 0;
-#endif
-        for (; c < vocab; c++) {
-            const float v = bf16_to_f32(x[c]);
-            nan |= v != v;
-            top = v > top ? v : top;
-        }
+        float *p = probs + r * vocab, total = 0.0f;
+        int nan;
+        const float top = row_top(x, vocab, &nan);
         if (nan || top == -INFINITY || top == INFINITY) { /* PyTorch's result: NaN throughout (inf - inf) */
-            for (c = 0; c < vocab; c++) p[c] = NAN;
+            for (int64_t c = 0; c < vocab; c++) p[c] = NAN;
             continue;
         }
-        c = 0;
+        int64_t c = 0;
 #ifdef LLAMARL_AVX512_BF16
         __m512 sums = _mm512_setzero_ps();
         for (; c + 16 <= vocab; c += 16) {
@@ -122,26 +131,9 @@ int llamarl_sample_bf16(const uint16_t *logits, const double *uniforms, int64_t 
 #pragma omp parallel for num_threads(threads) schedule(static) if (threads > 1 && rows > 1)
     for (int64_t r = 0; r < rows; r++) {
         const uint16_t *x = logits + r * vocab;
-        float top = -INFINITY;
-        int bad = 0;
-        int64_t c = 0;
-#ifdef LLAMARL_AVX512_BF16
-        __m512 tops = _mm512_set1_ps(-INFINITY);
-        __mmask16 odd = 0;
-        for (; c + 16 <= vocab; c += 16) {
-            const __m512 v = load_bf16x16(x + c);
-            odd |= _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q) | _mm512_cmp_ps_mask(v, _mm512_set1_ps(INFINITY), _CMP_EQ_OQ);
-            tops = _mm512_max_ps(tops, v);
-        }
-        top = _mm512_reduce_max_ps(tops);
-        bad = odd != 0;
-#endif
-        for (; c < vocab; c++) { /* a NaN or +inf logit makes the row NaN, as PyTorch's softmax */
-            const float v = bf16_to_f32(x[c]);
-            bad |= v != v || v == INFINITY;
-            top = v > top ? v : top;
-        }
-        if (bad || top == -INFINITY) {
+        int nan;
+        const float top = row_top(x, vocab, &nan); /* a NaN or +inf logit makes the row NaN, as PyTorch's softmax */
+        if (nan || top == -INFINITY || top == INFINITY) {
             tokens[r] = -1;
             logprobs[r] = NAN;
             continue;
