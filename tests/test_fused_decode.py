@@ -209,3 +209,59 @@ def test_kept_caches_admitted_mid_loop_leave_the_live_rows_logits_alone(monkeypa
     finally:
         torch.set_num_threads(threads)
     assert [c.completion_ids for c in resumed[default]] == [c.completion_ids for c in resumed[0]]
+
+
+def test_the_c_step_reserves_the_cache_once_and_gives_the_same_tokens(monkeypatch):
+    """bf16 on the C kernels (whose attention reads each row's own positions only): the decode's
+    cache is sized once, for the longest context a row can reach, instead of widened mid-way (a copy
+    of every layer's cache), with the same tokens and log-probs as when it grows step by step; the
+    PyTorch step (fp32), which attends over every allocated column, still grows it as rows need."""
+    from llamarl.engines import cpu_kernels
+    from llamarl.engines.fused_decode import DecodeState
+
+    if not cpu_kernels.available():
+        pytest.skip("the C decode kernels could not be built here")
+    widths = []
+    reserve = DecodeState.reserve
+
+    def spy(self, width):
+        before = self.width
+        reserve(self, width)
+        if self.width != before:
+            widths.append(self.width)
+
+    monkeypatch.setattr(DecodeState, "reserve", spy)
+    model = build_family("llama-tied").to(torch.bfloat16)
+    sampling = SamplingParams(temperature=1.0, max_new_tokens=80)  # past 64 columns: one widening at least
+    pad = chat_tokenizer().pad_token_id
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # the native step at any row count
+    try:
+        results = {}
+        new_state = FusedDecoder.new_state
+
+        def stepwise(self, *, capacity, like, positions=0):  # told nothing of the positions to come
+            return new_state(self, capacity=capacity, like=like)
+
+        for upfront in (True, False):
+            if not upfront:
+                monkeypatch.setattr(FusedDecoder, "new_state", stepwise)
+            widths.clear()
+            engine = TorchEngine(model, eos_token_ids=[], pad_token_id=pad)
+            results[upfront] = engine.generate(requests(), sampling=sampling, version=0,
+                                               generator=torch.Generator().manual_seed(3))
+            longest = max(len(r.prompt_ids) + len(r.completion_ids) for r in requests()) + 80
+            if upfront:
+                assert widths == [-(-longest // 64) * 64], widths  # once, before the prefill is appended
+            else:
+                assert len(widths) >= 2 and widths[-1] >= longest, widths
+    finally:
+        torch.set_num_threads(threads)
+    assert [c.completion_ids for c in results[True]] == [c.completion_ids for c in results[False]]
+    assert [c.logprobs for c in results[True]] == [c.logprobs for c in results[False]]
+    monkeypatch.undo()
+    monkeypatch.setattr(DecodeState, "reserve", spy)
+    widths.clear()
+    TorchEngine(build_family("llama-tied"), eos_token_ids=[], pad_token_id=pad).generate(
+        requests(), sampling=sampling, version=0, generator=torch.Generator().manual_seed(3))
+    assert len(widths) >= 2, widths  # fp32: the PyTorch step, whose cost grows with the width

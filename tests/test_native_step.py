@@ -53,6 +53,11 @@ def test_one_call_is_the_kernel_by_kernel_step_bit_for_bit(family, amx, monkeypa
             widths.append(self.width)
 
     monkeypatch.setattr(native_step, "LayerTables", Recorded)
+    # The caches sized step by step, not once for the whole decode (FusedDecoder.new_state's
+    # `positions`): they widen during it, as when a longer request is admitted mid-decode.
+    new_state = FusedDecoder.new_state
+    monkeypatch.setattr(FusedDecoder, "new_state", lambda self, *, capacity, like, positions=0: new_state(
+        self, capacity=capacity, like=like))
     threads = torch.get_num_threads()
     try:
         for num_threads, rows in ((1, 3), (3, 17), (1, 16)):

@@ -346,7 +346,8 @@ class TorchEngine:
         device = self.model.get_input_embeddings().weight.device
         batch = len(reqs)
         capacity = min(batch, self.max_num_seqs or batch)
-        state = self._fused.new_state(capacity=capacity, like=self.model.get_input_embeddings().weight)
+        state = self._fused.new_state(capacity=capacity, like=self.model.get_input_embeddings().weight,
+                                      positions=max(len(c) + n for c, n in zip(contexts, limits)))
         carries = self._carries(reqs, limits, sampling)
         pending = list(range(batch))
         order, logits = self._admit(state, reqs, contexts, pending[:capacity])
