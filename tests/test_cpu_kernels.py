@@ -7,6 +7,9 @@ build falling back, and whole decode steps of bf16 Llama / Qwen2 / Mistral layou
 
 from __future__ import annotations
 
+import itertools
+from pathlib import Path
+
 import pytest
 import torch
 from model_families import build_family, chat_tokenizer
@@ -160,6 +163,68 @@ def test_the_amx_gemm_is_the_avx512_gemm_on_tiles(rows, in_features, out_feature
     torch.testing.assert_close(amx.double(), exact.to(BF16).double(), rtol=8e-3, atol=1e-6 * in_features)
     torch.testing.assert_close(amx, outs["llamarl_gemm_bf16"])  # fp32 sums in another order
     torch.testing.assert_close(amx, torch.nn.functional.linear(x, weight, b))
+
+
+@pytest.mark.skipif(not cpu_kernels.cpu_has_avx512_bf16(), reason="the GEMM needs a CPU with AVX512-BF16")
+def test_the_gemm_gives_a_row_the_same_bits_in_any_batch():
+    # Up to 4 rows the AVX512-BF16 GEMM takes its outputs one panel at a time (one stream of
+    # weights), from 5 rows in tiles of 4 panels by 6 rows: each output's sum is the same chain in
+    # both, so a row's result does not depend on the rows beside it, nor on the thread count.
+    library = cpu_kernels._library()
+    weight, bias, x = randn(100, 97, seed=30), randn(100, seed=31), randn(13, 97, seed=32)
+    packed = cpu_kernels.pack(weight)
+
+    def gemm(rows: torch.Tensor, threads: int) -> torch.Tensor:
+        out = torch.full((rows.shape[0], 100), float("nan"), dtype=BF16)
+        status = library.llamarl_gemm_bf16(rows.data_ptr(), packed.data.data_ptr(), bias.data_ptr(), out.data_ptr(),
+                                           rows.shape[0], 100, 97, threads)
+        assert status == 0
+        return out
+
+    whole = gemm(x, 1)
+    torch.testing.assert_close(whole, torch.nn.functional.linear(x, weight, bias))
+    for m in range(1, 13):
+        for start in (0, 13 - m):
+            assert torch.equal(gemm(x[start : start + m].contiguous(), 1 + m % 3), whole[start : start + m]), m
+
+
+def test_pack_all_packs_as_pack_does_into_one_allocation_from_a_huge_page_boundary():
+    weights = [randn(19, 7, seed=40), randn(64, 576, seed=41), randn(37, 100, seed=42)]
+    together = cpu_kernels.pack_all(weights)
+    for weight, packed in zip(weights, together, strict=True):
+        alone = cpu_kernels.pack(weight)
+        assert (packed.out_features, packed.in_features) == (alone.out_features, alone.in_features)
+        assert torch.equal(packed.data, alone.data)
+    assert len({packed.data.untyped_storage().data_ptr() for packed in together}) == 1
+    assert together[0].data.data_ptr() % cpu_kernels.HUGE_PAGE == 0
+    for first, second in itertools.pairwise(together):  # one after another, in the order given
+        assert second.data.data_ptr() == first.data.data_ptr() + 2 * first.data.numel()
+    assert cpu_kernels.pack_all([]) == []
+    with pytest.raises(ValueError, match=r"weight 1 must be a contiguous torch.bfloat16 CPU tensor"):
+        cpu_kernels.pack_all([weights[0], weights[1].t()])
+
+
+def _thp_eligible(address: int) -> bool:
+    """Whether this process's mapping holding ``address`` may be backed by huge pages (smaps)."""
+    inside = False
+    for line in Path("/proc/self/smaps").read_text().splitlines():
+        head = line.split()[0] if line else ""
+        if "-" in head and not head.endswith(":"):
+            start, end = (int(bound, 16) for bound in head.split("-"))
+            inside = start <= address < end
+        elif inside and head == "THPeligible:":
+            return line.split()[1] == "1"
+    raise AssertionError(f"no mapping with THPeligible holds {address:#x}")
+
+
+def test_pack_all_asks_for_huge_pages():
+    mode = Path("/sys/kernel/mm/transparent_hugepage/enabled")
+    if not mode.exists() or "[never]" in mode.read_text() or not Path("/proc/self/smaps").exists():
+        pytest.skip("transparent huge pages are off here (or no /proc/self/smaps to see them)")
+    packed = cpu_kernels.pack_all([randn(4096, 576, seed=43)])  # 4.7 MB: two huge pages and a part
+    assert _thp_eligible(packed[0].data.data_ptr())
+    if "[madvise]" in mode.read_text():  # only the advised span: not the memory of a plain pack
+        assert not _thp_eligible(cpu_kernels.pack(randn(4096, 576, seed=43)).data.data_ptr())
 
 
 def test_the_gemm_refuses_mismatched_inputs():
@@ -354,8 +419,9 @@ def test_an_in_place_update_reaches_the_packed_weights(monkeypatch):
     tok = chat_tokenizer()
     model = build_family("llama-tied").to(BF16)
     packed = []
-    pack = cpu_kernels.pack
+    pack, pack_all = cpu_kernels.pack, cpu_kernels.pack_all
     monkeypatch.setattr(cpu_kernels, "pack", lambda w: packed.append(w.shape) or pack(w))
+    monkeypatch.setattr(cpu_kernels, "pack_all", lambda ws: packed.extend(w.shape for w in ws) or pack_all(ws))
     requests = [Request(sample_id=i, prompt_ids=tok(f"Count to {i + 3}.")["input_ids"]) for i in range(3)]
     greedy = SamplingParams(temperature=0.0, max_new_tokens=8)
     threads = torch.get_num_threads()

@@ -8,7 +8,9 @@ the core's (from ~16 rows); what keeps eager PyTorch from it on a CPU is (1) one
 at small row counts, and (2) ~35 small ops per layer at a few microseconds each. The GEMM reads
 weights packed once (``pack``: panels of 16 output rows, each input-column pair's 16 x 2 weights
 side by side), so one 64-byte load is a VDPBF16PS operand for 16 outputs, a pair of x's columns is
-one broadcast, and 6 rows x 64 outputs of fp32 sums stay in registers (no horizontal sums).
+one broadcast, and 6 rows x 64 outputs of fp32 sums stay in registers (no horizontal sums); up
+to 4 rows it takes one panel at a time, so the weights stream in one sequence, and ``pack_all``
+puts a decode step's weights in one allocation on huge pages (``FusedDecoder`` packs with it).
 Measured on SmolLM2-135M, one thread, AMD EPYC (Zen 4) with AVX512-BF16, all the linear layers of
 a step (269 MB over 30 distinct layers, so the weights come from memory, not cache;
 ``benchmarks/cpu_linears.py``): PyTorch as the step ran them before (oneDNN pre-packed, ``F.linear``
@@ -99,6 +101,7 @@ _OPENMP_FLAGS = ["-fopenmp"]
 _P, _I64, _F32, _INT = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float, ctypes.c_int
 _SIGNATURES = {
     "llamarl_pack_bf16": ([_P] * 2 + [_I64] * 2, None),
+    "llamarl_advise_huge": ([_P, _I64], _INT),
     "llamarl_gemm_bf16": ([_P] * 4 + [_I64] * 3 + [_INT], _INT),
     "llamarl_has_gemm": ([], _INT),
     "llamarl_gemm_amx_bf16": ([_P] * 4 + [_I64] * 3 + [_INT], _INT),
@@ -319,6 +322,40 @@ def pack(weight: torch.Tensor) -> PackedWeight:
                        device=weight.device)
     library.llamarl_pack_bf16(pointer, data.data_ptr(), out_features, in_features)
     return PackedWeight(data=data, out_features=out_features, in_features=in_features)
+
+
+HUGE_PAGE = 2 * 2**20
+"""Bytes of a transparent huge page on x86-64 Linux: ``pack_all``'s alignment."""
+
+
+def pack_all(weights: list[torch.Tensor]) -> list[PackedWeight]:
+    """``pack`` of each of ``weights``, all in one allocation on transparent huge pages where the
+    system grants them (``madvise(MADV_HUGEPAGE)`` before the packing first touches it; THP set to
+    ``madvise`` or ``always``): what a decode step streams from memory once per step, one weight
+    after another. On 4 KB pages every 4 KB of that stream is a TLB miss and a stop for the hardware
+    prefetchers; on 2 MB pages SmolLM2-135M's linears at one row took 9.7 against 11.1 ms (one
+    thread, AMD EPYC, with the GEMM's one-panel stream; docs/benchmarks.md). The views share the
+    allocation: it lives while any of them does. Up to two huge pages (4 MB) more than ``pack``'s."""
+    library = _need()
+    shapes = [tuple(w.shape) if w.dim() == 2 else (-1, -1) for w in weights]
+    pointers = [_checked(f"weight {i}", w, shape) for i, (w, shape) in enumerate(zip(weights, shapes))]
+    sizes = [-(-n // 16) * 16 * -(-k // 2) * 2 for n, k in shapes]
+    if not weights:
+        return []
+    # The span starts at a 2 MB boundary (the allocator aligns to 64 bytes) and the advice covers
+    # whole huge pages up to the span's end rounded up: a huge page of slack holds both ends.
+    advised = -(-sum(sizes) * 2 // HUGE_PAGE) * HUGE_PAGE
+    raw = torch.empty((advised + HUGE_PAGE) // 2, dtype=torch.bfloat16, device=weights[0].device)
+    start = (-raw.data_ptr() % HUGE_PAGE) // 2
+    span = raw[start : start + sum(sizes)]
+    library.llamarl_advise_huge(span.data_ptr(), advised)
+    packed, offset = [], 0
+    for pointer, (n, k), size in zip(pointers, shapes, sizes):
+        data = span[offset : offset + size]
+        library.llamarl_pack_bf16(pointer, data.data_ptr(), n, k)
+        packed.append(PackedWeight(data=data, out_features=n, in_features=k))
+        offset += size
+    return packed
 
 
 def _output(out: torch.Tensor | None, shape: tuple[int, ...], like: torch.Tensor,

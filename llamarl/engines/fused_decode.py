@@ -136,6 +136,7 @@ class FusedDecoder:
         self._built_from: tuple[tuple[int, int], ...] = ()
         self._source_tensors: list[torch.Tensor] | None = None
         self._workspace: dict[str, torch.Tensor] = {}
+        self._packed_for: list | None = None  # the build whose projections _pack_together packed
         norms = [m for layer in model.model.layers for m in (layer.input_layernorm, layer.post_attention_layernorm)]
         # The C layer helpers (cpu_kernels): bf16 on the CPU, these families' RMSNorm and SwiGLU.
         self._native = (model.model.embed_tokens.weight.dtype == torch.bfloat16
@@ -274,6 +275,22 @@ class FusedDecoder:
         padded = _buffers_for(self._workspace, rows=native_step.padded_rows(rows), widths=widths, like=like)
         return {name: buffer[:rows] for name, buffer in padded.items()}
 
+    def _pack_together(self, fused: list[tuple[_Linear, _Linear, _Linear, _Linear]], rows: int) -> None:
+        """Pack every projection of this build that takes the C GEMM at ``rows`` rows, and the LM
+        head, into one allocation on huge pages (``cpu_kernels.pack_all``: the step streams them
+        one after another), once per build; the projections left out (oneDNN's rows) pack alone,
+        on their first C call, if they ever get one."""
+        if self._packed_for is fused:
+            return
+        most = cpu_kernels.gemm_max_rows(torch.get_num_threads())
+        if most is not None and rows > most:
+            return
+        linears = [linear for layer in fused for linear in layer] + [self._head]
+        linears = [linear for linear in linears if linear.gemm and linear.kernel is None]
+        for linear, packed in zip(linears, cpu_kernels.pack_all([linear.weight for linear in linears]), strict=True):
+            linear.kernel = packed
+        self._packed_for = fused
+
     def _in_one_call(self, fused: list[tuple[_Linear, _Linear, _Linear, _Linear]], rows: int) -> bool:
         """True when this step's layers run as one C call (``native_step``): ``one_call``, and every
         projection takes the C GEMM at ``rows`` rows."""
@@ -323,6 +340,7 @@ class FusedDecoder:
         cos, sin = cos.reshape(rows, -1).contiguous(), sin.reshape(rows, -1).contiguous()
         layers = model.model.layers
         fused = self._layers()
+        self._pack_together(fused, rows)
         work = self._buffers(rows, fused[0], like=hidden)
         if self._in_one_call(fused, rows):
             tables = self._layer_tables(fused, state)
