@@ -201,12 +201,26 @@ static void rope_head(const uint16_t *x, const uint16_t *cos, const uint16_t *si
 typedef struct {
     const char *keys, *values;
     int64_t next, end; /* byte offsets in both blocks */
+    int to_l1;         /* 1: prefetch into L1 (T0), 0: into L2 only (T1) */
 } prefetcher;
+
+/* A unit's keys and values up to this many bytes (together) are prefetched into L2 only: the
+ * current unit's (as many bytes) must stay in the 32 KB L1 while the next one's arrive, and both
+ * would fill it (the score and output rows too), evicting the values before the weighted sum reads
+ * them. Larger units stream through L1 whatever is done, and there the next unit's first lines in
+ * L1 win. SmolLM2's attention, 30 layers x 64 rows, one thread, AMD EPYC (Zen 4): ~56 positions,
+ * 12.0 ms into L1, 9.7 into L2 (none: 14.6); ~250 positions, 32.8 into L1, 36.2 into L2. */
+#define PREFETCH_L2_BYTES (32 * 1024)
 
 static inline void prefetch_lines(prefetcher *pf, int64_t lines) {
     for (; lines > 0 && pf->next < pf->end; lines--, pf->next += 64) {
-        __builtin_prefetch(pf->keys + pf->next, 0, 3);
-        __builtin_prefetch(pf->values + pf->next, 0, 3);
+        if (pf->to_l1) {
+            __builtin_prefetch(pf->keys + pf->next, 0, 3);
+            __builtin_prefetch(pf->values + pf->next, 0, 3);
+        } else {
+            __builtin_prefetch(pf->keys + pf->next, 0, 2);
+            __builtin_prefetch(pf->values + pf->next, 0, 2);
+        }
     }
 }
 
@@ -270,6 +284,7 @@ static void attend_head(const uint16_t *qkv, const uint16_t *cos, const uint16_t
             pf.keys = (const char *)(keys + (r2 * kv_heads + h2) * width * d);
             pf.values = (const char *)(values + (r2 * kv_heads + h2) * width * d);
             pf.end = (positions[r2] + 1) * d * (int64_t)sizeof(uint16_t);
+            pf.to_l1 = 2 * pf.end > PREFETCH_L2_BYTES;
         }
     }
     /* the new token's key (roped) and value */
