@@ -17,8 +17,10 @@ prefill and the first token taken out, best of ``--repeats``. LlamaRL's Assumpti
 batch-efficient: a step over many rows costs about what a step over few costs) is what makes a
 shrinking long-tail batch waste hardware and partial rollouts pay; this table says whether it holds
 on the machine at hand. Each row also gives the step's **bound** on this machine, measured in the
-same invocation (``hardware_bound``): a decode step must read every weight once (the weight bytes
-over the bandwidth of reading a weight-sized tensor) and do ``2 x (Linear parameters)`` FLOPs per row
+same invocation right after that row count's timings (``hardware_bound``; its read probe in the
+``GB/s`` column: a shared machine's bandwidth drifts from minute to minute): a decode step must
+read every weight once (the weight bytes over the bandwidth of reading a weight-sized tensor) and
+do ``2 x (Linear parameters)`` FLOPs per row
 (over the speed of a large matmul in the model's dtype), so it takes at least the larger of the two;
 attention and norms are left out, so the bound is optimistic and the ratio conservative. A second
 bound adds what the step's attention must read besides the weights, the KV cache of every row at its
@@ -207,7 +209,7 @@ def decode_scaling(model, tok, *, batches: list[int], new_tokens: int, repeats: 
         engine = TorchEngine(model, eos_token_ids=[], pad_token_id=tok.pad_token_id, fused_decode=fused_decode,
                              static_decode=static_decode)
     _time_engine(engine, _prompts(tok, batch=4), new_tokens=2, seed=0, device=device)  # warm-up
-    step_ms, kv_bytes = {}, {}
+    step_ms, kv_bytes, bounds = {}, {}, {}
     for batch in batches:
         prompts = _prompts(tok, batch=batch)
         kv_bytes[batch] = kv_cache_bytes(model, prompts, new_tokens=new_tokens)
@@ -216,24 +218,31 @@ def decode_scaling(model, tok, *, batches: list[int], new_tokens: int, repeats: 
                    for s in range(repeats))
         first = min(_time_engine(engine, prompts, new_tokens=1, seed=s, device=device)[0] for s in range(repeats))
         step_ms[batch] = 1000 * max(full - first, 0.0) / (new_tokens - 1)
+        # Probed right after the row count's timings: on a shared machine the memory bandwidth a
+        # core gets drifts (measured here: 35 to 65 GB/s on two threads within minutes), and a
+        # ratio is only meaningful against the bandwidth of the same minutes.
+        bounds[batch] = hardware_bound(model, device=device)
     static = getattr(engine, "_static", None)
     if static_decode != "off" and static is not None and not static.num_steps:
         raise RuntimeError("--static-decode asked for the static loop but no static step ran")
-    bound = hardware_bound(model, device=device)
-    print(f"bound probes: {bound['read_gbps']:.1f} GB/s reading, {bound['matmul_gflops']:.0f} GFLOPS matmul; "
-          f"{bound['weight_bytes'] / 1e6:.0f} MB of weights, {bound['flops_per_row'] / 1e9:.3f} GFLOP per row")
+    reads = [bound["read_gbps"] for bound in bounds.values()]
+    matmuls = [bound["matmul_gflops"] for bound in bounds.values()]
+    bound = bounds[batches[0]]
+    print(f"bound probes (after each row count's timings): {min(reads):.1f}-{max(reads):.1f} GB/s reading, "
+          f"{min(matmuls):.0f}-{max(matmuls):.0f} GFLOPS matmul; {bound['weight_bytes'] / 1e6:.0f} MB of weights, "
+          f"{bound['flops_per_row'] / 1e9:.3f} GFLOP per row")
     smallest = step_ms[batches[0]]
-    print(f"{'rows':>6} {'ms/step':>8} {'x rows ' + str(batches[0]):>10} {'tok/s':>8} {'bound ms':>9} {'x bound':>8} "
-          f"{'+KV ms':>8} {'x +KV':>7}")
+    print(f"{'rows':>6} {'ms/step':>8} {'x rows ' + str(batches[0]):>10} {'tok/s':>8} {'GB/s':>6} {'bound ms':>9} "
+          f"{'x bound':>8} {'+KV ms':>8} {'x +KV':>7}")
     result = {}
     for batch, ms in step_ms.items():
         # A step below the timer's noise (a tiny model) reads 0: no ratio then, rather than a crash.
         ratio, tokens_per_s = ((ms / smallest, 1000 * batch / ms) if min(ms, smallest) > 0
                                else (math.nan, math.nan))
-        least = bound_ms(bound, batch)
-        with_cache = least + 1000 * kv_bytes[batch] / (bound["read_gbps"] * 1e9)
-        print(f"{batch:>6} {ms:>8.1f} {ratio:>10.2f} {tokens_per_s:>8.1f} {least:>9.1f} {ms / least:>8.2f} "
-              f"{with_cache:>8.1f} {ms / with_cache:>7.2f}")
+        least = bound_ms(bounds[batch], batch)
+        with_cache = least + 1000 * kv_bytes[batch] / (bounds[batch]["read_gbps"] * 1e9)
+        print(f"{batch:>6} {ms:>8.1f} {ratio:>10.2f} {tokens_per_s:>8.1f} {bounds[batch]['read_gbps']:>6.1f} "
+              f"{least:>9.1f} {ms / least:>8.2f} {with_cache:>8.1f} {ms / with_cache:>7.2f}")
         result[batch] = (ms, least)
     return result
 

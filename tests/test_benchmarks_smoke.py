@@ -158,7 +158,7 @@ def test_decode_scaling_prints_one_row_per_batch_size(capsys):
     model = build_tiny_llama(seed=0, vocab_size=128).eval()
     result = generation.decode_scaling(model, tok, batches=[1, 4], new_tokens=3, repeats=1)
     probes, header, *rows = capsys.readouterr().out.splitlines()
-    assert probes.startswith("bound probes:") and "x bound" in header and [int(r.split()[0]) for r in rows] == [1, 4]
+    assert probes.startswith("bound probes (after each row count") and "x bound" in header and [int(r.split()[0]) for r in rows] == [1, 4]
     # The bound: the weights read once per step, or the rows' matmuls, whichever takes longer.
     bound = generation.hardware_bound(model, repeats=1)
     params = {id(p): p for p in model.parameters()}.values()
@@ -176,7 +176,7 @@ def test_decode_scaling_prints_one_row_per_batch_size(capsys):
     prompts = generation._prompts(tok, batch=4)
     assert generation.kv_cache_bytes(model, prompts, new_tokens=3) == pytest.approx(
         per_position * sum(len(p) + 1.5 for p in prompts))
-    assert "+KV ms" in header and all(len(r.split()) == 8 for r in rows)
+    assert "+KV ms" in header and "GB/s" in header and all(len(r.split()) == 9 for r in rows)
     with pytest.raises(ValueError, match="--new-tokens must be >= 2"):
         generation.decode_scaling(model, tok, batches=[1], new_tokens=1, repeats=1)
     # The static loop (uncompiled here: the compile is tested in test_static_decode.py) times its own steps.
