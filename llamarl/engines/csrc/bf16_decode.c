@@ -204,12 +204,13 @@ typedef struct {
     int to_l1;         /* 1: prefetch into L1 (T0), 0: into L2 only (T1) */
 } prefetcher;
 
-/* A unit's keys and values up to this many bytes (together) are prefetched into L2 only: the
- * current unit's (as many bytes) must stay in the 32 KB L1 while the next one's arrive, and both
- * would fill it (the score and output rows too), evicting the values before the weighted sum reads
- * them. Larger units stream through L1 whatever is done, and there the next unit's first lines in
- * L1 win. SmolLM2's attention, 30 layers x 64 rows, one thread, AMD EPYC (Zen 4): ~56 positions,
- * 12.0 ms into L1, 9.7 into L2 (none: 14.6); ~250 positions, 32.8 into L1, 36.2 into L2. */
+/* The next unit's keys and values, up to this many bytes together, are prefetched into L2 only:
+ * brought into the 32 KB L1 beside the current unit's (and its scores and output rows), they
+ * evicted the current unit's values before the weighted sum, which reads them last, got to them.
+ * Larger units stream through L1 whatever is done, and there the next unit's first lines in L1
+ * win. The crossover was measured between 100 and 170 positions of SmolLM2's heads (26 and 44 KB):
+ * its attention, 30 layers x 64 rows, one thread, AMD EPYC (Zen 4): ~56 positions, 12.0 ms into
+ * L1, 9.7 into L2 (none: 14.6); ~250 positions, 32.8 into L1, 36.2 into L2. */
 #define PREFETCH_L2_BYTES (32 * 1024)
 
 static inline void prefetch_lines(prefetcher *pf, int64_t lines) {
