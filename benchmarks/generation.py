@@ -219,7 +219,7 @@ def decode_scaling(model, tok, *, batches: list[int], new_tokens: int, repeats: 
         first = min(_time_engine(engine, prompts, new_tokens=1, seed=s, device=device)[0] for s in range(repeats))
         step_ms[batch] = 1000 * max(full - first, 0.0) / (new_tokens - 1)
         # Probed right after the row count's timings: on a shared machine the memory bandwidth a
-        # core gets drifts (measured here: 35 to 65 GB/s on two threads within minutes), and a
+        # core gets drifts (measured here: 33 to 67 GB/s on two threads within an hour), and a
         # ratio is only meaningful against the bandwidth of the same minutes.
         bounds[batch] = hardware_bound(model, device=device)
     static = getattr(engine, "_static", None)

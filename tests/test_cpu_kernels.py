@@ -183,6 +183,9 @@ def test_the_gemm_gives_a_row_the_same_bits_in_any_batch():
 
     whole = gemm(x, 1)
     torch.testing.assert_close(whole, torch.nn.functional.linear(x, weight, bias))
+    untouched = torch.full((6, 100), float("nan"), dtype=BF16)  # no rows: nothing read or written
+    assert library.llamarl_gemm_bf16(x.data_ptr(), packed.data.data_ptr(), 0, untouched.data_ptr(), 0, 100, 97, 2) == 0
+    assert untouched.isnan().all()
     for m in range(1, 13):
         for start in (0, 13 - m):
             assert torch.equal(gemm(x[start : start + m].contiguous(), 1 + m % 3), whole[start : start + m]), m
@@ -204,8 +207,9 @@ def test_pack_all_packs_as_pack_does_into_one_allocation_from_a_huge_page_bounda
         cpu_kernels.pack_all([weights[0], weights[1].t()])
 
 
-def _thp_eligible(address: int) -> bool:
-    """Whether this process's mapping holding ``address`` may be backed by huge pages (smaps)."""
+def _thp_eligible(address: int) -> bool | None:
+    """Whether this process's mapping holding ``address`` may be backed by huge pages (smaps's
+    ``THPeligible``; None where the kernel does not report it)."""
     inside = False
     for line in Path("/proc/self/smaps").read_text().splitlines():
         head = line.split()[0] if line else ""
@@ -214,7 +218,7 @@ def _thp_eligible(address: int) -> bool:
             inside = start <= address < end
         elif inside and head == "THPeligible:":
             return line.split()[1] == "1"
-    raise AssertionError(f"no mapping with THPeligible holds {address:#x}")
+    return None
 
 
 def test_pack_all_asks_for_huge_pages():
@@ -222,9 +226,10 @@ def test_pack_all_asks_for_huge_pages():
     if not mode.exists() or "[never]" in mode.read_text() or not Path("/proc/self/smaps").exists():
         pytest.skip("transparent huge pages are off here (or no /proc/self/smaps to see them)")
     packed = cpu_kernels.pack_all([randn(4096, 576, seed=43)])  # 4.7 MB: two huge pages and a part
-    assert _thp_eligible(packed[0].data.data_ptr())
-    if "[madvise]" in mode.read_text():  # only the advised span: not the memory of a plain pack
-        assert not _thp_eligible(cpu_kernels.pack(randn(4096, 576, seed=43)).data.data_ptr())
+    eligible = _thp_eligible(packed[0].data.data_ptr())
+    if eligible is None:
+        pytest.skip("this kernel's smaps has no THPeligible field")
+    assert eligible  # with THP "madvise" (the CI machines), only because pack_all advised it
 
 
 def test_the_gemm_refuses_mismatched_inputs():

@@ -265,3 +265,27 @@ def test_the_c_step_reserves_the_cache_once_and_gives_the_same_tokens(monkeypatc
     TorchEngine(build_family("llama-tied"), eos_token_ids=[], pad_token_id=pad).generate(
         requests(), sampling=sampling, version=0, generator=torch.Generator().manual_seed(3))
     assert len(widths) >= 2, widths  # fp32: the PyTorch step, whose cost grows with the width
+
+
+def test_the_reservation_stops_at_its_byte_budget(monkeypatch):
+    """A decode that could reach more than ``_RESERVED_CACHE`` bytes of cache reserves only that
+    much at once (rows stopped by EOS never need the rest) and grows from there as before."""
+    from llamarl.engines import cpu_kernels, fused_decode
+
+    if not cpu_kernels.available():
+        pytest.skip("the C decode kernels could not be built here")
+    model = build_family("llama-tied").to(torch.bfloat16)
+    decoder = FusedDecoder(model)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # the native step at any row count: the reservation applies
+    try:
+        like = model.model.embed_tokens.weight
+        per_column = 2 * model.config.num_hidden_layers * 4 * decoder.num_kv_heads * decoder.head_dim * 2
+        assert decoder.new_state(capacity=4, like=like, positions=1000).width == 1024
+        monkeypatch.setattr(fused_decode, "_RESERVED_CACHE", 100 * per_column)  # 100 columns of 4 rows
+        state = decoder.new_state(capacity=4, like=like, positions=1000)
+        assert state.width == 128  # 100 columns, rounded up to the cache's 64-column steps
+        state.reserve(500)
+        assert state.width >= 500
+    finally:
+        torch.set_num_threads(threads)

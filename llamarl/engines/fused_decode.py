@@ -169,6 +169,7 @@ class FusedDecoder:
         versions = tuple((id(p), p._version) for p in self._sources())
         if self._fused is None or versions != self._built_from:
             self._built_from = versions
+            self._packed_for = None  # the previous build's packed weights: not held past it
             fused = []
             for layer in self.model.model.layers:
                 attn, mlp = layer.self_attn, layer.mlp
@@ -192,14 +193,17 @@ class FusedDecoder:
         from 64 to 128 columns, ~150 ms, 4.7 ms of each of 32 steps on one thread). Elsewhere the
         PyTorch step attends over every allocated column, so the width grows only as rows need it.
         Reserving is what the decode reaches anyway once one row runs to its limit (the width is
-        the batch's longest row)."""
+        the batch's longest row), but rows that stop at EOS never need it: the reservation stops at
+        ``_RESERVED_CACHE`` bytes (GSM8K's 16 rows x ~300 positions of SmolLM2 are 110 MB), past
+        which the cache grows as before."""
         shape = (capacity, self.num_kv_heads, 0, self.head_dim)
         num_layers = len(self.model.model.layers)
         state = DecodeState(keys=[like.new_zeros(shape) for _ in range(num_layers)],
                             values=[like.new_zeros(shape) for _ in range(num_layers)],
                             mask=torch.zeros((capacity, 0), dtype=torch.bool, device=like.device))
         if positions > 0 and self.width_free(capacity):
-            state.reserve(positions)
+            per_column = 2 * num_layers * capacity * self.num_kv_heads * self.head_dim * like.element_size()
+            state.reserve(min(positions, max(_RESERVED_CACHE // per_column, 1)))
         return state
 
     def width_free(self, rows: int) -> bool:
@@ -375,6 +379,12 @@ class FusedDecoder:
             return self._head(x)
         return self._head(x, out=_buffers_for(self._workspace, rows=rows, widths={"logits": vocab}, like=x)["logits"])
 
+
+_RESERVED_CACHE = 512 * 2**20
+"""Bytes of KV cache (keys and values of every layer) ``FusedDecoder.new_state`` reserves at once at
+most: up to it a decode never widens its cache mid-way; a decode that may reach more (64 rows of
+4,096 new tokens of SmolLM2 would be 6 GB, zero-filled at every ``generate``) grows it from there,
+as rows need it."""
 
 _LOGITS_KEPT = 32 * 2**20
 """Logits (bf16) up to which the native step writes them into a buffer kept for the next step (64

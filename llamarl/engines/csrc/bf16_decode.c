@@ -14,7 +14,9 @@
 #include <math.h>
 #include <stdint.h>
 #include <string.h>
+#ifdef __unix__
 #include <sys/mman.h>
+#endif
 #ifdef LLAMARL_AVX512_BF16
 #include <immintrin.h>
 #endif
@@ -209,8 +211,9 @@ typedef struct {
  * evicted the current unit's values before the weighted sum, which reads them last, got to them.
  * Larger units stream through L1 whatever is done, and there the next unit's first lines in L1
  * win. The crossover was measured between 100 and 170 positions of SmolLM2's heads (26 and 44 KB):
- * its attention, 30 layers x 64 rows, one thread, AMD EPYC (Zen 4): ~56 positions, 12.0 ms into
- * L1, 9.7 into L2 (none: 14.6); ~250 positions, 32.8 into L1, 36.2 into L2. */
+ * its attention, 30 layers x 64 rows, one thread, AMD EPYC (Zen 4), one run of the three hints:
+ * ~56 positions, 12.0 ms into L1, 9.7 into L2 (none: 14.6); ~250 positions, 32.8 into L1, 36.2
+ * into L2 (docs/benchmarks.md has another run, against this rule). */
 #define PREFETCH_L2_BYTES (32 * 1024)
 
 static inline void prefetch_lines(prefetcher *pf, int64_t lines) {
@@ -491,7 +494,7 @@ void llamarl_pack_bf16(const uint16_t *w, uint16_t *packed, int64_t n, int64_t k
  * cost nothing. SmolLM2-135M, every linear of a step, AMD EPYC (Zen 4), packed weights on huge
  * pages (cpu_kernels.pack_all): 1 / 2 / 4 rows, one thread, 11.5 / 12.1 / 12.6 ms four panels at
  * a time, 9.7 / 9.8 / 10.9 one; two threads 6.6 / 7.1 / 7.3 against 5.9 / 6.1 / 6.5. At 6 rows the
- * four-panel tile is as fast (13.1 / 13.6 ms) and beyond it faster (compute starts to count). */
+ * four-panel tile is already 4 % faster (13.1 against 13.6 ms), and more beyond (compute counts). */
 #define GEMM_STREAM_ROWS 4
 _Static_assert(GEMM_STREAM_ROWS <= GEMM_ROWS, "one row tile per panel");
 
@@ -547,7 +550,7 @@ static inline __attribute__((always_inline)) void gemm_tile(const int MT, const 
 void gemm_avx512_panels(const uint16_t *x, const uint16_t *packed, const uint16_t *bias, uint16_t *y, int64_t m,
                         int64_t n, int64_t k) {
     const int64_t panels = (n + 15) / 16, pairs = (k + 1) / 2;
-    if (m <= GEMM_STREAM_ROWS) { /* every thread takes this branch: the same m */
+    if (m > 0 && m <= GEMM_STREAM_ROWS) { /* every thread takes this branch: the same m */
 #pragma omp for schedule(static)
         for (int64_t p = 0; p < panels; p++) {
             const uint16_t *panel = packed + p * pairs * 32;
