@@ -295,6 +295,12 @@ def _threads() -> int:
     return torch.get_num_threads() if threaded() else 1
 
 
+def packed_size(out_features: int, in_features: int) -> int:
+    """Elements of a ``[out_features, in_features]`` weight in ``linear``'s layout: rows padded to
+    panels of 16, columns to pairs."""
+    return -(-out_features // 16) * 16 * -(-in_features // 2) * 2
+
+
 @dataclasses.dataclass(frozen=True)
 class PackedWeight:
     """A ``[out_features, in_features]`` bf16 weight in ``linear``'s layout (``pack``): panels of 16
@@ -306,7 +312,7 @@ class PackedWeight:
 
     def __post_init__(self) -> None:
         # ``linear`` hands data's memory to C: its size must be the layout's for these features.
-        size = -(-self.out_features // 16) * 16 * -(-self.in_features // 2) * 2
+        size = packed_size(self.out_features, self.in_features)
         if self.out_features < 1 or self.in_features < 1:
             raise ValueError(f"PackedWeight: features must be >= 1; got {self.out_features} x {self.in_features}")
         _checked("packed data", self.data, (size,))
@@ -318,8 +324,7 @@ def pack(weight: torch.Tensor) -> PackedWeight:
     library = _need()
     out_features, in_features = weight.shape if weight.dim() == 2 else (-1, -1)
     pointer = _checked("weight", weight, (out_features, in_features))
-    data = torch.empty(-(-out_features // 16) * 16 * -(-in_features // 2) * 2, dtype=torch.bfloat16,
-                       device=weight.device)
+    data = torch.empty(packed_size(out_features, in_features), dtype=torch.bfloat16, device=weight.device)
     library.llamarl_pack_bf16(pointer, data.data_ptr(), out_features, in_features)
     return PackedWeight(data=data, out_features=out_features, in_features=in_features)
 
@@ -339,7 +344,7 @@ def pack_all(weights: list[torch.Tensor]) -> list[PackedWeight]:
     library = _need()
     shapes = [tuple(w.shape) if w.dim() == 2 else (-1, -1) for w in weights]
     pointers = [_checked(f"weight {i}", w, shape) for i, (w, shape) in enumerate(zip(weights, shapes))]
-    sizes = [-(-n // 16) * 16 * -(-k // 2) * 2 for n, k in shapes]
+    sizes = [packed_size(n, k) for n, k in shapes]
     if not weights:
         return []
     # The span starts at a 2 MB boundary (the allocator aligns to 64 bytes) and the advice covers

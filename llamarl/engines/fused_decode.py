@@ -65,6 +65,13 @@ def _mkldnn_ready(weight: torch.Tensor) -> bool:
             and weight.dtype in (torch.float32, torch.bfloat16))
 
 
+def _gemm_takes(rows: int) -> bool:
+    """Whether a projection with the C GEMM (``_Linear.gemm``) runs it at ``rows`` rows on this
+    many intra-op threads (``cpu_kernels.gemm_max_rows``), rather than oneDNN."""
+    most = cpu_kernels.gemm_max_rows(torch.get_num_threads())
+    return most is None or rows <= most
+
+
 class _Linear:
     """One fused projection: its weight (and bias); in bf16 on a CPU with AVX512-BF16, packed for
     ``cpu_kernels.linear`` (faster than oneDNN at 1 to 64 rows; up to ``cpu_kernels.gemm_max_rows``),
@@ -92,8 +99,7 @@ class _Linear:
     def __call__(self, x: torch.Tensor, *, out: torch.Tensor | None = None) -> torch.Tensor:
         """``x @ weight.T + bias``; ``out`` (a reused buffer) is written only on the C GEMM's path."""
         rows = x.shape[0]
-        most = cpu_kernels.gemm_max_rows(torch.get_num_threads())
-        if self.gemm and (most is None or rows <= most):
+        if self.gemm and _gemm_takes(rows):
             return cpu_kernels.linear(x, self.packed(), self.bias, out=out)
         # Not at one bf16 row: there oneDNN's pre-packed matmul took 61 ms for one 3072 x 576 projection
         # of SmolLM2's own weights (torch 2.13, Zen 4; 0.1 ms with random weights of that shape, 0.3 ms
@@ -286,8 +292,7 @@ class FusedDecoder:
         on their first C call, if they ever get one."""
         if self._packed_for is fused:
             return
-        most = cpu_kernels.gemm_max_rows(torch.get_num_threads())
-        if most is not None and rows > most:
+        if not _gemm_takes(rows):
             return
         linears = [linear for layer in fused for linear in layer] + [self._head]
         linears = [linear for linear in linears if linear.gemm and linear.kernel is None]
@@ -300,8 +305,7 @@ class FusedDecoder:
         projection takes the C GEMM at ``rows`` rows."""
         if not (self.one_call and native_step.available()):
             return False
-        most = cpu_kernels.gemm_max_rows(torch.get_num_threads())
-        return (most is None or rows <= most) and all(linear.gemm for layer in fused for linear in layer)
+        return _gemm_takes(rows) and all(linear.gemm for layer in fused for linear in layer)
 
     def _layer_tables(self, fused: list[tuple[_Linear, _Linear, _Linear, _Linear]],
                       state: DecodeState) -> native_step.LayerTables:
