@@ -37,6 +37,9 @@ on the same requests, bf16, as a third path (run it from an environment with vLL
 with ``--decode-scaling`` it times vLLM's decode step instead of the native engine's, against the
 same bound.
 
+``--model random:qwen3-0.6b`` (with ``--decode-scaling``) times a random-init model of that
+shape instead of a checkpoint (``RANDOM_SHAPES``).
+
 ``--sampler 1,16,64`` instead times the sampler alone per row count: ``TorchEngine``'s two-level
 inverse CDF against the plain fp64 cumulative sum over the vocabulary, checked to pick the same
 tokens for the same uniforms.
@@ -60,6 +63,33 @@ import torch
 from llamarl.engines.base import Request, SamplingParams
 from llamarl.engines.torch_engine import TorchEngine
 from llamarl.models import load_causal_lm
+
+RANDOM_SHAPES = {
+    "qwen3-0.6b": ("Qwen3", {"vocab_size": 151936, "hidden_size": 1024, "intermediate_size": 3072,
+                             "num_hidden_layers": 28, "num_attention_heads": 16, "num_key_value_heads": 8,
+                             "head_dim": 128, "tie_word_embeddings": True, "max_position_embeddings": 4096,
+                             "rms_norm_eps": 1e-6}),
+}
+"""``--model random:NAME``: a random-init model of a published model's shape (no download; the
+decode step's cost depends on the shape, not on the weights' values), with SmolLM2's tokenizer for
+the prompts (its ids fit these vocabularies)."""
+
+
+def load_model(name: str, *, dtype: torch.dtype):
+    """``(model, tokenizer)`` for ``--model``: a checkpoint ``load_causal_lm`` resolves, or
+    ``random:NAME`` of ``RANDOM_SHAPES`` (seeded, so the same weights every run)."""
+    if not name.startswith("random:"):
+        return load_causal_lm(name, dtype=dtype)
+    import transformers
+
+    shape = RANDOM_SHAPES.get(name.removeprefix("random:"))
+    if shape is None:
+        raise SystemExit(f"--model {name}: unknown shape; known: {', '.join('random:' + k for k in RANDOM_SHAPES)}")
+    family, config = shape
+    torch.manual_seed(0)
+    model = getattr(transformers, f"{family}ForCausalLM")(getattr(transformers, f"{family}Config")(**config))
+    _, tok = load_causal_lm("smollm2-135m-instruct", dtype=dtype)
+    return model.to(dtype).eval(), tok
 
 
 def _prompts(tok, *, batch: int, seed: int = 0) -> list[list[int]]:
@@ -383,7 +413,8 @@ def sampler(rows_list: list[int], *, vocab: int, repeats: int) -> dict[int, tupl
 def main() -> None:
     """Print the throughput table (see module docstring)."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--model", default="smollm2-135m-instruct")
+    parser.add_argument("--model", default="smollm2-135m-instruct",
+                        help="a checkpoint (name or path), or random:NAME of RANDOM_SHAPES (--decode-scaling)")
     parser.add_argument("--batch", type=int, default=64)
     parser.add_argument("--new-tokens", type=int, default=12)
     parser.add_argument("--threads", type=int, default=2)
@@ -424,7 +455,7 @@ def main() -> None:
     if args.decode_scaling:
         batches = sorted(int(b) for b in args.decode_scaling.split(","))
         dtype_name = args.dtypes if "," not in args.dtypes else "bfloat16"
-        model, tok = load_causal_lm(args.model, dtype=getattr(torch, dtype_name))
+        model, tok = load_model(args.model, dtype=getattr(torch, dtype_name))
         model.to(args.device)
         static = args.static_decode == "compiled" or (args.static_decode == "auto" and args.device != "cpu")
         path = ("static, compiled" if static else "static, eager" if args.static_decode == "eager"

@@ -50,7 +50,7 @@ class GeneratorConfig:
     each TP group, every rank given the full weights), or one a recipe registers with
     ``@register_engine``."""
     fused_decode: bool = True
-    """Native engine: run the decode steps of Llama-family models (Llama, Qwen2, Mistral) through
+    """Native engine: run the decode steps of Llama-family models (Llama, Qwen2, Qwen3, Mistral) through
     fused, pre-packed projections over a preallocated KV cache (llamarl/engines/fused_decode.py:
     the same tokens, ~1.8x faster steps on CPU at 16-64 rows); in bf16, steps go through C kernels
     (llamarl/engines/cpu_kernels.py, all the layers of a step in one call: native_step.py; on all of

@@ -55,12 +55,15 @@ def test_swiglu_matches_silu_times_up_bitwise():
     assert torch.equal(cpu_kernels.silu_mul(gate_up), torch.nn.functional.silu(gate) * up)
 
 
-def reference_attention(qkv, cos, sin, keys, values, positions, *, num_heads, scaling):
-    """HF's eager bf16 attention for one token per row, written with PyTorch ops."""
+def reference_attention(qkv, cos, sin, keys, values, positions, *, num_heads, scaling, qk_norms=None, eps=1e-6):
+    """HF's eager bf16 attention for one token per row, written with PyTorch ops; with ``qk_norms``
+    (q_norm and k_norm weights) each head RMS-normalized first, as Qwen3's attention does."""
     rows, num_kv, d = qkv.shape[0], keys.shape[1], keys.shape[3]
     q = qkv[:, : num_heads * d].view(rows, num_heads, d)
     k = qkv[:, num_heads * d : (num_heads + num_kv) * d].view(rows, num_kv, d)
     v = qkv[:, (num_heads + num_kv) * d :].view(rows, num_kv, d)
+    if qk_norms is not None:
+        q, k = (w * torch.nn.functional.rms_norm(x.float(), (d,), eps=eps).to(BF16) for w, x in zip(qk_norms, (q, k)))
     c, s = cos[:, None, :], sin[:, None, :]
     q, k = q * c + _rotate_half(q) * s, k * c + _rotate_half(k) * s
     out = []
@@ -75,8 +78,9 @@ def reference_attention(qkv, cos, sin, keys, values, positions, *, num_heads, sc
     return torch.stack(out)
 
 
+@pytest.mark.parametrize("qk_norms", [False, True], ids=["plain", "qk-norms"])
 @pytest.mark.parametrize("num_heads,num_kv,head_dim", [(4, 2, 16), (9, 3, 64), (2, 2, 8)])
-def test_attention_writes_the_cache_and_attends_like_hfs_eager_attention(num_heads, num_kv, head_dim):
+def test_attention_writes_the_cache_and_attends_like_hfs_eager_attention(num_heads, num_kv, head_dim, qk_norms):
     rows, width, capacity = 3, 40, 4
     qkv = randn(rows, (num_heads + 2 * num_kv) * head_dim, seed=4, scale=2)
     angles = torch.rand(rows, head_dim // 2, generator=torch.Generator().manual_seed(5)) * 6
@@ -85,10 +89,13 @@ def test_attention_writes_the_cache_and_attends_like_hfs_eager_attention(num_hea
     positions = torch.tensor([0, 17, 39])  # a first token, a middle one, the last column
     ref_keys, ref_values = keys.clone(), values.clone()
     scaling = head_dim ** -0.5
+    # Qwen3's q / k norms: weights away from 1, so a kernel that skipped or swapped them fails
+    norms = (randn(head_dim, seed=8, scale=0.5) + 1, randn(head_dim, seed=9, scale=0.5) - 1) if qk_norms else None
     out = cpu_kernels.attention(qkv, cos=cos, sin=sin, keys=keys, values=values, positions=positions,
-                                num_heads=num_heads, scaling=scaling)
+                                num_heads=num_heads, scaling=scaling, norm_eps=1e-6,
+                                **(dict(zip(("q_norm", "k_norm"), norms)) if qk_norms else {}))
     expected = reference_attention(qkv, cos, sin, ref_keys, ref_values, positions, num_heads=num_heads,
-                                   scaling=scaling)
+                                   scaling=scaling, qk_norms=norms)
     assert torch.equal(keys, ref_keys) and torch.equal(values, ref_values)  # roped keys bitwise, nothing else moved
     torch.testing.assert_close(out, expected, rtol=2e-2, atol=2e-2)
 
@@ -103,6 +110,11 @@ def test_bad_inputs_are_refused_before_the_kernels_touch_memory():
         cpu_kernels.attention(qkv, positions=torch.tensor([3, 4], dtype=torch.int32), **args)
     with pytest.raises(ValueError, match="qkv must be"):
         cpu_kernels.attention(qkv.float(), positions=torch.tensor([3, 4]), **args)
+    with pytest.raises(ValueError, match="q_norm and k_norm come together"):
+        cpu_kernels.attention(qkv, positions=torch.tensor([3, 4]), q_norm=torch.ones(4, dtype=BF16), **args)
+    with pytest.raises(ValueError, match="k_norm must be"):
+        cpu_kernels.attention(qkv, positions=torch.tensor([3, 4]), q_norm=torch.ones(4, dtype=BF16),
+                              k_norm=torch.ones(5, dtype=BF16), **args)
     with pytest.raises(ValueError, match="3 rows in a cache of 2 slots"):
         cpu_kernels.attention(torch.zeros(3, 12, dtype=BF16), positions=torch.tensor([1, 2, 3]), **args)
     with pytest.raises(ValueError, match="not contiguous"):
@@ -293,7 +305,7 @@ def two_paths_step_logits(model, *, native: bool, rows: int):
     return decoder.step(state, tokens + 1).float(), state.lengths
 
 
-@pytest.mark.parametrize("family", ["llama-tied", "qwen2", "mistral"])
+@pytest.mark.parametrize("family", ["llama-tied", "qwen2", "qwen3", "mistral"])
 def test_decode_steps_through_the_helpers_match_the_pytorch_steps(family, monkeypatch):
     model = build_family(family).to(BF16)
     calls = []
@@ -348,7 +360,8 @@ def test_the_portable_build_computes_the_same(tmp_path, monkeypatch):
     test_rmsnorm_and_the_residual_add_match_hfs_bf16_norm()
     test_swiglu_matches_silu_times_up_bitwise()
     for shape in ((4, 2, 16), (9, 3, 64)):
-        test_attention_writes_the_cache_and_attends_like_hfs_eager_attention(*shape)
+        for qk_norms in (False, True):
+            test_attention_writes_the_cache_and_attends_like_hfs_eager_attention(*shape, qk_norms)
     test_the_softmax_is_pytorchs_to_float_rounding()
     test_the_c_draw_is_the_inverse_cdf_over_its_blocks()
     with pytest.raises(RuntimeError, match="needs a CPU with AVX512-BF16"):

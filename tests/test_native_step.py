@@ -1,5 +1,5 @@
 """The whole-step C call (llamarl/engines/native_step.py, csrc/decode_step.c) against the same step
-kernel by kernel: the same bits for bf16 Llama (tied) / Qwen2 (q/k/v biases) / Mistral layouts, on
+kernel by kernel: the same bits for bf16 Llama (tied) / Qwen2 (q/k/v biases) / Qwen3 (q/k norms) / Mistral layouts, on
 one and three threads, at row counts below, at and past the AMX tiles' 16 rows, across a widening
 of the caches and a weight update; and the inputs it refuses."""
 
@@ -33,7 +33,7 @@ def generate(model, *, one_call: bool, rows: int, max_new_tokens: int, calls: li
     return [(c.completion_ids, c.logprobs) for c in completions]
 
 
-@pytest.mark.parametrize("family", ["llama-tied", "qwen2", "mistral"])
+@pytest.mark.parametrize("family", ["llama-tied", "qwen2", "qwen3", "mistral"])
 @pytest.mark.parametrize("amx", [True, False], ids=["amx-if-here", "avx512"])
 def test_one_call_is_the_kernel_by_kernel_step_bit_for_bit(family, amx, monkeypatch):
     model = build_family(family).to(BF16)

@@ -114,7 +114,7 @@ _SIGNATURES = {
     "llamarl_rmsnorm_bf16": ([_P] * 3 + [_I64] * 2 + [_F32, _INT], None),
     "llamarl_add_rmsnorm_bf16": ([_P] * 4 + [_I64] * 2 + [_F32, _INT], None),
     "llamarl_silu_mul_bf16": ([_P] * 2 + [_I64] * 2 + [_INT], None),
-    "llamarl_attention_bf16": ([_P] * 8 + [_I64] * 5 + [_F32, _INT], _INT),
+    "llamarl_attention_bf16": ([_P] * 8 + [_I64] * 5 + [_F32, _P, _P, _F32, _INT], _INT),
     "llamarl_decode_layers_bf16": ([_P], _INT),
 }
 
@@ -440,12 +440,16 @@ def attention_scratch(*, num_heads: int, num_kv_heads: int, head_dim: int, width
 
 
 def attention(qkv: torch.Tensor, *, cos: torch.Tensor, sin: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
-              positions: torch.Tensor, num_heads: int, scaling: float, out: torch.Tensor | None = None) -> torch.Tensor:
+              positions: torch.Tensor, num_heads: int, scaling: float, out: torch.Tensor | None = None,
+              q_norm: torch.Tensor | None = None, k_norm: torch.Tensor | None = None,
+              norm_eps: float = 0.0) -> torch.Tensor:
     """One token per row through a layer's attention after its q/k/v projection (``csrc``'s
     ``llamarl_attention_bf16``): RoPE on q and k, the token's key and value written into the cache
     ``keys`` / ``values`` ``[capacity, kv_heads, width, d]`` at column ``positions[r]`` of slot r,
     and grouped-query attention over columns ``0 .. positions[r]``. ``qkv`` ``[rows, (heads + 2 x
     kv_heads) x d]``, ``cos`` / ``sin`` ``[rows, d]``, ``positions`` int64 ``[rows]``, each < width.
+    ``q_norm`` / ``k_norm`` (bf16 ``[d]``, both or neither): each query / key head RMS-normalized
+    over d with that weight and ``norm_eps`` before its RoPE, as Qwen3's ``q_norm`` / ``k_norm``.
     Returns ``[rows, heads x d]`` (``out`` if given)."""
     library = _need()
     capacity, num_kv_heads, width, head_dim = keys.shape
@@ -458,13 +462,17 @@ def attention(qkv: torch.Tensor, *, cos: torch.Tensor, sin: torch.Tensor, keys: 
                 _checked("keys", keys, (capacity, num_kv_heads, width, head_dim)),
                 _checked("values", values, (capacity, num_kv_heads, width, head_dim)),
                 _checked("positions", positions, (rows,), torch.int64)]
+    if (q_norm is None) != (k_norm is None):
+        raise ValueError("cpu_kernels.attention: q_norm and k_norm come together (Qwen3's q / k norms), got one")
+    norms = [_checked(name, weight, (head_dim,)) if weight is not None else None
+             for name, weight in (("q_norm", q_norm), ("k_norm", k_norm))]
     out = _output(out, (rows, num_heads * head_dim), qkv)
     threads = _threads()
     scratch = torch.empty(threads * attention_scratch(num_heads=num_heads, num_kv_heads=num_kv_heads,
                                                       head_dim=head_dim, width=width),
                           dtype=torch.float32, device=qkv.device)
     status = library.llamarl_attention_bf16(*pointers, out.data_ptr(), scratch.data_ptr(), rows, num_heads,
-                                            num_kv_heads, head_dim, width, scaling, threads)
+                                            num_kv_heads, head_dim, width, scaling, *norms, norm_eps, threads)
     if status != 0:
         raise ValueError(f"cpu_kernels.attention: a position in {positions.tolist()} is outside the cache's "
                          f"{width} columns")

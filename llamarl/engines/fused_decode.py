@@ -2,7 +2,8 @@
 
 ``TorchEngine`` prefills with the HF model as before; the decode steps then run here when the
 model qualifies (``FusedDecoder.supports``: HF ``LlamaForCausalLM`` / ``Qwen2ForCausalLM`` /
-``MistralForCausalLM`` whose sliding window, if any, is longer than the sequences; plain CPU
+``Qwen3ForCausalLM`` (its q / k norms applied per head before RoPE) / ``MistralForCausalLM`` whose
+sliding window, if any, is longer than the sequences; plain CPU
 tensors, no tensor parallelism; ``--generator.no-fused-decode`` / ``TorchEngine(fused_decode=False)``
 turns it off):
 
@@ -56,8 +57,8 @@ from torch.distributed.tensor import DTensor
 
 from llamarl.engines import cpu_kernels, native_step
 
-_SUPPORTED = ("LlamaForCausalLM", "Qwen2ForCausalLM", "MistralForCausalLM")
-_RMS_NORMS = ("LlamaRMSNorm", "Qwen2RMSNorm", "MistralRMSNorm")
+_SUPPORTED = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "MistralForCausalLM")
+_RMS_NORMS = ("LlamaRMSNorm", "Qwen2RMSNorm", "Qwen3RMSNorm", "MistralRMSNorm")
 
 
 def _mkldnn_ready(weight: torch.Tensor) -> bool:
@@ -128,8 +129,9 @@ class FusedDecoder:
             # yet: the fused copies would double the weights' memory there, and a GPU decode step
             # is host-bound (it needs a captured graph, not fewer matmuls).
             return False
-        layers = model.model.layers
-        return all(not hasattr(layer.self_attn, "q_norm") for layer in layers)
+        # q / k norms (Qwen3): RMSNorms over each head, which the step applies before RoPE.
+        norms = [getattr(layer.self_attn, name, None) for layer in model.model.layers for name in ("q_norm", "k_norm")]
+        return all(n is None for n in norms) or all(type(n).__name__ in _RMS_NORMS for n in norms)
 
     def __init__(self, model: torch.nn.Module) -> None:
         self.model = model
@@ -143,7 +145,12 @@ class FusedDecoder:
         self._source_tensors: list[torch.Tensor] | None = None
         self._workspace: dict[str, torch.Tensor] = {}
         self._packed_for: list | None = None  # the build whose projections _pack_together packed
-        norms = [m for layer in model.model.layers for m in (layer.input_layernorm, layer.post_attention_layernorm)]
+        layers = model.model.layers
+        # Qwen3's per-head q / k norms, per layer (None: the model has none).
+        self._qk_norms = ([(layer.self_attn.q_norm, layer.self_attn.k_norm) for layer in layers]
+                          if hasattr(layers[0].self_attn, "q_norm") else None)
+        norms = [m for layer in layers for m in (layer.input_layernorm, layer.post_attention_layernorm)]
+        norms += [m for pair in self._qk_norms or [] for m in pair]
         # The C layer helpers (cpu_kernels): bf16 on the CPU, these families' RMSNorm and SwiGLU.
         self._native = (model.model.embed_tokens.weight.dtype == torch.bfloat16
                         and model.model.embed_tokens.weight.device.type == "cpu"
@@ -252,6 +259,9 @@ class FusedDecoder:
             projected = qkv(x.view(rows, -1))
             # RoPE on q's and k's heads at once (the same elementwise math as HF's, half the ops).
             qk = projected[:, : q_size + kv_size].view(rows, num_qk_heads, self.head_dim)
+            if self._qk_norms is not None:  # Qwen3: each head RMS-normalized before RoPE
+                q_norm, k_norm = self._qk_norms[index]
+                qk = torch.cat((norm(q_norm, qk[:, : self.num_heads]), norm(k_norm, qk[:, self.num_heads :])), dim=1)
             qk = qk * cos + _rotate_half(qk) * sin
             q, k = qk[:, : self.num_heads], qk[:, self.num_heads :]  # [rows, heads, d], [rows, kv, d]
             state.keys[index][row_index, :, columns] = k
@@ -315,7 +325,8 @@ class FusedDecoder:
         caches, a norm or bias replaced or given new storage)."""
         layers = self.model.model.layers
         norms = [(layer.input_layernorm.weight, layer.post_attention_layernorm.weight) for layer in layers]
-        addresses = [tensor.data_ptr() for pair in norms for tensor in pair] + [
+        qk_norms = None if self._qk_norms is None else [(q.weight, k.weight) for q, k in self._qk_norms]
+        addresses = [tensor.data_ptr() for pair in norms + (qk_norms or []) for tensor in pair] + [
             linear.bias.data_ptr() for layer in fused for linear in layer if linear.bias is not None]
         caches = state.keys + state.values
         if state.native_tables is not None:
@@ -328,7 +339,7 @@ class FusedDecoder:
         shape = native_step.Shape(dim=config.hidden_size, heads=self.num_heads, kv_heads=self.num_kv_heads,
                                   head_dim=self.head_dim, inter=fused[0][2].weight.shape[0] // 2)
         tables = native_step.LayerTables(shape=shape, projections=projections, norms=norms, keys=state.keys,
-                                         values=state.values)
+                                         values=state.values, qk_norms=qk_norms)
         state.native_tables = ((fused, addresses, caches), tables)
         return tables
 
@@ -364,9 +375,13 @@ class FusedDecoder:
         first = layers[0].input_layernorm
         x = cpu_kernels.rmsnorm(hidden, first.weight, eps=first.variance_epsilon)
         for index, (layer, (qkv, out, gate_up, down)) in enumerate(zip(layers, fused)):
+            q_norm, k_norm = self._qk_norms[index] if self._qk_norms is not None else (None, None)
             attended = cpu_kernels.attention(qkv(x, out=work["qkv"]), cos=cos, sin=sin, keys=state.keys[index],
                                              values=state.values[index], positions=positions,
-                                             num_heads=self.num_heads, scaling=self.scaling, out=work["attended"])
+                                             num_heads=self.num_heads, scaling=self.scaling, out=work["attended"],
+                                             q_norm=None if q_norm is None else q_norm.weight,
+                                             k_norm=None if k_norm is None else k_norm.weight,
+                                             norm_eps=0.0 if q_norm is None else q_norm.variance_epsilon)
             norm = layer.post_attention_layernorm
             x = cpu_kernels.add_rmsnorm(hidden, out(attended, out=work["delta"]), norm.weight,
                                         eps=norm.variance_epsilon, out=work["x"])

@@ -22,7 +22,7 @@ import torch
 from llamarl.engines import cpu_kernels
 
 _TABLES = ("qkv_w", "qkv_b", "o_w", "o_b", "gate_up_w", "gate_up_b", "down_w", "down_b", "input_norm", "post_norm",
-           "keys", "values")
+           "keys", "values", "q_norm", "k_norm")
 """The rows of the per-layer address table, in ``csrc/decode_step.c``'s order."""
 
 
@@ -66,14 +66,18 @@ class LayerTables:
     """The address table of every layer's tensors (``_TABLES``), checked once: ``projections`` are
     per layer the packed ``(weight, bias)`` of q/k/v, o, gate/up and down; ``norms`` per layer
     (input, post-attention); ``keys`` / ``values`` the layers' caches ``[capacity, kv_heads, width,
-    head_dim]``. Holds the tensors (``held``), so an address in the table stays valid while it lives."""
+    head_dim]``; ``qk_norms`` per layer the (q_norm, k_norm) weights ``[head_dim]`` of a model that
+    normalizes its query and key heads (Qwen3), or None. Holds the tensors (``held``), so an address
+    in the table stays valid while it lives."""
 
     def __init__(self, *, shape: Shape, projections: list, norms: list[tuple[torch.Tensor, torch.Tensor]],
-                 keys: list[torch.Tensor], values: list[torch.Tensor]) -> None:
+                 keys: list[torch.Tensor], values: list[torch.Tensor],
+                 qk_norms: list[tuple[torch.Tensor, torch.Tensor]] | None = None) -> None:
         layers = len(projections)
-        if not (layers == len(norms) == len(keys) == len(values)) or layers < 1:
+        if not (layers == len(norms) == len(keys) == len(values)) or layers < 1 or \
+                (qk_norms is not None and len(qk_norms) != layers):
             raise ValueError(f"native_step: {layers} layers of projections, {len(norms)} of norms, {len(keys)} / "
-                             f"{len(values)} of caches")
+                             f"{len(values)} of caches, {'no' if qk_norms is None else len(qk_norms)} of q / k norms")
         features = {"qkv": (shape.qkv_width, shape.dim), "o": (shape.dim, shape.heads * shape.head_dim),
                     "gate_up": (2 * shape.inter, shape.dim), "down": (shape.dim, shape.inter)}
         capacity, _, width, _ = keys[0].shape
@@ -91,8 +95,11 @@ class LayerTables:
             cache = (capacity, shape.kv_heads, width, shape.head_dim)
             rows["keys"].append(cpu_kernels._checked(f"layer {index}'s keys", k, cache))
             rows["values"].append(cpu_kernels._checked(f"layer {index}'s values", v, cache))
+            for name, weight in zip(("q_norm", "k_norm"), qk_norms[index] if qk_norms is not None else (None, None)):
+                rows[name].append(0 if weight is None else cpu_kernels._checked(f"layer {index}'s {name}", weight,
+                                                                              (shape.head_dim,)))
         self.shape, self.capacity, self.width, self.num_layers = shape, capacity, width, layers
-        self.held = (projections, norms, list(keys), list(values))
+        self.held = (projections, norms, list(keys), list(values), qk_norms)
         # On the caches' device (the CPU, checked above): never the default device, which a run's
         # device guard points at the meta device.
         self.table = torch.tensor([rows[name] for name in _TABLES], dtype=torch.int64, device=keys[0].device)

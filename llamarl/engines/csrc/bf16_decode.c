@@ -275,8 +275,8 @@ static inline __attribute__((always_inline)) void weigh_values(const int G, cons
  * the attention of the KV head's query heads; `scratch` is this thread's own. */
 static void attend_head(const uint16_t *qkv, const uint16_t *cos, const uint16_t *sin, uint16_t *keys,
                         uint16_t *values, const int64_t *positions, uint16_t *out, float *scratch, int64_t rows,
-                        int64_t heads, int64_t kv_heads, int64_t d, int64_t width, float scaling, int64_t r,
-                        int64_t h) {
+                        int64_t heads, int64_t kv_heads, int64_t d, int64_t width, float scaling,
+                        const uint16_t *q_norm, const uint16_t *k_norm, float norm_eps, int64_t r, int64_t h) {
     const int64_t groups = heads / kv_heads, stride = (heads + 2 * kv_heads) * d, pos = positions[r];
     float *scores = scratch, *q = scratch + groups * width, *acc = q + groups * d, *row_f = acc + groups * d;
     const uint16_t *row = qkv + r * stride, *c = cos + r * d, *s = sin + r * d;
@@ -291,8 +291,15 @@ static void attend_head(const uint16_t *qkv, const uint16_t *cos, const uint16_t
             pf.to_l1 = 2 * pf.end > PREFETCH_L2_BYTES;
         }
     }
-    /* the new token's key (roped) and value */
-    rope_head(row + (heads + h) * d, c, s, row_f, d);
+    /* the new token's key (roped) and value; with q / k norms (Qwen3) each head is RMS-normalized
+     * over d before its RoPE, as HF's q_norm / k_norm do */
+    uint16_t normed[512]; /* d <= 512: attention_check */
+    const uint16_t *k_in = row + (heads + h) * d;
+    if (k_norm) {
+        rmsnorm_row(k_in, k_norm, normed, d, norm_eps);
+        k_in = normed;
+    }
+    rope_head(k_in, c, s, row_f, d);
     int64_t i0 = 0;
 #ifdef LLAMARL_AVX512_BF16
     for (; i0 + 16 <= d; i0 += 16)
@@ -300,7 +307,14 @@ static void attend_head(const uint16_t *qkv, const uint16_t *cos, const uint16_t
 #endif
     for (; i0 < d; i0++) kh[pos * d + i0] = f32_to_bf16(row_f[i0]);
     memcpy(vh + pos * d, row + (heads + kv_heads + h) * d, (size_t)d * sizeof(uint16_t));
-    for (int64_t g = 0; g < groups; g++) rope_head(row + (h * groups + g) * d, c, s, q + g * d, d);
+    for (int64_t g = 0; g < groups; g++) {
+        const uint16_t *q_in = row + (h * groups + g) * d;
+        if (q_norm) {
+            rmsnorm_row(q_in, q_norm, normed, d, norm_eps);
+            q_in = normed;
+        }
+        rope_head(q_in, c, s, q + g * d, d);
+    }
 #ifdef LLAMARL_AVX512_BF16
     /* q is bf16-valued (rope_head rounds): q . k as VDPBF16PS over bf16 pairs, fp32 sums */
     uint16_t *q_bf16 = (uint16_t *)acc;
@@ -421,7 +435,9 @@ static void attend_head(const uint16_t *qkv, const uint16_t *cos, const uint16_t
  * sits at column positions[r] < width, and columns 0 .. positions[r] are its context).
  * Writes the token's roped key and its value into the cache, then out [rows, heads * d] =
  * softmax(bf16(scaling * q . k)) @ v per query head against its KV head (grouped-query), the
- * weights rounded to bf16 after an fp32 softmax, as HF's eager attention does. The query heads of
+ * weights rounded to bf16 after an fp32 softmax, as HF's eager attention does. q_norm / k_norm
+ * (bf16 [d], both or neither; NULL: none): each query and key head RMS-normalized over d with that
+ * weight and norm_eps before its RoPE (Qwen3's q_norm / k_norm). The query heads of
  * one KV head are done together, so each cached key and value is read and converted once.
  * The (row, KV head) pairs are split across `threads` OpenMP threads (where built with OpenMP).
  * scratch: at least threads * ((heads / kv_heads) * (width + 2 * d) + d) floats. Returns 0, 1 on a
@@ -437,21 +453,24 @@ int attention_check(const int64_t *positions, int64_t rows, int64_t d, int64_t w
  * only its own cache slot and heads, with its thread's part of `scratch`. */
 void attention_units(const uint16_t *qkv, const uint16_t *cos, const uint16_t *sin, uint16_t *keys, uint16_t *values,
                      const int64_t *positions, uint16_t *out, float *scratch, int64_t rows, int64_t heads,
-                     int64_t kv_heads, int64_t d, int64_t width, float scaling) {
+                     int64_t kv_heads, int64_t d, int64_t width, float scaling, const uint16_t *q_norm,
+                     const uint16_t *k_norm, float norm_eps) {
     float *own = scratch + (int64_t)omp_thread() * attention_scratch(heads, kv_heads, d, width);
 #pragma omp for schedule(static)
     for (int64_t u = 0; u < rows * kv_heads; u++)
         attend_head(qkv, cos, sin, keys, values, positions, out, own, rows, heads, kv_heads, d, width, scaling,
-                    u / kv_heads, u % kv_heads);
+                    q_norm, k_norm, norm_eps, u / kv_heads, u % kv_heads);
 }
 
 int llamarl_attention_bf16(const uint16_t *qkv, const uint16_t *cos, const uint16_t *sin, uint16_t *keys,
                            uint16_t *values, const int64_t *positions, uint16_t *out, float *scratch, int64_t rows,
-                           int64_t heads, int64_t kv_heads, int64_t d, int64_t width, float scaling, int threads) {
+                           int64_t heads, int64_t kv_heads, int64_t d, int64_t width, float scaling,
+                           const uint16_t *q_norm, const uint16_t *k_norm, float norm_eps, int threads) {
     const int status = attention_check(positions, rows, d, width);
     if (status) return status;
 #pragma omp parallel num_threads(threads) if (threads > 1 && rows * kv_heads > 1)
-    attention_units(qkv, cos, sin, keys, values, positions, out, scratch, rows, heads, kv_heads, d, width, scaling);
+    attention_units(qkv, cos, sin, keys, values, positions, out, scratch, rows, heads, kv_heads, d, width, scaling,
+                    q_norm, k_norm, norm_eps);
     return 0;
 }
 

@@ -2,7 +2,8 @@
  * the arguments and calls this; cpu_kernels.py builds and loads it with the other kernels).
  *
  * llamarl_decode_layers_bf16: for each layer l, with x = RMSNorm_0(hidden) before the first:
- *   qkv = x @ Wqkv[l].T (+ b);  attended = attention(qkv, the layer's cache)  (llamarl_attention_bf16)
+ *   qkv = x @ Wqkv[l].T (+ b);  attended = attention(qkv, the layer's cache, its q / k norms if any)
+ *   (llamarl_attention_bf16)
  *   x = add_rmsnorm(hidden += attended @ Wo[l].T (+ b), post_norm[l])
  *   x = add_rmsnorm(hidden += silu_mul(x @ Wgate_up[l].T (+ b)) @ Wdown[l].T (+ b), next norm)
  * where the next norm is layer l + 1's input norm, or the final norm after the last layer: on
@@ -25,7 +26,8 @@
 #include "kernels.h"
 
 /* The projections' and norms' tensors of every layer: entry [what][layer] of `tables`. */
-enum { QKV_W, QKV_B, O_W, O_B, GATE_UP_W, GATE_UP_B, DOWN_W, DOWN_B, INPUT_NORM, POST_NORM, KEYS, VALUES, TABLES };
+enum { QKV_W, QKV_B, O_W, O_B, GATE_UP_W, GATE_UP_B, DOWN_W, DOWN_B, INPUT_NORM, POST_NORM, KEYS, VALUES, Q_NORM, K_NORM,
+       TABLES };
 
 typedef struct {
     int64_t rows, layers, dim, heads, kv_heads, head_dim, width, inter, threads, amx;
@@ -73,7 +75,8 @@ int llamarl_decode_layers_bf16(const decode_layers_args *s) {
         for (int64_t l = 0; l < L; l++) {
             project(s, s->x, ENTRY(QKV_W, l), ENTRY(QKV_B, l), s->qkv, qkv_width, dim);
             attention_units(s->qkv, s->cos, s->sin, TENSOR(KEYS, l), TENSOR(VALUES, l), s->positions, s->attended,
-                            s->scratch, rows, s->heads, s->kv_heads, s->head_dim, s->width, s->scaling);
+                            s->scratch, rows, s->heads, s->kv_heads, s->head_dim, s->width, s->scaling,
+                            TENSOR(Q_NORM, l), TENSOR(K_NORM, l), s->eps);
             project(s, s->attended, ENTRY(O_W, l), ENTRY(O_B, l), s->delta, dim, q_width);
             add_rmsnorm_rows(s->hidden, s->delta, TENSOR(POST_NORM, l), s->x, rows, dim, s->eps);
             project(s, s->x, ENTRY(GATE_UP_W, l), ENTRY(GATE_UP_B, l), s->gate_up, 2 * s->inter, dim);

@@ -17,7 +17,8 @@ void silu_mul_rows(const uint16_t *gate_up, uint16_t *y, int64_t rows, int64_t i
 int attention_check(const int64_t *positions, int64_t rows, int64_t d, int64_t width);
 void attention_units(const uint16_t *qkv, const uint16_t *cos, const uint16_t *sin, uint16_t *keys, uint16_t *values,
                      const int64_t *positions, uint16_t *out, float *scratch, int64_t rows, int64_t heads,
-                     int64_t kv_heads, int64_t d, int64_t width, float scaling);
+                     int64_t kv_heads, int64_t d, int64_t width, float scaling, const uint16_t *q_norm,
+                     const uint16_t *k_norm, float norm_eps);
 
 /* Floats of attention scratch each thread needs. */
 static inline int64_t attention_scratch(int64_t heads, int64_t kv_heads, int64_t d, int64_t width) {
