@@ -85,10 +85,13 @@ def load_model(name: str, *, dtype: torch.dtype):
     shape = RANDOM_SHAPES.get(name.removeprefix("random:"))
     if shape is None:
         raise SystemExit(f"--model {name}: unknown shape; known: {', '.join('random:' + k for k in RANDOM_SHAPES)}")
+    from llamarl.models.loading import SMOLLM2_ALIAS, resolve_model_path
+
     family, config = shape
-    torch.manual_seed(0)
-    model = getattr(transformers, f"{family}ForCausalLM")(getattr(transformers, f"{family}Config")(**config))
-    _, tok = load_causal_lm("smollm2-135m-instruct", dtype=dtype)
+    with torch.random.fork_rng():
+        torch.manual_seed(0)
+        model = getattr(transformers, f"{family}ForCausalLM")(getattr(transformers, f"{family}Config")(**config))
+    tok = transformers.AutoTokenizer.from_pretrained(str(resolve_model_path(SMOLLM2_ALIAS)))
     return model.to(dtype).eval(), tok
 
 
@@ -438,6 +441,8 @@ def main() -> None:
     parser.add_argument("--sampler", default="",
                         help="comma-separated row counts: time the sampler alone (49,152-id vocabulary)")
     args = parser.parse_args()
+    if args.model.startswith("random:") and (args.vllm or not args.decode_scaling):
+        parser.error("--model random:NAME times the native engine's --decode-scaling only (vLLM loads checkpoints)")
     torch.set_num_threads(args.threads)
     if args.sampler:
         sampler(sorted(int(r) for r in args.sampler.split(",")), vocab=49_152, repeats=args.repeats)

@@ -50,15 +50,22 @@ def test_fused_steps_give_the_hf_loops_tokens(family, monkeypatch):
             torch.testing.assert_close(torch.tensor(f.logprobs), torch.tensor(h.logprobs), rtol=0, atol=1e-5)
 
 
-def test_an_in_place_weight_update_reaches_the_next_call():
-    model = build_family("llama-untied")
+@pytest.mark.parametrize("family", ["llama-untied", "qwen3"])
+def test_an_in_place_weight_update_reaches_the_next_call(family):
+    model = build_family(family)
     engine = TorchEngine(model, eos_token_ids=[], pad_token_id=chat_tokenizer().pad_token_id)
     greedy = SamplingParams(temperature=0.0, max_new_tokens=8)
     before = engine.generate(requests(), sampling=greedy, version=0)
     with torch.no_grad():
         for layer in model.model.layers:  # what a weight channel does: copy_ into the live tensors
-            layer.mlp.up_proj.weight.copy_(torch.randn_like(layer.mlp.up_proj.weight))
-            layer.self_attn.v_proj.weight.mul_(-1.0)
+            if family == "qwen3":  # the per-head norms alone: written in place, and one module replaced
+                layer.self_attn.k_norm.weight.copy_(torch.randn_like(layer.self_attn.k_norm.weight))
+                q_norm = type(layer.self_attn.q_norm)(model.config.head_dim, eps=model.config.rms_norm_eps)
+                layer.self_attn.q_norm = q_norm.requires_grad_(False)
+                q_norm.weight.copy_(torch.randn_like(q_norm.weight))
+            else:
+                layer.mlp.up_proj.weight.copy_(torch.randn_like(layer.mlp.up_proj.weight))
+                layer.self_attn.v_proj.weight.mul_(-1.0)
     after = engine.generate(requests(), sampling=greedy, version=1)
     reference = run(model, fused=False, sampling=greedy)
     assert [c.completion_ids for c in after] == [c.completion_ids for c in reference]
@@ -69,6 +76,10 @@ def test_other_layouts_use_the_hf_modules():
     assert not FusedDecoder.supports(build_family("gemma2"), length=100)  # soft-capping, alternating windows
     qwen3 = build_family("qwen3")  # its q / k norms run in the step, but only as the RMSNorms it knows
     assert FusedDecoder.supports(qwen3, length=100)
+    k_norm = qwen3.model.layers[1].self_attn.k_norm
+    k_norm.variance_epsilon *= 2  # the C attention takes one epsilon for a layer's two norms
+    assert not FusedDecoder.supports(qwen3, length=100)
+    k_norm.variance_epsilon /= 2
     qwen3.model.layers[1].self_attn.k_norm = torch.nn.LayerNorm(32)
     assert not FusedDecoder.supports(qwen3, length=100)
     mistral = build_family("mistral")  # a sliding window shorter than the sequence changes attention

@@ -129,9 +129,14 @@ class FusedDecoder:
             # yet: the fused copies would double the weights' memory there, and a GPU decode step
             # is host-bound (it needs a captured graph, not fewer matmuls).
             return False
-        # q / k norms (Qwen3): RMSNorms over each head, which the step applies before RoPE.
-        norms = [getattr(layer.self_attn, name, None) for layer in model.model.layers for name in ("q_norm", "k_norm")]
-        return all(n is None for n in norms) or all(type(n).__name__ in _RMS_NORMS for n in norms)
+        # q / k norms (Qwen3): RMSNorms over each head, which the step applies before RoPE, a layer's
+        # two with one epsilon (the C attention takes one).
+        pairs = _qk_norms(model)
+        if pairs is None:
+            return all(getattr(layer.self_attn, name, None) is None for layer in model.model.layers
+                       for name in ("q_norm", "k_norm"))
+        return all(type(q).__name__ in _RMS_NORMS and type(k).__name__ in _RMS_NORMS
+                   and q.variance_epsilon == k.variance_epsilon for q, k in pairs)
 
     def __init__(self, model: torch.nn.Module) -> None:
         self.model = model
@@ -146,11 +151,8 @@ class FusedDecoder:
         self._workspace: dict[str, torch.Tensor] = {}
         self._packed_for: list | None = None  # the build whose projections _pack_together packed
         layers = model.model.layers
-        # Qwen3's per-head q / k norms, per layer (None: the model has none).
-        self._qk_norms = ([(layer.self_attn.q_norm, layer.self_attn.k_norm) for layer in layers]
-                          if hasattr(layers[0].self_attn, "q_norm") else None)
         norms = [m for layer in layers for m in (layer.input_layernorm, layer.post_attention_layernorm)]
-        norms += [m for pair in self._qk_norms or [] for m in pair]
+        norms += [m for pair in _qk_norms(model) or [] for m in pair]
         # The C layer helpers (cpu_kernels): bf16 on the CPU, these families' RMSNorm and SwiGLU.
         self._native = (model.model.embed_tokens.weight.dtype == torch.bfloat16
                         and model.model.embed_tokens.weight.device.type == "cpu"
@@ -253,14 +255,14 @@ class FusedDecoder:
         bias = bias.repeat_interleave(self.num_kv_heads, dim=0)  # [rows * kv, 1, width]
         q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         num_qk_heads, groups = self.num_heads + self.num_kv_heads, self.num_heads // self.num_kv_heads
-        norm = _norm
+        norm, qk_norms = _norm, _qk_norms(model)
         for index, (layer, (qkv, out, gate_up, down)) in enumerate(zip(model.model.layers, self._layers())):
             x = norm(layer.input_layernorm, hidden)
             projected = qkv(x.view(rows, -1))
             # RoPE on q's and k's heads at once (the same elementwise math as HF's, half the ops).
             qk = projected[:, : q_size + kv_size].view(rows, num_qk_heads, self.head_dim)
-            if self._qk_norms is not None:  # Qwen3: each head RMS-normalized before RoPE
-                q_norm, k_norm = self._qk_norms[index]
+            if qk_norms is not None:  # Qwen3: each head RMS-normalized before RoPE
+                q_norm, k_norm = qk_norms[index]
                 qk = torch.cat((norm(q_norm, qk[:, : self.num_heads]), norm(k_norm, qk[:, self.num_heads :])), dim=1)
             qk = qk * cos + _rotate_half(qk) * sin
             q, k = qk[:, : self.num_heads], qk[:, self.num_heads :]  # [rows, heads, d], [rows, kv, d]
@@ -325,7 +327,8 @@ class FusedDecoder:
         caches, a norm or bias replaced or given new storage)."""
         layers = self.model.model.layers
         norms = [(layer.input_layernorm.weight, layer.post_attention_layernorm.weight) for layer in layers]
-        qk_norms = None if self._qk_norms is None else [(q.weight, k.weight) for q, k in self._qk_norms]
+        pairs = _qk_norms(self.model)
+        qk_norms = None if pairs is None else [(q.weight, k.weight) for q, k in pairs]
         addresses = [tensor.data_ptr() for pair in norms + (qk_norms or []) for tensor in pair] + [
             linear.bias.data_ptr() for layer in fused for linear in layer if linear.bias is not None]
         caches = state.keys + state.values
@@ -372,10 +375,10 @@ class FusedDecoder:
                                       cos=cos, sin=sin, positions=positions, final_norm=model.model.norm.weight,
                                       eps=self._eps, scaling=self.scaling, scratch=scratch)
             return self._logits(work["x"], rows=rows, fresh_logits=fresh_logits, state=state)
-        first = layers[0].input_layernorm
+        first, qk_norms = layers[0].input_layernorm, _qk_norms(model)
         x = cpu_kernels.rmsnorm(hidden, first.weight, eps=first.variance_epsilon)
         for index, (layer, (qkv, out, gate_up, down)) in enumerate(zip(layers, fused)):
-            q_norm, k_norm = self._qk_norms[index] if self._qk_norms is not None else (None, None)
+            q_norm, k_norm = qk_norms[index] if qk_norms is not None else (None, None)
             attended = cpu_kernels.attention(qkv(x, out=work["qkv"]), cos=cos, sin=sin, keys=state.keys[index],
                                              values=state.values[index], positions=positions,
                                              num_heads=self.num_heads, scaling=self.scaling, out=work["attended"],
@@ -429,6 +432,16 @@ def _norm(module: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
     if eps is None or type(module).__name__ not in _RMS_NORMS:
         return module(x)
     return module.weight * torch.nn.functional.rms_norm(x.float(), (x.shape[-1],), eps=eps).to(x.dtype)
+
+
+def _qk_norms(model: torch.nn.Module) -> list[tuple[torch.nn.Module, torch.nn.Module]] | None:
+    """Per layer the (q_norm, k_norm) modules of a model that normalizes each query and key head
+    before RoPE (Qwen3), looked up afresh (a replaced module is seen); None when its first layer has
+    none (``supports`` checks that no layer has them then)."""
+    layers = model.model.layers
+    if getattr(layers[0].self_attn, "q_norm", None) is None:
+        return None
+    return [(getattr(layer.self_attn, "q_norm", None), getattr(layer.self_attn, "k_norm", None)) for layer in layers]
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
