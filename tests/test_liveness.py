@@ -7,6 +7,7 @@ import re
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -54,7 +55,20 @@ def test_a_stopped_rank_ends_the_job_with_a_named_line(tmp_path):
         time.sleep(0.2)  # the pid file is written before its contents are flushed on some filesystems
         pid = int((tmp_path / "rank1.pid").read_text())
         os.kill(pid, signal.SIGSTOP)
-        _, stderr = proc.communicate(timeout=120)  # a hang fails here
+        # Once rank 0 has named the stopped rank, let it run again: torchrun's SIGTERM then ends it
+        # at once instead of after torchrun's 30 s grace for a process that cannot act on it.
+        lines: list[str] = []
+        reader = threading.Thread(target=lambda: lines.extend(proc.stderr), daemon=True)
+        reader.start()
+        threading.Thread(target=proc.stdout.read, daemon=True).start()  # a full pipe would block the ranks
+        deadline = time.monotonic() + 120  # a hang fails below
+        while not any("stopped responding" in line for line in list(lines)) and time.monotonic() < deadline \
+                and proc.poll() is None:
+            time.sleep(0.1)
+        os.kill(pid, signal.SIGCONT)
+        proc.wait(timeout=120)
+        reader.join(timeout=30)
+        stderr = "".join(lines)
     finally:
         if pid is not None:
             for sig in (signal.SIGCONT, signal.SIGKILL):
