@@ -24,7 +24,7 @@ import time
 import torch
 from generation import bound_ms, hardware_bound
 
-from llamarl.engines import cpu_kernels
+from llamarl.engines.cpu import cpu_kernels
 from llamarl.models import load_causal_lm
 
 

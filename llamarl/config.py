@@ -51,9 +51,9 @@ class GeneratorConfig:
     ``@register_engine``."""
     fused_decode: bool = True
     """Native engine: run the decode steps of Llama-family models (Llama, Qwen2, Qwen3, Mistral) through
-    fused, pre-packed projections over a preallocated KV cache (llamarl/engines/fused_decode.py:
+    fused, pre-packed projections over a preallocated KV cache (llamarl/engines/cpu/fused_decode.py:
     the same tokens, ~1.8x faster steps on CPU at 16-64 rows); in bf16, steps go through C kernels
-    (llamarl/engines/cpu_kernels.py, all the layers of a step in one call: native_step.py; on all of
+    (llamarl/engines/cpu/cpu_kernels.py, all the layers of a step in one call: native_step.py; on all of
     PyTorch's intra-op threads; ``LLAMARL_CPU_KERNELS=0`` turns them off); False: HF's modules for
     every step. Other
     architectures and tensor parallelism use HF's modules; on CUDA see ``static_decode``."""

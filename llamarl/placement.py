@@ -22,6 +22,13 @@ the receiving GPU executor moving the batch to its GPU. A weights channel needs 
 same kind of device (one-line ValueError otherwise). A world of one kind is built exactly as
 before: NCCL bound to each rank's GPU, or gloo on CPU.
 
+Point-to-point in a mixed world (``p2p_group``): NCCL creates a group's communicator on the first
+operation that needs it, with every rank of the group taking part; WORLD's NCCL part would need
+the CPU ranks, which never send CUDA tensors, so a first CUDA ``batch_isend_irecv`` on WORLD would
+hang. The world therefore also holds one NCCL group over exactly the GPU ranks, warmed by one
+collective on them (``ExecutorContext.gpu_group``), and a link between two GPU executors sends
+through it; a link touching a CPU executor sends host buffers through WORLD's gloo part.
+
 The layout is decided without communication, the same way on every rank, from the specs, the
 world size and each node's GPU count (``torch.cuda.device_count()``) and ranks per node
 (torchrun's ``LOCAL_WORLD_SIZE``), assuming nodes alike (torchrun's ``--nproc-per-node`` is one
@@ -35,6 +42,7 @@ import torch
 
 MIXED_BACKEND = "cpu:gloo,cuda:nccl"
 DEVICES = ("auto", "cpu")
+KINDS = ("cuda", "cpu")  # what device_kinds decides for each executor
 
 
 def device_kinds(specs, ranges: dict[str, list[int]], *, cuda: bool, gpus_per_node: int,
@@ -89,3 +97,24 @@ def link_device(own: torch.device, own_kind: str, peer_kind: str) -> torch.devic
     ``peer_kind`` is staged: its own device between alike executors, the host between a GPU and
     a CPU one (the two ends agree: both compute the host)."""
     return own if own_kind == peer_kind else torch.device("cpu")
+
+
+def p2p_group(*, src_kind: str, dst_kind: str, mixed: bool, gpu_group):
+    """The process group a point-to-point link between an executor of ``src_kind`` and one of
+    ``dst_kind`` sends through (module docstring); pure, the same answer at both ends.
+
+    ``None`` (WORLD) in a world of one kind, and for a link touching a CPU executor in a mixed
+    world (its buffers are on the host: ``link_device``; WORLD's gloo part moves them). A link
+    between two GPU executors in a mixed world gets ``gpu_group``, the world's GPU-only NCCL group
+    (this rank's handle of it). ValueError for a kind not in ``KINDS``, or for such a link without a
+    GPU-only group (a world built elsewhere than ``ExecutorContext.create_all``).
+    """
+    for end, kind in (("source", src_kind), ("destination", dst_kind)):
+        if kind not in KINDS:
+            raise ValueError(f"point-to-point link: the {end} kind must be one of {KINDS}, got {kind!r}")
+    if not mixed or "cpu" in (src_kind, dst_kind):
+        return None
+    if gpu_group is None:
+        raise ValueError("point-to-point link between two GPU executors in a mixed world without its GPU-only "
+                         "group: CUDA tensors on WORLD would wait for the CPU ranks forever (llamarl/placement.py)")
+    return gpu_group

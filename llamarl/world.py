@@ -3,8 +3,10 @@
 Every process group and DeviceMesh in llamarl is created here, once, in the same order on every
 rank (``new_group`` is collective over the world, so order matters). Library code receives the
 group / mesh it needs explicitly and never assumes ``torch.distributed.group.WORLD`` is "my
-executor". Channels send point-to-point on the world group by global rank; the context maps
-executor names to global rank ranges for them.
+executor". Channels send point-to-point by global rank, on the world group, or in a world
+mixing GPU and CPU ranks on the GPU-only group between two GPU executors (``ctx.gpu_group``,
+``llamarl/placement.py``: ``p2p_group``); the context maps executor names to global rank ranges
+for them.
 
 Tensor parallelism: an executor declared with ``ExecutorSpec(name, num_ranks, tp=N)`` (N > 1)
 lays its ranks out as a 2-D ``(dp, tp)`` grid, tp innermost (consecutive ranks share a TP group),
@@ -25,7 +27,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
-from llamarl.placement import DEVICES, MIXED_BACKEND, device_kinds, is_mixed, link_device
+from llamarl.placement import DEVICES, MIXED_BACKEND, device_kinds, is_mixed, link_device, p2p_group
 from llamarl.preflight import stop_after_checks
 
 # Set once this process starts to make the world; never reset (llamarl/errors.py: what counts as a
@@ -130,6 +132,9 @@ class ExecutorContext:
     means 1), ``device_kinds`` (executor name -> ``cuda`` / ``cpu``; missing means this rank's
     kind) and ``world_device``: where WORLD-wide collectives put their tensors, the host when the
     world mixes GPU and CPU executors, else ``device`` (``llamarl/placement.py``).
+    ``gpu_group``: in a mixed world, this GPU rank's handle of the NCCL group over exactly the GPU
+    ranks, its communicator already made, through which GPU-to-GPU point-to-point goes
+    (``link_group``); None when the world is not mixed, and on a CPU rank (not a member).
     """
 
     rank: int
@@ -142,6 +147,7 @@ class ExecutorContext:
     tp_sizes: dict[str, int] = field(default_factory=dict)
     device_kinds: dict[str, str] = field(default_factory=dict)
     world_device: torch.device | None = None
+    gpu_group: dist.ProcessGroup | None = None
 
     def __post_init__(self) -> None:
         if self.world_device is None:
@@ -152,9 +158,22 @@ class ExecutorContext:
         """Whether this world's executors mix GPUs and CPUs (``llamarl/placement.py``)."""
         return is_mixed(self.device_kinds)
 
+    @property
+    def kind(self) -> str:
+        """This executor's kind of device, ``cuda`` or ``cpu`` (``device_kinds``; missing: the
+        device's type). A peer missing from ``device_kinds`` is taken to be of this kind."""
+        return self.device_kinds.get(self.executor, self.device.type)
+
     def link_device(self, peer: str) -> torch.device:
         """Where a batch to or from executor ``peer`` is staged (``placement.link_device``)."""
-        return link_device(self.device, self.device.type, self.device_kinds.get(peer, self.device.type))
+        return link_device(self.device, self.kind, self.device_kinds.get(peer, self.kind))
+
+    def link_group(self, peer: str) -> dist.ProcessGroup | None:
+        """The process group point-to-point to or from executor ``peer`` goes through
+        (``placement.p2p_group``): None (WORLD) unless both ends are GPU executors of a mixed world,
+        then ``gpu_group``. Both ends of a link compute the same group."""
+        return p2p_group(src_kind=self.kind, dst_kind=self.device_kinds.get(peer, self.kind), mixed=self.mixed,
+                         gpu_group=self.gpu_group)
 
     @staticmethod
     def create(specs: list[ExecutorSpec], **options) -> ExecutorContext:
@@ -231,10 +250,13 @@ class ExecutorContext:
                 # from_group takes this rank's group per mesh dim: no further collective.
                 meshes[spec.name] = DeviceMesh.from_group([dp_group, tp_group], device.type, mesh=grid,
                                                           mesh_dim_names=("dp", "tp"))
+        gpu_group = None
+        if mixed:  # last, after every other group: the same order on every rank
+            gpu_group = _gpu_only_group(specs, ranges, kinds, on_gpu=on_gpu, device=device, timeout=timeout)
         tp_sizes = {s.name: s.tp for s in specs}
         return {name: ExecutorContext(rank=rank, world_size=world_size, executor=name, ranks=ranges,
                                       group=groups[name], mesh=meshes[name], device=device, tp_sizes=tp_sizes,
-                                      device_kinds=kinds, world_device=world_device)
+                                      device_kinds=kinds, world_device=world_device, gpu_group=gpu_group)
                 for name in mine}
 
     @property
@@ -292,6 +314,24 @@ def world_barrier(ctx: ExecutorContext) -> None:
         dist.barrier()
     else:
         dist.all_reduce(torch.zeros(1, device=ctx.world_device))
+
+
+def _gpu_only_group(specs: list[ExecutorSpec], ranges: dict[str, list[int]], kinds: dict[str, str], *,
+                    on_gpu: bool, device: torch.device, timeout: timedelta) -> dist.ProcessGroup | None:
+    """A mixed world's NCCL group over exactly its GPU ranks; this rank's handle, None on a CPU rank.
+
+    Collective over WORLD (``new_group``): every rank calls it, with the same arguments. The GPU
+    ranks then run one CUDA all-reduce on it, so its communicator exists before any point-to-point:
+    NCCL makes a communicator with every rank of its group taking part, which the CPU ranks never
+    would on WORLD, and a first batched P2P over a subset of a group is undefined.
+    """
+    gpu_ranks = sorted(r for s in specs if s.colocate_with is None and kinds[s.name] == "cuda"
+                       for r in ranges[s.name])
+    group = dist.new_group(gpu_ranks, timeout=timeout, backend="nccl")
+    if not on_gpu:
+        return None  # a non-member's handle (GroupMember.NON_GROUP_MEMBER) is no group to send on
+    dist.all_reduce(torch.zeros(1, device=device), group=group)
+    return group
 
 
 def _grid_groups(grid: list[list[int]], *, rank: int, timeout: timedelta,

@@ -188,7 +188,7 @@ def test_decode_scaling_prints_one_row_per_batch_size(capsys):
 def test_cpu_linears_times_every_projection_of_a_step_and_checks_them(monkeypatch):
     """benchmarks/cpu_linears.py on a tiny bf16 model: the projections a fused step runs (four per
     layer and the LM head), both paths timed, and a GEMM whose outputs differ fails the timing."""
-    from llamarl.engines import cpu_kernels
+    from llamarl.engines.cpu import cpu_kernels
 
     linears = load_benchmark("cpu_linears")
     model = build_tiny_llama(seed=0, vocab_size=128).to(torch.bfloat16).eval()

@@ -1,4 +1,4 @@
-"""The C kernels of bf16 CPU decode steps (llamarl/engines/cpu_kernels.py, csrc/bf16_decode.c)
+"""The C kernels of bf16 CPU decode steps (llamarl/engines/cpu/cpu_kernels.py, csrc/bf16_decode.c)
 against the PyTorch ops they replace: each helper alone (RMSNorm with and without the residual add,
 SwiGLU, attention with RoPE and the KV-cache write, the AVX512-BF16 and AMX GEMMs and their weight
 layout), refused inputs, a failed
@@ -14,8 +14,8 @@ import pytest
 import torch
 from model_families import build_family, chat_tokenizer
 
-from llamarl.engines import cpu_kernels
-from llamarl.engines.fused_decode import FusedDecoder, _rotate_half
+from llamarl.engines.cpu import cpu_kernels
+from llamarl.engines.cpu.fused_decode import FusedDecoder, _rotate_half
 from llamarl.engines.torch_engine import TorchEngine
 
 BF16 = torch.bfloat16
@@ -369,7 +369,7 @@ def test_the_portable_build_computes_the_same(tmp_path, monkeypatch):
 
 
 def test_projections_take_the_gemm_on_one_thread_or_for_few_rows(monkeypatch):
-    from llamarl.engines.fused_decode import _Linear
+    from llamarl.engines.cpu.fused_decode import _Linear
 
     weight, bias = randn(40, 24, seed=3), randn(40, seed=4)
     calls = []
@@ -473,7 +473,7 @@ def test_without_the_amx_build_the_avx512_kernels_still_run(monkeypatch, caplog)
 
     monkeypatch.setattr(cpu_kernels, "build", no_amx)
     monkeypatch.setattr(cpu_kernels, "cpu_flags", lambda: frozenset({"avx512_bf16", "amx_bf16"}))
-    with caplog.at_level("WARNING", logger="llamarl.engines.cpu_kernels"):
+    with caplog.at_level("WARNING", logger="llamarl.engines.cpu.cpu_kernels"):
         library = cpu_kernels._library.__wrapped__()
     assert library is not None and not library.amx_ready
     assert "built without the AMX GEMM (" in caplog.text and "-mamx-bf16" in caplog.text
@@ -492,7 +492,7 @@ def test_without_openmp_the_kernels_run_on_the_calling_thread(monkeypatch, caplo
         return build(avx512_bf16=avx512_bf16, amx=amx, openmp=False, **kwargs)
 
     monkeypatch.setattr(cpu_kernels, "build", no_openmp)
-    with caplog.at_level("WARNING", logger="llamarl.engines.cpu_kernels"):
+    with caplog.at_level("WARNING", logger="llamarl.engines.cpu.cpu_kernels"):
         library = cpu_kernels._library.__wrapped__()
     assert library is not None and not library.threaded and library.llamarl_parallel_width(4) == 1
     assert "built without OpenMP threads (" in caplog.text and "-fopenmp" in caplog.text
@@ -568,25 +568,50 @@ def test_the_softmax_is_pytorchs_to_float_rounding():
 def test_the_sampler_draws_in_c_in_bf16(monkeypatch):
     from llamarl.engines import sampling
     from llamarl.engines.base import SamplingParams
+    from llamarl.engines.cpu import sampling as cpu_sampling
 
     calls = []
     sample = cpu_kernels.sample
     monkeypatch.setattr(cpu_kernels, "sample", lambda x, u: calls.append(x.shape) or sample(x, u))
     logits = randn(4, 300, seed=31, scale=3.0)
     uniforms = torch.rand(4, generator=torch.Generator().manual_seed(32), dtype=torch.float64)
-    tokens, logprobs = sampling.sample_tokens(logits, sampling=SamplingParams(temperature=1.0), uniforms=uniforms)
+    params = SamplingParams(temperature=1.0)
+    tokens, logprobs = cpu_sampling.sample_tokens_cpu(logits, sampling=params, uniforms=uniforms)
     assert calls == [(4, 300)]
     expected = torch.softmax(logits, dim=-1, dtype=torch.float32)
     # The same inverse-CDF draw as over PyTorch's probabilities (no uniform this close to an edge).
     assert torch.equal(tokens, sampling._draw(expected, uniforms))
     torch.testing.assert_close(logprobs, expected.gather(-1, tokens[:, None]).squeeze(-1).log(), rtol=0, atol=1e-5)
-    fp32 = sampling.sample_tokens(logits.float(), sampling=SamplingParams(temperature=1.0), uniforms=uniforms)
+    # The general sampler: no C, the same tokens and log-probs (PyTorch's softmax and draw).
+    general = sampling.sample_tokens(logits, sampling=params, uniforms=uniforms)
+    assert calls == [(4, 300)] and torch.equal(general[0], tokens)
+    torch.testing.assert_close(general[1], logprobs, rtol=0, atol=1e-5)
+    fp32 = cpu_sampling.sample_tokens_cpu(logits.float(), sampling=params, uniforms=uniforms)
     assert calls == [(4, 300)] and torch.equal(fp32[0], tokens)  # fp32 logits: PyTorch's softmax and draw
+    # Without uniforms: one per row from the generator, as the general sampler draws them.
+    seeded = [fn(logits, sampling=params, generator=torch.Generator().manual_seed(5))
+              for fn in (cpu_sampling.sample_tokens_cpu, sampling.sample_tokens)]
+    assert calls == [(4, 300)] * 2 and torch.equal(seeded[0][0], seeded[1][0])
+    # Filtered, another temperature, greedy: the general sampler's results, bit for bit, no C draw.
+    for other in (SamplingParams(temperature=1.0, top_k=20), SamplingParams(temperature=0.7),
+                  SamplingParams(temperature=0.0)):
+        ours = cpu_sampling.sample_tokens_cpu(logits, sampling=other, uniforms=uniforms)
+        theirs = sampling.sample_tokens(logits, sampling=other, uniforms=uniforms)
+        assert torch.equal(ours[0], theirs[0]) and torch.equal(ours[1], theirs[1])
+    assert calls == [(4, 300)] * 2
+    # A vocabulary over the C draw's limit (sample gives None): the general draw over the C softmax.
+    monkeypatch.setattr(cpu_kernels, "sample", lambda x, u: None)
+    softmaxed = []
+    softmax = cpu_kernels.softmax
+    monkeypatch.setattr(cpu_kernels, "softmax", lambda x, **k: softmaxed.append(x.shape) or softmax(x, **k))
+    fallback = cpu_sampling.sample_tokens_cpu(logits, sampling=params, uniforms=uniforms)
+    assert softmaxed == [(4, 300)] and torch.equal(fallback[0], tokens)
+    monkeypatch.setattr(cpu_kernels, "softmax", softmax)
     # The buffer is reused from call to call up to _SCRATCH_MAX probabilities, a new tensor beyond.
-    first, second = sampling._softmax(logits), sampling._softmax(logits[:2])
+    first, second = cpu_sampling._softmax(logits), cpu_sampling._softmax(logits[:2])
     assert first.data_ptr() == second.data_ptr()
-    monkeypatch.setattr(sampling, "_SCRATCH_MAX", 100)
-    third = sampling._softmax(logits)
+    monkeypatch.setattr(cpu_sampling, "_SCRATCH_MAX", 100)
+    third = cpu_sampling._softmax(logits)
     assert third.data_ptr() != first.data_ptr() and torch.equal(third, cpu_kernels.softmax(logits))
 
 
@@ -598,7 +623,7 @@ def test_an_openmp_runtime_without_a_team_leaves_the_kernels_on_one_thread():
     import subprocess
     import sys
 
-    code = ("import logging; logging.basicConfig(); from llamarl.engines import cpu_kernels as c; "
+    code = ("import logging; logging.basicConfig(); from llamarl.engines.cpu import cpu_kernels as c; "
             "print(c.available(), c.threaded(), c._threads())")
     done = subprocess.run([sys.executable, "-c", code], env={**os.environ, "OMP_THREAD_LIMIT": "1"},
                           capture_output=True, text=True, timeout=300, check=False)

@@ -1,4 +1,4 @@
-"""The fused decode step (llamarl/engines/fused_decode.py) against the HF modules' loop it replaces:
+"""The fused decode step (llamarl/engines/cpu/fused_decode.py) against the HF modules' loop it replaces:
 fp32 greedy and seeded sampling give the same tokens, log-probs agree to rounding, for every
 family it supports, with left padding, shared prompts, carried-in tokens (rows finishing at
 different steps) and an in-place weight update between calls; the others fall back. Continuous
@@ -12,7 +12,7 @@ import torch
 from model_families import build_family, chat_tokenizer
 
 from llamarl.engines.base import Request, SamplingParams
-from llamarl.engines.fused_decode import FusedDecoder
+from llamarl.engines.cpu.fused_decode import FusedDecoder
 from llamarl.engines.torch_engine import TorchEngine
 
 
@@ -198,7 +198,7 @@ def test_kept_caches_admitted_mid_loop_leave_the_live_rows_logits_alone(monkeypa
     """bf16 on the C kernels, whose step writes its logits into a buffer kept for the next step: a
     kept cache admitted while rows are live runs a step of its own, which must not overwrite the
     live rows' logits before they are sampled (the same tokens as with a new tensor every step)."""
-    from llamarl.engines import cpu_kernels, fused_decode
+    from llamarl.engines.cpu import cpu_kernels, fused_decode
 
     if not cpu_kernels.available():
         pytest.skip("the C decode kernels could not be built here")
@@ -230,8 +230,8 @@ def test_the_c_step_reserves_the_cache_once_and_gives_the_same_tokens(monkeypatc
     cache is sized once, for the longest context a row can reach, instead of widened mid-way (a copy
     of every layer's cache), with the same tokens and log-probs as when it grows step by step; the
     PyTorch step (fp32), which attends over every allocated column, still grows it as rows need."""
-    from llamarl.engines import cpu_kernels
-    from llamarl.engines.fused_decode import DecodeState
+    from llamarl.engines.cpu import cpu_kernels
+    from llamarl.engines.cpu.fused_decode import DecodeState
 
     if not cpu_kernels.available():
         pytest.skip("the C decode kernels could not be built here")
@@ -284,7 +284,7 @@ def test_the_c_step_reserves_the_cache_once_and_gives_the_same_tokens(monkeypatc
 def test_the_reservation_stops_at_its_byte_budget(monkeypatch):
     """A decode that could reach more than ``_RESERVED_CACHE`` bytes of cache reserves only that
     much at once (rows stopped by EOS never need the rest) and grows from there as before."""
-    from llamarl.engines import cpu_kernels, fused_decode
+    from llamarl.engines.cpu import cpu_kernels, fused_decode
 
     if not cpu_kernels.available():
         pytest.skip("the C decode kernels could not be built here")

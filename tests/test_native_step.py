@@ -1,4 +1,4 @@
-"""The whole-step C call (llamarl/engines/native_step.py, csrc/decode_step.c) against the same step
+"""The whole-step C call (llamarl/engines/cpu/native_step.py, csrc/decode_step.c) against the same step
 kernel by kernel: the same bits for bf16 Llama (tied) / Qwen2 (q/k/v biases) / Qwen3 (q/k norms) / Mistral layouts, on
 one and three threads, at row counts below, at and past the AMX tiles' 16 rows, across a widening
 of the caches and a weight update; and the inputs it refuses."""
@@ -9,9 +9,9 @@ import pytest
 import torch
 from model_families import build_family, chat_tokenizer
 
-from llamarl.engines import cpu_kernels, native_step
 from llamarl.engines.base import Request, SamplingParams
-from llamarl.engines.fused_decode import FusedDecoder
+from llamarl.engines.cpu import cpu_kernels, native_step
+from llamarl.engines.cpu.fused_decode import FusedDecoder
 from llamarl.engines.torch_engine import TorchEngine
 
 BF16 = torch.bfloat16

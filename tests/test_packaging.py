@@ -34,7 +34,7 @@ def test_the_c_kernels_sources_and_headers_ship_in_the_package():
     import re
     from fnmatch import fnmatch
 
-    from llamarl.engines import cpu_kernels
+    from llamarl.engines.cpu import cpu_kernels
 
     globs = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["package-data"]["llamarl"]
     for path in (*cpu_kernels._SOURCES, *cpu_kernels._HEADERS):

@@ -4,12 +4,16 @@ mixes GPU and CPU ranks (NCCL + gloo in each group, host staging between them) n
 and no GPU machine was lent to the session that wrote it, so only the decisions and their
 plumbing are tested here."""
 
+from datetime import timedelta
+
 import pytest
 import torch
+import torch.distributed as dist
 
+from llamarl import world
 from llamarl.config import RewardConfig
 from llamarl.pipeline import Pipeline, Stage
-from llamarl.placement import device_kinds, is_mixed, link_device
+from llamarl.placement import device_kinds, is_mixed, link_device, p2p_group
 from llamarl.world import ExecutorContext, ExecutorSpec, plan_ranks
 
 
@@ -83,3 +87,63 @@ def test_reward_device_flag_reaches_the_stage_and_needs_ranks_of_its_own():
     assert [s.device for s in pipeline.specs(3)] == ["auto", "cpu", "auto"]
     # Colocated, every stage shares the first one's ranks and device.
     assert [s.device for s in pipeline.colocated().specs(1)] == ["auto", "auto", "auto"]
+
+
+GPU_GROUP = object()  # stands for this rank's handle of a mixed world's GPU-only NCCL group
+
+
+@pytest.mark.parametrize(("src", "dst", "mixed", "want"), [
+    ("cuda", "cuda", True, GPU_GROUP),  # CUDA on WORLD would wait for the CPU ranks: the GPU-only group
+    ("cuda", "cpu", True, None), ("cpu", "cuda", True, None), ("cpu", "cpu", True, None),  # host buffers, gloo
+    ("cuda", "cuda", False, None), ("cpu", "cpu", False, None),  # a world of one kind: WORLD, as before
+])
+def test_p2p_group_sends_gpu_to_gpu_links_of_a_mixed_world_on_the_gpu_only_group(src, dst, mixed, want):
+    assert p2p_group(src_kind=src, dst_kind=dst, mixed=mixed, gpu_group=GPU_GROUP) is want
+
+
+def test_p2p_group_refuses_unknown_kinds_and_a_mixed_gpu_link_without_its_group():
+    for src, dst, end in [("tpu", "cuda", "source"), ("cuda", "meta", "destination"), ("cpu", None, "destination")]:
+        with pytest.raises(ValueError, match=f"^point-to-point link: the {end} kind must be one of") as err:
+            p2p_group(src_kind=src, dst_kind=dst, mixed=True, gpu_group=GPU_GROUP)
+        assert "\n" not in str(err.value)
+    with pytest.raises(ValueError, match="without its GPU-only group"):
+        p2p_group(src_kind="cuda", dst_kind="cuda", mixed=True, gpu_group=None)
+
+
+def test_context_links_agree_on_device_and_group_at_both_ends():
+    """The 9-ranks-on-8-GPUs world of the docs: generator and trainer on GPUs, the reward on the host."""
+    kinds = {"generator": "cuda", "reward": "cpu", "trainer": "cuda"}
+    ranks = {"generator": [0, 1], "reward": [2], "trainer": list(range(3, 9))}
+
+    def ctx(executor, rank, *, gpu_group):
+        device = torch.device("cpu") if kinds[executor] == "cpu" else torch.device("cuda", 0)
+        return ExecutorContext(rank=rank, world_size=9, executor=executor, ranks=ranks, group=None, mesh=None,
+                               device=device, device_kinds=kinds, world_device=torch.device("cpu"),
+                               gpu_group=gpu_group)
+    trainer, generator, reward = (ctx("trainer", 3, gpu_group=GPU_GROUP), ctx("generator", 0, gpu_group=GPU_GROUP),
+                                  ctx("reward", 2, gpu_group=None))
+    assert trainer.link_group("generator") is generator.link_group("trainer") is GPU_GROUP
+    assert trainer.link_device("generator") == torch.device("cuda", 0)
+    assert trainer.link_group("reward") is reward.link_group("trainer") is None
+    assert reward.link_group("generator") is generator.link_group("reward") is None
+    assert trainer.link_device("reward") == reward.link_device("trainer") == torch.device("cpu")
+
+
+def test_a_mixed_world_makes_one_warmed_nccl_group_over_exactly_its_gpu_ranks(monkeypatch):
+    """``new_group`` on every rank (collective), then one CUDA all-reduce on it by its members only,
+    so its communicator exists before any point-to-point; a CPU rank keeps no handle."""
+    specs = [ExecutorSpec("generator", 2, tp=2), ExecutorSpec("reward", 1, device="cpu"), ExecutorSpec("trainer", 6),
+             ExecutorSpec("ref", 6, colocate_with="trainer")]
+    ranges = plan_ranks(specs, 9)
+    kinds = device_kinds(specs, ranges, cuda=True, gpus_per_node=8, ranks_per_node=9)[0]
+    calls = []
+    monkeypatch.setattr(dist, "new_group", lambda ranks, **kw: calls.append(("new_group", ranks, kw)) or "handle")
+    monkeypatch.setattr(dist, "all_reduce", lambda tensor, **kw: calls.append(("all_reduce", tensor.device, kw)))
+    meta = torch.device("meta")  # stands for the rank's GPU: no CUDA here
+    timeout = timedelta(seconds=5)
+    assert world._gpu_only_group(specs, ranges, kinds, on_gpu=True, device=meta, timeout=timeout) == "handle"
+    assert calls == [("new_group", [0, 1, 3, 4, 5, 6, 7, 8], {"timeout": timeout, "backend": "nccl"}),
+                     ("all_reduce", meta, {"group": "handle"})]
+    calls.clear()
+    assert world._gpu_only_group(specs, ranges, kinds, on_gpu=False, device=torch.device("cpu"), timeout=timeout) is None
+    assert [c[0] for c in calls] == ["new_group"]

@@ -129,11 +129,13 @@ class CommunicationChannel:
 
         # Staged on this executor's device, or on the host between a GPU and a CPU executor (both
         # ends agree: llamarl/placement.py); what arrives is then moved to this executor's device.
+        # Sent through the group both ends agree on too: WORLD, or a mixed world's GPU-only group.
         peer = self.inbound if ctx.executor == self.outbound else self.outbound
-        link = ctx.link_device(peer)
+        link, group = ctx.link_device(peer), ctx.link_group(peer)
 
         def send_recv(sends: dict[int, TensorBatch], recv_from: list[int]) -> dict[int, TensorBatch]:
-            got = exchange(sends, recv_from, device=link, label=label, max_data_bytes=self.max_data_bytes)
+            got = exchange(sends, recv_from, device=link, group=group, label=label,
+                           max_data_bytes=self.max_data_bytes)
             return got if link == ctx.device else {src: batch.to(ctx.device) for src, batch in got.items()}
 
         received: TensorBatch | None = None

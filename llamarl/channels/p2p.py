@@ -25,6 +25,7 @@ def exchange(
     recv_from: list[int],
     *,
     device: torch.device,
+    group: dist.ProcessGroup | None = None,
     label: str = "channel",
     max_data_bytes: int = MAX_DATA_BYTES,
 ) -> dict[int, TensorBatch]:
@@ -33,7 +34,10 @@ def exchange(
     All ranks taking part must call this with matching arguments (a rank that sends to ``r``
     must appear in ``r``'s ``recv_from``). Buffers are staged on ``device``: ``ctx.device``, i.e.
     CUDA under NCCL (which moves device memory only) and the host under gloo, and the received
-    batches stay there (no device -> host -> device round trip). Returns ``{src: batch}``.
+    batches stay there (no device -> host -> device round trip). Every operation goes through
+    ``group`` (None: WORLD), ranks staying global: ``ctx.link_group(peer)``, the GPU-only group of a
+    mixed world between two GPU executors (``llamarl/placement.py``: ``p2p_group``). Returns
+    ``{src: batch}``.
 
     A malformed size, header or buffer from a peer raises ``WireFormatError`` naming ``label`` and
     the source rank; the announced sizes are checked against ``MAX_HEADER_BYTES`` and
@@ -45,8 +49,8 @@ def exchange(
     size_out = {dst: torch.tensor([h.numel(), d.numel()], dtype=torch.int64, device=device)
                 for dst, (h, d) in encoded.items()}
     size_in = {src: torch.zeros(2, dtype=torch.int64, device=device) for src in recv_from}
-    _run([dist.P2POp(dist.isend, t, dst) for dst, t in size_out.items()]
-         + [dist.P2POp(dist.irecv, t, src) for src, t in size_in.items()])
+    _run([dist.P2POp(dist.isend, t, dst, group=group) for dst, t in size_out.items()]
+         + [dist.P2POp(dist.irecv, t, src, group=group) for src, t in size_in.items()])
 
     for dst, (h, d) in encoded.items():
         if h.numel() > MAX_HEADER_BYTES or d.numel() > max_data_bytes:
@@ -58,13 +62,13 @@ def exchange(
              for src, t in size_in.items()}
 
     headers_in = {src: torch.empty(h, dtype=torch.uint8, device=device) for src, (h, _) in sizes.items()}
-    _run([dist.P2POp(dist.isend, h.to(device), dst) for dst, (h, _) in encoded.items()]
-         + [dist.P2POp(dist.irecv, t, src) for src, t in headers_in.items()])
+    _run([dist.P2POp(dist.isend, h.to(device), dst, group=group) for dst, (h, _) in encoded.items()]
+         + [dist.P2POp(dist.irecv, t, src, group=group) for src, t in headers_in.items()])
 
     data_in = {src: torch.empty(d, dtype=torch.uint8, device=device) for src, (_, d) in sizes.items()}
     # Zero-byte messages are legal on gloo but not on every backend: skip them on both sides.
-    _run([dist.P2POp(dist.isend, d.to(device), dst) for dst, (_, d) in encoded.items() if d.numel() > 0]
-         + [dist.P2POp(dist.irecv, t, src) for src, t in data_in.items() if t.numel() > 0])
+    _run([dist.P2POp(dist.isend, d.to(device), dst, group=group) for dst, (_, d) in encoded.items() if d.numel() > 0]
+         + [dist.P2POp(dist.irecv, t, src, group=group) for src, t in data_in.items() if t.numel() > 0])
 
     # The JSON header is parsed on the host; the data buffer stays on ``device``.
     return {src: TensorBatch.decode(headers_in[src].cpu(), data_in[src], source=f"{label} from rank {src}")

@@ -152,35 +152,38 @@ class WeightsChannel:
             raise ValueError(f"weight channel {self.name!r}: {self.outbound!r} runs on {kinds[self.outbound]} and "
                              f"{self.inbound!r} on {kinds[self.inbound]}; weights move between executors on the "
                              "same kind of device (llamarl/placement.py)")
+        # Every message of the sync goes through one group, the same at both ends: WORLD, or the
+        # GPU-only group of a mixed world (CUDA tensors on WORLD would wait for its CPU ranks).
+        group = ctx.link_group(self.inbound if ctx.executor == self.outbound else self.outbound)
         start = time.perf_counter()
         # The trainer's version first (8 bytes to each generator rank): when it is the version
         # already synced (a tick without an optimizer step), no weight moves at all.
-        version = self._announce_version(ctx, executor)
+        version = self._announce_version(ctx, executor, group=group)
         self.last_skipped = version == self._synced_version
         if not self.last_skipped:
             if self.mode == "ddma":
                 if self.plan is None:
-                    self._ddma_handshake(ctx, executor)
-                self._ddma_sync(ctx, executor)
+                    self._ddma_handshake(ctx, executor, group=group)
+                self._ddma_sync(ctx, executor, group=group)
             else:
-                self._gather_broadcast(ctx, executor)
+                self._gather_broadcast(ctx, executor, group=group)
             self._synced_version = version
         self.last_seconds = time.perf_counter() - start
 
-    def _announce_version(self, ctx, executor) -> int:
+    def _announce_version(self, ctx, executor, *, group) -> int:
         """The trainer's version on every rank of both executors (trainer ranks agree already)."""
         if ctx.executor == self.outbound:
             version = int(executor.version)
             if ctx.rank == ctx.leader(self.outbound):
                 message = torch.tensor([version], dtype=torch.int64, device=ctx.device)
-                _wait([dist.P2POp(dist.isend, message, g) for g in ctx.ranks[self.inbound]])
+                _wait([dist.P2POp(dist.isend, message, g, group=group) for g in ctx.ranks[self.inbound]])
             return version
         message = torch.zeros(1, dtype=torch.int64, device=ctx.device)
-        _wait([dist.P2POp(dist.irecv, message, ctx.leader(self.outbound))])
+        _wait([dist.P2POp(dist.irecv, message, ctx.leader(self.outbound), group=group)])
         return int(message.item())
 
     # ----- ddma -----
-    def _exchange_layouts(self, ctx, executor) -> dict[int, dict]:
+    def _exchange_layouts(self, ctx, executor, *, group) -> dict[int, dict]:
         """Every rank of both executors learns every rank's local layout; errors raise everywhere."""
         label = f"weight channel {self.name!r}"
         trainers, generators = ctx.ranks[self.outbound], ctx.ranks[self.inbound]
@@ -195,7 +198,8 @@ class WeightsChannel:
             # Still take part in the exchange, so every peer raises too instead of waiting forever.
             mine = {"error": f"rank {ctx.rank}: {err}"}
         peers = [r for r in trainers + generators if r != ctx.rank]
-        got = exchange({r: TensorBatch({}, {"layout": mine}) for r in peers}, peers, device=ctx.device, label=label)
+        got = exchange({r: TensorBatch({}, {"layout": mine}) for r in peers}, peers, device=ctx.device, group=group,
+                       label=label)
         layouts = {r: got[r].metadata.get("layout") for r in peers} | {ctx.rank: mine}
         for rank in trainers + generators:
             if not isinstance(layouts[rank], dict):
@@ -204,10 +208,10 @@ class WeightsChannel:
                 raise ValueError(f"{label}: {layouts[rank]['error']}")
         return layouts
 
-    def _ddma_handshake(self, ctx, executor) -> None:
+    def _ddma_handshake(self, ctx, executor, *, group) -> None:
         label = f"weight channel {self.name!r}"
         trainers, generators = ctx.ranks[self.outbound], ctx.ranks[self.inbound]
-        layouts = self._exchange_layouts(ctx, executor)
+        layouts = self._exchange_layouts(ctx, executor, group=group)
         self.plan = build_plan([layouts[r] for r in trainers], [layouts[r] for r in generators], label=label)
         self._rounds = self._make_rounds(ctx, trainers, generators)
 
@@ -240,7 +244,7 @@ class WeightsChannel:
                 rounds[index][key].peers.append(peer)
         return [list(buckets.values()) for buckets in rounds]
 
-    def _ddma_sync(self, ctx, executor) -> None:
+    def _ddma_sync(self, ctx, executor, *, group) -> None:
         leader = ctx.leader(self.outbound)
         version = torch.zeros(1, dtype=torch.int64, device=ctx.device)
         params = dict(executor.get_model().named_parameters())
@@ -253,14 +257,14 @@ class WeightsChannel:
             ops = []
             if ctx.rank == leader:
                 version.fill_(int(executor.version))
-                ops += [dist.P2POp(dist.isend, version, g) for g in ctx.ranks[self.inbound]]
+                ops += [dist.P2POp(dist.isend, version, g, group=group) for g in ctx.ranks[self.inbound]]
             for index in range(num_rounds):
                 buckets = self._rounds[index] if index < len(self._rounds) else []
                 with torch.no_grad():
                     for bucket in buckets:
                         for piece in bucket.pieces:
                             bucket.view(piece).copy_(local_tensor(params[piece.name])[box_index(piece.src)])
-                ops += [dist.P2POp(dist.isend, b.payload, dst) for b in buckets for dst in b.peers]
+                ops += [dist.P2POp(dist.isend, b.payload, dst, group=group) for b in buckets for dst in b.peers]
                 _wait(ops)
                 ops = []
                 for bucket in buckets:
@@ -270,12 +274,13 @@ class WeightsChannel:
             self.bytes_sent = sent
         else:
             sink = weight_sink_of(executor)
-            rounds = self._ddma_receive(ctx, params, version=version, received=received, stream=sink is not None)
+            rounds = self._ddma_receive(ctx, params, version=version, received=received, stream=sink is not None,
+                                        group=group)
             feed(sink, rounds, label=f"weight channel {self.name!r}")
             self.bytes_received = received
             executor.set_weights_version(int(version.item()))
 
-    def _ddma_receive(self, ctx, params: dict, *, version: torch.Tensor, received: dict, stream: bool):
+    def _ddma_receive(self, ctx, params: dict, *, version: torch.Tensor, received: dict, stream: bool, group):
         """A generator rank's side of the DDMA rounds, as an iterator. Without ``stream`` each piece
         is copied into its parameter's view and nothing is yielded. With ``stream`` (a weight sink:
         ``params`` only describe the layout) each piece is copied into a staging tensor of its
@@ -285,10 +290,10 @@ class WeightsChannel:
         leader = ctx.leader(self.outbound)
         staging: dict[str, torch.Tensor] = {}
         left: dict[str, int] = {}
-        ops = [dist.P2POp(dist.irecv, version, leader)]
+        ops = [dist.P2POp(dist.irecv, version, leader, group=group)]
         for index in range(self.plan_rounds):
             buckets = self._rounds[index] if index < len(self._rounds) else []
-            ops += [dist.P2POp(dist.irecv, b.payload, b.peers[0]) for b in buckets]
+            ops += [dist.P2POp(dist.irecv, b.payload, b.peers[0], group=group) for b in buckets]
             _wait(ops)
             ops = []
             done = []
@@ -324,13 +329,13 @@ class WeightsChannel:
                     for (_, g), pieces in self.plan.pieces.items() if pieces), default=0)
 
     # ----- gather_broadcast -----
-    def _handshake(self, ctx, executor) -> None:
+    def _handshake(self, ctx, executor, *, group) -> None:
         """Agree on the bucket order (generator names), full shapes and this rank's boxes.
 
         The DDMA layout exchange and plan are reused only to validate (same errors either way).
         """
         trainers, generators = ctx.ranks[self.outbound], ctx.ranks[self.inbound]
-        layouts = self._exchange_layouts(ctx, executor)
+        layouts = self._exchange_layouts(ctx, executor, group=group)
         build_plan([layouts[r] for r in trainers], [layouts[r] for r in generators], label=f"weight channel {self.name!r}")
         full_shapes = {p["name"]: p["shape"] for p in layouts[trainers[0]]["params"]}
         reference = layouts[generators[0]]
@@ -356,12 +361,12 @@ class WeightsChannel:
             size += nbytes
         return [*chunks, current] if current else chunks
 
-    def _gather_broadcast(self, ctx, executor) -> None:
+    def _gather_broadcast(self, ctx, executor, *, group) -> None:
         """One sync in rounds of ``_gather_broadcast_chunks``: per round the trainer ranks gather
         that chunk's parameters whole (collective), the first packs them into its one reused bucket
         and sends it to every generator rank, which copies its box of each out of its own bucket."""
         if self.layout is None:
-            self._handshake(ctx, executor)
+            self._handshake(ctx, executor, group=group)
         leader = ctx.leader(self.outbound)
         version = torch.zeros(1, dtype=torch.int64, device=ctx.device)
         dtype = DTYPES[self.layout["dtype"]]
@@ -375,7 +380,7 @@ class WeightsChannel:
             ops = []
             if ctx.rank == leader:
                 version.fill_(int(executor.version))
-                ops = [dist.P2POp(dist.isend, version, dst) for dst in ctx.ranks[self.inbound]]
+                ops = [dist.P2POp(dist.isend, version, dst, group=group) for dst in ctx.ranks[self.inbound]]
             for chunk in chunks:
                 offset = 0
                 for name in chunk:
@@ -387,7 +392,7 @@ class WeightsChannel:
                         offset += size
                     del full
                 if bucket is not None:
-                    ops += [dist.P2POp(dist.isend, bucket[:offset], dst) for dst in ctx.ranks[self.inbound]]
+                    ops += [dist.P2POp(dist.isend, bucket[:offset], dst, group=group) for dst in ctx.ranks[self.inbound]]
                     _wait(ops)
                     ops = []
                     moved += offset * dtype.itemsize
@@ -399,23 +404,25 @@ class WeightsChannel:
             # (what verl / OpenRLHF do for TP engines), a replica keeps all of it.
             sink = weight_sink_of(executor)
             rounds = self._gather_broadcast_receive(ctx, params, chunks=chunks, shapes=shapes, dtype=dtype,
-                                                    largest=largest, version=version, stream=sink is not None)
+                                                    largest=largest, version=version, stream=sink is not None,
+                                                    group=group)
             feed(sink, rounds, label=f"weight channel {self.name!r}")
             moved = sum(math.prod(shapes[n]) for chunk in chunks for n in chunk) * dtype.itemsize
             self.bytes_received = {(leader, ctx.rank): moved}
             executor.set_weights_version(int(version.item()))
 
-    def _gather_broadcast_receive(self, ctx, params: dict, *, chunks, shapes, dtype, largest, version, stream: bool):
+    def _gather_broadcast_receive(self, ctx, params: dict, *, chunks, shapes, dtype, largest, version, stream: bool,
+                                  group):
         """A generator rank's side of the gather-broadcast rounds, as an iterator: each round's
         bucket copied into the parameters (nothing yielded), or with ``stream`` each parameter's
         box of it yielded as a tensor of its own (the bucket is reused by the next round)."""
         leader = ctx.leader(self.outbound)
         boxes = self.layout["boxes"]
         bucket = torch.empty(largest, dtype=dtype, device=ctx.device)
-        ops = [dist.P2POp(dist.irecv, version, leader)]
+        ops = [dist.P2POp(dist.irecv, version, leader, group=group)]
         for chunk in chunks:
             numel = sum(math.prod(shapes[n]) for n in chunk)
-            _wait([*ops, dist.P2POp(dist.irecv, bucket[:numel], leader)])
+            _wait([*ops, dist.P2POp(dist.irecv, bucket[:numel], leader, group=group)])
             ops = []
             offset = 0
             for n in chunk:

@@ -6,39 +6,17 @@ Randomness: every decode loop (HF modules, fused, static) draws its uniforms up 
 drawn with ``uniforms[i, j]``. A seeded sample is then the same whatever batch its row decodes in:
 rows that finish, rows admitted later (continuous batching), batch-size buckets, or a loop that
 learns about finished rows only every few steps all leave the other rows' draws unchanged.
+
+This module is the general sampler, tensor ops on any device; it imports no C. On the CPU the
+native engine samples through ``llamarl/engines/cpu/sampling.py`` (``sample_tokens_cpu``), which
+draws bf16 logits with the C kernels where they apply and falls back to ``sample_tokens`` otherwise.
 """
 
 from __future__ import annotations
 
-import threading
-
 import torch
 
-from llamarl.engines import cpu_kernels
 from llamarl.engines.base import SamplingParams
-
-_scratch = threading.local()  # the C softmax's fp32 buffer, reused across steps (one per thread)
-_SCRATCH_MAX = 16 * 2**20
-"""Probabilities (fp32) up to which that buffer is kept between steps (64 MiB: 64 rows of a 256k
-vocabulary); a larger batch's softmax writes a new tensor, whose page faults matter less there."""
-
-
-def _softmax(logits: torch.Tensor) -> torch.Tensor:
-    """``torch.softmax(logits, -1, dtype=torch.float32)``; for bf16 CPU logits through the C kernel
-    (``cpu_kernels.softmax``, within ~2e-6 relative) into a per-thread buffer reused by the next
-    call, so the result must be consumed before then (``sample_tokens`` does). Why: the fresh 12.6 MB
-    that torch.softmax allocates per step for 64 rows of a 49k vocabulary costs its page faults:
-    9 ms a step against 1.4 ms (one thread, Intel Xeon)."""
-    if logits.dtype != torch.bfloat16 or logits.device.type != "cpu" or logits.dim() != 2 \
-            or not cpu_kernels.available():
-        return torch.softmax(logits, dim=-1, dtype=torch.float32)
-    size = logits.numel()
-    if size > _SCRATCH_MAX:  # kept for the next step only up to _SCRATCH_MAX: beyond, a new one each time
-        return cpu_kernels.softmax(logits.contiguous())
-    buffer = getattr(_scratch, "buffer", None)
-    if buffer is None or buffer.numel() < size:
-        buffer = _scratch.buffer = torch.empty(size, dtype=torch.float32, device=logits.device)
-    return cpu_kernels.softmax(logits.contiguous(), out=buffer[:size].view(logits.shape))
 
 
 def draw_uniforms(*, num_requests: int, num_tokens: int, sampling: SamplingParams,
@@ -73,13 +51,35 @@ def filtered_logprobs(logits: torch.Tensor, *, temperature: float, top_p: float 
     return torch.log_softmax(x, dim=-1)
 
 
+def host_reads_are_free(device: torch.device) -> bool:
+    """Whether reading a value of ``device`` on the host costs nothing but the read (the CPU), as
+    opposed to a synchronisation that stalls the launch queue (an accelerator): samplers may branch
+    on a tensor's value only where this holds."""
+    return device.type == "cpu"
+
+
+def _greedy(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Argmax tokens and their ``log_softmax(logits.float())`` values as ``logit - logsumexp``,
+    with one fp32 working copy of the logits (exponentiated in place): ``log_softmax`` then argmax
+    wrote two ``[rows, vocab]`` fp32 arrays and read them back. The argmax is over the logits as
+    they are (what HF's greedy ``generate`` picks); ties go to the lowest id."""
+    tokens = logits.argmax(dim=-1)
+    chosen = logits.gather(-1, tokens.unsqueeze(-1)).squeeze(-1).float()
+    work = logits.to(torch.float32, copy=True)
+    top = work.amax(dim=-1, keepdim=True)
+    top.masked_fill_(top.isinf(), 0.0)  # a row of -inf / +inf: let exp and log say so (as log_softmax)
+    total = work.sub_(top).exp_().sum(dim=-1)
+    return tokens, chosen - (total.log() + top.squeeze(-1))
+
+
 def _nucleus(probs: torch.Tensor, top_p: float) -> torch.Tensor:
     """Boolean mask of the top-p set: a token is kept while the mass strictly before it is < top_p."""
     vocab = probs.shape[-1]
     # A full-vocab sort costs ~200 ms for 64 x 49k on 2 threads; the nucleus is almost always inside
     # the top few hundred tokens, and once a top-k prefix holds >= top_p of the mass every token past
-    # it is dropped anyway, so a growing top-k gives the exact same set far cheaper.
-    k = min(vocab, 256)
+    # it is dropped anyway, so a growing top-k gives the exact same set far cheaper. Growing it reads
+    # a device value, though: on an accelerator (a synchronisation per step) one full sort instead.
+    k = min(vocab, 256) if host_reads_are_free(probs.device) else vocab
     while True:
         vals, order = torch.topk(probs, k, dim=-1, sorted=True)
         cum = vals.cumsum(dim=-1)
@@ -129,6 +129,21 @@ def _draw(probs: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
     return (block * _DRAW_BLOCK + torch.searchsorted(inner, offset, right=True)).squeeze(-1)
 
 
+def unfiltered(sampling: SamplingParams, *, vocab: int) -> bool:
+    """True when ``sampling`` draws from the whole ``softmax(logits / T)`` of a ``vocab``-token
+    vocabulary: ``temperature > 0`` without top-k or top-p filtering."""
+    return sampling.temperature > 0 and not 0 < sampling.top_k < vocab and sampling.top_p >= 1.0
+
+
+def draw_with_logprobs(probs: torch.Tensor, uniforms: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``_draw`` over unfiltered probabilities ``probs`` (fp32 ``(rows, vocab)``), and the drawn
+    tokens' log-probs as the logs of their probabilities (within ~1e-7 of log_softmax's; a token
+    whose probability underflows to 0 is never drawn): log_softmax then exp were two passes over the
+    vocabulary, 1.5 vs 0.5 ms at 16 rows of 49k on one thread."""
+    tokens = _draw(probs, uniforms)
+    return tokens, probs.gather(-1, tokens.unsqueeze(-1)).squeeze(-1).log()
+
+
 def sample_tokens(
     logits: torch.Tensor, *, sampling: SamplingParams, uniforms: torch.Tensor | None = None,
     generator: torch.Generator | None = None,
@@ -145,26 +160,11 @@ def sample_tokens(
     if sampling.temperature > 0 and uniforms is None:
         uniforms = torch.rand(logits.shape[0], generator=generator, dtype=torch.float64, device=logits.device)
     if sampling.temperature == 0:
-        logp = torch.log_softmax(logits.float(), dim=-1)
-        tokens = logp.argmax(dim=-1)
-    elif not 0 < sampling.top_k < logits.shape[-1] and sampling.top_p >= 1.0:
-        # No filtering: one softmax pass gives what is drawn from, and the drawn tokens' log-probs
-        # are the logs of their probabilities (within ~1e-7 of log_softmax's; a token whose
-        # probability underflows to 0 is never drawn). log_softmax then exp were two passes over
-        # the vocabulary: 1.5 vs 0.5 ms at 16 rows of 49k on one thread.
+        return _greedy(logits)
+    if unfiltered(sampling, vocab=logits.shape[-1]):
+        # No filtering: one softmax pass gives what is drawn from (draw_with_logprobs).
         x = logits if sampling.temperature == 1.0 else logits.float() / sampling.temperature
-        if x.dtype == torch.bfloat16 and x.device.type == "cpu" and x.dim() == 2 and cpu_kernels.available():
-            # The draw and its log-prob in C without writing the probabilities (one pass for the
-            # max, one for the block sums): 64 rows of a 49k vocabulary, one thread, 2.1 -> 1.2 ms.
-            drawn = cpu_kernels.sample(x.contiguous(), uniforms.to(torch.float64).contiguous())
-            if drawn is not None:
-                return drawn
-        probs = _softmax(x)
-        tokens = _draw(probs, uniforms)
-        return tokens, probs.gather(-1, tokens.unsqueeze(-1)).squeeze(-1).log()
-    else:
-        logp = filtered_logprobs(
-            logits, temperature=sampling.temperature, top_p=sampling.top_p, top_k=sampling.top_k
-        )
-        tokens = _draw(logp.exp(), uniforms)
+        return draw_with_logprobs(torch.softmax(x, dim=-1, dtype=torch.float32), uniforms)
+    logp = filtered_logprobs(logits, temperature=sampling.temperature, top_p=sampling.top_p, top_k=sampling.top_k)
+    tokens = _draw(logp.exp(), uniforms)
     return tokens, logp.gather(-1, tokens.unsqueeze(-1)).squeeze(-1)

@@ -1,20 +1,21 @@
-"""A decode step with static shapes, compiled once per batch bucket and, on CUDA, replayed as a CUDA
-graph: the native engine's path where a decode step is bound by the host, not the accelerator.
+"""A decode step with static shapes, captured once per batch bucket as a CUDA graph and replayed for
+the engine's life: the native engine's path on CUDA, where a step is bound by the host.
 
 Why: on one H100 the native engine's HF-module loop spent 103-115 ms per decode step (64 / 512
 rows) for ~7 ms of GPU work, all of it Python and kernel launches (docs/benchmarks.md). gpt-fast,
 nano-vllm and vLLM remove that the same way: every tensor a step touches has a fixed shape and
-address, so the step can be compiled (``torch.compile``, one graph, no graph breaks) and captured
-once, then replayed with one launch per step.
+address, so the step can be captured once and replayed with one launch per step (and, opt-in,
+compiled first: ``torch.compile``, one graph, no graph breaks).
 
 * **Static state** (``StaticState``): per layer a KV cache ``[slots, kv_heads, width, head_dim]``
-  allocated once per ``generate`` call (slots rounded up to a power of two, width to a power of two
-  >= 64, so calls of similar shapes reuse the compiled graphs), each row's positions left-aligned
+  allocated once per decoder (slots rounded up to a power of two, width to a power of two >= 64;
+  below), each row's positions left-aligned
   (position = column); the token each slot feeds next and its position live in device buffers
   ``tokens`` / ``positions``. What a row sees is computed in the graph from its position
   (``column <= position``): no mask tensor, no per-step concatenation.
 * **Batch buckets**: a step runs the first ``rows`` slots, ``rows`` a power of two (``bucket``);
-  each bucket is one compiled graph (``dynamic=False``) and, on CUDA, one captured graph. Slots of
+  each bucket is one captured graph on CUDA (and one compiled graph, ``dynamic=False``, when
+  compiled). Slots of
   finished or empty rows inside the bucket compute garbage that nothing reads (their writes go
   to their own slot); the decode loop (llamarl/engines/static_loop.py) compacts rows into a
   smaller bucket when they fit.
@@ -24,22 +25,29 @@ once, then replayed with one launch per step.
   minimum where masked, softmax in fp32, cast back). RoPE's cos / sin come from the model's own
   rotary module, evaluated once per state for every column.
 
-Capture on CUDA: the first step of a bucket in a call runs the compiled function twice on a side
-stream (compiling it and warming the allocator), then captures it into a ``torch.cuda.CUDAGraph``
-sharing one memory pool. Running a step is idempotent for a row: it writes its token's keys and
-values at its own position, from the same inputs, so the warm-up runs change nothing the replay
-does not write again. Graphs hold the state's and the weights' addresses; the state is made per
-call and graphs with it, so a replaced parameter is picked up at the next call (in-place updates
-at once) and the KV cache's memory is free between calls (a colocated trainer gets it back). The
-price: every call captures each bucket it runs again (two warm-up steps, a device synchronisation
-and the allocator's cache emptied by ``torch.cuda.graph``), tens of milliseconds per bucket,
-against generations of seconds. Compiled graphs are kept for the process (per decoder: its own
-code object), keyed by (bucket, width).
+Graphs for the engine's life (nano-vllm's and vLLM's scheme): the state (KV cache, fed tokens and
+positions, RoPE tables) is allocated once per decoder, at the capacity and width the calls need
+(``reserve``: grown, and every bucket re-captured, only when a call needs more slots or columns),
+and on CUDA every bucket of its ladder (1, 2, 4, ... up to its capacity) is captured once, when
+the state is made, as a plain CUDA graph of the eager step (no ``torch.compile`` unless asked:
+``compiled=True``). The graphs are replayed across ``generate`` calls and weight versions: they
+hold the parameters' addresses, so a weight update must write into the same storage (an in-place
+copy, as llamarl/models/weight_copy.py does); a rebound parameter (another tensor at another
+address) is detected at the next ``reserve`` and the state is captured again. The graphs of one
+state share one memory pool that lives exactly as long as they do (``StaticState.release``
+drops both): a pool handle is never used to capture after the graphs holding it have died (the
+first GPU runs crashed doing that: ``CUDACachingAllocator`` asserts ``use_count > 0``).
+
+Capturing a bucket runs the step twice on a side stream (the allocator warm, any lazy init done),
+then captures it. A step is idempotent for a row (it writes its token's keys and values at its own
+position, from the same inputs), and the ladder is captured before any row is loaded, so the
+warm-up runs change nothing a replay does not write again.
 """
 
 from __future__ import annotations
 
 import contextlib
+import time
 import types
 
 import torch
@@ -53,6 +61,20 @@ _RECOMPILE_LIMIT = 256
 # Position scalings whose frequencies depend on the longest position seen: a table built once for
 # the state's width would differ from HF's per-step frequencies.
 _LENGTH_DEPENDENT_ROPE = ("dynamic", "longrope")
+
+
+# CUDA errors that are sticky: the context is unusable afterwards (every later call fails), so no
+# fallback can keep the run going; CUDA's runtime API names them in the messages PyTorch raises.
+_STICKY_CUDA_ERRORS = ("illegal memory access", "device-side assert", "misaligned address",
+                       "unspecified launch failure", "illegal instruction", "invalid program counter",
+                       "hardware stack error", "launch timed out", "uncorrectable ecc")
+
+
+def poisons_device(error: BaseException) -> bool:
+    """Whether ``error`` leaves the CUDA context unusable (an illegal address, a device-side
+    assert, ...): such an error must end the run, not be swallowed by a fallback. A capture the
+    driver refuses, an out-of-memory or a compile failure does not."""
+    return any(name in str(error).lower() for name in _STICKY_CUDA_ERRORS)
 
 
 def bucket(rows: int) -> int:
@@ -126,6 +148,16 @@ class StaticState:
         self.tokens = torch.zeros(slots, dtype=torch.long, device=device)
         self.positions = torch.zeros(slots, dtype=torch.long, device=device)
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self.pool = None
+        """The memory pool of ``graphs`` (a ``graph_pool_handle``): made with the first capture,
+        dropped with the graphs (``release``), never captured into once they are gone."""
+
+    def release(self) -> None:
+        """Drop the captured graphs and their pool, then the buffers: the memory goes back to the
+        allocator. The state is unusable afterwards."""
+        self.graphs.clear()
+        self.pool = None
+        self.keys, self.values = [], []
 
     @property
     def capacity(self) -> int:
@@ -139,14 +171,29 @@ class StaticState:
              lengths: list[int], left_padded: bool) -> None:
         """Write rows into ``slots``: per layer ``keys[l]`` / ``values[l]`` ``[n, kv, T, d]`` hold row
         j's ``lengths[j]`` cached positions, right-aligned in ``T`` (a left-padded prefill) when
-        ``left_padded``, else from column 0; they go to columns ``0 .. lengths[j] - 1``."""
-        for j, (slot, length) in enumerate(zip(slots, lengths)):
-            if length > self.width - 1:
-                raise ValueError(f"a row of {length} cached positions does not fit the state's {self.width} columns")
-            span = slice(keys[0].shape[2] - length, None) if left_padded else slice(0, length)
-            for mine, theirs in ((self.keys, keys), (self.values, values)):
-                for layer_cache, source in zip(mine, theirs):
-                    layer_cache[slot, :, :length] = source[j, :, span]
+        ``left_padded``, else from column 0; they go to columns ``0 .. lengths[j] - 1``. Two ops
+        per layer and tensor whatever ``n`` (a gather of each row's columns, one indexed write):
+        the columns past a row's length get copies of its last one, which its position masks
+        until its own tokens overwrite them."""
+        longest = max(lengths)
+        if longest > self.width - 1:
+            raise ValueError(f"a row of {longest} cached positions does not fit the state's {self.width} columns")
+        source_width = keys[0].shape[2]
+        if longest > source_width:
+            raise ValueError(f"a row of {longest} cached positions was given {source_width} columns")
+        device = self.tokens.device
+        where = torch.tensor(slots, dtype=torch.long, device=device)
+        if left_padded:  # row j's column c is the source's column T - lengths[j] + c (clamped past its end)
+            start = torch.tensor([source_width - n for n in lengths], dtype=torch.long, device=device)
+            columns = (start.unsqueeze(1) + torch.arange(longest, device=device)).clamp_(max=source_width - 1)
+        for mine, theirs in ((self.keys, keys), (self.values, values)):
+            for layer_cache, source in zip(mine, theirs):
+                if left_padded:
+                    n, kv, _, d = source.shape
+                    rows = source.gather(2, columns.view(n, 1, longest, 1).expand(n, kv, longest, d))
+                else:
+                    rows = source[:, :, :longest]
+                layer_cache[where, :, :longest] = rows.to(layer_cache.dtype)
 
     def move(self, sources: list[int], targets: list[int], *, num_columns: int) -> None:
         """Copy slots ``sources`` to ``targets`` (the first ``num_columns`` columns of the cache, the
@@ -184,12 +231,12 @@ class StaticDecoder:
             return False
         return not any(isinstance(p, DTensor) for p in model.parameters())
 
-    def __init__(self, model: torch.nn.Module, *, compiled: bool = True, backend: str = "inductor",
+    def __init__(self, model: torch.nn.Module, *, compiled: bool = False, backend: str = "inductor",
                  cuda_graphs: bool | None = None) -> None:
         """``compiled``: run ``static_forward`` through ``torch.compile(fullgraph=True,
         dynamic=False)`` with ``backend`` (``"eager"`` traces without generating code: tests);
-        False runs it eagerly. ``cuda_graphs`` (None: on CUDA when compiled): capture each bucket's
-        step as a CUDA graph."""
+        False (default) runs it eagerly. ``cuda_graphs`` (None: when the model is on CUDA): capture
+        each bucket's step as a CUDA graph, compiled or not (module docstring)."""
         self.model = model
         config = model.config
         self.num_heads, self.num_kv_heads = config.num_attention_heads, config.num_key_value_heads
@@ -200,16 +247,53 @@ class StaticDecoder:
         own = types.FunctionType(static_forward.__code__.replace(), static_forward.__globals__, "static_forward")
         self._forward = torch.compile(own, fullgraph=True, dynamic=False, backend=backend) if compiled else own
         device = model.get_input_embeddings().weight.device
-        self.cuda_graphs = (device.type == "cuda" and compiled) if cuda_graphs is None else cuda_graphs
+        self.cuda_graphs = device.type == "cuda" if cuda_graphs is None else cuda_graphs
         if self.cuda_graphs and device.type != "cuda":
             raise ValueError(f"cuda_graphs needs the model on CUDA, it is on {device}")
-        self._pool = None
+        self.state: StaticState | None = None
+        """The engine-life state (``reserve``); None before the first call and after ``release``."""
+        self._weights: tuple[int, ...] = ()
         self.num_steps = 0
         """Steps run (cumulative; a captured graph's replays included)."""
         self.num_captures = 0
-        """CUDA graphs captured (cumulative: one per bucket per call)."""
+        """CUDA graphs captured (cumulative: each bucket once per state, i.e. once for the engine's
+        life unless a call needs a larger state or a parameter was rebound)."""
+        self.capture_seconds = 0.0
+        """Wall seconds spent capturing graphs (cumulative)."""
         self.num_calls = 0
         """Decode loops completed with this decoder (``static_loop.decode_static``)."""
+
+    def _weight_addresses(self) -> tuple[int, ...]:
+        # What the graphs read: every parameter's and buffer's storage (an in-place copy keeps it).
+        return tuple(t.data_ptr() for t in (*self.model.parameters(), *self.model.buffers()))
+
+    def reserve(self, *, capacity: int, positions: int) -> StaticState:
+        """The engine-life state, with at least ``capacity`` slots and ``positions`` positions per
+        row: the current one when it is large enough and its graphs still read the model's
+        parameters, else a new one (at least as large as the old; the old one's graphs and memory
+        released first), its ladder of buckets captured at once on CUDA."""
+        weights = self._weight_addresses()
+        state = self.state
+        if state is not None:
+            if state.capacity >= bucket(capacity) and state.width >= _width(positions) and weights == self._weights:
+                return state
+            capacity, positions = max(capacity, state.capacity), max(positions, state.width)
+            self.release()
+        state = self.state = self.new_state(capacity=capacity, positions=positions)
+        self._weights = weights
+        if self.cuda_graphs:
+            rows = 1
+            while rows <= state.capacity:
+                self._capture(state, rows)
+                rows *= 2
+        return state
+
+    def release(self) -> None:
+        """Drop the engine-life state: its graphs, their pool, its KV cache (a colocated trainer's
+        memory, or the engine's end)."""
+        if self.state is not None:
+            self.state.release()
+            self.state = None
 
     def new_state(self, *, capacity: int, positions: int) -> StaticState:
         """A zeroed state with at least ``capacity`` slots (rounded up to a bucket) and room for
@@ -247,25 +331,29 @@ class StaticDecoder:
         if not self.cuda_graphs:
             return self._run(state, rows)
         captured = state.graphs.get(rows)
-        if captured is None:
-            captured = state.graphs[rows] = self._capture(state, rows)
+        if captured is None:  # a state from new_state (not reserve): captured at its first step
+            captured = self._capture(state, rows)
         graph, logits = captured
         graph.replay()
         return logits
 
+    @torch.no_grad()
     def _capture(self, state: StaticState, rows: int) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
+        start = time.perf_counter()
         device = state.tokens.device
         side = torch.cuda.Stream(device=device)
         side.wait_stream(torch.cuda.current_stream(device))
         with torch.cuda.stream(side):
-            for _ in range(2):  # compile, then a run with the allocator warm; idempotent (module docstring)
+            for _ in range(2):  # compiled: compile, then a run with the allocator warm; idempotent (module docstring)
                 self._run(state, rows)
         torch.cuda.current_stream(device).wait_stream(side)
-        if self._pool is None:
-            self._pool = torch.cuda.graph_pool_handle()
+        if state.pool is None:  # the state's graphs share one pool, which dies with them (module docstring)
+            state.pool = torch.cuda.graph_pool_handle()
         graph = torch.cuda.CUDAGraph()
         # thread_local: a CUDA call of another thread (a tool worker, a data loader) does not void it.
-        with torch.cuda.graph(graph, pool=self._pool, capture_error_mode="thread_local"):
+        with torch.cuda.graph(graph, pool=state.pool, capture_error_mode="thread_local"):
             logits = self._run(state, rows)
+        state.graphs[rows] = (graph, logits)
         self.num_captures += 1
+        self.capture_seconds += time.perf_counter() - start
         return graph, logits

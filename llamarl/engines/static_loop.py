@@ -55,7 +55,7 @@ def decode_static(engine, reqs: list[Request], *, contexts: list[tuple[int, ...]
     device = engine.model.get_input_embeddings().weight.device
     n = len(reqs)
     capacity = min(n, engine.max_num_seqs or n)
-    state = decoder.new_state(capacity=capacity, positions=max(len(c) + lim for c, lim in zip(contexts, limits)))
+    state = decoder.reserve(capacity=capacity, positions=max(len(c) + lim for c, lim in zip(contexts, limits)))
     books = _Books(num_requests=n, limits=limits, slots=state.capacity, device=device)
     if uniforms is not None:  # the trash row and a column past every limit: padding slots' draws
         uniforms = torch.nn.functional.pad(uniforms, (0, books.ids.shape[1] - uniforms.shape[1], 0, 1))

@@ -11,8 +11,9 @@ Batching: prompts are left-padded into one batch, with an explicit attention mas
 and prefilled with the HF model into a transformers ``DynamicCache``. The decode steps run through
 ``StaticDecoder`` on CUDA (llamarl/engines/static_decode.py: static shapes, compiled, replayed as
 CUDA graphs; the loop in static_loop.py), through ``FusedDecoder`` on CPU
-(llamarl/engines/fused_decode.py: fused, pre-packed projections over a preallocated KV cache, C
-kernels in bf16) for the Llama-family layouts they support, else through the HF modules.
+(llamarl/engines/cpu/fused_decode.py, the CPU plugin, imported only there: fused, pre-packed
+projections over a preallocated KV cache, C kernels in bf16) for the Llama-family layouts they
+support, else through the HF modules.
 Finished rows are dropped from the batch and the KV cache, so long stragglers do not drag dead rows
 through every forward pass.
 
@@ -28,6 +29,7 @@ Behaviour log-prob (what ``Completion.logprobs`` holds), computed in fp32:
 from __future__ import annotations
 
 import logging
+from typing import TYPE_CHECKING
 
 import torch
 from transformers import DynamicCache
@@ -45,15 +47,34 @@ from llamarl.engines.base import (
     register_engine,
     stop_ids,
 )
-from llamarl.engines.fused_decode import FusedDecoder
 from llamarl.engines.sampling import draw_uniforms, filtered_logprobs, sample_tokens
-from llamarl.engines.static_decode import StaticDecoder
+from llamarl.engines.static_decode import StaticDecoder, poisons_device
 from llamarl.engines.static_loop import decode_static
+
+if TYPE_CHECKING:
+    from llamarl.engines.cpu.fused_decode import FusedDecoder
 
 STATIC_DECODE_MODES = ("auto", "compiled", "eager", "off")
 log = logging.getLogger("llamarl.engines.torch_engine")
 
 __all__ = ["TorchEngine", "filtered_logprobs", "sample_tokens"]
+
+
+def _sampler(device: torch.device):
+    """``sample_tokens`` for logits on ``device``; on the CPU the plugin's (``sample_tokens_cpu``:
+    the same draws, bf16 in C), imported here so that a CUDA run never loads llamarl/engines/cpu/."""
+    if device.type != "cpu":
+        return sample_tokens
+    from llamarl.engines.cpu.sampling import sample_tokens_cpu
+
+    return sample_tokens_cpu
+
+
+def _fused_decoder() -> type[FusedDecoder]:
+    """``FusedDecoder`` (the CPU plugin's fused decode step), imported only for a model on the CPU."""
+    from llamarl.engines.cpu.fused_decode import FusedDecoder
+
+    return FusedDecoder
 
 
 class TorchEngine:
@@ -70,7 +91,7 @@ class TorchEngine:
         ``eos_token_ids`` or in the call's ``sampling.stop_token_ids`` (none: only at the length limits).
         ``pad_token_id`` fills left padding; it is always masked, so any valid id works.
         ``fused_decode``: decode steps through ``FusedDecoder`` where it supports the model
-        (llamarl/engines/fused_decode.py: the same tokens, ~1.8x faster steps on CPU); False: the
+        (llamarl/engines/cpu/fused_decode.py: the same tokens, ~1.8x faster steps on CPU); False: the
         HF modules for every step.
         ``max_num_seqs``: at most this many rows decode at once (None: every request of a call).
         On the fused path the batch stays full: when a row finishes, the next pending request is
@@ -126,7 +147,7 @@ class TorchEngine:
     def _sample(self, logits: torch.Tensor, *, sampling: SamplingParams, uniforms: torch.Tensor | None):
         """``sample_tokens`` with the rows' ``uniforms``; under TP, the group's first rank's tokens and
         log-probs on every rank."""
-        tokens, lps = sample_tokens(logits, sampling=sampling, uniforms=uniforms)
+        tokens, lps = _sampler(logits.device)(logits, sampling=sampling, uniforms=uniforms)
         if self.tp_group is None:
             return tokens, lps
         # One broadcast: token ids are exact in float64 (vocabularies are far below 2**53).
@@ -140,8 +161,17 @@ class TorchEngine:
             raise ValueError("TorchEngine samples from the model it was built with; new weights must be "
                              "written into that model")
 
+    @property
+    def static_decoder(self) -> StaticDecoder | None:
+        """The static decoder (its counters: ``num_steps``, ``num_captures``, ``capture_seconds``),
+        None until the first static call and after a fallback to HF's modules."""
+        return self._static
+
     def close(self) -> None:
-        """Nothing to release (the model belongs to the caller)."""
+        """Release the static decoder's state (its graphs, their pool, its KV cache); the model
+        belongs to the caller."""
+        if self._static is not None:
+            self._static.release()
 
     @torch.no_grad()
     def generate(
@@ -224,22 +254,25 @@ class TorchEngine:
         # Checked per call: tensor parallelism may have been applied after the engine was built.
         if self._static_wanted(device) and StaticDecoder.supports(self.model, length=width):
             if self._static is None:
-                self._static = StaticDecoder(self.model, compiled=self.static_decode != "eager")
+                self._static = StaticDecoder(self.model, compiled=self.static_decode == "compiled")
             try:
                 return decode_static(self, reqs, contexts=contexts, limits=limits, sampling=sampling,
                                      uniforms=uniforms)
-            except Exception as error:  # only the first call under "auto" falls back (below)
-                if self.static_decode != "auto" or self._static.num_calls:
+            except Exception as error:
+                if self.static_decode != "auto" or poisons_device(error):
                     raise
-                # The default path failed in its first call (no C compiler or Triton to compile
-                # with, an op the CUDA graph capture refuses): keep the run going on the HF
-                # modules and say so once; --generator.static-decode compiled makes it an error.
-                log.warning("static decode loop failed on its first use (%s: %s); decoding with HF's modules "
-                            "from now on", type(error).__name__, error)
+                # The default path failed, in any call (a capture the driver refuses, memory for a
+                # larger state, a missing compiler): the rest of the run decodes on HF's modules,
+                # this call from its start, and says so once; asked for explicitly
+                # (--generator.static-decode eager / compiled), the failure is the caller's error.
+                # Errors that leave the CUDA context unusable are never swallowed (poisons_device).
+                log.warning("static decode loop failed (%s: %s); decoding with HF's modules from now on",
+                            type(error).__name__, error)
                 self.static_decode = "off"
+                self._static.release()
                 self._static = None
-        if self.fused_decode and FusedDecoder.supports(self.model, length=width):
-            self._fused = self._fused or FusedDecoder(self.model)
+        if self.fused_decode and device.type == "cpu" and _fused_decoder().supports(self.model, length=width):
+            self._fused = self._fused or _fused_decoder()(self.model)
             self._fused.refresh()
             return self._decode_fused(reqs, contexts=contexts, limits=limits, sampling=sampling, uniforms=uniforms)
         size = self.max_num_seqs or len(reqs)

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 import torch
 
-from llamarl.engines import cpu_kernels
+from llamarl.engines.cpu import cpu_kernels
 
 _TABLES = ("qkv_w", "qkv_b", "o_w", "o_b", "gate_up_w", "gate_up_b", "down_w", "down_b", "input_norm", "post_norm",
            "keys", "values", "q_norm", "k_norm")

@@ -55,7 +55,7 @@ import operator
 import torch
 from torch.distributed.tensor import DTensor
 
-from llamarl.engines import cpu_kernels, native_step
+from llamarl.engines.cpu import cpu_kernels, native_step
 
 _SUPPORTED = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "MistralForCausalLM")
 _RMS_NORMS = ("LlamaRMSNorm", "Qwen2RMSNorm", "Qwen3RMSNorm", "MistralRMSNorm")

@@ -65,7 +65,7 @@ from pathlib import Path
 
 import torch
 
-log = logging.getLogger("llamarl.engines.cpu_kernels")
+log = logging.getLogger("llamarl.engines.cpu.cpu_kernels")
 
 GEMM_THREADED_ROWS = 2
 """With more than one intra-op thread and a library built without OpenMP (``threaded()`` False),

@@ -1,0 +1,196 @@
+"""CPU proxies for what only CUDA runs: fakes of CUDA graphs, their memory pools and streams that
+check lifetimes, and a counter of dispatched ops and host synchronisations.
+
+``FakeCudaGraphs`` replaces ``torch.cuda.CUDAGraph``, ``torch.cuda.graph``,
+``torch.cuda.graph_pool_handle`` and the stream functions a capture uses. A capture records every
+aten op run inside ``with torch.cuda.graph(...)`` (a ``TorchDispatchMode``) and ``replay()`` runs
+the tape again on the very tensors it recorded, writing each op's result into the tensor the
+capture produced: like a real graph, a replay reads its inputs and parameters at their captured
+addresses (an in-place write is seen, a rebound parameter is not) and writes its captured
+outputs. What a real capture refuses, the fake refuses too, with the allocator's words:
+
+* capturing into a pool whose graphs have all died (``CUDACachingAllocator`` asserts
+  ``use_count > 0``: the crash of the first GPU runs);
+* a host read of a device value (``.item()``, ``bool()``, ...) during a capture.
+
+``OpCounter`` counts the aten ops dispatched and the host reads (``aten._local_scalar_dense``,
+behind ``.item()`` / ``bool()`` / ``int()``, and ``Tensor.tolist``) by phase (``phase(name)``).
+On a GPU each host read is a device synchronisation; on this CPU they are free, which is why the
+proxy counts them instead of timing them.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import weakref
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
+
+_HOST_READ = torch.ops.aten._local_scalar_dense.default
+
+
+def _storages(tensors) -> set[int]:
+    return {t.untyped_storage().data_ptr() for t in tensors if isinstance(t, torch.Tensor) and t.numel()}
+
+
+class _Tape(TorchDispatchMode):
+    """Records (op, args, kwargs, outputs) during a capture; refuses host reads."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.entries: list = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is _HOST_READ:
+            raise RuntimeError("CUDA error: operation not permitted when stream is capturing "
+                               "(fake: a host read of a device value during a CUDA graph capture)")
+        out = func(*args, **kwargs)
+        self.entries.append((func, args, kwargs, out))
+        return out
+
+
+class FakePool:
+    """A ``graph_pool_handle``: alive while a graph captured into it is."""
+
+    def __init__(self) -> None:
+        self.live_graphs = 0
+        self.captured = 0
+
+
+class FakeGraph:
+    """A ``torch.cuda.CUDAGraph`` whose ``replay`` re-runs the recorded tape."""
+
+    def __init__(self, harness: FakeCudaGraphs) -> None:
+        self.harness = harness
+        self.tape: list | None = None
+        self.replays = 0
+
+    def replay(self) -> None:
+        if self.tape is None:
+            raise RuntimeError("fake CUDA graph: replay before capture")
+        self.replays += 1
+        self.harness.replays += 1
+        with torch.no_grad():
+            for func, args, kwargs, out in self.tape:
+                result = func(*args, **kwargs)
+                inputs = _storages(tree_flatten((args, kwargs))[0])
+                for mine, fresh in zip(tree_flatten(out)[0], tree_flatten(result)[0]):
+                    # Views and in-place results alias their inputs: already written where they live.
+                    if isinstance(mine, torch.Tensor) and mine.numel() and \
+                            mine.untyped_storage().data_ptr() not in inputs:
+                        mine.copy_(fresh)
+
+
+class FakeStream:
+    def __init__(self, device=None, **_) -> None:
+        self.device = device
+
+    def wait_stream(self, other) -> None:
+        pass
+
+    def synchronize(self) -> None:
+        pass
+
+
+class FakeCudaGraphs:
+    """Installs the fakes (module docstring) with ``monkeypatch``; keeps what it saw: every graph
+    (weakly: ``live_graphs``), captures, replays."""
+
+    def __init__(self, monkeypatch) -> None:
+        self.graphs: weakref.WeakSet[FakeGraph] = weakref.WeakSet()
+        self.pools: list[FakePool] = []
+        self.captures = 0
+        self.replays = 0
+        self.capturing = False
+        monkeypatch.setattr(torch.cuda, "CUDAGraph", lambda *a, **k: FakeGraph(self))
+        monkeypatch.setattr(torch.cuda, "graph", self._graph)
+        monkeypatch.setattr(torch.cuda, "graph_pool_handle", self._pool_handle)
+        monkeypatch.setattr(torch.cuda, "Stream", FakeStream)
+        monkeypatch.setattr(torch.cuda, "stream", lambda stream: contextlib.nullcontext())
+        monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: FakeStream(device))
+        monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: None)
+        monkeypatch.setattr(torch.cuda, "empty_cache", lambda: None)
+
+    @property
+    def live_graphs(self) -> int:
+        return len(self.graphs)
+
+    def _pool_handle(self) -> FakePool:
+        pool = FakePool()
+        self.pools.append(pool)
+        return pool
+
+    @contextlib.contextmanager
+    def _graph(self, cuda_graph: FakeGraph, pool: FakePool | None = None, stream=None,
+               capture_error_mode: str = "global"):
+        if pool is not None and pool.captured and not pool.live_graphs:
+            raise RuntimeError("it->second->use_count > 0 INTERNAL ASSERT FAILED at CUDACachingAllocator.cpp "
+                               "(fake: a capture into a pool whose graphs have all died)")
+        if self.capturing:
+            raise RuntimeError("fake CUDA graph: a capture inside a capture")
+        pool = pool or FakePool()  # pool=None: a private pool of its own
+        tape = _Tape()
+        self.capturing = True
+        try:
+            with tape:
+                yield
+        finally:
+            self.capturing = False
+        cuda_graph.tape = tape.entries
+        pool.captured += 1
+        pool.live_graphs += 1
+        weakref.finalize(cuda_graph, _graph_died, pool)
+        self.graphs.add(cuda_graph)
+        self.captures += 1
+
+
+def _graph_died(pool: FakePool) -> None:
+    pool.live_graphs -= 1
+
+
+class OpCounter(TorchDispatchMode):
+    """Counts aten ops and host reads by phase (module docstring). Use as a context manager; label
+    code with ``with counter.phase("name")``; ``ops[name]`` / ``reads[name]`` are the counts."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.current = "other"
+        self.ops: dict[str, int] = {}
+        self.reads: dict[str, int] = {}
+        self._tolist = None
+
+    @contextlib.contextmanager
+    def phase(self, name: str):
+        outer, self.current = self.current, name
+        try:
+            yield
+        finally:
+            self.current = outer
+
+    def _read(self) -> None:
+        self.reads[self.current] = self.reads.get(self.current, 0) + 1
+
+    def __enter__(self):
+        self._tolist = torch.Tensor.tolist
+        counter, original = self, self._tolist
+
+        def tolist(tensor):
+            counter._read()
+            return original(tensor)
+
+        torch.Tensor.tolist = tolist
+        return super().__enter__()
+
+    def __exit__(self, *exc):
+        torch.Tensor.tolist = self._tolist
+        return super().__exit__(*exc)
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func is _HOST_READ:
+            self._read()
+        else:
+            self.ops[self.current] = self.ops.get(self.current, 0) + 1
+        return func(*args, **(kwargs or {}))

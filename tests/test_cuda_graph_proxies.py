@@ -1,0 +1,256 @@
+"""The static decode path's CUDA-only behaviour, checked on CPU through fakes (tests/fake_cuda.py):
+graphs and their pool kept for the engine's life (each bucket captured once across calls and
+weight updates; a pool never captured into after its graphs died; nothing outliving the engine),
+in-place weight updates read by the replayed graphs exactly as by a fresh eager forward, a
+fallback to HF's modules on any call that keeps the tokens, and bounds on the ops and host reads
+of a decode step. Each of these failed on the code of the first GPU runs (the pool reused after
+its graphs died, a graph state per call, a fallback on the first call only, a host read per step
+under top-p, a prefill load of rows x layers copies)."""
+
+from __future__ import annotations
+
+import gc
+
+import pytest
+import torch
+from fake_cuda import FakeCudaGraphs, OpCounter
+from model_families import build_family, chat_tokenizer
+from test_fused_decode import requests, staggered
+
+from llamarl.engines import sampling as sampling_module
+from llamarl.engines.base import SamplingParams
+from llamarl.engines.static_decode import StaticDecoder, poisons_device
+from llamarl.engines.torch_engine import TorchEngine
+
+GREEDY = SamplingParams(temperature=0.0, max_new_tokens=10)
+TOP_P = SamplingParams(temperature=1.0, top_p=0.9, max_new_tokens=10)
+
+
+def graph_engine(model, **kw) -> TorchEngine:
+    """A TorchEngine on the static path whose decoder captures (fake) CUDA graphs on the CPU."""
+    built = TorchEngine(model, eos_token_ids=[], pad_token_id=chat_tokenizer().pad_token_id, fused_decode=False,
+                        static_decode="eager", **kw)
+    built._static = StaticDecoder(model, compiled=False)
+    built._static.cuda_graphs = True  # the decision a CUDA model makes; the fakes stand in for the device
+    return built
+
+
+def hf_engine(model) -> TorchEngine:
+    return TorchEngine(model, eos_token_ids=[], pad_token_id=chat_tokenizer().pad_token_id, fused_decode=False,
+                       static_decode="off")
+
+
+def generate(built, reqs, sampling, seed=0):
+    return built.generate(reqs, sampling=sampling, version=1, generator=torch.Generator().manual_seed(seed))
+
+
+def assert_same(got, expected) -> None:
+    assert [c.completion_ids for c in got] == [c.completion_ids for c in expected]
+    for a, b in zip(got, expected):
+        torch.testing.assert_close(torch.tensor(a.logprobs), torch.tensor(b.logprobs), rtol=0, atol=1e-5)
+
+
+def scale_in_place(model, factor: float) -> None:
+    """What a weight channel does: new values, the same storage."""
+    with torch.no_grad():
+        for layer in model.model.layers:
+            layer.mlp.up_proj.weight.mul_(factor)
+            layer.self_attn.q_proj.weight.mul_(-factor)
+
+
+def test_the_fake_refuses_what_a_real_capture_refuses(monkeypatch):
+    fake = FakeCudaGraphs(monkeypatch)
+    pool = torch.cuda.graph_pool_handle()
+    x = torch.ones(3)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, pool=pool):
+        y = x * 2
+    x.fill_(5.0)
+    graph.replay()
+    assert y.tolist() == [10.0] * 3 and fake.live_graphs == 1
+    del graph
+    gc.collect()
+    assert fake.live_graphs == 0
+    with pytest.raises(RuntimeError, match="use_count > 0"), torch.cuda.graph(torch.cuda.CUDAGraph(), pool=pool):
+        pass
+    with pytest.raises(RuntimeError, match="stream is capturing"), torch.cuda.graph(torch.cuda.CUDAGraph()):
+        bool(x.sum() > 0)
+
+
+def test_each_bucket_is_captured_once_across_calls_and_an_in_place_weight_update(monkeypatch):
+    fake = FakeCudaGraphs(monkeypatch)
+    model = build_family("llama-tied")
+    built = graph_engine(model, eos_check_every=2)
+    # Rows end at different steps: bucket 4, then compacted into 2 and 1.
+    assert_same(generate(built, staggered(), GREEDY), generate(hf_engine(model), staggered(), GREEDY))
+    captures = fake.captures
+    assert captures == 3 and built.static_decoder.num_captures == 3  # the ladder 1, 2, 4, at the first call
+    scale_in_place(model, 1.5)
+    assert_same(generate(built, staggered(), GREEDY), generate(hf_engine(model), staggered(), GREEDY))
+    assert fake.captures == captures and fake.replays == built.static_decoder.num_steps
+    assert built.static_decoder.capture_seconds > 0
+
+
+def test_an_in_place_update_changes_the_replay_as_an_eager_forward(monkeypatch):
+    fake = FakeCudaGraphs(monkeypatch)
+    model = build_family("qwen3")
+    decoder = StaticDecoder(model, compiled=False)
+    decoder.cuda_graphs = True
+    state = decoder.reserve(capacity=4, positions=20)
+    eager = StaticDecoder(model, compiled=False)
+    for trial in range(3):
+        state.tokens.copy_(torch.tensor([5, 9, 3, 7]))
+        state.positions.copy_(torch.tensor([0, 2, 1, 3]))
+        replayed = decoder.step(state, 4).clone()
+        expected = eager._run(state, 4)  # the same inputs, run op by op
+        torch.testing.assert_close(replayed, expected, rtol=0, atol=0)
+        scale_in_place(model, 1.25)
+    assert fake.captures == 3  # buckets 1, 2, 4; none again after the updates
+
+    # A rebound parameter (another storage) is not what the graphs read: the next reserve captures again.
+    layer = model.model.layers[0].mlp
+    layer.down_proj.weight = torch.nn.Parameter(layer.down_proj.weight.detach() * 2)
+    again = decoder.reserve(capacity=4, positions=20)
+    assert again is not state and fake.captures == 6
+    state.release()
+    torch.testing.assert_close(decoder.step(again, 4), eager._run(again, 4), rtol=0, atol=0)
+
+
+def test_a_call_that_needs_more_grows_the_state_and_frees_the_old_graphs(monkeypatch):
+    fake = FakeCudaGraphs(monkeypatch)
+    model = build_family("llama-untied")
+    built = graph_engine(model)
+    generate(built, requests()[:2], GREEDY)
+    assert built.static_decoder.state.capacity == 2 and fake.captures == 2
+    assert_same(generate(built, requests(), GREEDY), generate(hf_engine(model), requests(), GREEDY))
+    gc.collect()
+    assert built.static_decoder.state.capacity == 4 and fake.captures == 5 and fake.live_graphs == 3
+    generate(built, requests()[:1], GREEDY)  # smaller: the same state and graphs
+    assert fake.captures == 5
+
+
+def test_nothing_outlives_its_engine(monkeypatch):
+    fake = FakeCudaGraphs(monkeypatch)
+    model = build_family("llama-tied")
+    built = graph_engine(model)
+    generate(built, requests(), GREEDY)
+    assert fake.live_graphs == 3
+    built.close()
+    gc.collect()
+    assert fake.live_graphs == 0 and built.static_decoder.state is None
+    other = graph_engine(model)
+    generate(other, requests(), GREEDY)
+    del other
+    gc.collect()
+    assert fake.live_graphs == 0
+
+
+@pytest.mark.parametrize("failing_call", [1, 2])
+def test_a_failure_on_any_call_falls_back_to_the_hf_modules(monkeypatch, caplog, failing_call):
+    FakeCudaGraphs(monkeypatch)
+    model = build_family("llama-tied")
+    monkeypatch.setattr(TorchEngine, "_static_wanted", lambda self, device: self.static_decode != "off")
+    built = graph_engine(model)
+    built.static_decode = "auto"
+    calls = {"n": 0}
+    step = StaticDecoder.step
+
+    def failing(self, state, rows):
+        if calls["n"] == failing_call - 1 and self.num_steps == 3 + (failing_call - 1) * 100:
+            raise RuntimeError("CUDA error: operation not permitted when stream is capturing")
+        return step(self, state, rows)
+
+    monkeypatch.setattr(StaticDecoder, "step", failing)
+    sampling = SamplingParams(temperature=1.0, max_new_tokens=10)
+    reference = hf_engine(model)
+    for call in range(3):
+        calls["n"] = call
+        if call == 1 and failing_call == 2:
+            built.static_decoder.num_steps = 100  # the failure lands mid-call, after a few steps
+        with caplog.at_level("WARNING", logger="llamarl.engines.torch_engine"):
+            assert_same(generate(built, requests(), sampling, seed=call), generate(reference, requests(), sampling,
+                                                                                      seed=call))
+    assert built.static_decode == "off" and built.static_decoder is None
+    assert caplog.text.count("static decode loop failed") == 1
+
+
+def test_errors_that_poison_the_device_are_not_swallowed(monkeypatch):
+    FakeCudaGraphs(monkeypatch)
+    model = build_family("llama-tied")
+    monkeypatch.setattr(TorchEngine, "_static_wanted", lambda self, device: self.static_decode != "off")
+    built = graph_engine(model)
+    built.static_decode = "auto"
+
+    def poisoned(self, state, rows):
+        raise RuntimeError("CUDA error: an illegal memory access was encountered")
+
+    monkeypatch.setattr(StaticDecoder, "step", poisoned)
+    with pytest.raises(RuntimeError, match="illegal memory access"):
+        generate(built, requests(), GREEDY)
+    assert poisons_device(RuntimeError("CUDA error: device-side assert triggered"))
+    assert not poisons_device(torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB"))
+    assert not poisons_device(RuntimeError("CUDA error: operation not permitted when stream is capturing"))
+
+
+def test_a_decode_step_reads_nothing_on_the_host_and_runs_a_bounded_number_of_ops(monkeypatch):
+    """Between two looks at finished rows (every ``eos_check_every`` steps) a step is one graph
+    replay plus the sampling and bookkeeping ops; none of them reads a device value on the host
+    (a synchronisation on a GPU), top-p included."""
+    FakeCudaGraphs(monkeypatch)
+    model = build_family("llama-tied")
+    built = graph_engine(model, eos_check_every=64)
+    counter = OpCounter()
+    step, sample = StaticDecoder.step, TorchEngine._sample
+
+    def counted_step(self, state, rows):
+        with counter.phase("step"):
+            return step(self, state, rows)
+
+    def counted_sample(self, logits, **kw):
+        with counter.phase("sample"):
+            return sample(self, logits, **kw)
+
+    monkeypatch.setattr(StaticDecoder, "step", counted_step)
+    monkeypatch.setattr(TorchEngine, "_sample", counted_sample)
+    # The sampler's choice on an accelerator, where a host read is a synchronisation.
+    monkeypatch.setattr(sampling_module, "host_reads_are_free", lambda device: False)
+    for sampling in (GREEDY, TOP_P):
+        counter.reads.clear()
+        with counter:
+            generate(built, requests(), sampling)
+        assert counter.reads.get("step", 0) == 0 and counter.reads.get("sample", 0) == 0, counter.reads
+    # Ops outside the graph per step (sampling and bookkeeping: each a kernel launch on a GPU), from
+    # two calls that differ only in their number of steps (prefill and the looks cost the same).
+    outside, steps = {}, {}
+    built.eos_check_every = 4  # the loop stops at the first look after the longest row ends
+    for new_tokens in (8, 16):
+        counter.ops.clear()
+        before = built.static_decoder.num_steps
+        with counter:
+            generate(built, requests(), SamplingParams(temperature=0.0, max_new_tokens=new_tokens))
+        outside[new_tokens] = counter.ops.get("sample", 0) + counter.ops.get("other", 0)
+        steps[new_tokens] = built.static_decoder.num_steps - before
+    per_step = (outside[16] - outside[8]) / (steps[16] - steps[8])
+    # 44 dispatched ops today (views and slices included): the sampling and the bookkeeping of
+    # static_loop.record, not yet inside the graph.
+    assert per_step <= 48, (outside, steps)
+
+
+def test_loading_prefilled_rows_takes_the_same_ops_for_any_number_of_rows():
+    model = build_family("llama-tied")
+    decoder = StaticDecoder(model, compiled=False)
+    state = decoder.reserve(capacity=8, positions=40)
+    layers, kv, d = len(model.model.layers), decoder.num_kv_heads, decoder.head_dim
+    counts = {}
+    for rows in (2, 8):
+        keys = [torch.randn(rows, kv, 12, d) for _ in range(layers)]
+        values = [torch.randn(rows, kv, 12, d) for _ in range(layers)]
+        lengths = [12 - r % 5 for r in range(rows)]
+        counter = OpCounter()
+        with counter:
+            state.load(list(range(rows)), keys=keys, values=values, lengths=lengths, left_padded=True)
+        counts[rows] = sum(counter.ops.values())
+        for r, length in enumerate(lengths):  # row r's cached positions, left-aligned, from the right of its source
+            torch.testing.assert_close(state.keys[1][r, :, :length], keys[1][r, :, 12 - length:], rtol=0, atol=0)
+            torch.testing.assert_close(state.values[0][r, :, :length], values[0][r, :, 12 - length:], rtol=0, atol=0)
+    assert counts[2] == counts[8] <= 12 * layers + 10, counts
