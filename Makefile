@@ -20,7 +20,7 @@ RUN_ARGS ?=
 	$(PY) -m pip uninstall -y -q torchvision torchaudio torchcodec triton
 	touch $@
 
-.PHONY: run run-async test test-fast test-vllm test-gpu gsm8k-smoke lint
+.PHONY: run run-async test test-fast test-vllm test-gpu gpu-check gsm8k-smoke lint
 # One process, colocated, both cores for whichever phase runs: on this 2-core machine the fastest to
 # 0.70 held-out accuracy on both CPU models measured (docs/benchmarks.md, "Asynchrony on this machine": it learns
 # more per tick than async, whose ticks are shorter only where 2 threads scale poorly).
@@ -57,6 +57,16 @@ test-vllm: .venv/.vllm-installed
 # Every test there skips with a reason naming CUDA on a machine without one.
 test-gpu: .venv/.installed
 	OMP_NUM_THREADS=1 $(PY) -m pytest -q -s tests/gpu
+
+# One GPU, one command, <= 8 minutes: tests/gpu, decode step times (CUDA graphs vs HF's modules vs HF
+# generate, and the weights-read bound), graph capture times, the default recipe colocated (time to
+# 0.70 held-out accuracy) and a GPU-shaped tick (tokens/s, MFU, peak memory), each against its target,
+# into runs/gpu-check-<time>/report.txt and report.json. It uses the machine's own Python and torch
+# (GPU_PY), never .venv, and installs nothing: offline dependencies from wheels, docs/gpu.md.
+GPU_PY ?= python3
+GPU_CHECK_ARGS ?=
+gpu-check:
+	$(GPU_PY) benchmarks/gpu_check $(GPU_CHECK_ARGS)
 
 # GSM8K on SmolLM2-135M-Instruct, 3 CPU ranks, a few ticks (data: ../shared/data/gsm8k); writes
 # runs/gsm8k-*/summary.json with the base and final test accuracy (and pass@1 / pass@4 on 8 problems).

@@ -75,7 +75,9 @@ def decode_static(engine, reqs: list[Request], *, contexts: list[tuple[int, ...]
         target = torch.where(live, request, books.trash)
         books.ids[target, column] = tokens
         books.lps[target, column] = lps
-        books.num_new.index_put_((target,), live.long(), accumulate=True)
+        # Live slots hold distinct requests; the others all write the trash row, whose count nothing
+        # reads: a plain indexed write (an accumulating one may check its indices on the host).
+        books.num_new[target] = books.num_new[target] + live.long()
         hit = (tokens.unsqueeze(1) == eos).any(dim=1) & live  # torch.isin syncs for long id lists
         books.stopped[target] = hit
         still = live & ~hit & (books.num_new[request] < books.limit[request])

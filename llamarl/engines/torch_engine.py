@@ -9,8 +9,8 @@ tagged with the weight ``version`` that produced it, so the trainer can correct 
 
 Batching: prompts are left-padded into one batch, with an explicit attention mask and position ids,
 and prefilled with the HF model into a transformers ``DynamicCache``. The decode steps run through
-``StaticDecoder`` on CUDA (llamarl/engines/static_decode.py: static shapes, compiled, replayed as
-CUDA graphs; the loop in static_loop.py), through ``FusedDecoder`` on CPU
+``StaticDecoder`` on CUDA (llamarl/engines/static_decode.py: static shapes, captured once per
+bucket as CUDA graphs for the engine's life; the loop in static_loop.py), through ``FusedDecoder`` on CPU
 (llamarl/engines/cpu/fused_decode.py, the CPU plugin, imported only there: fused, pre-packed
 projections over a preallocated KV cache, C kernels in bf16) for the Llama-family layouts they
 support, else through the HF modules.
@@ -23,7 +23,8 @@ Behaviour log-prob (what ``Completion.logprobs`` holds), computed in fp32:
   i.e. ``softmax(logits / T)`` restricted to the top-k / top-p set and renormalised (vLLM's
   "processed logprobs"). With ``top_p == 1`` and ``top_k == 0`` this is ``log_softmax(logits / T)``.
 * ``temperature == 0`` (greedy, argmax): ``log_softmax(logits)`` at the argmax, i.e. T = 1 and no
-  filtering (top-k / top-p are ignored; they cannot change the argmax).
+  filtering (top-k / top-p are ignored; they cannot change the argmax), computed as the logit minus
+  the row's logsumexp.
 """
 
 from __future__ import annotations
@@ -106,12 +107,14 @@ class TorchEngine:
         ``versions`` either way. A kept cache lasts until its ``sample_id`` is next submitted: used
         if the request continues exactly where it was carried, dropped otherwise.
         ``static_decode``: the static-shape decode loop (llamarl/engines/static_decode.py and
-        static_loop.py: a preallocated cache per call, one compiled graph per batch bucket, a CUDA
-        graph replay per step on CUDA, finished rows seen every ``eos_check_every`` steps) for the
-        models it supports (Llama, Qwen2, Mistral, Qwen3, unsharded). ``"auto"`` (default): on
-        CUDA (where a step is bound by the host), not on CPU (the fused step with its C kernels is
-        faster there); ``"compiled"``: wherever supported; ``"eager"``: the same loop uncompiled
-        (debugging); ``"off"``: never. It takes precedence over ``fused_decode``.
+        static_loop.py: one cache for the engine's life, each batch bucket captured once as a CUDA
+        graph on CUDA, finished rows seen every ``eos_check_every`` steps) for the models it
+        supports (Llama, Qwen2, Mistral, Qwen3, unsharded). ``"auto"`` (default): on CUDA, the
+        eager step captured as graphs (a failure in any call: one warning, HF's modules from then
+        on; an error that poisons the CUDA context is raised), not on CPU (the fused step with its
+        C kernels is faster there); ``"compiled"``: ``torch.compile`` first, wherever supported;
+        ``"eager"``: uncompiled, wherever supported (graphs on CUDA); with either a failure is
+        raised; ``"off"``: never. It takes precedence over ``fused_decode``.
         ``tp_group`` (a tensor-parallel model's group; None without TP) and ``tp_src`` (its first
         rank, global): every step's sampled tokens and their log-probs are the first rank's,
         broadcast over the group. TP peers compute the same logits up to the all-reduce's
