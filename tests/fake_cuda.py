@@ -11,7 +11,8 @@ outputs. What a real capture refuses, the fake refuses too, with the allocator's
 
 * capturing into a pool whose graphs have all died (``CUDACachingAllocator`` asserts
   ``use_count > 0``: the crash of the first GPU runs);
-* a host read of a device value (``.item()``, ``bool()``, ...) during a capture.
+* a host read of a device value during a capture (``.item()``, ``bool()``, ``.tolist()``, and the
+  ops whose output size depends on values: ``nonzero``, boolean-mask indexing, ``unique``).
 
 ``OpCounter`` counts the aten ops dispatched and the host reads (``aten._local_scalar_dense``,
 behind ``.item()`` / ``bool()`` / ``int()``, and ``Tensor.tolist``) by phase (``phase(name)``).
@@ -29,6 +30,23 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
 _HOST_READ = torch.ops.aten._local_scalar_dense.default
+# Ops whose output size depends on values: on a GPU they read a count back to the host.
+_DATA_DEPENDENT = {torch.ops.aten.nonzero.default, torch.ops.aten.masked_select.default,
+                   torch.ops.aten._unique2.default, torch.ops.aten.unique_dim.default,
+                   torch.ops.aten.unique_consecutive.default}
+
+
+_INDEXING = {torch.ops.aten.index.Tensor, torch.ops.aten.index_put_.default, torch.ops.aten.index_put.default}
+
+
+def _reads_on_host(func, args) -> bool:
+    """Whether ``func(*args)`` reads a device value on the host on a GPU: a scalar read, an op whose
+    output size depends on values, or indexing by a boolean mask (a ``nonzero`` inside)."""
+    if func is _HOST_READ or func in _DATA_DEPENDENT:
+        return True
+    if func in _INDEXING and len(args) > 1:
+        return any(isinstance(i, torch.Tensor) and i.dtype == torch.bool for i in args[1])
+    return False
 
 
 def _storages(tensors) -> set[int]:
@@ -44,9 +62,9 @@ class _Tape(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        if func is _HOST_READ:
+        if _reads_on_host(func, args):
             raise RuntimeError("CUDA error: operation not permitted when stream is capturing "
-                               "(fake: a host read of a device value during a CUDA graph capture)")
+                               f"(fake: {func} reads a device value on the host during a CUDA graph capture)")
         out = func(*args, **kwargs)
         self.entries.append((func, args, kwargs, out))
         return out
@@ -112,6 +130,7 @@ class FakeCudaGraphs:
         monkeypatch.setattr(torch.cuda, "stream", lambda stream: contextlib.nullcontext())
         monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: FakeStream(device))
         monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: None)
+        monkeypatch.setattr(torch.cuda, "set_stream", lambda stream: None)
         monkeypatch.setattr(torch.cuda, "empty_cache", lambda: None)
 
     @property
@@ -134,11 +153,18 @@ class FakeCudaGraphs:
         pool = pool or FakePool()  # pool=None: a private pool of its own
         tape = _Tape()
         self.capturing = True
+        tolist = torch.Tensor.tolist
+
+        def refused(tensor):
+            raise RuntimeError("CUDA error: operation not permitted when stream is capturing (fake: tolist)")
+
+        torch.Tensor.tolist = refused
         try:
             with tape:
                 yield
         finally:
             self.capturing = False
+            torch.Tensor.tolist = tolist
         cuda_graph.tape = tape.entries
         pool.captured += 1
         pool.live_graphs += 1
@@ -189,7 +215,7 @@ class OpCounter(TorchDispatchMode):
         return super().__exit__(*exc)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if func is _HOST_READ:
+        if _reads_on_host(func, args):
             self._read()
         else:
             self.ops[self.current] = self.ops.get(self.current, 0) + 1

@@ -73,8 +73,9 @@ def test_the_fake_refuses_what_a_real_capture_refuses(monkeypatch):
     assert fake.live_graphs == 0
     with pytest.raises(RuntimeError, match="use_count > 0"), torch.cuda.graph(torch.cuda.CUDAGraph(), pool=pool):
         pass
-    with pytest.raises(RuntimeError, match="stream is capturing"), torch.cuda.graph(torch.cuda.CUDAGraph()):
-        bool(x.sum() > 0)
+    for read in (lambda: bool(x.sum() > 0), lambda: x[x > 2], lambda: x.tolist(), lambda: x.nonzero()):
+        with pytest.raises(RuntimeError, match="stream is capturing"), torch.cuda.graph(torch.cuda.CUDAGraph()):
+            read()
 
 
 def test_each_bucket_is_captured_once_across_calls_and_an_in_place_weight_update(monkeypatch):

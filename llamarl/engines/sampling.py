@@ -59,17 +59,15 @@ def host_reads_are_free(device: torch.device) -> bool:
 
 
 def _greedy(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Argmax tokens and their ``log_softmax(logits.float())`` values as ``logit - logsumexp``,
-    with one fp32 working copy of the logits (exponentiated in place): ``log_softmax`` then argmax
-    wrote two ``[rows, vocab]`` fp32 arrays and read them back. The argmax is over the logits as
-    they are (what HF's greedy ``generate`` picks); ties go to the lowest id."""
-    tokens = logits.argmax(dim=-1)
-    chosen = logits.gather(-1, tokens.unsqueeze(-1)).squeeze(-1).float()
+    """Argmax tokens and their ``log_softmax(logits.float())`` values, as ``-log(sum(exp(x - max)))``
+    over one fp32 working copy of the logits (exponentiated in place): ``log_softmax`` then argmax
+    wrote a second ``[rows, vocab]`` fp32 array and read it back. Ties go to the lowest id."""
     work = logits.to(torch.float32, copy=True)
-    top = work.amax(dim=-1, keepdim=True)
-    top.masked_fill_(top.isinf(), 0.0)  # a row of -inf / +inf: let exp and log say so (as log_softmax)
-    total = work.sub_(top).exp_().sum(dim=-1)
-    return tokens, chosen - (total.log() + top.squeeze(-1))
+    tokens = work.argmax(dim=-1)
+    top = work.gather(-1, tokens.unsqueeze(-1))  # the row's max
+    shift = top.masked_fill(top.isinf(), 0.0)  # a row of -inf / +inf: exp and log say so (NaN, as log_softmax)
+    total = work.sub_(shift).exp_().sum(dim=-1)
+    return tokens, (top - shift).squeeze(-1) - total.log()
 
 
 def _nucleus(probs: torch.Tensor, top_p: float) -> torch.Tensor:

@@ -67,7 +67,8 @@ _LENGTH_DEPENDENT_ROPE = ("dynamic", "longrope")
 # fallback can keep the run going; CUDA's runtime API names them in the messages PyTorch raises.
 _STICKY_CUDA_ERRORS = ("illegal memory access", "device-side assert", "misaligned address",
                        "unspecified launch failure", "illegal instruction", "invalid program counter",
-                       "hardware stack error", "launch timed out", "uncorrectable ecc")
+                       "hardware stack error", "launch timed out", "uncorrectable ecc",
+                       "cublas_status_execution_failed")
 
 
 def poisons_device(error: BaseException) -> bool:
@@ -324,7 +325,8 @@ class StaticDecoder:
     def step(self, state: StaticState, rows: int) -> torch.Tensor:
         """Run the first ``rows`` slots (a bucket) one step: each feeds ``state.tokens[slot]`` at
         ``state.positions[slot]``; return their next-token logits ``[rows, vocab]``. Under CUDA
-        graphs the result is the graph's output buffer: read it before the next step."""
+        graphs the result is the graph's output buffer, in the pool every bucket's graph shares:
+        read it before the next step of any bucket."""
         if rows != bucket(rows) or rows > state.capacity:
             raise ValueError(f"a step runs a bucket of at most {state.capacity} rows, got {rows}")
         self.num_steps += 1
@@ -350,9 +352,16 @@ class StaticDecoder:
         if state.pool is None:  # the state's graphs share one pool, which dies with them (module docstring)
             state.pool = torch.cuda.graph_pool_handle()
         graph = torch.cuda.CUDAGraph()
-        # thread_local: a CUDA call of another thread (a tool worker, a data loader) does not void it.
-        with torch.cuda.graph(graph, pool=state.pool, capture_error_mode="thread_local"):
-            logits = self._run(state, rows)
+        current = torch.cuda.current_stream(device)
+        try:
+            # thread_local: a CUDA call of another thread (a tool worker, a data loader) does not void it.
+            with torch.cuda.graph(graph, pool=state.pool, capture_error_mode="thread_local"):
+                logits = self._run(state, rows)
+        except BaseException:
+            # torch.cuda.graph ends the capture before restoring the stream: a capture the driver
+            # voided would leave its capture stream current for whatever runs next (the fallback).
+            torch.cuda.set_stream(current)
+            raise
         state.graphs[rows] = (graph, logits)
         self.num_captures += 1
         self.capture_seconds += time.perf_counter() - start

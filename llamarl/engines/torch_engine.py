@@ -274,6 +274,7 @@ class TorchEngine:
                 self.static_decode = "off"
                 self._static.release()
                 self._static = None
+                self._kept.clear()  # kept caches are the static loop's; HF's modules recompute
         if self.fused_decode and device.type == "cpu" and _fused_decoder().supports(self.model, length=width):
             self._fused = self._fused or _fused_decoder()(self.model)
             self._fused.refresh()
