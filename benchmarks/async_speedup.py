@@ -19,7 +19,7 @@ subprocess on the same model (``smollm2-135m-instruct``), data, batch, seed and 
 | ``async-lag1`` | 3 | ``--run.schedule async --run.async-lag 1`` | generator 1, trainer 1 (``--async-threads``) |
 | ``async-lag2`` | 3 | ``--run.schedule async --run.async-lag 2`` (Algorithm 1 as written) | same |
 | ``async-lag1-partial`` | 3 | lag 1 + ``--generator.token-budget B`` (partial rollouts) | same |
-| ``async-lag1-partial-keep`` | 3 | the same + ``--generator.carried-cache keep`` (carried samples keep their KV cache) | same |
+| ``async-lag1-partial-keep`` | 3 | the same + ``--generator.torch.carried-cache keep`` (carried samples keep their KV cache) | same |
 
 The reward rank scores in ``--reward.num-workers 1`` process (the recipes' default) everywhere.
 ``--variants`` adds ``async-lag1`` runs with ``--algo.loss decoupled_ppo --trainer.num-minibatches 4``
@@ -154,7 +154,7 @@ def run_spec(name: str, workload: str, args) -> RunSpec:
         return RunSpec(name, workload, "async", 3, agen, atrain,
                        ["--run.schedule", "async", "--run.async-lag", name[-1]])
     if name in ("async-lag1-partial", "async-lag1-partial-keep"):
-        keep = ["--generator.carried-cache", "keep"] if name.endswith("keep") else []
+        keep = ["--generator.torch.carried-cache", "keep"] if name.endswith("keep") else []
         return RunSpec(name, workload, "async", 3, agen, atrain,
                        ["--run.schedule", "async", "--run.async-lag", "1", "--generator.token-budget", str(budget), *keep])
     if name in VARIANTS:

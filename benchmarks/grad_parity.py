@@ -242,8 +242,8 @@ def reference_side(args, out: Path, batch) -> dict:
     from safetensors.torch import save_file
 
     from llamarl.algorithms.advantages import group_advantages
-    from llamarl.algorithms.logprobs import completion_logprobs
     from llamarl.models.loading import load_causal_lm
+    from llamarl.models.logprobs import completion_logprobs
 
     torch.set_num_threads(args.threads)
     model, _ = load_causal_lm("smollm2-135m-instruct", dtype=torch.float32)

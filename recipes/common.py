@@ -32,6 +32,7 @@ from llamarl.config import (
 from llamarl.data.gsm8k import Problems
 from llamarl.data.problem_list import ListTask
 from llamarl.data.prompts import Problem
+from llamarl.engines.vllm_engine import VLLMEngineConfig
 from llamarl.evaluation import evaluate_policy, load_policy
 from llamarl.rl_pipeline import run_rl
 
@@ -184,8 +185,9 @@ def qwen_1gpu(config_class: type[RLConfig], *, max_new_tokens: int, lr: float, m
     ``num_test_problems`` test problems). ``sections``: the recipe's own (``data=...``)."""
     return config_class(
         model=ModelConfig(name="Qwen/Qwen2.5-0.5B-Instruct"),
-        generator=GeneratorConfig(engine="vllm", kv_cache_gib=20.0, num_prompts_per_step=64, samples_per_prompt=8,
-                                  max_new_tokens=max_new_tokens, temperature=1.0, dtype="bfloat16"),
+        generator=GeneratorConfig(engine="vllm", vllm=VLLMEngineConfig(kv_cache_gib=20.0), num_prompts_per_step=64,
+                                  samples_per_prompt=8, max_new_tokens=max_new_tokens, temperature=1.0,
+                                  dtype="bfloat16"),
         reward=RewardConfig(num_workers=8),
         trainer=TrainerConfig(lr=lr, param_dtype="bfloat16", max_tokens_per_microbatch=16384,
                               logprob_chunk_tokens=4096),
@@ -204,9 +206,9 @@ def qwen_8gpu(config_class: type[RLConfig], *, samples_per_prompt: int, max_new_
     ``sections``: the recipe's own."""
     return config_class(
         model=ModelConfig(name="Qwen/Qwen2.5-1.5B-Instruct"),
-        generator=GeneratorConfig(num_ranks=4, engine="vllm", kv_cache_gib=40.0, num_prompts_per_step=64,
-                                  samples_per_prompt=samples_per_prompt, max_new_tokens=max_new_tokens,
-                                  temperature=1.0, dtype="bfloat16"),
+        generator=GeneratorConfig(num_ranks=4, engine="vllm", vllm=VLLMEngineConfig(kv_cache_gib=40.0),
+                                  num_prompts_per_step=64, samples_per_prompt=samples_per_prompt,
+                                  max_new_tokens=max_new_tokens, temperature=1.0, dtype="bfloat16"),
         reward=reward, trainer=replace(trainer, param_dtype="bfloat16", max_tokens_per_microbatch=32768,
                                        logprob_chunk_tokens=4096), algo=algo,
         run=RunConfig(schedule="async", max_steps=300, num_eval_problems=num_test_problems),

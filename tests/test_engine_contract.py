@@ -1,27 +1,36 @@
-"""The engine contract (llamarl/engines/base.py): a registry with one signature, the generator
-holding its engine through the contract only, and stop token ids ending a completion."""
+"""The engine contract (llamarl/engines/base.py): a registry of engine configs with ``build``, the
+generator holding its engine through the contract only (its optional capabilities, streamed
+weights, sleep and counters, looked up once at build), and stop token ids ending a completion."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from types import SimpleNamespace
+from typing import ClassVar
 
 import pytest
 import torch
 from tiny_model import build_tiny_llama
 
-from llamarl.config import GeneratorConfig, ModelConfig
+from llamarl.config import GeneratorConfig, ModelConfig, RLConfig
 from llamarl.data.prompts import Problem
 from llamarl.engines import base
 from llamarl.engines.base import (
+    EngineConfig,
     EngineSetup,
     GenerationEngine,
+    ReportsCounters,
     Request,
     SamplingParams,
+    Sleeps,
+    StreamsWeights,
     build_engine,
     engine_names,
+    finish_completion,
     register_engine,
 )
-from llamarl.engines.torch_engine import TorchEngine
+from llamarl.engines.torch_engine import TorchEngine, TorchEngineConfig
+from llamarl.engines.vllm_engine import VLLMEngineConfig
 from llamarl.executors.generator import GeneratorExecutor
 
 
@@ -44,24 +53,68 @@ def test_the_built_in_engines_are_registered_and_unknown_names_list_them():
         GeneratorConfig(engine="sglang")
     engine = build_engine("torch", setup_for(build_tiny_llama()))
     assert isinstance(engine, TorchEngine) and isinstance(engine, GenerationEngine)
+    assert (engine.fused_decode, engine.static_decode, engine.carried_cache) == (True, "auto", "recompute")
+    engine = build_engine("torch", setup_for(build_tiny_llama()),
+                          TorchEngineConfig(fused_decode=False, carried_cache="keep", eos_check_every=3))
+    assert (engine.fused_decode, engine.carried_cache, engine.eos_check_every) == (False, "keep", 3)
+    with pytest.raises(TypeError, match="engine 'torch' takes a TorchEngineConfig, got a VLLMEngineConfig"):
+        build_engine("torch", setup_for(build_tiny_llama()), VLLMEngineConfig())
+    # The native engine has none of the optional capabilities: the generator samples from its model.
+    assert not isinstance(engine, (StreamsWeights, Sleeps, ReportsCounters))
+    assert not TorchEngineConfig.streams_weights and TorchEngineConfig.tensor_parallel
+    assert VLLMEngineConfig.streams_weights and VLLMEngineConfig.tensor_parallel
 
 
-def test_a_name_is_registered_once_and_a_builder_must_return_an_engine(scratch_registry):
+def test_each_engine_has_its_section_of_flags():
+    """``--generator.engine vllm --generator.vllm.gpu-memory-utilization 0.6``: each engine's settings
+    under its own name, the selected one handed to its build."""
+    import tyro
+
+    config = tyro.cli(RLConfig, args=["--generator.engine", "vllm", "--generator.vllm.gpu-memory-utilization", "0.6",
+                                      "--generator.vllm.no-sleep", "--generator.torch.no-fused-decode"])
+    assert config.generator.engine_config() == VLLMEngineConfig(gpu_memory_utilization=0.6, sleep=False)
+    assert config.generator.torch == TorchEngineConfig(fused_decode=False)
+    generator = GeneratorConfig(torch=TorchEngineConfig(static_decode="off"))
+    assert generator.engine_config() is generator.torch
+
+
+def test_a_name_is_registered_once_and_a_config_must_build_an_engine(scratch_registry):
     with pytest.raises(ValueError, match="engine 'torch' is already registered"):
-        register_engine("torch")(lambda setup: None)
-    register_engine("broken")(lambda setup: object())
+        register_engine("torch")(TorchEngineConfig)
+    with pytest.raises(TypeError, match="takes an EngineConfig dataclass with build"):
+        register_engine("builder")(lambda setup: None)
+
+    @register_engine("broken")
+    @dataclass
+    class Broken(EngineConfig):
+        def build(self, setup):
+            return object()
+
     with pytest.raises(TypeError, match="engine 'broken' built a object, which lacks generate"):
         build_engine("broken", setup_for(build_tiny_llama()))
+
+    @register_engine("no-stream")
+    @dataclass
+    class NoStream(EngineConfig):
+        streams_weights: ClassVar[bool] = True
+
+        def build(self, setup):
+            return TorchEngine(setup.model, eos_token_ids=setup.eos_token_ids, pad_token_id=setup.pad_token_id)
+
+    with pytest.raises(TypeError, match="declares streams_weights but its TorchEngine lacks load_weights"):
+        build_engine("no-stream", setup_for(build_tiny_llama()))
+    with pytest.raises(ValueError, match="--generator.engine broken runs with --generator.tp 1"):
+        GeneratorConfig(engine="broken", num_ranks=2, tp=2)
 
 
 class CountingEngine:
     """A user's engine: the native one underneath, counting what the generator asks of it."""
 
-    def __init__(self, setup: EngineSetup) -> None:
+    def __init__(self, setup: EngineSetup, config: CountingConfig) -> None:
         self.inner = TorchEngine(setup.model, eos_token_ids=setup.eos_token_ids, pad_token_id=setup.pad_token_id)
         self.pad_token_id = setup.pad_token_id
         self.calls = {"generate": 0, "weights_updated": 0, "close": 0}
-        self.setup = setup
+        self.setup, self.config = setup, config
 
     def generate(self, requests, **kwargs):
         self.calls["generate"] += 1
@@ -74,28 +127,134 @@ class CountingEngine:
         self.calls["close"] += 1
 
 
+@dataclass
+class CountingConfig(EngineConfig):
+    """The counting engine's settings: a module and a registration are all a new engine needs."""
+
+    label: str = "default"
+    """A setting of its own (no ``--generator.counting.*`` section: built from these defaults)."""
+
+    def build(self, setup: EngineSetup) -> CountingEngine:
+        return CountingEngine(setup, self)
+
+
 class Questions:
     def sample(self, index: int) -> Problem:
         return Problem(question=f"{index} + {index} =", answer="")
 
 
+def generator_ctx(*, shared: bool = False) -> SimpleNamespace:
+    ranks = {"generator": [0], **({"trainer": [0]} if shared else {})}
+    return SimpleNamespace(device=torch.device("cpu"), dp_rank=1, dp_size=2, tp_rank=0, tp_size=1, local_rank=0,
+                           executor="generator", ranks=ranks)
+
+
 def test_the_generator_builds_and_drives_a_registered_engine_through_the_contract(scratch_registry, model_dir):
-    register_engine("counting")(CountingEngine)
-    ctx = SimpleNamespace(device=torch.device("cpu"), dp_rank=1, dp_size=2, tp_rank=0, tp_size=1, local_rank=0)
+    register_engine("counting")(CountingConfig)
     config = GeneratorConfig(engine="counting", num_prompts_per_step=2, samples_per_prompt=2, max_new_tokens=4)
-    generator = GeneratorExecutor(ctx, model_config=ModelConfig(name=str(model_dir)), config=config,
+    assert config.engine_config() == CountingConfig()
+    generator = GeneratorExecutor(generator_ctx(), model_config=ModelConfig(name=str(model_dir)), config=config,
                                   task=Questions(), prompt_fn=lambda tok, q: list(tok(q)["input_ids"]), seed=3)
     generator.init()
     engine = generator.engine
     assert isinstance(engine, CountingEngine) and engine.setup.model is generator.get_model()
     assert engine.setup.seed == 3 * 1000 + 1 and engine.setup.model_path == str(model_dir)
+    assert engine.config == CountingConfig() and not engine.setup.shares_device
+    assert generator.weight_sink() is None  # it samples from the model the channels write into
     generator.step()
     batch = generator.get_output("rollouts")
     assert len(batch) == 4 and engine.calls["generate"] == 1
+    assert not any(key.startswith("gen_engine_") for key in generator.metrics)
     generator.set_weights_version(5)
     assert engine.calls["weights_updated"] == 1 and generator.version == 5
     generator.close()
     assert engine.calls["close"] == 1
+
+
+class StreamingEngine:
+    """An engine that holds its own weights (as vLLM does): syncs are streamed into ``load_weights``;
+    built to sleep when it shares its device, and it counts its wake-ups."""
+
+    def __init__(self, setup: EngineSetup, config: StreamingConfig) -> None:
+        self.pad_token_id = setup.pad_token_id
+        self.sleep_mode = config.sleep and setup.shares_device
+        self.setup, self.loaded, self.events = setup, {}, []
+        self.num_wake_ups, self.asleep = 0, False
+
+    def _wake(self) -> None:
+        if self.asleep:
+            self.asleep, self.num_wake_ups = False, self.num_wake_ups + 1
+
+    def generate(self, requests, *, sampling, version, generator=None, token_budget=None):
+        self._wake()
+        self.events.append("generate")
+        return [finish_completion(r, [5, 6], [-0.5, -0.25], version, "length") for r in requests]
+
+    def load_weights(self, named_tensors, *, shapes=None) -> None:
+        self._wake()
+        self.loaded = {name: tensor.clone() for name, tensor in named_tensors}
+        assert set(self.loaded) == set(shapes)
+        self.events.append("load_weights")
+
+    def weights_updated(self, model) -> None:
+        self.events.append("weights_updated")
+
+    def sleep(self) -> None:
+        assert self.sleep_mode
+        self.asleep = True
+        self.events.append("sleep")
+
+    def counters(self) -> dict[str, float]:
+        return {"wake_ups": float(self.num_wake_ups)} if self.sleep_mode else {}
+
+    def close(self) -> None:
+        self.events.append("close")
+
+
+@dataclass
+class StreamingConfig(EngineConfig):
+    """The streaming engine's settings."""
+
+    sleep: bool = True
+    """Sleep between steps when sharing the device."""
+
+    streams_weights: ClassVar[bool] = True
+
+    def build(self, setup: EngineSetup) -> StreamingEngine:
+        return StreamingEngine(setup, self)
+
+
+@pytest.mark.parametrize("shared", [False, True])
+def test_an_engine_that_streams_weights_sleeps_and_counts_is_driven_through_its_capabilities(
+        scratch_registry, model_dir, shared):
+    """What the vLLM engine relies on, without vLLM: the config's ``streams_weights`` leaves only the
+    model's layout on the generator (meta device) and the weight sink streams a sync into the engine
+    (no ``weights_updated``); on ranks shared with another executor the engine is built to sleep and
+    is put to sleep after each step, its counters logged as ``gen_engine_*`` first."""
+    register_engine("streaming")(StreamingConfig)
+    config = GeneratorConfig(engine="streaming", num_prompts_per_step=2, samples_per_prompt=2, max_new_tokens=4)
+    generator = GeneratorExecutor(generator_ctx(shared=shared), model_config=ModelConfig(name=str(model_dir)),
+                                  config=config, task=Questions(), prompt_fn=lambda tok, q: list(tok(q)["input_ids"]))
+    generator.init()
+    engine = generator.engine
+    assert isinstance(engine, StreamingEngine) and engine.setup.shares_device == shared
+    assert engine.sleep_mode == shared and isinstance(engine, StreamsWeights)
+    assert all(p.is_meta for p in generator.get_model().parameters())  # no HF copy of the weights
+    generator.step()
+    assert len(generator.get_output("rollouts")) == 4
+    assert engine.events == (["generate", "sleep"] if shared else ["generate"])
+    assert generator.metrics.get("gen_engine_wake_ups") == (0.0 if shared else None)
+    sink = generator.weight_sink()
+    weights = {name: torch.full(p.shape, 0.5) for name, p in generator.get_model().named_parameters()}
+    sink(iter(weights.items()))
+    generator.set_weights_version(1)
+    assert "weights_updated" not in engine.events and generator.version == 1
+    assert engine.loaded.keys() == weights.keys()
+    generator.step()
+    assert generator.metrics["gen_version"] == 1.0
+    assert generator.metrics.get("gen_engine_wake_ups") == (1.0 if shared else None)  # woken by the load
+    generator.close()
+    assert engine.events[-1] == "close"
 
 
 def test_a_stop_token_id_ends_the_completion_where_it_is_sampled():

@@ -9,9 +9,9 @@ import torch
 from test_shared_prefix import TEMPERATURE, _batch
 from tiny_model import build_tiny_llama
 
-from llamarl.algorithms.logprobs import completion_logprobs
 from llamarl.config import TrainerConfig
 from llamarl.models.logprob_chunks import selected_logprobs
+from llamarl.models.logprobs import completion_logprobs
 from llamarl.models.microbatch import microbatch_inputs
 from llamarl.models.shared_prefix import shared_prefix_logprobs
 

@@ -25,9 +25,9 @@ from conftest import rows_batch
 from launch import check, run_colocated_runs, run_torchrun
 from model_families import FAMILIES, build_family, chat_tokenizer, save_family
 
-from llamarl.algorithms.logprobs import completion_logprobs
 from llamarl.engines.torch_engine import Request, SamplingParams, TorchEngine
 from llamarl.models.loading import load_causal_lm, stop_token_ids
+from llamarl.models.logprobs import completion_logprobs
 from llamarl.models.microbatch import microbatch_inputs
 from llamarl.models.shared_prefix import shared_prefix_logprobs, supports
 from recipes.arithmetic import prompt_fn

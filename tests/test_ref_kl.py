@@ -26,8 +26,8 @@ from scorers_for_tests import first_char_even
 from taps import read_taps
 
 from llamarl.algorithms.advantages import kl_penalty
-from llamarl.algorithms.logprobs import completion_logprobs
 from llamarl.models.loading import load_causal_lm
+from llamarl.models.logprobs import completion_logprobs
 from recipes.ref_kl import RefConfig, RefKLConfig, check_ref_kl, ref_kl_pipeline
 
 TEMPERATURE = 0.8  # ArithmeticConfig's default, which the worlds keep

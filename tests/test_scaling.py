@@ -1,4 +1,4 @@
-"""The per-rank memory table (llamarl/scaling.py, docs/scaling.md): computed from FSDP2 / TP layouts
+"""The per-rank memory table (benchmarks/scaling.py, docs/scaling.md): computed from FSDP2 / TP layouts
 built on the meta device over torch's fake process group, the docs say what the code prints,
 every layout fits an 80 GiB GPU, and no trainer rank of a multi-rank layout holds the full model."""
 
@@ -6,11 +6,15 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import load_benchmark
 from tiny_model import build_tiny_llama
 
-from llamarl.channels.ddma_plan import chunk_slice
+from llamarl.boxes import chunk_slice
 from llamarl.models.sharding import shard_model
-from llamarl.scaling import LAYOUTS, _local_bytes, fake_world, layout_memory, markdown_table, meta_model
+
+scaling = load_benchmark("scaling")
+LAYOUTS, layout_memory, markdown_table = scaling.LAYOUTS, scaling.layout_memory, scaling.markdown_table
+fake_world, meta_model, _local_bytes = scaling.fake_world, scaling.meta_model, scaling._local_bytes
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -10,8 +10,8 @@ import torch
 from conftest import rows_batch
 from tiny_model import build_tiny_llama
 
-from llamarl.algorithms.logprobs import completion_logprobs
 from llamarl.batch import TensorBatch
+from llamarl.models.logprobs import completion_logprobs
 from llamarl.models.microbatch import microbatch_inputs, plan_microbatches
 from llamarl.models.shared_prefix import context_groups, shared_prefix_logprobs, supports
 

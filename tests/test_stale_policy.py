@@ -29,6 +29,7 @@ from launch import check, run_torchrun
 from llamarl.batch import TensorBatch
 from llamarl.config import AlgoConfig, GeneratorConfig, ModelConfig
 from llamarl.data.prompts import Problem
+from llamarl.engines.torch_engine import TorchEngineConfig
 from llamarl.executors.generator import GeneratorExecutor
 
 WORLD = "../" + Path(__file__).name  # run_torchrun resolves scripts under tests/worlds/
@@ -49,7 +50,7 @@ def make_generator(model_dir, ctx, *, policy: str | None, eta: int | None, lag: 
     """4 samples started per step (2 prompts x 2), at most 6 new tokens, 2 per step: a sample spans
     up to 3 steps, so its tokens span versions."""
     config = GeneratorConfig(num_prompts_per_step=2, samples_per_prompt=SAMPLES, max_new_tokens=6, token_budget=2,
-                             temperature=1.0, carried_cache=carried_cache)
+                             temperature=1.0, torch=TorchEngineConfig(carried_cache=carried_cache))
     algo = AlgoConfig(max_staleness=eta, stale_policy=policy) if policy else None
     return GeneratorExecutor(ctx, model_config=ModelConfig(name=str(model_dir)), config=config, task=Questions(),
                              prompt_fn=prompt_fn, algo=algo, expected_lag=lag)
@@ -64,7 +65,8 @@ def oldest_versions(batch: TensorBatch) -> list[int]:
 # ----- the generator alone -----
 def run_generator(model_dir, *, policy, eta=2, lag=1, ticks=14, carried_cache="recompute"):
     torch.manual_seed(0)
-    ctx = SimpleNamespace(device=torch.device("cpu"), dp_rank=0, dp_size=1, tp_rank=0, tp_size=1, local_rank=0)
+    ctx = SimpleNamespace(device=torch.device("cpu"), dp_rank=0, dp_size=1, tp_rank=0, tp_size=1, local_rank=0,
+                          executor="generator", ranks={"generator": [0]})
     gen = make_generator(model_dir, ctx, policy=policy, eta=eta, lag=lag, carried_cache=carried_cache)
     gen.init()
     increments = random.Random(0)

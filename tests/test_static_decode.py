@@ -5,7 +5,7 @@ shared prompts and carried-in tokens; the step traces as one graph per batch buc
 break and no recompile across steps or calls; EOS seen every k steps changes nothing but the steps
 run; continuous batching and kept carried caches give what the fused loop gives. Most tests trace
 with dynamo's ``eager`` backend (the graph, without generating code: seconds); one compiles with
-inductor, as a user's ``--generator.static-decode compiled`` does."""
+inductor, as a user's ``--generator.torch.static-decode compiled`` does."""
 
 from __future__ import annotations
 

@@ -28,6 +28,8 @@ from llamarl.config import (
 )
 from llamarl.config_checks import validate_config
 from llamarl.controller import ExecutorController
+from llamarl.engines.torch_engine import TorchEngineConfig
+from llamarl.engines.vllm_engine import VLLMEngineConfig
 from llamarl.rl_pipeline import rl_pipeline
 
 
@@ -45,8 +47,11 @@ def config(model_dir, tmp_path, **sections):
     (lambda: GeneratorConfig(num_ranks=3, tp=2), "must be a multiple of --generator.tp"),
     (lambda: GeneratorConfig(num_threads=0), "--generator.num-threads must be >= 1"),
     (lambda: GeneratorConfig(max_num_seqs=0), "--generator.max-num-seqs must be >= 1, got 0"),
-    (lambda: GeneratorConfig(engine="vllm", carried_cache="keep"),
-     "--generator.carried-cache keep needs --generator.engine torch"),
+    (lambda: TorchEngineConfig(eos_check_every=0), "--generator.torch.eos-check-every must be >= 1, got 0"),
+    (lambda: TorchEngineConfig(static_decode="always"), "--generator.torch.static-decode must be one of"),
+    (lambda: VLLMEngineConfig(kv_cache_gib=0), "--generator.vllm.kv-cache-gib must be > 0, got 0"),
+    (lambda: VLLMEngineConfig(gpu_memory_utilization=1.5),
+     "--generator.vllm.gpu-memory-utilization must be in \\(0, 1\\], got 1.5"),
     (lambda: RewardConfig(num_ranks=-1), "--reward.num-ranks must be >= 0 \\(0: on the trainer's ranks\\), got -1"),
     (lambda: RunConfig(max_steps=-1), "--run.max-steps must be >= 0, got -1"),
     (lambda: RunConfig(num_eval_problems=-2), "--run.num-eval-problems must be >= 0, got -2"),

@@ -254,11 +254,16 @@ def test_a_streamed_load_is_checked_up_front_and_equals_a_listed_one(engine, hf_
 def test_a_sleeping_engine_wakes_what_each_call_needs(engine, hf_model, monkeypatch):
     """``sleep`` (level 1 on CUDA; vLLM's CPU worker keeps its memory, so here the calls run and
     change nothing): a weight load wakes the weights only, a generation what is still asleep; the
-    outputs are those of an engine that never slept. Without ``sleep_mode`` sleep refuses."""
+    outputs are those of an engine that never slept. Without ``sleep_mode`` sleep refuses and no
+    counter is reported. The engine has the contract's optional capabilities the generator uses."""
+    from llamarl.engines.base import ReportsCounters, Sleeps, StreamsWeights
+
+    assert isinstance(engine, StreamsWeights) and isinstance(engine, Sleeps) and isinstance(engine, ReportsCounters)
     greedy = SamplingParams(temperature=0.0, max_new_tokens=8)
     before = engine.generate(requests(3), sampling=greedy, version=0)
     with pytest.raises(RuntimeError, match="sleep_mode"):
         engine.sleep()
+    assert engine.counters() == {}
     monkeypatch.setattr(engine, "sleep_mode", True)
     woken = engine.num_wake_ups
     engine.sleep()
@@ -270,6 +275,7 @@ def test_a_sleeping_engine_wakes_what_each_call_needs(engine, hf_model, monkeypa
     engine.sleep()
     engine.generate(requests(1), sampling=greedy, version=0)  # weights, then the KV cache
     assert engine._asleep == set() and engine.num_wake_ups == woken + 4
+    assert engine.counters() == {"wake_ups": float(woken + 4)}
 
 
 def _arithmetic_run(tmp_path, *, nproc: int, flags: list[str]) -> dict[str, list[dict]]:
@@ -282,7 +288,7 @@ def _arithmetic_run(tmp_path, *, nproc: int, flags: list[str]) -> dict[str, list
 
     out = tmp_path / "run"
     check(run_torchrun("run_module.py", nproc=nproc, timeout_s=500, args=[
-        "--module", "recipes.arithmetic", "--", "--generator.engine", "vllm", "--generator.kv-cache-gib", "0.5",
+        "--module", "recipes.arithmetic", "--", "--generator.engine", "vllm", "--generator.vllm.kv-cache-gib", "0.5",
         "--generator.num-prompts-per-step", "16", "--run.max-steps", "3", "--run.eval-every", "3",
         "--run.num-eval-problems", "8", "--run.output-dir", str(out), *flags]))
     assert (out / "summary.json").is_file()
@@ -410,6 +416,7 @@ def test_a_tensor_parallel_engine_spans_two_ranks(tmp_path):
 
 def _tp_world(out_dir: str) -> None:
     from llamarl.engines.base import EngineSetup, build_engine
+    from llamarl.engines.vllm_engine import VLLMEngineConfig
 
     dist.init_process_group("gloo")
     rank = dist.get_rank()
@@ -421,7 +428,8 @@ def _tp_world(out_dir: str) -> None:
     dist.barrier()
     engine = build_engine("vllm", EngineSetup(
         model=model, model_path=str(model_dir), dtype="float32", eos_token_ids=[EOS], pad_token_id=PAD, seed=0,
-        device=torch.device("cpu"), kv_cache_gib=0.25, tp_group=dist.group.WORLD, tp_src=0))
+        device=torch.device("cpu"), tp_group=dist.group.WORLD, tp_src=0),
+        VLLMEngineConfig(kv_cache_gib=0.25, seed_requests=True))
     sampling = SamplingParams(temperature=0.7, max_new_tokens=8)
 
     def run(reference):

@@ -19,7 +19,8 @@ sys.path.insert(0, str(Path(__file__).parent))
 from launch import check, run_torchrun
 from worlds.weights_world import BUCKET_MB, ERROR_CASES, cases
 
-from llamarl.channels.ddma_plan import build_plan, chunk_slice
+from llamarl.boxes import chunk_slice
+from llamarl.channels.ddma_plan import build_plan
 
 # Split name -> (trainer ranks, generator ranks); the first one spans the whole world.
 WORLDS = {"3->2": (3, 2), "2->1": (2, 1), "1->2": (1, 2)}

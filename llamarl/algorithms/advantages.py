@@ -40,9 +40,9 @@ def group_advantages(
     * ``"mean"``: ``r - mean_g``                                      (Dr. GRPO, arXiv:2503.20783)
 
     (``--algo.normalize-batch`` rescales these over the whole batch on every trainer rank:
-    ``TrainerExecutor.prepare``.) Returns a detached tensor in rewards' floating dtype (float32 for integer
-    rewards). Raises ValueError for non-1-D rewards, ``group_size < 1``, N not divisible by
-    ``group_size``, an unknown mode, or ``"rloo"`` with ``group_size < 2``.
+    ``normalize_advantages`` in ``update.py``.) Returns a detached tensor in rewards' floating
+    dtype (float32 for integer rewards). Raises ValueError for non-1-D rewards, ``group_size < 1``,
+    N not divisible by ``group_size``, an unknown mode, or ``"rloo"`` with ``group_size < 2``.
     """
     if rewards.dim() != 1:
         raise ValueError(f"rewards must be 1-D [N], got shape {tuple(rewards.shape)}")

@@ -78,13 +78,6 @@ def local_tensor(param: torch.Tensor) -> torch.Tensor:
     return param.to_local() if isinstance(param, DTensor) else param
 
 
-def chunk_slice(size: int, *, rank: int, world: int) -> tuple[int, int]:
-    """``(start, length)`` of ``rank``'s part of ``size`` under torch.chunk (FSDP2 / DTensor) rules."""
-    chunk = -(-size // world)
-    start = min(chunk * rank, size)
-    return start, min(chunk, size - start)
-
-
 @dataclass(frozen=True)
 class Piece:
     """One block a (trainer rank, generator rank) pair moves: ``numel`` elements at ``offset``."""

@@ -27,13 +27,8 @@ import time
 from dataclasses import dataclass
 
 from llamarl.batch import TensorBatch
-from llamarl.models.weight_copy import (
-    check_same_parameters,
-    copy_weights_in_place,
-    feed,
-    stream_full_weights,
-    weight_sink_of,
-)
+from llamarl.channels.sinks import feed, weight_sink_of
+from llamarl.models.weight_copy import check_same_parameters, copy_weights_in_place, stream_full_weights
 
 
 @dataclass

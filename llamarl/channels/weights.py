@@ -58,7 +58,7 @@ from torch.distributed.tensor import DTensor
 from llamarl.batch import DTYPES, TensorBatch, WireFormatError
 from llamarl.channels.ddma_plan import Piece, box_index, build_plan, describe_local_layout, local_tensor
 from llamarl.channels.p2p import exchange
-from llamarl.models.weight_copy import feed, weight_sink_of
+from llamarl.channels.sinks import feed, weight_sink_of
 
 MODES = ("ddma", "gather_broadcast")
 

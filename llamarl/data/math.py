@@ -11,8 +11,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from llamarl.data.boxed import boxed_contents
 from llamarl.data.prompts import Problem
-from llamarl.rewards.boxed import boxed_contents
 
 
 def row_to_problem(row: dict, *, where: str = "row") -> Problem:

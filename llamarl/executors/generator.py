@@ -50,7 +50,17 @@ from llamarl.batch import TensorBatch
 from llamarl.checkpoint import load_rng, read_json, save_rng, write_json
 from llamarl.config import AlgoConfig, EnvConfig, GeneratorConfig, ModelConfig
 from llamarl.data.prompts import Problem
-from llamarl.engines.base import Completion, EngineSetup, Request, SamplingParams, build_engine, sampled_mask
+from llamarl.engines.base import (
+    Completion,
+    EngineSetup,
+    ReportsCounters,
+    Request,
+    SamplingParams,
+    Sleeps,
+    StreamsWeights,
+    build_engine,
+    sampled_mask,
+)
 from llamarl.environments.base import build_environment
 from llamarl.environments.episodes import EpisodeRunner
 from llamarl.environments.tools import ToolRunner, TurnShare
@@ -141,7 +151,8 @@ _PER_REPLICA = ("gen_new_tokens", "gen_tokens_per_s", "gen_carried", "gen_restar
 
 
 class GeneratorExecutor(Executor):
-    """Rollout generation with the native engine; weights arrive through a WeightsChannel."""
+    """Rollout generation with the engine ``--generator.engine`` names, held through the engine
+    contract (llamarl/engines/base.py); weights arrive through a WeightsChannel."""
 
     metric_specs: ClassVar[dict] = GENERATOR_METRICS
 
@@ -208,18 +219,17 @@ class GeneratorExecutor(Executor):
         # On ctx.device before TP: parallelize_module shards the projections onto the TP mesh's
         # device, and the embeddings / norms / lm_head must already be there with them.
         dtype = getattr(torch, self.config.dtype)
-        # vLLM holds the weights itself: no HF copy here, only the layout on the meta device, and the
-        # weight channels stream each sync into vLLM (weight_sink). The native engine samples from
-        # the HF model, which is then the channels' receive buffer.
-        self.streams_weights = self.config.engine == "vllm"
+        # An engine that holds its own weights (its config declares streams_weights: vLLM) gets no HF
+        # copy here, only the layout on the meta device, and the weight channels stream each sync into
+        # it (weight_sink). Otherwise the engine samples from the HF model, the channels' receive buffer.
+        engine_config = self.config.engine_config()
+        self.streams_weights = engine_config.streams_weights
         if self.streams_weights:
             self.model, self.tokenizer = load_causal_lm_layout(self.model_config.name, dtype=dtype)
         else:
             self.model, self.tokenizer = load_causal_lm(self.model_config.name, dtype=dtype, device=self.ctx.device)
         self.model.eval()
-        # Sharing its GPU with another executor (colocated with the trainer): sleep between steps.
-        self.sleeps = self.streams_weights and self.config.vllm_sleep and self._shares_ranks()
-        # A vLLM engine slices the weights itself (one TP worker per rank of the group): its layout,
+        # Such an engine slices the weights itself (one TP worker per rank of the group): its layout,
         # what the weight channel plans against, stays whole on every rank of the group.
         if self.ctx.tp_size > 1 and not self.streams_weights:
             apply_tensor_parallel(self.model, self.ctx.tp_mesh)
@@ -229,12 +239,15 @@ class GeneratorExecutor(Executor):
         self.engine = build_engine(self.config.engine, EngineSetup(
             model=self.model, model_path=self.model_config.name, dtype=self.config.dtype, eos_token_ids=eos,
             pad_token_id=pad, seed=self.seed * 1000 + self.ctx.dp_rank, device=self.ctx.device,
-            kv_cache_gib=self.config.kv_cache_gib, gpu_memory_utilization=self.config.gpu_memory_utilization,
-            fused_decode=self.config.fused_decode, max_num_seqs=self.config.max_num_seqs,
-            carried_cache=self.config.carried_cache, static_decode=self.config.static_decode,
-            eos_check_every=self.config.eos_check_every, seed_requests=self.config.seed_requests,
-            tp_group=tp_group, tp_src=tp_src, sleep_mode=self.sleeps))
+            max_num_seqs=self.config.max_num_seqs, tp_group=tp_group, tp_src=tp_src,
+            shares_device=self._shares_ranks()), engine_config)
         self.base_engine = self.engine  # the engine itself, under an episode runner if any
+        # The optional capabilities (llamarl/engines/base.py), looked up once: an engine built to
+        # sleep (sharing its GPU with another executor: the trainer gets the memory between steps),
+        # and one that reports counters.
+        self.sleeping_engine = self.engine if isinstance(self.engine, Sleeps) and self.engine.sleep_mode else None
+        self.counting_engine = self.engine if isinstance(self.engine, ReportsCounters) else None
+        self.episodes: EpisodeRunner | None = None
         if self.env_config is not None:
             # Episodes: the engine wrapped by the runner, which has the engine's contract (step and
             # evaluate use it alike); the tools run in worker processes of this rank.
@@ -243,7 +256,7 @@ class GeneratorExecutor(Executor):
             share = None
             if self.ctx.tp_size > 1:  # TP peers must append the same observations: the first rank's
                 share = TurnShare(group=tp_group, device=self.ctx.device, src=tp_src)
-            self.engine = EpisodeRunner(
+            self.episodes = self.engine = EpisodeRunner(
                 self.engine, environment=build_environment(env.name), tokenizer=self.tokenizer,
                 tools=ToolRunner(env.name, timeout_s=env.tool_timeout_s, num_workers=env.num_tool_workers,
                                  share=share),
@@ -273,29 +286,29 @@ class GeneratorExecutor(Executor):
         self.data_position, self.version = int(state["data_position"]), int(state["version"])
         self.skipped_prompts = int(state.get("skipped_prompts", 0))
         self.restarted_stale = int(state.get("restarted_stale", 0))
-        if isinstance(self.engine, EpisodeRunner):
-            self.engine.tools.restore_counts(state.get("tools", {}))
+        if self.episodes is not None:
+            self.episodes.tools.restore_counts(state.get("tools", {}))
         self.carried = [Request(**r) for r in state["carried"]]
         self.finished = {int(g): [Completion(**c) for c in outs] for g, outs in state["finished"].items()}
         self.problems = {int(g): Problem(**p) for g, p in state["problems"].items()}
         load_rng(directory / f"rng_rank{rank}.safetensors", self.rng)
 
     def _tool_counts(self) -> dict:
-        tools = getattr(self.engine, "tools", None)
-        return {} if tools is None else tools.counts()
+        return {} if self.episodes is None else self.episodes.tools.counts()
 
     def get_model(self) -> torch.nn.Module:
         return self.model
 
     def weight_sink(self):
-        """The weight channels' streaming entry (``llamarl/channels/weights.py``): with vLLM, a
-        callable that loads an iterator of ``(name, full tensor)`` into the engine as it is
-        consumed (``get_model()`` then only describes the layout); None with the native engine,
-        whose parameters the channels write in place."""
+        """The weight channels' streaming entry (``llamarl/channels/weights.py``): for an engine that
+        streams its weights (vLLM), a callable that loads an iterator of ``(name, full tensor)`` into
+        it as it is consumed (``get_model()`` then only describes the layout); None for one that
+        samples from the model (the native engine), whose parameters the channels write in place."""
         if not self.streams_weights:
             return None
+        engine: StreamsWeights = self.base_engine  # checked when it was built
         shapes = {name: tuple(param.shape) for name, param in self.model.named_parameters()}
-        return lambda named_tensors: self.base_engine.load_weights(named_tensors, shapes=shapes)
+        return lambda named_tensors: engine.load_weights(named_tensors, shapes=shapes)
 
     def set_weights_version(self, version: int) -> None:
         """Called by the weight channel after the new weights are in place (written into the
@@ -399,7 +412,7 @@ class GeneratorExecutor(Executor):
                         "gen_skipped_prompts": float(self.skipped_prompts),
                         "gen_restarted_stale": float(self.restarted_stale),
                         "data_skipped_rows": float(getattr(self.task, "num_skipped_rows", 0))}
-        if isinstance(self.engine, EpisodeRunner):  # cumulative over the run (a resumed run continues them)
+        if self.episodes is not None:  # cumulative over the run (a resumed run continues them)
             self.metrics.update({f"env_tool_{key}": float(value) for key, value in self._tool_counts().items()})
             # emitted samples whose episode got at least one observation (a tool's answer)
             self.metrics["env_samples_with_observation"] = float(
@@ -409,10 +422,10 @@ class GeneratorExecutor(Executor):
         if not emits:  # a TP peer repeats its group's first rank's work: counted there only
             for key in _PER_REPLICA:
                 self.metrics.pop(key, None)  # env_* only exist with an environment
-        if self.sleeps:  # the trainer on these ranks gets the engine's memory until the next use
-            # Parts of the engine woken so far (weights, KV cache): 2 a tick once weights arrive.
-            self.metrics["gen_engine_wake_ups"] = float(self.base_engine.num_wake_ups)
-            self.base_engine.sleep()
+        if self.counting_engine is not None:  # e.g. vLLM asleep between steps: wake-ups, 2 a tick once weights arrive
+            self.metrics.update({f"gen_engine_{key}": float(value) for key, value in self.counting_engine.counters().items()})
+        if self.sleeping_engine is not None:  # the trainer on these ranks gets the engine's memory until the next use
+            self.sleeping_engine.sleep()
 
     @torch.no_grad()
     def evaluate(self, problems: list[Problem], score: Callable[[str, str], float], *, chunk: int = 64,
@@ -425,17 +438,18 @@ class GeneratorExecutor(Executor):
         """
         greedy = SamplingParams(temperature=0.0, max_new_tokens=self.config.max_new_tokens)
         prompts = [list(self.prompt_fn(self.tokenizer, p.question)) for p in problems]
-        if isinstance(self.engine, EpisodeRunner):  # evaluation episodes start from these problems
-            training_problems, self.engine.problem_of = self.engine.problem_of, problems.__getitem__
+        episodes = self.episodes
+        if episodes is not None:  # evaluation episodes start from these problems
+            training_problems, episodes.problem_of = episodes.problem_of, problems.__getitem__
             # The env_tool_* metrics count training episodes: the evaluation's calls are not theirs.
-            training_counts = self.engine.tools.counts()
+            training_counts = episodes.tools.counts()
         try:
             scores, texts = score_samples(self.engine, self.tokenizer, problems=problems, prompts=prompts,
                                           score=score, sampling=greedy, chunk=chunk, version=self.version)
         finally:
-            if isinstance(self.engine, EpisodeRunner):
-                self.engine.problem_of = training_problems
-                self.engine.tools.restore_counts(training_counts)
+            if episodes is not None:
+                episodes.problem_of = training_problems
+                episodes.tools.restore_counts(training_counts)
         correct = sum(s[0] for s in scores)
         if samples_path is not None:
             samples_path.write_text("".join(

@@ -6,7 +6,9 @@ Input (channel ``scored``, SCATTERed so prompt groups are whole on each rank): r
 ``behav_logp`` [N, L] and ``versions`` [N, L] (-1 off the completion) at the same positions,
 ``rewards`` [N], ``group_ids`` [N], ``num_tokens`` [N]; metadata ``group_size``.
 
-Each batch:
+Each batch (the algorithm's steps, local to a rank, are ``llamarl/algorithms/update.py``'s; this
+executor places the data, runs the forward / backward, the optimizer and every collective between
+them):
 1. advantages from the group baseline (``--algo.advantage``), over whole groups;
 2. the proximal policy is the one before the batch's first optimizer step (``algorithms/prox.py``,
    AReaL's definition): with ``--algo.prox recompute`` its log-probs of every row the loss will
@@ -53,9 +55,16 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from llamarl.algorithms.advantages import check_groups
-from llamarl.algorithms.prox import loglinear_prox_logp
-from llamarl.algorithms.registry import get_advantage, get_policy_loss
+from llamarl.algorithms.update import (
+    MINIBATCH_COUNTS,
+    PolicyUpdate,
+    advantage_moments,
+    filter_stale,
+    forwarded_rows,
+    minibatch_counts,
+    normalize_advantages,
+    split_minibatches,
+)
 from llamarl.batch import TensorBatch
 from llamarl.checkpoint import load_rng, read_json, save_rng, write_json
 from llamarl.config import AlgoConfig, ModelConfig, TrainerConfig
@@ -82,8 +91,7 @@ class TrainerExecutor(Executor):
     @property
     def metric_specs(self) -> dict[str, MetricSpec]:
         """The step's metrics and those the registered loss declares (section ``loss``)."""
-        declared = get_policy_loss(self.algo.loss).metrics
-        return {**{key: MetricSpec("loss", "max") for key in declared}, **TRAINER_METRICS}
+        return {**self.update.metric_specs, **TRAINER_METRICS}
 
     @property
     def num_threads(self) -> int:
@@ -94,6 +102,7 @@ class TrainerExecutor(Executor):
                  temperature: float, input_name: str = "scored", seed: int = 0) -> None:
         super().__init__(ctx)
         self.model_config, self.config, self.algo = model_config, config, algo
+        self.update = PolicyUpdate(algo)  # the algorithm (algorithms/update.py); the loss looked up once
         self.temperature, self.input_name, self.seed = temperature, input_name, seed
         self.version = 0
         self.model = None
@@ -169,67 +178,30 @@ class TrainerExecutor(Executor):
         return tensor.tolist()
 
     def prepare(self, batch: TensorBatch) -> TensorBatch:
-        """Rows sorted by group, with ``advantages`` from whole groups (collective with
-        ``--algo.normalize-batch``: the statistics are those of the batch over every trainer rank)."""
+        """Rows sorted by group, with ``advantages`` from whole groups (``PolicyUpdate.advantages``;
+        collective with ``--algo.normalize-batch``: the statistics are those of the batch over every
+        trainer rank, so the update does not depend on how many ranks the batch was split over)."""
         if not len(batch):
             if self.algo.normalize_batch:
                 self._all_reduce([0.0, 0.0, 0.0])  # the batch statistics are collective
             return batch
-        if "group_size" not in batch.metadata:
-            raise ValueError("trainer input: the batch has no metadata['group_size'] (samples per prompt); "
-                             "without it every row would be its own group and every advantage 0")
-        group_size = int(batch.metadata["group_size"])
-        order = torch.argsort(batch["group_ids"], stable=True)
-        batch = batch.select(order)
-        check_groups(batch["group_ids"], group_size, where="trainer input")
-        advantages = get_advantage(self.algo.advantage)(batch["rewards"].float(), group_size)
+        batch = self.update.advantages(batch)
         if self.algo.normalize_batch:
-            # Statistics of the whole batch over every trainer rank, so the update does not depend
-            # on how many ranks the batch was split over.
-            count, total, squares = self._all_reduce([float(advantages.numel()), float(advantages.sum()),
-                                                      float((advantages.double() ** 2).sum())])
-            mean = total / count
-            std = max(squares / count - mean * mean, 0.0) ** 0.5
-            advantages = (advantages - mean) / (std + 1e-6)
-        batch.fields["advantages"] = advantages
+            moments = self._all_reduce(advantage_moments(batch["advantages"]))
+            batch.fields["advantages"] = normalize_advantages(batch["advantages"], *moments)
         return batch
 
     def filter_stale(self, batch: TensorBatch) -> tuple[TensorBatch, dict[str, float]]:
-        """Staleness of every loss token against the current version; ``--algo.max-staleness``.
-
-        Rows holding a token more than eta versions behind ``self.version`` lose their loss mask
-        (``dropped_stale_samples``), under either ``--algo.stale-policy`` (with ``wait`` the
-        generator should have left none: this is the guarantee, and a drop is warned about).
-        ``staleness_sum`` / ``staleness_max`` are over the loss tokens left, the ones this optimizer
-        step's token mean is over (zero-advantage samples' included); the step divides the sum by
-        their global count.
-        """
-        stats: dict[str, float] = {}
-        if not len(batch):
-            return batch, stats
-        mask = batch["loss_mask"].bool()
-        staleness = (self.version - batch["versions"]).masked_fill(~mask, 0)
-        if self.algo.max_staleness is not None:
-            stale_rows = (staleness > self.algo.max_staleness).any(dim=1)
-            batch = TensorBatch(dict(batch.fields), batch.metadata)
-            batch.fields["loss_mask"] = batch["loss_mask"] * (~stale_rows).unsqueeze(1).to(batch["loss_mask"].dtype)
-            stats["dropped_stale_samples"] = float(stale_rows.sum())
-            mask = batch["loss_mask"].bool()
-        stats["staleness_sum"] = float(staleness[mask].sum())
-        stats["staleness_max"] = float(staleness[mask].max()) if mask.any() else 0.0
-        if self.algo.max_staleness is not None and stats["staleness_max"] > self.algo.max_staleness:
-            raise RuntimeError(f"a token {stats['staleness_max']:.0f} versions old survived --algo.max-staleness "
-                               f"{self.algo.max_staleness}")
-        return batch, stats
+        """``algorithms.update.filter_stale`` at the current version: ``--algo.max-staleness`` masks
+        rows holding an older token (``dropped_stale_samples``), under either ``--algo.stale-policy``
+        (with ``wait`` the generator should have left none: this is the guarantee, and a drop is
+        warned about)."""
+        return filter_stale(batch, self.version, self.algo.max_staleness)
 
     def minibatches(self, batch: TensorBatch) -> list[TensorBatch]:
-        """This rank's rows of each of the ``--trainer.num-minibatches`` k minibatches, in order.
-
-        Prompt groups stay whole. The groups of the whole batch (every trainer rank's, gathered:
-        collective when k > 1) are sorted by group id and cut into k consecutive runs whose sizes
-        differ by at most one; minibatch j holds the rows of run j that are on this rank (possibly
-        none). So the split, and the update, do not depend on how many ranks the batch is spread over.
-        """
+        """This rank's rows of each of the ``--trainer.num-minibatches`` k minibatches, in order
+        (``split_minibatches``: whole prompt groups, the split independent of the number of ranks).
+        Collective when k > 1: the group ids of every trainer rank's part are gathered here."""
         k = self.config.num_minibatches
         if k == 1:
             return [batch]
@@ -241,18 +213,13 @@ class TrainerExecutor(Executor):
         row[0], row[1 : local.numel() + 1] = local.numel(), local
         rows = [torch.empty_like(row) for _ in range(self.ctx.local_world_size)]
         dist.all_gather(rows, row, group=self.ctx.group)
-        every = sorted({g for r in rows for g in r[1 : int(r[0]) + 1].tolist()})
-        which = {g: i * k // len(every) for i, g in enumerate(every)}
-        if not len(batch):
-            return [batch] * k
-        assigned = torch.tensor([which[g] for g in batch["group_ids"].tolist()], device=batch.device)
-        return [batch.select((assigned == j).nonzero().squeeze(1)) for j in range(k)]
+        return split_minibatches(batch, [g for r in rows for g in r[1 : int(r[0]) + 1].tolist()], k)
 
     def train_on(self, batch: TensorBatch) -> dict[str, float]:
         """``--trainer.num-minibatches`` optimizer steps on this rank's part of the batch (collective
         over the trainer); per-batch metrics (``combine_minibatch_metrics``)."""
         batch = self.prepare(batch.to(self.ctx.device))
-        spec = get_policy_loss(self.algo.loss)
+        spec = self.update.loss
         self._prox_timings = []
         # The proximal policy is the one before this batch's first optimizer step (prox.py).
         self._prox_version = self.version
@@ -262,7 +229,7 @@ class TrainerExecutor(Executor):
             # those with signal that the staleness filter keeps at this version (later minibatches,
             # at later versions, keep a subset).
             fresh, _ = self.filter_stale(batch)
-            rows = self._forwarded(fresh).to(self.ctx.device) if len(batch) \
+            rows = forwarded_rows(fresh).to(self.ctx.device) if len(batch) \
                 else torch.zeros(0, dtype=torch.long, device=self.ctx.device)
             logp = sequence_logprobs(self.model, fresh.select(rows) if len(batch) else batch,
                                      temperature=self.temperature, group=self.ctx.group, device=self.ctx.device,
@@ -281,16 +248,15 @@ class TrainerExecutor(Executor):
             metrics["prox_seconds"] = sum(seconds() for seconds in self._prox_timings)
         return metrics
 
-    @staticmethod
-    def _forwarded(batch: TensorBatch) -> torch.Tensor:
-        """Rows the loss needs a forward for: some loss token and a non-zero advantage."""
-        return ((batch["advantages"] != 0) & batch["loss_mask"].bool().any(dim=1)).nonzero().squeeze(1)
-
     def train_minibatch(self, batch: TensorBatch) -> dict[str, float]:
         """One optimizer step on this rank's rows of one minibatch (collective over the trainer):
         every rank calls it, an empty part included, and all take the same skip decisions."""
         batch, stats = self.filter_stale(batch)
-        batch, counts = self._rows_with_signal(batch, stats)
+        # This rank's rows with signal; the counts over every trainer rank (``MINIBATCH_COUNTS``:
+        # loss tokens, the global token mean's denominator, staleness sum, zero-advantage samples,
+        # rows forwarded, dropped samples).
+        batch, local_counts = minibatch_counts(batch, stats)
+        counts = dict(zip(MINIBATCH_COUNTS, self._all_reduce(local_counts)))
         microbatches, max_mbs = plan_microbatches(batch, max_tokens_per_microbatch=self.config.max_tokens_per_microbatch,
                                                   group=self.ctx.group, share_prompts=self.config.share_prompts,
                                                   microbatch_rows=self.config.microbatch_rows)
@@ -315,7 +281,10 @@ class TrainerExecutor(Executor):
         if isinstance(grad_norm, torch.distributed.tensor.DTensor):
             grad_norm = grad_norm.full_tensor()
         # Reduced before the step: the non-finite decision below must be the same on every rank.
-        loss, loss_metrics = self._reduce_loss_metrics(sums, maxes)
+        summed, maxed = self.update.metric_vectors(sums, maxes)
+        summed = self._all_reduce(summed)
+        maxed = self._all_reduce(maxed, op=dist.ReduceOp.MAX)
+        loss, loss_metrics = self.update.reduced_metrics(summed, maxed)
         if not (math.isfinite(loss) and math.isfinite(float(grad_norm))):
             return self._skip_nonfinite(loss=loss, grad_norm=float(grad_norm))
         self.nonfinite_streak = 0
@@ -328,67 +297,20 @@ class TrainerExecutor(Executor):
         out["staleness_max"] = self._all_reduce([stats.get("staleness_max", 0.0)], op=dist.ReduceOp.MAX)[0]
         return out
 
-    def _rows_with_signal(self, batch: TensorBatch, stats: dict[str, float]) -> tuple[TensorBatch, dict[str, float]]:
-        """This rank's rows that need a forward, and the minibatch's counts over every trainer rank
-        (``tokens``: loss tokens, the global token mean's denominator; ``staleness_sum``;
-        ``zero_advantage``; ``signal``: rows forwarded; ``dropped_stale``). Collective."""
-        num_local_tokens = float(batch["loss_mask"].sum()) if len(batch) else 0.0
-        if len(batch):
-            # A zero-advantage sample (its group all scored alike) adds exactly zero loss and
-            # gradient in every loss here (each is proportional to A), so it is not forwarded at all.
-            # Its tokens still count in the global token mean: the update is bit-for-bit the same.
-            stats["zero_advantage_samples"] = float((batch["advantages"] == 0).sum())
-            # Rows the staleness filter masked carry no loss token either: not forwarded, and not
-            # counted as signal (else an AdamW step on a zero gradient could still happen).
-            batch = batch.select(self._forwarded(batch))
-        tokens, staleness_sum, zero_adv, num_signal, dropped_stale = self._all_reduce(
-            [num_local_tokens, stats.get("staleness_sum", 0.0), stats.get("zero_advantage_samples", 0.0),
-             float(len(batch)), stats.get("dropped_stale_samples", 0.0)])
-        return batch, {"tokens": tokens, "staleness_sum": staleness_sum, "zero_advantage": zero_adv,
-                       "signal": num_signal, "dropped_stale": dropped_stale}
-
     def _accumulate_gradients(self, batch: TensorBatch, microbatches: list, max_mbs: int,
                               total_tokens: float) -> tuple[dict[str, float], dict[str, float]]:
         """Forward and backward every micro-batch (``max_mbs`` on every rank: a rank with fewer runs
         dummy ones, FSDP2 needs every rank in every collective); returns this rank's metric sums
-        (``loss``, ``metric_tokens``, and each loss metric as its declared reduction needs) and maxes."""
+        and maxes (``PolicyUpdate.accumulate``)."""
         dp_size = self.ctx.local_world_size
-        spec = get_policy_loss(self.algo.loss)
         sums: dict[str, float] = {}
         maxes: dict[str, float] = {}
         for index in range(max_mbs):
             rows = microbatches[index] if index < len(microbatches) else None
             loss, metrics, num_tokens = self._microbatch_loss(batch, rows, total_tokens)
             (loss * dp_size).backward()
-            for key, value in metrics.items():
-                reduction = spec.metrics.get(key)
-                if reduction is None:
-                    raise ValueError(f"policy loss {spec.name!r} reported metric {key!r} it did not declare "
-                                     f"(declared: {sorted(spec.metrics)})")
-                if reduction == "max":
-                    maxes[key] = max(maxes.get(key, float("-inf")), float(value))
-                elif reduction == "sum":
-                    sums[key] = sums.get(key, 0.0) + float(value)
-                else:  # token-weighted mean
-                    sums[key] = sums.get(key, 0.0) + float(value) * num_tokens
-            sums["loss"] = sums.get("loss", 0.0) + float(loss.detach())
-            sums["metric_tokens"] = sums.get("metric_tokens", 0.0) + num_tokens
+            self.update.accumulate(sums, maxes, metrics, float(loss.detach()), num_tokens)
         return sums, maxes
-
-    def _reduce_loss_metrics(self, sums: dict[str, float], maxes: dict[str, float]) -> tuple[float, dict[str, float]]:
-        """The minibatch's loss and the loss's declared metrics over every trainer rank (collective;
-        every rank reduces the same keys, even one that only ran dummy micro-batches)."""
-        spec = get_policy_loss(self.algo.loss)
-        keys = sorted(spec.metrics)
-        sum_keys = [k for k in keys if spec.metrics[k] != "max"]
-        max_keys = [k for k in keys if spec.metrics[k] == "max"]
-        reduced = self._all_reduce([sums.get("loss", 0.0), sums.get("metric_tokens", 0.0)]
-                                   + [sums.get(k, 0.0) for k in sum_keys])
-        reduced_max = self._all_reduce([maxes.get(k, 0.0) for k in max_keys], op=dist.ReduceOp.MAX)
-        metric_tokens = max(reduced[1], 1.0)  # token-weighted means over the samples trained on
-        metrics = {k: v / metric_tokens if spec.metrics[k] == "mean" else v for k, v in zip(sum_keys, reduced[2:])}
-        metrics.update(dict(zip(max_keys, reduced_max)))
-        return reduced[0], metrics
 
     def _skip_nonfinite(self, *, loss: float, grad_norm: float) -> dict[str, float]:
         """No optimizer step on a non-finite loss or gradient (identical decision on every rank,
@@ -412,18 +334,13 @@ class TrainerExecutor(Executor):
                                    chunk_tokens=self.config.logprob_chunk_tokens)
         if sub is None:
             return logp.sum() * 0.0, {}, 0.0
-        length = ids.shape[1]
-        behav = sub["behav_logp"][:, :length].float()
-        spec = get_policy_loss(self.algo.loss)
-        prox = None
-        if spec.needs_prox:
-            if "prox_logp" in sub:
-                prox = sub["prox_logp"][:, :length]
-            else:
-                timer = device_timer(self.ctx.device)
-                prox = loglinear_prox_logp(behav, logp, sub["versions"][:, :length], self.version,
-                                           prox_version=self._prox_version, mask=mask)
-                self._prox_timings.append(timer())
-        loss, metrics = spec.fn(logp=logp, behav_logp=behav, prox_logp=prox, advantages=sub["advantages"], mask=mask,
-                                algo=self.algo, num_loss_tokens=total_tokens)
+        loss, metrics = self.update.loss_on(sub, logp, mask, num_loss_tokens=total_tokens, version=self.version,
+                                            prox_version=self._prox_version, timed=self._timed_prox)
         return loss, metrics, float(mask.sum())
+
+    def _timed_prox(self, compute):
+        """``compute()``, its device time added to this batch's ``prox_seconds``."""
+        timer = device_timer(self.ctx.device)
+        out = compute()
+        self._prox_timings.append(timer())
+        return out

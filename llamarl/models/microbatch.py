@@ -28,10 +28,10 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from llamarl.algorithms.logprobs import completion_logprobs
 from llamarl.batch import TensorBatch
 from llamarl.data.packing import check_token_counts, pack_microbatches
 from llamarl.models import shared_prefix
+from llamarl.models.logprobs import completion_logprobs
 from llamarl.models.sharding import reshard_after_no_grad
 
 __all__ = ["microbatch_inputs", "microbatch_logprobs", "plan_microbatches", "sequence_logprobs"]

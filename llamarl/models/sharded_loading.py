@@ -27,7 +27,7 @@ from safetensors import safe_open
 from torch.distributed.tensor import DTensor, Shard
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
-from llamarl.channels.ddma_plan import chunk_slice
+from llamarl.boxes import chunk_slice
 from llamarl.models.loading import load_causal_lm, resolve_source
 from llamarl.models.sharding import shard_model
 

@@ -82,7 +82,7 @@ def shared_prefix_logprobs(model: torch.nn.Module, input_ids: torch.Tensor, atte
                            loss_mask: torch.Tensor, *, temperature: float, chunk_tokens: int = 0) -> torch.Tensor:
     """Per-token log-probs ``[B, L]`` of each row's completion, each distinct context forwarded once.
 
-    Same contract as ``llamarl.algorithms.logprobs.completion_logprobs`` on the same inputs
+    Same contract as ``llamarl.models.logprobs.completion_logprobs`` on the same inputs
     (right-padded ``input_ids`` / ``attention_mask`` ``[B, L]``; logits divided by ``temperature``
     when it is > 0): ``out[r, t] = log p(input_ids[r, t] | input_ids[r, :t])`` for every ``t`` from
     row ``r``'s first loss token to its last token; 0 elsewhere. Differentiable (the shared

@@ -6,6 +6,8 @@ into the generation model's storage, parameter by parameter. Like verl's FSDP ->
 each sharded parameter is all-gathered on its own (``DTensor.full_tensor``), copied (and cast to
 the generation model's dtype) and released before the next one, so no rank ever holds a second
 full copy of the model at once. On one rank the "gather" is the local tensor itself: a plain copy.
+Plain functions of two modules, which the weights channels call (``llamarl/channels/in_memory.py``);
+handing a stream to an executor's weight sink is the channels' (``llamarl/channels/sinks.py``).
 """
 
 from __future__ import annotations
@@ -56,49 +58,11 @@ def stream_full_weights(source: torch.nn.Module, *, dtype: torch.dtype, device: 
     order, each gathered on its own (``DTensor.full_tensor``, collective over the FSDP mesh) and
     cast to ``dtype`` on ``device``: the colocated hand-over into an engine that loads weights
     itself (vLLM), so no second model is ever built. Every rank of the mesh must consume the whole
-    iterator (``drain`` after a consumer that may stop early). Each yielded tensor is new storage:
-    a consumer may keep it (vLLM buffers a layer's weights until the layer is complete)."""
+    iterator (``feed`` in ``llamarl/channels/sinks.py`` runs it to its end after a consumer that may
+    stop early). Each yielded tensor is new storage: a consumer may keep it (vLLM buffers a layer's
+    weights until the layer is complete)."""
     with torch.no_grad():
         for name, param in source.named_parameters():
             full = param.full_tensor() if isinstance(param, DTensor) else param.detach()
             yield name, full.to(device=device, dtype=dtype, copy=True)
             del full
-
-
-def drain(iterator) -> int:
-    """Run ``iterator`` to its end (its remaining collectives with it); the number of items left."""
-    return sum(1 for _ in iterator)
-
-
-def weight_sink_of(executor):
-    """The executor's ``weight_sink()`` (a callable that loads a stream of weights), or None for
-    an executor whose parameters the weight channels write in place."""
-    return executor.weight_sink() if hasattr(executor, "weight_sink") else None
-
-
-def feed(sink, named_tensors, *, label: str) -> int:
-    """Hand ``named_tensors`` (an iterator of ``(name, tensor)``) to ``sink`` (a weight sink's
-    callable: it loads them as they come), then run whatever it left unconsumed, so that ranks
-    whose collectives drive the iterator are never left waiting: a sink that raised has its error
-    re-raised after that, one that stopped early is a RuntimeError. ``sink`` None: the iterator is
-    only run (it writes in place). Returns the bytes of the tensors handed over."""
-    if sink is None:
-        drain(named_tensors)
-        return 0
-    counted = [0]
-
-    def counting():
-        for name, tensor in named_tensors:
-            counted[0] += tensor.numel() * tensor.element_size()
-            yield name, tensor
-
-    stream = counting()
-    try:
-        sink(stream)
-    except BaseException:
-        drain(stream)  # the peers are mid-sync: let them finish it, then report the sink's error
-        raise
-    left = drain(stream)
-    if left:
-        raise RuntimeError(f"{label}: the weight sink stopped {left} tensors before the end of the stream")
-    return counted[0]

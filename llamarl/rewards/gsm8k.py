@@ -18,7 +18,7 @@ from __future__ import annotations
 import re
 from fractions import Fraction
 
-from llamarl.rewards.boxed import boxed_contents
+from llamarl.data.boxed import boxed_contents
 
 # A number as written in answers: optional sign, optional thousands separators, optional decimals.
 # Thousands groups must be exactly 3 digits so that a list like "3,4" reads as "3".

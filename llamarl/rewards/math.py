@@ -40,7 +40,7 @@ import threading
 from collections import Counter
 from collections.abc import Iterator
 
-from llamarl.rewards.boxed import boxed_contents, braced
+from llamarl.data.boxed import boxed_contents, braced
 
 DEFAULT_TIMEOUT_S = 2.0
 _MAX_EXPR_CHARS = 300

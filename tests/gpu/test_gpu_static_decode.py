@@ -1,8 +1,8 @@
-"""The static decode loop on CUDA (llamarl/engines/static_decode.py): compiled with inductor and
-replayed as CUDA graphs (what ``--generator.static-decode auto`` runs on a GPU), against the HF
-modules' loop on the same GPU: the same tokens in fp32 greedy and for a seeded sample, one capture
-per bucket per call, nothing recompiled by a second call, and a weight written in place read by
-the next call's graphs."""
+"""The static decode loop on CUDA (llamarl/engines/static_decode.py): the eager step captured as CUDA
+graphs for the engine's life (what ``--generator.torch.static-decode auto`` runs on a GPU), against
+the HF modules' loop on the same GPU: the same tokens in fp32 greedy and for a seeded sample,
+nothing recompiled or re-captured by a second call, and a weight written in place read by the next
+call's graphs."""
 
 import torch
 from tiny_model import build_tiny_llama
@@ -37,8 +37,10 @@ def test_cuda_graph_steps_give_the_hf_loops_tokens():
     decoder = static._static
     assert decoder is not None and decoder.cuda_graphs and decoder.num_steps > 0 and decoder.num_captures > 0
     graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+    captures = decoder.num_captures
     run(static, SamplingParams(temperature=1.0, max_new_tokens=24))
-    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == graphs  # captured again, not recompiled
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == graphs  # nothing compiled
+    assert decoder.num_captures == captures  # the same graphs, replayed
 
     with torch.no_grad():  # what a weight channel does: in place, same addresses
         for layer in model.model.layers:

@@ -1,5 +1,9 @@
 """Per-rank GPU memory of a layout, computed from the real sharded objects without the hardware.
 
+Not a test, and not part of the library (nothing in ``llamarl`` uses it). Usage::
+
+    .venv/bin/python benchmarks/scaling.py    # prints docs/scaling.md's table
+
 ``layout_memory`` builds, in one CPU process, what each rank of a GPU job would build: the trainer's
 model on the meta device, FSDP2-sharded (``shard_model``) over a mesh of a **fake process group**
 (torch's ``fake`` backend: every collective returns at once, so one process can play rank 0 of any
@@ -19,7 +23,7 @@ not from a formula of the model's size, and the rest is sized from them:
   generator keeps none), the DDMA receive buckets (at most ``--weights.bucket-mb`` per trainer
   peer; none colocated, where weights are handed over in memory), what a stream into vLLM stages
   (a round's finished parameters plus one spanning rounds; colocated, one gathered parameter), and
-  the engine: vLLM takes ``--generator.gpu-memory-utilization`` of the GPU for weights,
+  the engine: vLLM takes ``--generator.vllm.gpu-memory-utilization`` of the GPU for weights,
   activations and cache together; the native engine's cache is
   ``rows x tokens x layers x 2 x (KV heads / TP) x head_dim x 2`` bytes for ``kv_rows`` rows of
   ``kv_tokens`` tokens (bf16 keys and values).
@@ -29,19 +33,23 @@ not from a formula of the model's size, and the rest is sized from them:
 
 A rank "holds a full model" when its parameter bytes equal the whole model's; the tests assert no
 trainer rank does at more than one rank, and that every rank fits the GPU. ``docs/scaling.md`` is
-the table ``python -m llamarl.scaling`` prints.
+the table ``python benchmarks/scaling.py`` prints.
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import sys
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from llamarl.models.sharding import shard_model
 from llamarl.models.tensor_parallel import apply_tensor_parallel

@@ -1,8 +1,14 @@
-"""Per-token log-probs of completions under a causal LM (the trainer's side of every ratio)."""
+"""Per-token log-probs of completions under a causal LM (the trainer's side of every ratio).
+
+Model-level math: a forward of the model and the log-softmax of its logits, used by the trainer's
+micro-batches (``llamarl/models/microbatch.py``) and the reference policy; the losses that use the
+values are in ``llamarl/algorithms/``."""
 
 from __future__ import annotations
 
 import torch
+
+from llamarl.models.logprob_chunks import selected_logprobs
 
 
 def completion_logprobs(model, input_ids, attention_mask, *, start: int, temperature: float,
@@ -13,13 +19,11 @@ def completion_logprobs(model, input_ids, attention_mask, *, start: int, tempera
     prompt's full-vocabulary logits are the most expensive part of the forward and unused.
     Logits are divided by ``temperature`` so the ratio with the behaviour log-probs is exact.
     ``chunk_tokens > 0``: the same values, never more than that many tokens' logits alive at once
-    (``llamarl.models.logprob_chunks``).
+    (``llamarl/models/logprob_chunks.py``).
     """
     length = input_ids.shape[1]
     start = max(int(start), 1)
     if chunk_tokens > 0:
-        from llamarl.models.logprob_chunks import selected_logprobs
-
         batch, kept = input_ids.shape[0], length - start
         rows = torch.arange(batch, device=input_ids.device).repeat_interleave(kept)
         positions = torch.arange(kept, device=input_ids.device).repeat(batch)
