@@ -15,7 +15,7 @@ from llamarl.engines.base import SamplingParams
 
 def test_the_engine_and_the_general_sampler_import_no_cpu_plugin():
     code = ("import json, sys, torch; import llamarl.engines, llamarl.engines.torch_engine as t, "
-            "llamarl.engines.sampling, llamarl.engines.static_decode, llamarl.engines.static_loop; "
+            "llamarl.engines.sampling, llamarl.engines.static_decode, llamarl.engines.decode_loop, llamarl.engines.decoder, llamarl.engines.hf_decoder; "
             "assert t._sampler(torch.device('cuda')) is llamarl.engines.sampling.sample_tokens; "
             "print(json.dumps(sorted(m for m in sys.modules if m.startswith('llamarl.engines.cpu'))))")
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, check=False)

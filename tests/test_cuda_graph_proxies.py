@@ -233,7 +233,7 @@ def test_a_decode_step_reads_nothing_on_the_host_and_runs_a_bounded_number_of_op
         steps[new_tokens] = built.static_decoder.num_steps - before
     per_step = (outside[16] - outside[8]) / (steps[16] - steps[8])
     # 44 dispatched ops today (views and slices included): the sampling and the bookkeeping of
-    # static_loop.record, not yet inside the graph.
+    # decode_loop.record, not yet inside the graph.
     assert per_step <= 48, (outside, steps)
 
 

@@ -108,11 +108,12 @@ def test_continuous_batching_refills_finished_rows_with_the_same_tokens(monkeypa
     rows_per_step.clear()
     capped = TorchEngine(model, eos_token_ids=[], pad_token_id=pad, max_num_seqs=2)
     refilled = capped.generate(staggered(), sampling=greedy, version=1)
-    # Requests 0 and 1 start (12 and 5 tokens to go); request 1 ends at its 5th token and request 2
-    # takes its slot (its first token from its prefill, so that step runs request 0 alone); request 0
-    # ends at its 12th and request 3 (8 to go) takes its slot; then request 2's last 5, then request
-    # 3 alone: 19 steps of 2 rows but 4, where two batches of 2 take 11 + 11.
-    assert rows_per_step == [2] * 4 + [1] + [2] * 6 + [1] + [2] * 4 + [1] * 3, rows_per_step
+    # Requests 0 and 1 start (12 and 5 tokens to go, each first token from its prefill); request 1
+    # ends at its 5th token (step 4) and request 2 takes its slot, its first token drawn from its
+    # prefill and fed with request 0's next at step 5; request 0 ends at step 11 and request 3 (8 to
+    # go) takes its slot; request 2 ends at step 15, then request 3 alone: 18 steps of 2 rows but 3,
+    # where two batches of 2 take 11 + 11.
+    assert rows_per_step == [2] * 15 + [1] * 3, rows_per_step
     assert [c.completion_ids for c in refilled] == [c.completion_ids for c in whole]
     for a, b in zip(refilled, whole):
         torch.testing.assert_close(torch.tensor(a.logprobs), torch.tensor(b.logprobs), rtol=0, atol=1e-5)

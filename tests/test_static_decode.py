@@ -1,4 +1,4 @@
-"""The static-shape decode loop (llamarl/engines/static_decode.py, static_loop.py) against the HF
+"""The static-shape decode loop (llamarl/engines/static_decode.py, decode_loop.py) against the HF
 modules' loop: fp32 greedy and seeded sampling give the same tokens, log-probs agree to rounding,
 for every family it supports (tied and untied Llama, Qwen2, Qwen3, Mistral), with left padding,
 shared prompts and carried-in tokens; the step traces as one graph per batch bucket with no graph

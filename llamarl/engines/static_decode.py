@@ -17,7 +17,7 @@ compiled first: ``torch.compile``, one graph, no graph breaks).
   each bucket is one captured graph on CUDA (and one compiled graph, ``dynamic=False``, when
   compiled). Slots of
   finished or empty rows inside the bucket compute garbage that nothing reads (their writes go
-  to their own slot); the decode loop (llamarl/engines/static_loop.py) compacts rows into a
+  to their own slot); the decode loop (llamarl/engines/decode_loop.py) compacts rows into a
   smaller bucket when they fit.
 * **The forward** is HF's eager math for Llama, Qwen2, Mistral and Qwen3 (q/k norms) written over
   the model's own modules (norms, projections, MLP, LM head), so in-place weight updates are
@@ -196,6 +196,11 @@ class StaticState:
                     rows = source[:, :, :longest]
                 layer_cache[where, :, :longest] = rows.to(layer_cache.dtype)
 
+    def load_prefill(self, slots: list[int], *, cache, mask: torch.Tensor, lengths: list[int]) -> None:
+        """``load`` a left-padded prefill's HF cache (``cache.layers[l].keys`` / ``.values``)."""
+        self.load(slots, keys=[layer.keys for layer in cache.layers], values=[layer.values for layer in cache.layers],
+                  lengths=lengths, left_padded=True)
+
     def move(self, sources: list[int], targets: list[int], *, num_columns: int) -> None:
         """Copy slots ``sources`` to ``targets`` (the first ``num_columns`` columns of the cache, the
         fed token and position): the loop's compaction into a smaller bucket."""
@@ -213,7 +218,12 @@ class StaticState:
 
 
 class StaticDecoder:
-    """Static-shape decode steps of one HF model (module docstring)."""
+    """Static-shape decode steps of one HF model (module docstring); a decoder of the slot protocol
+    (llamarl/engines/decoder.py) that runs buckets, admits rows mid-decode and keeps caches."""
+
+    bucketed = True
+    admits_mid_decode = True
+    keeps_caches = True
 
     @staticmethod
     def supports(model: torch.nn.Module, *, length: int) -> bool:
@@ -262,7 +272,7 @@ class StaticDecoder:
         self.capture_seconds = 0.0
         """Wall seconds spent capturing graphs (cumulative)."""
         self.num_calls = 0
-        """Decode loops completed with this decoder (``static_loop.decode_static``)."""
+        """Decode loops completed with this decoder (``decode_loop.decode``)."""
 
     def _weight_addresses(self) -> tuple[int, ...]:
         # What the graphs read: every parameter's and buffer's storage (an in-place copy keeps it).

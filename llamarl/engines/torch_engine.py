@@ -8,14 +8,14 @@ is later re-submitted, possibly after a weight update, with its partial completi
 tagged with the weight ``version`` that produced it, so the trainer can correct for off-policyness.
 
 Batching: prompts are left-padded into one batch, with an explicit attention mask and position ids,
-and prefilled with the HF model into a transformers ``DynamicCache``. The decode steps run through
-``StaticDecoder`` on CUDA (llamarl/engines/static_decode.py: static shapes, captured once per
-bucket as CUDA graphs for the engine's life; the loop in static_loop.py), through ``FusedDecoder`` on CPU
-(llamarl/engines/cpu/fused_decode.py, the CPU plugin, imported only there: fused, pre-packed
-projections over a preallocated KV cache, C kernels in bf16) for the Llama-family layouts they
-support, else through the HF modules.
-Finished rows are dropped from the batch and the KV cache, so long stragglers do not drag dead rows
-through every forward pass.
+and prefilled with the HF model into a transformers ``DynamicCache``. The decode steps run in one
+loop (llamarl/engines/decode_loop.py) over a decoder of the slot protocol (decoder.py):
+``StaticDecoder`` on CUDA (static_decode.py: static shapes, captured once per bucket as CUDA graphs
+for the engine's life), the fused CPU step (cpu/fused_slots.py over cpu/fused_decode.py, the CPU
+plugin, imported only there: fused, pre-packed projections over a preallocated KV cache, C kernels
+in bf16) for the Llama-family layouts they support, else HF's modules (hf_decoder.py). Finished
+rows leave the batch at the loop's looks, so long stragglers do not drag dead rows through every
+forward pass.
 
 Behaviour log-prob (what ``Completion.logprobs`` holds), computed in fp32:
 
@@ -50,9 +50,11 @@ from llamarl.engines.base import (
     register_engine,
     stop_ids,
 )
+from llamarl.engines.decode_loop import LoopHost, decode
+from llamarl.engines.decoder import Decoder
+from llamarl.engines.hf_decoder import HFDecoder
 from llamarl.engines.sampling import draw_uniforms, filtered_logprobs, sample_tokens
 from llamarl.engines.static_decode import StaticDecoder, poisons_device
-from llamarl.engines.static_loop import decode_static
 
 if TYPE_CHECKING:
     from llamarl.engines.cpu.fused_decode import FusedDecoder
@@ -109,7 +111,7 @@ class TorchEngine:
         ``versions`` either way. A kept cache lasts until its ``sample_id`` is next submitted: used
         if the request continues exactly where it was carried, dropped otherwise.
         ``static_decode``: the static-shape decode loop (llamarl/engines/static_decode.py and
-        static_loop.py: one cache for the engine's life, each batch bucket captured once as a CUDA
+        decode_loop.py: one cache for the engine's life, each batch bucket captured once as a CUDA
         graph on CUDA, finished rows seen every ``eos_check_every`` steps) for the models it
         supports (Llama, Qwen2, Mistral, Qwen3, unsharded). ``"auto"`` (default): on CUDA, the
         eager step captured as graphs (a failure in any call: one warning, HF's modules from then
@@ -141,6 +143,7 @@ class TorchEngine:
         self._fused: FusedDecoder | None = None
         self.static_decode, self.eos_check_every = static_decode, int(eos_check_every)
         self._static: StaticDecoder | None = None
+        self._hf: HFDecoder | None = None
         # sample_id -> (its context when carried, per-layer keys, per-layer values) for "keep".
         self._kept: dict[int, tuple[tuple[int, ...], list[torch.Tensor], list[torch.Tensor]]] = {}
         self.tp_group, self.tp_src = tp_group, int(tp_src)
@@ -256,41 +259,49 @@ class TorchEngine:
         device = self.model.get_input_embeddings().weight.device
         uniforms = draw_uniforms(num_requests=len(reqs), num_tokens=max(limits), sampling=sampling,
                                  generator=generator, device=device)
-        # Checked per call: tensor parallelism may have been applied after the engine was built.
+        host = LoopHost(prefill=self._prefill, sample=self._sample, stop_ids=stop_ids(self.eos_token_ids, sampling),
+                        kept=self._kept, keep_carried=self.carried_cache == "keep", max_num_seqs=self.max_num_seqs,
+                        eos_check_every=self.eos_check_every, on_kept_rows=self._count_kept_rows)
+        decoder = self._decoder(device, width=width)
+        try:
+            return decode(decoder, host, reqs, contexts=contexts, limits=limits, sampling=sampling, uniforms=uniforms,
+                          device=device)
+        except Exception as error:
+            if decoder is not self._static or self.static_decode != "auto" or poisons_device(error):
+                raise
+            # The default path failed, in any call (a capture the driver refuses, memory for a
+            # larger state, a missing compiler): the rest of the run decodes on HF's modules,
+            # this call from its start, with the same draws, and says so once; asked for explicitly
+            # (--generator.torch.static-decode eager / compiled), the failure is the caller's error.
+            # Errors that leave the CUDA context unusable are never swallowed (poisons_device).
+            log.warning("static decode loop failed (%s: %s); decoding with HF's modules from now on",
+                        type(error).__name__, error)
+            self.static_decode = "off"
+            self._static.release()
+            self._static = None
+            self._kept.clear()  # kept caches are the static loop's; HF's modules recompute
+            return decode(self._decoder(device, width=width), host, reqs, contexts=contexts, limits=limits,
+                          sampling=sampling, uniforms=uniforms, device=device)
+
+    def _decoder(self, device: torch.device, *, width: int) -> Decoder:
+        """The decoder of this call (checked per call: tensor parallelism may have been applied after
+        the engine was built): the static step where ``static_decode`` asks for it and it supports
+        the model, else the fused CPU step where it does, else HF's modules."""
         if self._static_wanted(device) and StaticDecoder.supports(self.model, length=width):
             if self._static is None:
                 self._static = StaticDecoder(self.model, compiled=self.static_decode == "compiled")
-            try:
-                return decode_static(self, reqs, contexts=contexts, limits=limits, sampling=sampling,
-                                     uniforms=uniforms)
-            except Exception as error:
-                if self.static_decode != "auto" or poisons_device(error):
-                    raise
-                # The default path failed, in any call (a capture the driver refuses, memory for a
-                # larger state, a missing compiler): the rest of the run decodes on HF's modules,
-                # this call from its start, and says so once; asked for explicitly
-                # (--generator.torch.static-decode eager / compiled), the failure is the caller's error.
-                # Errors that leave the CUDA context unusable are never swallowed (poisons_device).
-                log.warning("static decode loop failed (%s: %s); decoding with HF's modules from now on",
-                            type(error).__name__, error)
-                self.static_decode = "off"
-                self._static.release()
-                self._static = None
-                self._kept.clear()  # kept caches are the static loop's; HF's modules recompute
+            return self._static
         if self.fused_decode and device.type == "cpu" and _fused_decoder().supports(self.model, length=width):
             self._fused = self._fused or _fused_decoder()(self.model)
-            self._fused.refresh()
-            return self._decode_fused(reqs, contexts=contexts, limits=limits, sampling=sampling, uniforms=uniforms)
-        size = self.max_num_seqs or len(reqs)
-        new_ids, new_lps, stopped = [], [], []
-        for first in range(0, len(reqs), size):
-            ids, lps, stop = self._decode_hf(contexts[first : first + size], limits=limits[first : first + size],
-                                             sampling=sampling,
-                                             uniforms=None if uniforms is None else uniforms[first : first + size])
-            new_ids += ids
-            new_lps += lps
-            stopped += stop
-        return new_ids, new_lps, stopped
+            from llamarl.engines.cpu.fused_slots import FusedSlotDecoder  # the CPU plugin: CPU only
+
+            return FusedSlotDecoder(self._fused, like=self.model.get_input_embeddings().weight)
+        if self._hf is None:
+            self._hf = HFDecoder(self._forward, device=device)
+        return self._hf
+
+    def _count_kept_rows(self, rows: int) -> None:
+        self.kept_cache_rows += rows
 
     def _static_wanted(self, device: torch.device) -> bool:
         """Whether ``static_decode`` asks for the static step on ``device`` (``__init__``)."""
@@ -331,152 +342,6 @@ class TorchEngine:
             logits, mask = logits[rows_from], mask[rows_from]
             cache.batch_select_indices(rows_from)
         return logits, cache, mask
-
-    def _take_kept(self, request: Request, context: tuple[int, ...]):
-        """The kept cache entry of ``request`` (``carried_cache="keep"``), removed from the store:
-        ``(context, keys, values)`` when it was carried exactly at ``context``, else None (dropped)."""
-        entry = self._kept.pop(request.sample_id, None)
-        return entry if entry is not None and entry[0] == context else None
-
-    def _carries(self, reqs: list[Request], limits: list[int], sampling: SamplingParams) -> list[bool]:
-        """Per request: whether its cache is kept if it ends at its limit (``carried_cache="keep"``
-        and a budget that ends before its ``max_new_tokens``: it is carried, not finished)."""
-        return [self.carried_cache == "keep" and limit < sampling.max_new_tokens - len(r.completion_ids)
-                for limit, r in zip(limits, reqs)]
-
-    def _admit(self, state, reqs: list[Request], contexts: list[tuple[int, ...]], indices: list[int]):
-        """Append the requests ``indices`` to the fused decode ``state``; return ``(order, logits)``:
-        the request index of each appended row, in row order, and each row's next-token logits.
-        Fresh contexts are prefilled; a carried sample with a kept cache (``carried_cache="keep"``)
-        is loaded from it and only its last token is run, with the current weights."""
-        fused = self._fused
-        kept, fresh = [], []
-        for i in indices:
-            entry = self._take_kept(reqs[i], contexts[i])
-            (kept if entry is not None else fresh).append((i, entry))
-        order, parts = [], []
-        if fresh:
-            logits, cache, _ = self._prefill([contexts[i] for i, _ in fresh])
-            state.append(keys=[layer.keys for layer in cache.layers], values=[layer.values for layer in cache.layers],
-                         lengths=[len(contexts[i]) for i, _ in fresh], left_padded=True)
-            order += [i for i, _ in fresh]
-            parts.append(logits)
-        if kept:
-            self.kept_cache_rows += len(kept)
-            # The kept cache holds every position but the last token's (sampled, never fed): a state
-            # of their own runs that token, then their rows join the batch.
-            entries = [entry for _, entry in kept]
-            lengths = [len(e[0]) - 1 for e in entries]
-            own = fused.new_state(capacity=len(kept), like=entries[0][1][0])
-            for entry, length in zip(entries, lengths):
-                own.append(keys=[k.unsqueeze(0) for k in entry[1]], values=[v.unsqueeze(0) for v in entry[2]],
-                           lengths=[length], left_padded=False)
-            last = torch.tensor([e[0][-1] for e in entries], dtype=torch.long, device=own.mask.device)
-            # Fresh logits: the batch's own (the decoder's reused buffer) are not sampled yet.
-            parts.append(fused.step(own, last, fresh_logits=True))
-            state.append(keys=own.keys, values=own.values, lengths=own.lengths, left_padded=False)
-            order += [i for i, _ in kept]
-        return order, torch.cat(parts) if len(parts) > 1 else parts[0]
-
-    def _decode_fused(self, reqs: list[Request], *, contexts: list[tuple[int, ...]], limits: list[int],
-                      sampling: SamplingParams, uniforms: torch.Tensor | None):
-        """The decode loop over ``FusedDecoder`` steps, with continuous batching (``max_num_seqs``)
-        and kept carried caches (``carried_cache="keep"``): see ``__init__``."""
-        device = self.model.get_input_embeddings().weight.device
-        batch = len(reqs)
-        capacity = min(batch, self.max_num_seqs or batch)
-        state = self._fused.new_state(capacity=capacity, like=self.model.get_input_embeddings().weight,
-                                      positions=max(len(c) + n for c, n in zip(contexts, limits)))
-        carries = self._carries(reqs, limits, sampling)
-        pending = list(range(batch))
-        order, logits = self._admit(state, reqs, contexts, pending[:capacity])
-        pending = pending[capacity:]
-        active = torch.tensor(order, dtype=torch.long, device=device)  # request index of each live row
-        max_steps = max(limits)
-        out_ids = torch.zeros((batch, max_steps), dtype=torch.long, device=device)
-        out_lps = torch.zeros((batch, max_steps), dtype=torch.float32, device=device)
-        n_new = torch.zeros(batch, dtype=torch.long, device=device)
-        stopped = torch.zeros(batch, dtype=torch.bool, device=device)
-        limit = torch.tensor(limits, dtype=torch.long, device=device)
-        eos = torch.tensor(stop_ids(self.eos_token_ids, sampling), dtype=torch.long, device=device)
-        while True:
-            column = n_new[active]
-            tokens, lps = self._sample(logits, sampling=sampling,
-                                       uniforms=None if uniforms is None else uniforms[active, column])
-            out_ids[active, column] = tokens
-            out_lps[active, column] = lps
-            n_new[active] = column + 1
-            hit_eos = torch.isin(tokens, eos)
-            done = hit_eos | (limit[active] <= column + 1)
-            if bool(done.any()):
-                stopped[active[done]] = hit_eos[done]
-                for row in (done & ~hit_eos).nonzero().squeeze(1).tolist():
-                    i = int(active[row])
-                    if carries[i]:  # its cache lacks the last sampled token, fed on resume
-                        keys, values = state.row_cache(row)
-                        self._kept[reqs[i].sample_id] = (contexts[i] + tuple(out_ids[i, : limits[i]].tolist()),
-                                                         keys, values)
-                keep = (~done).nonzero().squeeze(1)
-                active, tokens = active[keep], tokens[keep]
-                state.keep(keep)
-            if state.num_rows:
-                logits = self._fused.step(state, tokens)
-            if pending and state.num_rows < capacity:
-                admitted, pending = pending[: capacity - state.num_rows], pending[capacity - state.num_rows :]
-                had_rows = state.num_rows
-                order, new_logits = self._admit(state, reqs, contexts, admitted)
-                active = torch.cat([active, torch.tensor(order, dtype=torch.long, device=device)])
-                logits = torch.cat([logits, new_logits]) if had_rows else new_logits
-            if not state.num_rows:
-                break
-        # One host transfer for the whole batch, then plain slicing.
-        ids_rows, lps_rows, counts = out_ids.tolist(), out_lps.tolist(), n_new.tolist()
-        return ([row[:n] for row, n in zip(ids_rows, counts)], [row[:n] for row, n in zip(lps_rows, counts)],
-                stopped.tolist())
-
-    def _decode_hf(self, contexts: list[tuple[int, ...]], *, limits: list[int], sampling: SamplingParams,
-                   uniforms: torch.Tensor | None):
-        """The decode loop over the HF modules (architectures and layouts the fused step does not
-        cover): one batch, finished rows dropped from it and from the ``DynamicCache``."""
-        device = self.model.get_input_embeddings().weight.device
-        batch = len(contexts)
-        logits, cache, mask = self._prefill(contexts)
-        next_pos = torch.tensor([len(c) for c in contexts], dtype=torch.long, device=device)
-        max_steps = max(limits)
-        out_ids = torch.zeros((batch, max_steps), dtype=torch.long, device=device)
-        out_lps = torch.zeros((batch, max_steps), dtype=torch.float32, device=device)
-        n_new = torch.zeros(batch, dtype=torch.long, device=device)
-        stopped = torch.zeros(batch, dtype=torch.bool, device=device)
-        limit = torch.tensor(limits, dtype=torch.long, device=device)
-        eos = torch.tensor(stop_ids(self.eos_token_ids, sampling), dtype=torch.long, device=device)
-        active = torch.arange(batch, device=device)  # original row of each live batch row
-        for step in range(max_steps):
-            tokens, lps = self._sample(logits, sampling=sampling,
-                                       uniforms=None if uniforms is None else uniforms[active, step])
-            out_ids[active, step] = tokens
-            out_lps[active, step] = lps
-            hit_eos = torch.isin(tokens, eos)
-            done = hit_eos | (limit[active] <= step + 1)
-            if bool(done.any()):
-                n_new[active[done]] = step + 1
-                stopped[active[done]] = hit_eos[done]
-                keep = (~done).nonzero().squeeze(1)
-                if keep.numel() == 0:
-                    break
-                # Shrink the batch so finished rows cost nothing in later steps.
-                active, tokens, mask, next_pos = active[keep], tokens[keep], mask[keep], next_pos[keep]
-                cache.batch_select_indices(keep)
-            mask = torch.cat([mask, mask.new_ones((mask.shape[0], 1))], dim=1)
-            logits = self._forward(
-                tokens.unsqueeze(1), attention_mask=mask, position_ids=next_pos.unsqueeze(1), cache=cache
-            )
-            next_pos = next_pos + 1
-
-        # One host transfer for the whole batch, then plain slicing.
-        ids_rows, lps_rows, counts = out_ids.tolist(), out_lps.tolist(), n_new.tolist()
-        new_ids = [row[:n] for row, n in zip(ids_rows, counts)]
-        new_lps = [row[:n] for row, n in zip(lps_rows, counts)]
-        return new_ids, new_lps, stopped.tolist()
 
 
 @register_engine("torch")

@@ -6,7 +6,7 @@ import pytest
 import torch
 from tiny_model import build_tiny_llama, tiny_llama_config
 
-from llamarl.engines import static_loop
+from llamarl.engines import decode_loop
 from llamarl.engines.base import Request, SamplingParams
 from llamarl.engines.torch_engine import TorchEngine
 
@@ -76,12 +76,12 @@ def test_a_second_call_after_an_in_place_update_captures_nothing_and_reads_the_n
 
 def test_steps_between_eos_checks_do_not_synchronise(monkeypatch):
     """The steady state of the static loop (graph replays, sampling, the device-side bookkeeping of
-    ``static_loop.decode_static``) under ``torch.cuda.set_sync_debug_mode("error")``: any host
+    ``decode_loop.decode``) under ``torch.cuda.set_sync_debug_mode("error")``: any host
     synchronisation there raises. The mode is on only between the loop's host checks (its
     ``_check``, which reads the finished rows and admits, prefills, compacts: synchronising is its
     job), in a second call, whose graphs the first call captured."""
-    if not hasattr(static_loop, "_check"):
-        pytest.skip("static_loop._check (the loop's host check, wrapped here) is gone: update this test")
+    if not hasattr(decode_loop, "_check"):
+        pytest.skip("decode_loop._check (the loop's host check, wrapped here) is gone: update this test")
     model = build_tiny_llama(seed=0).to(device=DEVICE, dtype=torch.bfloat16)
     engine = TorchEngine(model, eos_token_ids=[], pad_token_id=0, eos_check_every=8)
     sampling = SamplingParams(temperature=1.0, max_new_tokens=33)  # 4 checks with 8 steps after each
@@ -100,7 +100,7 @@ def test_steps_between_eos_checks_do_not_synchronise(monkeypatch):
     finally:
         torch.cuda.set_sync_debug_mode(0)
 
-    checks, original = [], static_loop._check
+    checks, original = [], decode_loop._check
 
     def check(**kw):
         torch.cuda.set_sync_debug_mode(0)
@@ -110,7 +110,7 @@ def test_steps_between_eos_checks_do_not_synchronise(monkeypatch):
             torch.cuda.set_sync_debug_mode("error")
         return rows
 
-    monkeypatch.setattr(static_loop, "_check", check)
+    monkeypatch.setattr(decode_loop, "_check", check)
     steps = decoder.num_steps
     try:
         out = call()

@@ -233,7 +233,7 @@ class FusedDecoder:
         ``state``; each token sits at its row's next position, where its keys and values are written.
         Through the C kernels (bf16 on CPU) the logits may be a buffer the next step overwrites
         (``_LOGITS_KEPT``): read them before stepping again, or pass ``fresh_logits`` for a step
-        whose logits must outlive another's (``TorchEngine._admit``'s step of kept caches, taken
+        whose logits must outlive another's (a step of kept caches taken
         while the batch's own logits wait to be sampled) or must not overwrite them."""
         if self.width_free(tokens.shape[0]):
             return self._step_native(state, tokens, fresh_logits=fresh_logits)
