@@ -134,14 +134,21 @@ def _time_engine(engine, prompts, *, new_tokens: int, seed: int, device: str = "
     return (*elapsed, _expect_tokens(produced, rows=len(prompts), new_tokens=new_tokens, label="TorchEngine"))
 
 
-def _time_hf(model, tok, prompts, *, new_tokens: int, seed: int) -> tuple[float, float, int]:
-    """(wall s, CPU s, tokens produced) of one HF ``model.generate`` over ``prompts``."""
+def left_padded(tok, prompts: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
+    """``prompts`` as HF ``generate`` takes a batch: ids left-padded with ``tok``'s pad id and their
+    attention mask, ``[rows, longest]`` on the host."""
     width = max(len(p) for p in prompts)
     ids = torch.full((len(prompts), width), tok.pad_token_id, dtype=torch.long)
     mask = torch.zeros_like(ids)
     for row, p in enumerate(prompts):
         ids[row, width - len(p) :] = torch.tensor(p)
         mask[row, width - len(p) :] = 1
+    return ids, mask
+
+
+def _time_hf(model, tok, prompts, *, new_tokens: int, seed: int) -> tuple[float, float, int]:
+    """(wall s, CPU s, tokens produced) of one HF ``model.generate`` over ``prompts``."""
+    ids, mask = left_padded(tok, prompts)
     torch.manual_seed(seed)
     start, cpu = time.perf_counter(), time.process_time()
     with torch.no_grad():
@@ -158,7 +165,7 @@ def _time_hf(model, tok, prompts, *, new_tokens: int, seed: int) -> tuple[float,
         )
     elapsed = (time.perf_counter() - start, time.process_time() - cpu)
     # HF returns prompt + generated columns; min_new_tokens == max_new_tokens leaves no early stop.
-    produced = out[:, width:].numel() if out.shape[0] == len(prompts) else 0
+    produced = out[:, ids.shape[1]:].numel() if out.shape[0] == len(prompts) else 0
     return (*elapsed, _expect_tokens(produced, rows=len(prompts), new_tokens=new_tokens, label="HF generate"))
 
 

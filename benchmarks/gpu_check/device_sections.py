@@ -59,12 +59,7 @@ def hf_generate_step_ms(model, tok, prompts: list[list[int]], *, new_tokens: int
     import generation
     import torch
 
-    width = max(len(p) for p in prompts)
-    ids = torch.full((len(prompts), width), tok.pad_token_id, dtype=torch.long)
-    mask = torch.zeros_like(ids)
-    for row, p in enumerate(prompts):
-        ids[row, width - len(p):] = torch.tensor(p)
-        mask[row, width - len(p):] = 1
+    ids, mask = generation.left_padded(tok, prompts)
     ids, mask = ids.to(device), mask.to(device)
 
     def once(n: int, seed: int) -> float:
@@ -76,7 +71,7 @@ def hf_generate_step_ms(model, tok, prompts: list[list[int]], *, new_tokens: int
                                  max_new_tokens=n, min_new_tokens=n, pad_token_id=tok.pad_token_id)
         synchronize(device)
         seconds = time.perf_counter() - start
-        generation._expect_tokens(out[:, width:].numel(), rows=len(prompts), new_tokens=n, label="HF generate")
+        generation._expect_tokens(out[:, ids.shape[1]:].numel(), rows=len(prompts), new_tokens=n, label="HF generate")
         return seconds
 
     once(2, 0)  # warm-up

@@ -75,3 +75,15 @@ class Decoder(Protocol):
     def step(self, state: SlotState, rows: int) -> torch.Tensor:
         """Run the first ``rows`` slots one step; their next-token logits ``[rows, vocab]``, valid
         until the next step."""
+
+
+def compact_to_front(state: SlotState, sources: list[int], targets: list[int], *, name: str) -> torch.Tensor:
+    """The ``move`` of a state whose rows are exactly the live ones (not bucketed): ``targets`` must
+    be ``0 .. len(sources) - 1``; the fed tokens and positions of ``sources`` move there. Returns
+    ``sources`` as an int64 tensor on the state's device, for the state to keep its cache rows."""
+    if targets != list(range(len(sources))):
+        raise ValueError(f"{name} compacts rows to the front, got targets {targets}")
+    rows = torch.tensor(sources, dtype=torch.long, device=state.tokens.device)
+    dst = rows.new_tensor(targets)
+    state.tokens[dst], state.positions[dst] = state.tokens[rows].clone(), state.positions[rows].clone()
+    return rows

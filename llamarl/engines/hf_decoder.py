@@ -17,6 +17,8 @@ from typing import Any
 
 import torch
 
+from llamarl.engines.decoder import compact_to_front
+
 
 class HFSlotState:
     """The slots of one batch: ``cache`` (a ``DynamicCache`` of the live rows, in slot order) and
@@ -49,11 +51,7 @@ class HFSlotState:
 
     def move(self, sources: list[int], targets: list[int], *, num_columns: int) -> None:
         """Keep the rows ``sources`` as slots ``0 .. len(sources) - 1`` (the others leave the batch)."""
-        if targets != list(range(len(sources))):
-            raise ValueError(f"HF's modules compact rows to the front, got targets {targets}")
-        rows = torch.tensor(sources, dtype=torch.long, device=self.tokens.device)
-        dst = rows.new_tensor(targets)
-        self.tokens[dst], self.positions[dst] = self.tokens[rows].clone(), self.positions[rows].clone()
+        rows = compact_to_front(self, sources, targets, name="HF's modules")
         if sources:
             self.cache.batch_select_indices(rows)
             self.mask = self.mask[rows]

@@ -15,6 +15,7 @@ from __future__ import annotations
 import torch
 
 from llamarl.engines.cpu.fused_decode import DecodeState, FusedDecoder
+from llamarl.engines.decoder import compact_to_front
 
 
 class FusedSlotState:
@@ -50,12 +51,7 @@ class FusedSlotState:
 
     def move(self, sources: list[int], targets: list[int], *, num_columns: int) -> None:
         """Keep the rows ``sources`` as slots ``0 .. len(sources) - 1`` (the others leave)."""
-        if targets != list(range(len(sources))):
-            raise ValueError(f"the fused step compacts rows to the front, got targets {targets}")
-        rows = torch.tensor(sources, dtype=torch.long, device=self.tokens.device)
-        dst = rows.new_tensor(targets)
-        self.tokens[dst], self.positions[dst] = self.tokens[rows].clone(), self.positions[rows].clone()
-        self.inner.keep(rows)
+        self.inner.keep(compact_to_front(self, sources, targets, name="the fused step"))
 
     def row_cache(self, slot: int, length: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
         if length != self.inner.lengths[slot]:
