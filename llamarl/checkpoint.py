@@ -12,9 +12,9 @@ A checkpoint of step n (the state after n ticks) is written by every executor in
 - generator: ``state_rank<k>.json`` (data position, weight version, carried-over samples,
   unfinished groups) and ``rng_rank<k>.safetensors``;
 - every executor: ``outputs_rank<k>.safetensors`` (batches produced but not yet sent);
-- the runner (``llamarl/runner.py``), beside the marker: ``runner_state.json`` (the evaluations made
-  so far, the run's elapsed wall seconds, the steps it was resumed from), so that the summary of a
-  resumed run describes the whole run.
+- the runner (``llamarl/run_checkpoints.py``), beside the marker: ``runner_state.json`` (the
+  evaluations made so far, the run's elapsed wall seconds, the steps it was resumed from), so that
+  the summary of a resumed run describes the whole run.
 
 Resuming at step n makes the run directory describe one timeline again: ``archive_after`` moves
 whatever an abandoned run left there of the ticks after n (newer checkpoints, exports, evaluation
@@ -26,6 +26,7 @@ from __future__ import annotations
 import json
 import shutil
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -35,6 +36,30 @@ from safetensors.torch import load_file, save_file
 COMPLETE_MARKER = "COMPLETE.json"
 RUNNER_STATE = "runner_state.json"
 ARCHIVE_PREFIX = "abandoned-"
+
+
+@dataclass(frozen=True)
+class ResumePoint:
+    """Where this segment of a run starts: the checkpoint it resumes from (None: a fresh run at step
+    0), that checkpoint's step, the runner's state saved in it (``RUNNER_STATE``; empty when the
+    checkpoint has none, or for a fresh run) and, when the run had already finished there, its
+    summary (then nothing is run)."""
+
+    directory: Path | None = None
+    step: int = 0
+    restored: dict = field(default_factory=dict)
+    finished: dict | None = None
+
+    def __post_init__(self) -> None:
+        if self.step < 0:
+            raise ValueError(f"a resume point's step must be >= 0, got {self.step}")
+        if self.directory is None and (self.step or self.restored or self.finished is not None):
+            raise ValueError("a fresh run (no checkpoint) starts at step 0 with no restored state")
+
+    @property
+    def resumed_at(self) -> int | None:
+        """The step resumed from, or None for a fresh run."""
+        return self.step if self.directory is not None else None
 
 
 def step_dir(checkpoint_dir: Path, step: int) -> Path:
@@ -108,6 +133,40 @@ def resolve_resume(resume: str, checkpoint_dir: Path) -> tuple[Path, int]:
         raise ValueError(f"--checkpoint.resume {resume}: not a complete checkpoint (no {COMPLETE_MARKER}; "
                          "the run died while saving it)")
     return path, int(name[5:])
+
+
+def resume_point(resume: str | None, run_dir: Path, *, max_steps: int) -> ResumePoint:
+    """Where a run of ``run_dir`` starts with ``--checkpoint.resume`` ``resume`` (None: a fresh
+    run): the checkpoint (``resolve_resume`` under ``run_dir/checkpoints``), the runner's state saved
+    in it, and the summary of a run that already finished there (``finished_summary``; then no
+    state is read: nothing is run). Reads files only; moves nothing (``archive_after`` does)."""
+    if not resume:
+        return ResumePoint()
+    directory, step = resolve_resume(resume, run_dir / "checkpoints")
+    finished = finished_summary(run_dir, directory, step, max_steps)
+    if finished is not None:
+        return ResumePoint(directory, step, finished=finished)
+    return ResumePoint(directory, step, restored=read_runner_state(directory) or {})
+
+
+def finished_summary(run_dir: Path, resume_dir: Path, step: int, max_steps: int) -> dict | None:
+    """The summary of a run that already finished, when resuming it would only redo its end; else None.
+
+    Finished: ``resume_dir`` is this run directory's newest complete checkpoint (so nothing would
+    be abandoned) and ``summary.json`` there reports ``max_steps`` steps. The summary is written
+    after the final evaluation and export, and a resume moves it aside first, so one that is there
+    belongs to this directory's timeline, which ended. A higher ``--run.max-steps`` or an older
+    checkpoint is not finished: the run trains on."""
+    path = run_dir / "summary.json"
+    checkpoints = run_dir / "checkpoints"
+    own = resume_dir.resolve().parent == checkpoints.resolve()
+    if not own or not path.is_file() or complete_steps(checkpoints)[-1:] != [step]:
+        return None
+    try:
+        summary = json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError):
+        return None
+    return summary if summary.get("num_steps") == max_steps else None
 
 
 def _step_of(name: str, prefix: str, suffixes: tuple[str, ...] = ("",)) -> int | None:

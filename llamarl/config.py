@@ -7,7 +7,7 @@ Every field has a docstring (tyro shows it in ``--help``); every config validate
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Literal, Protocol
 
 from llamarl.algorithms.registry import ADVANTAGES, POLICY_LOSSES
 from llamarl.engines.base import EngineConfig, engine_config_class, engine_names
@@ -396,6 +396,16 @@ class EnvConfig:
         _check(self.max_turns >= 1, f"--env.max-turns must be >= 1, got {self.max_turns}")
         _check(self.tool_timeout_s > 0, f"--env.tool-timeout-s must be > 0, got {self.tool_timeout_s}")
         _check(self.num_tool_workers >= 0, f"--env.num-tool-workers must be >= 0, got {self.num_tool_workers}")
+
+
+class RunSections(Protocol):
+    """What the runner (``llamarl.runner.run_pipeline``) reads of a recipe's config: a dataclass
+    (written whole to ``config.json``) with these three sections. ``RLConfig`` and every recipe's
+    config have them; a pipeline of one's own may bring a smaller dataclass."""
+
+    run: RunConfig
+    checkpoint: CheckpointConfig
+    export: ExportConfig
 
 
 @dataclass

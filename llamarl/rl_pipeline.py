@@ -36,6 +36,7 @@ from llamarl.executors.generator import GeneratorExecutor, PromptFn, Task
 from llamarl.executors.reward import RewardExecutor
 from llamarl.executors.trainer import TrainerExecutor
 from llamarl.pipeline import ChannelSpec, Pipeline, Stage
+from llamarl.rewards.trajectory import TrajectoryScore, resolve_trajectory_scorer
 from llamarl.run_plan import plan_run
 from llamarl.runner import run_pipeline
 
@@ -138,17 +139,7 @@ def place(pipeline: Pipeline, config: RLConfig) -> Pipeline:
 
 def rl_pipeline(config: RLConfig, *, task: Task, scorer: str | None, prompt_fn: PromptFn) -> Pipeline:
     """The generator -> reward -> trainer pipeline of ``config.run.schedule`` (module docstring)."""
-    config = schedule_config(config)
-    summary = {"schedule": config.run.schedule, "loss": config.algo.loss}
-    sync = config.run.schedule in ("sync", "colocated")
-    return place(Pipeline(
-        stages=data_order([generator_stage(config, task=task, prompt_fn=prompt_fn), reward_stage(config, scorer=scorer),
-                           trainer_stage(config)], config),
-        channels=[ChannelSpec("rollouts", "generator", "reward", "scatter", same_tick=sync or config.run.async_lag == 1),
-                  ChannelSpec("scored", "reward", "trainer", "scatter", same_tick=sync),
-                  ChannelSpec("weights", "trainer", "generator", "weights", weights_mode=config.weights.mode,
-                              weights_bucket_mb=config.weights.bucket_mb)],
-        evaluator="generator", title=schedule_title(config), summary=summary), config)
+    return _standard_pipeline(config, task=task, scorer=scorer, prompt_fn=prompt_fn)
 
 
 def stage_before_trainer(config: RLConfig, stage: Stage, *, task: Task, scorer: str, prompt_fn: PromptFn,
@@ -160,19 +151,33 @@ def stage_before_trainer(config: RLConfig, stage: Stage, *, task: Task, scorer: 
     Delivery as in ``rl_pipeline``, plus: the reward -> stage hop is always same-tick, so the stage
     adds no lag; stage -> trainer is same-tick under sync and colocated. ``title`` is appended to the
     schedule's on the timeline; ``summary`` adds entries to ``summary.json``."""
+    return _standard_pipeline(config, task=task, scorer=scorer, prompt_fn=prompt_fn,
+                              between=stage, reward_output=reward_output, output=output, title=title,
+                              summary=summary)
+
+
+def _standard_pipeline(config: RLConfig, *, task: Task, scorer: str | None, prompt_fn: PromptFn,
+                       between: Stage | None = None, reward_output: str = "scored", output: str = "scored",
+                       title: str | None = None, summary: dict | None = None) -> Pipeline:
+    """generator -> reward -> [``between``] -> trainer, weights trainer -> generator, the generator
+    evaluating: ``rl_pipeline``, or with a stage ``between`` that of ``stage_before_trainer``."""
     config = schedule_config(config)
     sync = config.run.schedule in ("sync", "colocated")
-    return place(Pipeline(
-        stages=[generator_stage(config, task=task, prompt_fn=prompt_fn),
-                reward_stage(config, scorer=scorer, output=reward_output), stage,
-                trainer_stage(config, input_name=output)],
-        channels=[ChannelSpec("rollouts", "generator", "reward", "scatter", same_tick=sync or config.run.async_lag == 1),
-                  ChannelSpec(reward_output, "reward", stage.name, "scatter", same_tick=True),
-                  ChannelSpec(output, stage.name, "trainer", "scatter", same_tick=sync),
-                  ChannelSpec("weights", "trainer", "generator", "weights", weights_mode=config.weights.mode,
-                              weights_bucket_mb=config.weights.bucket_mb)],
-        evaluator="generator", title=f"{schedule_title(config)}, {title}",
-        summary={"schedule": config.run.schedule, "loss": config.algo.loss, **summary}), config)
+    generator, trainer = generator_stage(config, task=task, prompt_fn=prompt_fn), trainer_stage(config, input_name=output)
+    reward = reward_stage(config, scorer=scorer, output=reward_output)
+    channels = [ChannelSpec("rollouts", "generator", "reward", "scatter", same_tick=sync or config.run.async_lag == 1)]
+    if between is None:
+        stages = data_order([generator, reward, trainer], config)
+    else:
+        stages = [generator, reward, between, trainer]
+        channels.append(ChannelSpec(reward_output, "reward", between.name, "scatter", same_tick=True))
+    channels += [ChannelSpec(output, (between or reward).name, "trainer", "scatter", same_tick=sync),
+                 ChannelSpec("weights", "trainer", "generator", "weights", weights_mode=config.weights.mode,
+                             weights_bucket_mb=config.weights.bucket_mb)]
+    return place(Pipeline(stages=stages, channels=channels, evaluator="generator",
+                          title=schedule_title(config) if title is None else f"{schedule_title(config)}, {title}",
+                          summary={"schedule": config.run.schedule, "loss": config.algo.loss, **(summary or {})}),
+                 config)
 
 
 def run_rl(config: RLConfig, *, recipe: str, task: Task, heldout: list[Problem],
@@ -186,4 +191,11 @@ def run_rl(config: RLConfig, *, recipe: str, task: Task, heldout: list[Problem],
     if (scorer is None or score is None) and config.reward.trajectory_scorer is None:
         raise ValueError(f"recipe {recipe} has no text scorer: set --reward.trajectory-scorer")
     return run_pipeline(rl_pipeline(config, task=task, scorer=scorer, prompt_fn=prompt_fn), config,
-                        recipe=recipe, heldout=heldout, score=score)
+                        recipe=recipe, heldout=heldout, score=evaluation_score(config, score))
+
+
+def evaluation_score(config: RLConfig, score: Callable[[str, str], float] | None) -> Callable[[str, str], float] | None:
+    """What the evaluations score with: the recipe's text scorer ``score``, or the trajectory scorer
+    ``--reward.trajectory-scorer``, which replaces it in evaluations as in training."""
+    name = config.reward.trajectory_scorer
+    return score if name is None else TrajectoryScore(resolve_trajectory_scorer(name))

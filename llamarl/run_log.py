@@ -1,4 +1,5 @@
-"""What a run records each tick (part of ``llamarl/runner.py``): spans, metrics, the progress line.
+"""What a run records each tick (part of ``llamarl/runner.py``): spans, metrics, the progress line,
+and at its end the peak device memory of every rank.
 
 Per tick and per executor on this rank: its busy and channel spans (the Chrome trace and
 ``timeline.png``), its metrics reduced over its ranks as ``metric_specs`` declares (collective over
@@ -12,6 +13,9 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+
+import torch
+import torch.distributed as dist
 
 from llamarl.metrics import MetricsLogger, reduce_metrics
 from llamarl.progress import Progress
@@ -29,6 +33,11 @@ class RunLog:
         self.spans: list[dict] = []
         self.loggers: dict[str, MetricsLogger] = {}
         self._sections: dict[str, dict[str, dict[str, float]]] = {}
+
+    def tick(self, step: int, ticked: dict) -> None:
+        """The controller's ``on_tick``: ``reduce`` then ``write`` (collective, as ``reduce``)."""
+        self.reduce(step, ticked)
+        self.write(step, ticked)
 
     def reduce(self, step: int, ticked: dict) -> None:
         """Spans and reduced metrics of tick ``step`` (``ticked``: name -> (executor, TickRecord)),
@@ -75,3 +84,15 @@ class RunLog:
         (self.run_dir / "timeline" / f"rank{rank}.json").write_text(json.dumps(self.spans + extra_spans))
         for metrics_logger in self.loggers.values():
             metrics_logger.close()
+
+    def peak_memory_gib(self) -> float | None:
+        """The largest ``torch.cuda.max_memory_allocated`` of any rank, in GiB (a WORLD all-reduce on
+        every rank; a CPU rank of a mixed world adds 0); None in a world without GPUs, where no
+        allocator statistics exist (then no rank takes part)."""
+        ctx = next(iter(self.contexts.values()))
+        if ctx.device.type != "cuda" and "cuda" not in ctx.device_kinds.values():
+            return None
+        used = torch.cuda.max_memory_allocated(ctx.device) / 2**30 if ctx.device.type == "cuda" else 0.0
+        peak = torch.tensor([used], device=ctx.world_device)
+        dist.all_reduce(peak, op=dist.ReduceOp.MAX)
+        return round(peak.item(), 3)

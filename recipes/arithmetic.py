@@ -20,7 +20,7 @@ from llamarl.data.prompts import ARITHMETIC_INSTRUCTION, build_chat_prompt
 from llamarl.errors import config_errors, parse_flags
 from llamarl.pipeline import Pipeline
 from llamarl.rewards.arithmetic import score
-from llamarl.rl_pipeline import run_rl
+from llamarl.rl_pipeline import evaluation_score, run_rl
 from llamarl.runner import run_pipeline
 
 
@@ -65,7 +65,7 @@ def run_variant(config: ArithmeticConfig, *, recipe: str, build_pipeline: Callab
     if edit is not None:
         edit(pipeline)
     return run_pipeline(pipeline, config, recipe=recipe, heldout=task.heldout(config.run.num_eval_problems),
-                        score=score)
+                        score=evaluation_score(config, score))
 
 
 def main(config: ArithmeticConfig) -> None:

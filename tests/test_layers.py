@@ -50,7 +50,8 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("channels", ("llamarl.channels",)),
     ("executors", ("llamarl.executors",)),
     ("controller and pipeline", ("llamarl.controller", "llamarl.pipeline")),
-    ("runner", ("llamarl.runner", "llamarl.run_log", "llamarl.rl_pipeline")),
+    ("runner", ("llamarl.runner", "llamarl.run_directory", "llamarl.run_log", "llamarl.run_checkpoints",
+                "llamarl.run_summary", "llamarl.rl_pipeline")),
     ("recipes", ("recipes",)),
 )
 

@@ -1,6 +1,6 @@
-"""What a resume does to its run directory and summary (llamarl/runner.py): resuming from an older
-checkpoint archives the abandoned run's later state; the summary describes the whole run; resuming a
-finished run does nothing.
+"""What a resume does to its run directory and summary (llamarl/run_directory.py,
+llamarl/run_checkpoints.py): resuming from an older checkpoint archives the abandoned run's later
+state; the summary describes the whole run; resuming a finished run does nothing.
 
 One-process colocated runs of the tiny untied model (fast, and deterministic: a resumed run's
 evaluations equal an uninterrupted run's). One 3-tick run checkpointing and evaluating after every
@@ -133,7 +133,7 @@ def test_only_the_newest_checkpoint_of_an_ended_run_with_its_step_count_is_finis
     """Without a checkpoint at the last step (every 3 of 10 ticks), ``latest`` of an ended run is
     finished too; an older checkpoint, another run's, or more steps than the summary's train on."""
     from llamarl.checkpoint import commit_step, partial_dir
-    from llamarl.runner import _finished_summary
+    from llamarl.checkpoint import finished_summary as _finished_summary
 
     run_dir = tmp_path / "run"
     for step in (6, 9):

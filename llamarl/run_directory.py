@@ -1,0 +1,101 @@
+"""A run's directory and where the run resumes in it (part of ``llamarl/runner.py``).
+
+Every rank of the job uses one run directory: ``--run.output-dir``, or
+``runs/<recipe>-<time>`` with global rank 0's time broadcast to every rank, checked at start to be
+the same filesystem on every node (``llamarl/shared_dir.py``). It holds ``config.json`` (written
+by global rank 0), ``checkpoints/``, ``metrics/``, ``timeline/``, the evaluation samples, the exports
+under ``hf/`` and ``summary.json``.
+
+Resuming (``--checkpoint.resume``) at step n continues one run, not a second one beside it:
+
+- what the run directory holds of the ticks after n (newer checkpoints of an abandoned run,
+  their exports, evaluation samples, metric records, its summary) is first moved into
+  ``<run>/abandoned-<time>/`` by global rank 0 (the rank that commits checkpoints), between two
+  WORLD barriers, so no rank reads the directory while it changes; one line names what moved
+  (``llamarl.checkpoint.archive_after``). Archived rather than refused: a resume from an older
+  checkpoint is deliberate, and nothing of the abandoned run is lost;
+- the runner's state saved in the checkpoint (``runner_state.json``) is restored: the summary of
+  the resumed run describes the whole run (``llamarl/eval_history.py``);
+- resuming a finished run from its newest checkpoint (``--checkpoint.resume latest`` after the run
+  ended) with the same ``--run.max-steps`` N, which its ``summary.json`` reports, ends at once with
+  ``run already finished at step N (<run>/summary.json); nothing to do`` and returns that summary:
+  the final evaluation and export are not made again and the summary is not rewritten. A higher
+  ``--run.max-steps`` trains on from there.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from llamarl.checkpoint import RUNNER_STATE, ResumePoint, archive_after, resume_point
+from llamarl.config import CheckpointConfig, RunConfig
+from llamarl.shared_dir import check_shared_run_dir
+from llamarl.world import ExecutorContext, world_barrier
+
+logger = logging.getLogger("llamarl.runner")
+
+
+@dataclass(frozen=True)
+class RunDirectory:
+    """This run's directory, the same on every rank (module docstring)."""
+
+    path: Path
+    """The one directory every rank sees (``open`` makes sure of it)."""
+
+    @classmethod
+    def open(cls, run: RunConfig, *, recipe: str, ctx: ExecutorContext) -> RunDirectory:
+        """Create the run directory of ``run.output_dir`` (default ``runs/<recipe>-<time>``, global
+        rank 0's time) and check that every rank sees the same one. Collective over WORLD."""
+        if run.output_dir:
+            path = Path(run.output_dir)
+        else:  # rank 0's timestamp, broadcast as a tensor (nothing is unpickled)
+            stamp = torch.tensor([int(time.time())], dtype=torch.int64, device=ctx.world_device)
+            dist.broadcast(stamp, src=0)
+            path = Path("runs") / f"{recipe}-{time.strftime('%Y%m%d-%H%M%S', time.localtime(int(stamp.item())))}"
+        path.mkdir(parents=True, exist_ok=True)
+        check_shared_run_dir(path, device=ctx.world_device)  # every node must see the same directory
+        return cls(path)
+
+    def resume(self, checkpoint: CheckpointConfig, *, max_steps: int, ctx: ExecutorContext) -> ResumePoint:
+        """Where this segment of the run starts (``--checkpoint.resume``; ``llamarl.checkpoint.resume_point``),
+        the run directory made one timeline for it.
+
+        Collective (WORLD barriers) when resuming a run that is not finished: every rank resolves
+        the checkpoint before global rank 0 moves what an abandoned later timeline left into
+        ``<run>/abandoned-<time>/``, and no rank reads the run directory before it is one timeline
+        again. A finished run moves nothing."""
+        point = resume_point(checkpoint.resume, self.path, max_steps=max_steps)
+        if point.finished is not None and ctx.rank == 0:
+            logger.info("run already finished at step %d (%s); nothing to do", max_steps, self.path / "summary.json")
+        if point.directory is None or point.finished is not None:
+            return point
+        world_barrier(ctx)
+        if ctx.rank == 0:
+            archived = archive_after(self.path, point.step)
+            if archived is not None:
+                logger.info("resuming at step %d: moved what an abandoned run left after it (%s) to %s",
+                            point.step, ", ".join(archived[1]), archived[0])
+        world_barrier(ctx)
+        return point
+
+    def record(self, config, *, resume: ResumePoint, ctx: ExecutorContext) -> None:
+        """On global rank 0: ``config.json`` (``config``, a dataclass) and the run's first lines (the
+        directory, the stages' ranks, the checkpoint resumed from)."""
+        self.path.mkdir(parents=True, exist_ok=True)
+        if ctx.rank != 0:
+            return
+        (self.path / "config.json").write_text(json.dumps(asdict(config), indent=2))
+        logger.info("run directory %s; stages %s", self.path,
+                    ", ".join(f"{name} ranks {ranks}" for name, ranks in ctx.ranks.items()))
+        if resume.directory is not None:
+            logger.info("resuming from %s (tick %d)", resume.directory, resume.step)
+            if not resume.restored:
+                logger.warning("%s has no %s (saved by an older llamarl): summary.json describes the evaluations "
+                               "and wall time from step %d on", resume.directory, RUNNER_STATE, resume.step)
