@@ -82,12 +82,11 @@ class GeneratorConfig:
     """Without ``--generator.token-budget``: ``auto`` turns partial rollouts on, with a budget of
     ``max_new_tokens // 2``, in ``async`` runs whose generator is on CUDA and whose completions
     can be long (``max_new_tokens >= 256``: long-tail lengths). There a decode step costs nearly the
-    same for few rows as for many (measured on one H100: 64 rows 103 ms, 512 rows 115 ms; LlamaRL
-    Assumption 7.1), so carrying the long tail into the next tick's full batch beats decoding it
-    in a shrinking batch while the trainer waits. Off on CPU, where a decode step costs in
-    proportion to its rows and partial rollouts that re-prefill their carried samples were measured
-    slower (docs/benchmarks.md; with ``--generator.torch.carried-cache keep`` they are not). ``off``: only
-    an explicit budget turns them on."""
+    same for few rows as for many (LlamaRL Assumption 7.1), so carrying the long tail into the next
+    tick's full batch beats decoding it in a shrinking batch while the trainer waits. Off on CPU,
+    where a decode step costs in proportion to its rows, so partial rollouts that re-prefill their
+    carried samples are slower (unless ``--generator.torch.carried-cache keep``). The timings behind
+    both: docs/benchmarks.md. ``off``: only an explicit budget turns them on."""
     dtype: Literal["float32", "bfloat16"] = "float32"
     """Generator weights dtype; the weight channel casts the trainer's weights to it."""
     num_threads: int = 1
@@ -248,8 +247,8 @@ class TrainerConfig:
     many in a row end the run with an error naming the values."""
     param_dtype: Literal["float32", "bfloat16"] = "float32"
     """Compute dtype of forward / backward (FSDP2 MixedPrecisionPolicy): master weights and
-    AdamW state stay in ``--model.dtype`` and gradients are reduced in fp32. bf16 is ~1.7x faster
-    on CPUs with AVX512-BF16 / AMX and on every recent GPU."""
+    AdamW state stay in ``--model.dtype`` and gradients are reduced in fp32. bf16 is faster on
+    CPUs with AVX512-BF16 / AMX and on every recent GPU."""
     num_minibatches: int = 1
     """Optimizer steps per received batch: its prompt groups (whole, in group-id order, over every
     trainer rank) are cut into this many minibatches, one AdamW step each, each a global token mean
@@ -305,8 +304,8 @@ class RunConfig:
     async_lag: Literal[1, 2] = 1
     """Off-policy lag of ``async``. 1 (default): rollouts are scored within the tick they were
     generated (the reward step is milliseconds) and trained at the next, so the trainer starts at
-    tick 1 and trains on data exactly one version old — measured faster per tick and to 0.70 held-out
-    accuracy than 2 on this project's benchmark (docs/benchmarks.md, "Asynchrony on this machine"). 2: LlamaRL's
+    tick 1 and trains on data exactly one version old, which reaches a held-out accuracy sooner than
+    2 on this project's benchmark (docs/benchmarks.md, "Asynchrony on this machine"). 2: LlamaRL's
     Algorithm 1 as written (every channel delivers at the next tick: scored one tick, trained the
     next); worth it only when scoring is as slow as generating (a judge model), so that it too
     overlaps."""

@@ -11,17 +11,12 @@ side by side), so one 64-byte load is a VDPBF16PS operand for 16 outputs, a pair
 one broadcast, and 6 rows x 64 outputs of fp32 sums stay in registers (no horizontal sums); up
 to 4 rows it takes one panel at a time, so the weights stream in one sequence, and ``pack_all``
 puts a decode step's weights in one allocation on huge pages (``FusedDecoder`` packs with it).
-Measured on SmolLM2-135M, one thread, AMD EPYC (Zen 4) with AVX512-BF16, all the linear layers of
-a step (269 MB over 30 distinct layers, so the weights come from memory, not cache;
-``benchmarks/cpu_linears.py``): PyTorch as the step ran them before (oneDNN pre-packed, ``F.linear``
-at one row) 37.5 / 33.4 / 92.9 ms at 1 / 16 / 64 rows, this GEMM 13.1 / 27.7 / 85.0 (reading the
-bytes alone: 10-11 ms; the core's VDPBF16PS peak, 234 GFLOPS, is 18.4 ms at 16 rows). With two
-threads oneDNN splits the work and is faster from three rows (2 threads, 1 / 2 / 3 / 4 rows: oneDNN
-15.0 / 14.9 / 13.8 / 12.6 ms, this GEMM 13.8 / 14.4 / 15.5 / 15.2, single-threaded then), so a
-library built without OpenMP runs the GEMM there for at most ``GEMM_THREADED_ROWS`` rows. The
-layer helpers replace the ops around the linears:
-RMSNorm (with the residual add before it), RoPE + the KV-cache write + grouped-query attention
-over each row's valid columns only, and SwiGLU's ``silu(gate) * up``.
+On one thread of a CPU without AMX the GEMM is faster than oneDNN's matmul at every row count it
+was timed at; with more threads and a library built without OpenMP, oneDNN splits the work and wins
+from a few rows, so the GEMM runs there for at most ``GEMM_THREADED_ROWS`` rows (the timings behind
+these limits: docs/architecture.md, "The CPU kernels' limits"). The layer helpers replace the ops
+around the linears: RMSNorm (with the residual add before it), RoPE + the KV-cache write +
+grouped-query attention over each row's valid columns only, and SwiGLU's ``silu(gate) * up``.
 
 What they compute: each rounds to bf16 where HF's eager bf16 modules round and computes in fp32 in
 between, so the outputs equal theirs up to the order of fp32 sums (the last bf16 bit, now and then;
@@ -76,19 +71,15 @@ any row count."""
 GEMM_AMX_ROWS = 4
 """On one thread of a CPU with AMX whose library was built without the AMX GEMM (a compiler without
 ``-mamx-bf16``, or the kernel refused the tile state), rows up to which ``linear``'s AVX512-BF16
-GEMM still runs: SmolLM2-135M, all linears of a step, oneDNN (AMX) / that GEMM at 1 / 2 / 4 / 8 /
-16 / 64 rows: 39.6 / 22.0, 29.2 / 24.1, 29.0 / 26.3, 29.8 / 33.2, 30.4 / 52.1, 41.8 / 171.5 ms
-(Intel Xeon with AMX, 2026-11-25, ``benchmarks/cpu_linears.py``). With the AMX GEMM
-(``csrc/amx_gemm.c``) ``linear`` runs at any row count there."""
+GEMM still runs: above them oneDNN's AMX matmul is faster (docs/architecture.md, "The CPU
+kernels' limits"). With the AMX GEMM (``csrc/amx_gemm.c``) ``linear`` runs at any row count there."""
 
 THREADED_ROWS = 16
 """With more than one intra-op thread and a library built without OpenMP, rows up to which
-``FusedDecoder`` still runs its layers through the (then single-threaded) helpers: SmolLM2-135M on
-two threads, ms per step with / without them: 17.3 / 29.3 at 1 row, 19.2 / 28.8 at 4, 28.9 / 38.7
-at 16, but 97.7 / 77.6 at 64, where PyTorch's ops use both cores. On one thread, or built with
-OpenMP (``threaded()``: the kernels split their work across the threads), they run at any row count
-(two threads, Intel Xeon with AMX, ms per step at 1 / 4 / 16 / 64 rows: 15.8 / 26.3 / 29.2 / 77.3
-with the limits, 17.0 / 19.3 / 21.5 / 34.7 threaded without them)."""
+``FusedDecoder`` still runs its layers through the (then single-threaded) helpers: above them
+PyTorch's ops, which use every thread, are faster (docs/architecture.md, "The CPU kernels'
+limits"). On one thread, or built with OpenMP (``threaded()``: the kernels split their work across
+the threads), they run at any row count."""
 
 _SOURCE = Path(__file__).with_name("csrc") / "bf16_decode.c"
 _SOURCES = (_SOURCE, _SOURCE.with_name("amx_gemm.c"), _SOURCE.with_name("softmax.c"),
@@ -338,9 +329,9 @@ def pack_all(weights: list[torch.Tensor]) -> list[PackedWeight]:
     system grants them (``madvise(MADV_HUGEPAGE)`` before the packing first touches it; THP set to
     ``madvise`` or ``always``): what a decode step streams from memory once per step, one weight
     after another. On 4 KB pages every 4 KB of that stream is a TLB miss and a stop for the hardware
-    prefetchers; on 2 MB pages SmolLM2-135M's linears at one row took 9.7 against 11.1 ms (one
-    thread, AMD EPYC, with the GEMM's one-panel stream; docs/benchmarks.md). The views share the
-    allocation: it lives while any of them does. Up to two huge pages (4 MB) more than ``pack``'s."""
+    prefetchers (the step's time with and without huge pages: docs/benchmarks.md, "The native
+    engine on CPU"). The views share the allocation: it lives while any of them does. Up to two huge
+    pages (4 MB) more than ``pack``'s."""
     library = _need()
     shapes = [tuple(w.shape) if w.dim() == 2 else (-1, -1) for w in weights]
     pointers = [_checked(f"weight {i}", w, shape) for i, (w, shape) in enumerate(zip(weights, shapes))]

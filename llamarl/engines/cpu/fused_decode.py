@@ -11,11 +11,9 @@ turns it off):
   matmuls instead of seven; on CPU the weights are also packed for a faster matmul, each layout
   made on its first use: for ``cpu_kernels.linear`` in bf16 where the CPU has AVX512-BF16, else
   pre-packed for oneDNN (``torch.ops.mkldnn._reorder_linear_weight``), which reads them far faster
-  at a few rows (measured with SmolLM2-135M, one thread, all the linears of a step at 1 / 16 / 64
-  rows: 36.9 / 53.1 / 110 ms plain, 23.8 / 32.2 / 91.5 ms oneDNN pre-packed on 2026-11-24; the C
-  GEMM 13.1 / 27.7 / 85.0 ms on 2026-11-25, when oneDNN's pre-packed bf16 path took seconds at one
-  row on SmolLM2's own weights, so a single bf16 row without the GEMM takes ``F.linear``:
-  ``_Linear``). The fused and packed copies are derived from the live weights: every call compares
+  at a few rows, except a single bf16 row without the GEMM, which takes ``F.linear`` (oneDNN's
+  pre-packed bf16 path was seen taking seconds there on real weights: ``_Linear``; the timings:
+  docs/architecture.md, "The CPU kernels' limits"). The fused and packed copies are derived from the live weights: every call compares
   the weights' version counters (bumped by any in-place write, the weight channels' included) with
   those they were built from and rebuilds them when a weight changed, so an in-place update takes
   effect at the next call as it does with the HF modules (a parameter replaced by a new tensor is
@@ -37,8 +35,8 @@ turns it off):
   rows): each layer is eight kernels (the four projections; attention with RoPE and the cache
   write over each row's own columns; the residual adds fused with the next RMSNorm; SwiGLU), the
   projections through an AMX or AVX512-BF16 GEMM where the CPU has it (``gemm_max_rows``); where
-  every projection takes the GEMM, all the layers of a step are one C call (``native_step``). A
-  1-row step of SmolLM2-135M: 31.0 -> 16 ms; 16 rows: 73.6 -> 38 ms. They round where HF's bf16
+  every projection takes the GEMM, all the layers of a step are one C call (``native_step``; the
+  step's time: docs/benchmarks.md, "The native engine on CPU"). They round where HF's bf16
   modules round, so their outputs are HF's up to the order of fp32 sums; fp32 models keep the
   PyTorch ops below.
 
