@@ -120,6 +120,7 @@ class ExecutorController:
     """
 
     _active: str | None = None  # the executor this rank is working for now (failure lines)
+    _aborting = False  # abort is reporting this rank's failure: torchrun's SIGTERM waits for it (_on_sigterm)
 
     def __init__(
         self,
@@ -220,7 +221,15 @@ class ExecutorController:
     def _on_sigterm(self, signum, frame) -> None:
         """torchrun stops the other ranks as soon as one ends, often before they notice the dead peer
         themselves: say where this rank was and which executor owns which ranks, so torchrun's
-        "root cause: rank r" line can be read as an executor."""
+        "root cause: rank r" line can be read as an executor.
+
+        A rank already in ``abort`` ignores it: it has printed its own failure line and exits by
+        itself once it has named the silent peers (a bounded wait, well inside torchrun's 30 s
+        before SIGKILL). torchrun notices the dead peer on its own schedule (``--monitor-interval``),
+        often while this rank waits on the heartbeats, and stopping it there lost the one line
+        that names the dead rank."""
+        if self._aborting:
+            return
         owners = ", ".join(f"{name} {ranks}" for name, ranks in self.ctx.ranks.items())
         print(f"llamarl: executor {self._active or self.ctx.executor!r} (rank {self.ctx.rank}, local rank {self.ctx.local_rank}) "
               f"stopped at step {self.step_index} during {self.phase}: terminated by torchrun after another rank "
@@ -345,7 +354,9 @@ class ExecutorController:
         peer", and it can fail in any phase (a channel, a barrier, the metrics all-reduce, a
         trainer's FSDP collective inside ``step``), so every failure asks; this costs a failing
         rank 2.5 heartbeat intervals (at most 5 s) before it exits, and a rank that failed on its
-        own (a user error) finds no silent peer and prints nothing more."""
+        own (a user error) finds no silent peer and prints nothing more. torchrun's SIGTERM does
+        not cut this report short (``_on_sigterm``)."""
+        self._aborting = True
         message = self.failure_line(exc)
         traceback.print_exc(file=sys.stderr)
         print(message, file=sys.stderr, flush=True)

@@ -85,8 +85,10 @@ def test_a_stopped_rank_ends_the_job_with_a_named_line(tmp_path):
 def test_a_peer_lost_in_the_metrics_all_reduce_is_named_by_the_rank_whose_all_reduce_failed(tmp_path):
     """CI caught this: a generator killed while the others were in the runner's metrics all-reduce
     (on_tick, phase "step" then) left only "Connection closed by peer"; every failure now asks the
-    heartbeats which peer went silent. torchrun's monitor is slowed to 10 s so that rank 0 reports
-    before torchrun would stop it."""
+    heartbeats which peer went silent. torchrun's monitor is slowed to 10 s so that rank 0 reaches its
+    report before torchrun stops it; once there, the SIGTERM that torchrun sends while rank 0 waits on
+    the heartbeats no longer cuts the naming line off (it did in 2 of 4 loaded CI runs; the next test
+    pins that without torchrun's timing)."""
     proc = start_world(tmp_path, "--die-in-on-tick-at", "3", monitor_interval_s=10)
     try:
         _, stderr = proc.communicate(timeout=120)
@@ -97,6 +99,43 @@ def test_a_peer_lost_in_the_metrics_all_reduce_is_named_by_the_rank_whose_all_re
                      stderr), stderr[-3000:]
     assert re.search(r"llamarl: rank 1 \(executor 'b'\) stopped responding at step \d+ during [^;\n]+; "
                      r"noticed by rank 0 when its metrics all-reduce \(on_tick\) failed", stderr), stderr[-3000:]
+
+
+def test_torchruns_sigterm_during_a_failure_report_waits_for_the_silent_peer_to_be_named(monkeypatch, capsys):
+    """torchrun stops the surviving ranks when it notices the dead one, on its own schedule: often while
+    the rank whose collective failed is asking the heartbeats which peer went silent. That SIGTERM
+    must not end the report before the line naming the dead rank (exit 1, not 143)."""
+    from types import SimpleNamespace
+
+    from llamarl.controller import ExecutorController
+
+    def silent_peers():  # torchrun's SIGTERM lands during the heartbeat wait
+        os.kill(os.getpid(), signal.SIGTERM)
+        time.sleep(0.05)  # the handler runs in the main thread, between bytecodes
+        return [(1, {"step": 3, "phase": "metrics all-reduce (on_tick)"})]
+
+    class Exited(BaseException):
+        pass
+
+    def fake_exit(code):
+        raise Exited(code)
+
+    ctx = SimpleNamespace(ranks={"a": [0], "b": [1]}, executor="a", rank=0, local_rank=0)
+    controller = ExecutorController(ctx, object(), [], max_steps=1, executor_order=["a", "b"])
+    controller.step_index, controller.phase = 3, "metrics all-reduce (on_tick)"
+    controller.heartbeat = SimpleNamespace(executor_of={0: "a", 1: "b"}, silent_peers=silent_peers)
+    monkeypatch.setattr(os, "_exit", fake_exit)
+    previous = signal.signal(signal.SIGTERM, controller._on_sigterm)
+    try:
+        with pytest.raises(Exited) as exited:
+            controller.abort(RuntimeError("Connection reset by peer"))
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+    stderr = capsys.readouterr().err
+    assert exited.value.args == (1,), stderr
+    assert "terminated by torchrun" not in stderr
+    assert ("llamarl: rank 1 (executor 'b') stopped responding at step 3 during metrics all-reduce (on_tick); "
+            "noticed by rank 0 when its metrics all-reduce (on_tick) failed") in stderr, stderr
 
 
 def test_silent_peers_names_the_rank_that_stopped_publishing_not_a_live_or_finished_one(monkeypatch):
