@@ -25,25 +25,28 @@ from test_trainer import setup  # noqa: F401 - a fixture: tiny model + batch
 from trainer_reference import (
     CURRENT_VERSION,
     LR,
+    TrainerWorlds,
     assert_grads_close,
     read_update,
     reference_minibatch_sgd,
-    world_args,
 )
 
 from llamarl.models.loading import load_causal_lm
 
 
-def run_world(setup, *, nproc, k, budget, prox, lr=LR, chunk=0):  # noqa: F811 - the fixture's value
-    """``trainer_world.py`` with k SGD minibatches of ``probe_decoupled_ppo``: rank 0's (metrics, weights,
-    gradients) and every rank's probes, (minibatch, max |logp - prox|) per micro-batch. ``chunk``:
-    ``--trainer.logprob-chunk-tokens``."""
-    tmp, model_dir, _ = setup
-    out = tmp / f"out_{nproc}_{k}_{budget}_{prox}_{lr}_{chunk}.safetensors"
-    check(run_torchrun("trainer_world.py", nproc=nproc, args=world_args(
-        model_dir, tmp / "batch.safetensors", out, "--budget", str(budget), "--loss", "probe_decoupled_ppo",
-        "--prox", prox, "--num-minibatches", str(k), "--optimizer", "sgd", "--lr", str(lr), "--probes",
-        "--logprob-chunk-tokens", str(chunk))))
+def job(*, nproc, k, budget, prox, lr=LR, chunk=0):
+    """``trainer_world.py`` with k SGD minibatches of ``probe_decoupled_ppo`` on ``nproc`` ranks: its name
+    and ``(nproc, flags)``. ``chunk``: ``--trainer.logprob-chunk-tokens``."""
+    return f"out_{nproc}_{k}_{budget}_{prox}_{lr}_{chunk}", (nproc, [
+        "--budget", str(budget), "--loss", "probe_decoupled_ppo", "--prox", prox, "--num-minibatches", str(k),
+        "--optimizer", "sgd", "--lr", str(lr), "--probes", "--logprob-chunk-tokens", str(chunk)])
+
+
+def run_world(worlds, **case):
+    """Job ``case``'s update (its world runs on first use): rank 0's (metrics, weights, gradients) and
+    every rank's probes, (minibatch, max |logp - prox|) per micro-batch."""
+    name, (nproc, _) = job(**case)
+    out = worlds.out(name)
     metrics, weights, grads = read_update(out)
     probes = [p for r in range(nproc) for p in json.loads(Path(f"{out}.rank{r}.json").read_text())]
     return metrics, weights, grads, probes
@@ -54,12 +57,25 @@ def run_world(setup, *, nproc, k, budget, prox, lr=LR, chunk=0):  # noqa: F811 -
 # holds groups 1 and 7, rank 1 groups 3 and 9: it forwards nothing and runs dummy micro-batches.
 # chunk 3: log-probs (with grad, and the no-grad recomputed prox) 3 tokens at a time, the LM head
 # inside FSDP2's root forward (--trainer.logprob-chunk-tokens; llamarl/models/logprob_chunks.py).
-@pytest.mark.parametrize(("nproc", "k", "budget", "prox", "chunk"), [
-    (1, 2, 4096, "recompute", 0), (2, 2, 12, "recompute", 0), (2, 3, 4096, "recompute", 0),
-    (2, 2, 12, "loglinear", 0), (2, 2, 12, "recompute", 3)])
-def test_minibatch_updates_match_the_sequential_reference_on_1_and_2_ranks(setup, nproc, k, budget, prox, chunk):  # noqa: F811
+CASES = [(1, 2, 4096, "recompute", 0), (2, 2, 12, "recompute", 0), (2, 3, 4096, "recompute", 0),
+         (2, 2, 12, "loglinear", 0), (2, 2, 12, "recompute", 3)]
+PROX_CASE = {"nproc": 1, "k": 2, "budget": 4096, "prox": "recompute", "lr": 10.0}  # the clip test's large step
+# Every trainer world of this module: one world per rank count runs all its jobs (``TrainerWorlds``).
+JOBS = dict([job(**dict(zip(("nproc", "k", "budget", "prox", "chunk"), case))) for case in CASES] + [job(**PROX_CASE)])
+
+
+@pytest.fixture(scope="module")
+def worlds(setup):  # noqa: F811 - the fixture's value
+    tmp, model_dir, _ = setup
+    return TrainerWorlds(tmp, model_dir, JOBS, lambda plan_file, nproc: check(run_torchrun(
+        "trainer_world.py", nproc=nproc, args=["--plan", str(plan_file)], timeout_s=600)))
+
+
+@pytest.mark.parametrize(("nproc", "k", "budget", "prox", "chunk"), CASES)
+def test_minibatch_updates_match_the_sequential_reference_on_1_and_2_ranks(setup, worlds, nproc, k, budget, prox,  # noqa: F811
+                                                                           chunk):
     _, model_dir, batch = setup
-    metrics, weights, grads, _ = run_world(setup, nproc=nproc, k=k, budget=budget, prox=prox, chunk=chunk)
+    metrics, weights, grads, _ = run_world(worlds, nproc=nproc, k=k, budget=budget, prox=prox, chunk=chunk)
     expected_weights, expected_grads, losses, tokens, steps = reference_minibatch_sgd(model_dir, batch, k, prox)
     assert steps == 2 and metrics["version"] == CURRENT_VERSION + steps
     largest = assert_grads_close(grads, expected_grads)
@@ -76,11 +92,11 @@ def test_minibatch_updates_match_the_sequential_reference_on_1_and_2_ranks(setup
     assert metrics["prox_seconds"] > 0  # the recompute forward, or A-3PO's interpolation, was timed
 
 
-def test_recomputed_prox_is_the_policy_before_the_first_minibatch(setup):  # noqa: F811
+def test_recomputed_prox_is_the_policy_before_the_first_minibatch(worlds):
     """k = 2, recompute: the first minibatch trains at the proximal policy's weights (ratio 1 up to
     the float noise of another packing), the second after one update, so the clip can act there
     (a large SGD step, so that some ratio leaves [1 - eps, 1 + eps])."""
-    metrics, _, _, probes = run_world(setup, nproc=1, k=2, budget=4096, prox="recompute", lr=10.0)
+    metrics, _, _, probes = run_world(worlds, **PROX_CASE)
     first = [gap for mb, gap in probes if mb == 0]
     second = [gap for mb, gap in probes if mb == 1]
     assert first and second

@@ -20,12 +20,12 @@ from launch import check, run_torchrun
 from tiny_model import save_tiny_model
 from trainer_reference import (
     CURRENT_VERSION,
+    TrainerWorlds,
     adamw_step,
     assert_grads_close,
     make_batch,
     read_update,
     reference_gradients,
-    world_args,
 )
 
 from llamarl.models.loading import load_causal_lm
@@ -42,21 +42,37 @@ def setup(tmp_path_factory):
     return tmp, model_dir, batch
 
 
-def run_world(setup, name, *flags, nproc):
-    """``trainer_world.py`` on ``nproc`` ranks with ``flags``: rank 0's (metrics, weights, gradients)."""
+# Every trainer world of this module, {name: (nproc, flags)}: one world per rank count runs them all
+# (``TrainerWorlds``), each job a fresh trainer on the same batch.
+FSDP_CASES = [(1, 4096), (2, 4096), (2, 12), (1, "rows3")]
+LOSS_CASES = [(1, 4096), (2, 12)]
+JOBS = {
+    **{f"out_{nproc}_{budget}_{loss}": (nproc, ["--budget", str(budget), "--loss", loss])
+       for nproc, budget in FSDP_CASES for loss in ("aipo", "decoupled_ppo")},
+    **{f"x2_{nproc}_{budget}": (nproc, ["--budget", str(budget), "--loss", "aipo_x2"]) for nproc, budget in LOSS_CASES},
+    **{f"stale_{nproc}": (nproc, ["--budget", "4096", "--loss", "aipo", "--max-staleness", "1"]) for nproc in (1, 2)},
+    **{f"norm_{nproc}_{budget}": (nproc, ["--budget", str(budget), "--loss", "aipo", "--max-staleness", "none",
+                                          "--normalize-batch"]) for nproc, budget in LOSS_CASES},
+}
+
+
+@pytest.fixture(scope="module")
+def worlds(setup):
     tmp, model_dir, _ = setup
-    out = tmp / f"{name}.safetensors"
-    check(run_torchrun("trainer_world.py", nproc=nproc,
-                       args=world_args(model_dir, tmp / "batch.safetensors", out, *flags)))
-    return read_update(out)
+    return TrainerWorlds(tmp, model_dir, JOBS, lambda plan_file, nproc: check(run_torchrun(
+        "trainer_world.py", nproc=nproc, args=["--plan", str(plan_file)], timeout_s=600)))
+
+
+def run_world(worlds, name):
+    """Job ``name``'s update (its world runs on first use): rank 0's (metrics, weights, gradients)."""
+    return read_update(worlds.out(name))
 
 
 @pytest.mark.parametrize("loss_name", ["aipo", "decoupled_ppo"])
-@pytest.mark.parametrize(("nproc", "budget"), [(1, 4096), (2, 4096), (2, 12), (1, "rows3")])
-def test_fsdp_update_matches_single_process_reference(setup, nproc, budget, loss_name):
+@pytest.mark.parametrize(("nproc", "budget"), FSDP_CASES)
+def test_fsdp_update_matches_single_process_reference(setup, worlds, nproc, budget, loss_name):
     _, model_dir, batch = setup
-    metrics, got_weights, got_grads = run_world(setup, f"out_{nproc}_{budget}_{loss_name}", "--budget", str(budget),
-                                                "--loss", loss_name, nproc=nproc)
+    metrics, got_weights, got_grads = run_world(worlds, f"out_{nproc}_{budget}_{loss_name}")
     expected_grads, expected_loss = reference_gradients(model_dir, batch, loss_name)
     assert sorted(got_grads) == sorted(expected_grads) == sorted(got_weights)
     largest = assert_grads_close(got_grads, expected_grads)
@@ -74,12 +90,12 @@ def test_fsdp_update_matches_single_process_reference(setup, nproc, budget, loss
     assert metrics["zero_advantage_samples"] == 4  # groups 3 (all 0) and 9 (all 1): skipped, same update
 
 
-@pytest.mark.parametrize(("nproc", "budget"), [(1, 4096), (2, 12)])
-def test_a_loss_registered_by_user_code_is_used_with_its_declared_reductions(setup, nproc, budget):
+@pytest.mark.parametrize(("nproc", "budget"), LOSS_CASES)
+def test_a_loss_registered_by_user_code_is_used_with_its_declared_reductions(setup, worlds, nproc, budget):
     """``aipo_x2`` (registered in the world script) doubles AIPO's loss; its ``rows`` metric is a
     sum over micro-batches and ranks: the 4 samples with signal, however they are split."""
     _, model_dir, batch = setup
-    metrics, _, _ = run_world(setup, f"x2_{nproc}_{budget}", "--budget", str(budget), "--loss", "aipo_x2", nproc=nproc)
+    metrics, _, _ = run_world(worlds, f"x2_{nproc}_{budget}")
     _, expected_loss = reference_gradients(model_dir, batch, "aipo")
     assert metrics["loss"] == pytest.approx(2 * expected_loss, rel=1e-4, abs=1e-6)
     assert metrics["rows"] == 4 and "importance_weight_max" not in metrics
@@ -102,12 +118,11 @@ def test_unknown_names_list_the_registered_ones():
 
 
 @pytest.mark.parametrize("nproc", [1, 2])
-def test_max_staleness_drops_rows_counts_them_and_reports_staleness_over_kept_tokens(setup, nproc):
+def test_max_staleness_drops_rows_counts_them_and_reports_staleness_over_kept_tokens(setup, worlds, nproc):
     """eta = 1 with the trainer at version 3: rows holding a version-1 token are dropped, counted,
     and the update is the reference's on the other rows (advantages still from whole groups)."""
     _, model_dir, batch = setup
-    metrics, _, grads = run_world(setup, f"stale_{nproc}", "--budget", "4096", "--loss", "aipo", "--max-staleness", "1",
-                                  nproc=nproc)
+    metrics, _, grads = run_world(worlds, f"stale_{nproc}")
     mask = batch["loss_mask"].bool()
     staleness = (CURRENT_VERSION - batch["versions"]).masked_fill(~mask, 0)
     stale_rows = (staleness > 1).any(dim=1)
@@ -132,13 +147,12 @@ def test_top_p_and_top_k_are_refused_for_training():
         RLConfig(generator=GeneratorConfig(top_k=5))
 
 
-@pytest.mark.parametrize(("nproc", "budget"), [(1, 4096), (2, 12)])
-def test_normalize_batch_uses_the_whole_batch_on_any_number_of_ranks(setup, nproc, budget):
+@pytest.mark.parametrize(("nproc", "budget"), LOSS_CASES)
+def test_normalize_batch_uses_the_whole_batch_on_any_number_of_ranks(setup, worlds, nproc, budget):
     """Batch-normalised advantages come from the statistics of the whole batch (one all-reduce),
     so 1 and 2 trainer ranks give the reference's update."""
     _, model_dir, batch = setup
-    metrics, _, grads = run_world(setup, f"norm_{nproc}_{budget}", "--budget", str(budget), "--loss", "aipo",
-                                  "--max-staleness", "none", "--normalize-batch", nproc=nproc)
+    metrics, _, grads = run_world(worlds, f"norm_{nproc}_{budget}")
     expected_grads, expected_loss = reference_gradients(model_dir, batch, "aipo", normalize_batch=True)
     assert metrics["loss"] == pytest.approx(expected_loss, rel=1e-4, abs=1e-6)
     assert_grads_close(grads, expected_grads)

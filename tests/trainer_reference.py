@@ -49,6 +49,34 @@ def world_args(model_dir: Path, batch_path: Path, out: Path, *flags: str) -> lis
     return ["--model-dir", str(model_dir), "--batch", str(batch_path), "--out", str(out), *flags]
 
 
+class TrainerWorlds:
+    """A test module's ``trainer_world.py`` jobs, ``{name: (nproc, flags)}``, run on first use: every
+    job of one rank count in one world (``launch(plan_file, nproc)`` runs ``trainer_world.py --plan``
+    and raises when the world fails), so the process start, imports and process group are paid once
+    per rank count, not once per job. ``worlds.out(name)`` is the job's output file (``read_update``
+    reads it); a world that failed fails every test that asks for one of its jobs."""
+
+    def __init__(self, tmp: Path, model_dir: Path, jobs: dict[str, tuple[int, list[str]]], launch) -> None:
+        self.tmp, self.model_dir, self.jobs, self.launch = tmp, model_dir, jobs, launch
+        self.failed: dict[int, str | None] = {}  # nproc -> None (ran) or the world's failure
+
+    def out(self, name: str) -> Path:
+        nproc = self.jobs[name][0]
+        if nproc not in self.failed:
+            plan = [world_args(self.model_dir, self.tmp / "batch.safetensors", self.tmp / f"{job}.safetensors", *flags)
+                    for job, (n, flags) in self.jobs.items() if n == nproc]
+            plan_file = self.tmp / f"plan_{nproc}.json"
+            plan_file.write_text(json.dumps(plan))
+            try:
+                self.launch(plan_file, nproc)
+                self.failed[nproc] = None
+            except AssertionError as exc:
+                self.failed[nproc] = str(exc)
+        if self.failed[nproc] is not None:
+            raise AssertionError(f"the {nproc}-rank trainer world failed:\n{self.failed[nproc]}")
+        return self.tmp / f"{name}.safetensors"
+
+
 def read_update(out: Path) -> tuple[dict, dict[str, torch.Tensor], dict[str, torch.Tensor]]:
     """What ``trainer_world.py``'s rank 0 wrote: ``(metrics, weights, gradients)``, by parameter name."""
     with safe_open(str(out), "pt") as f:

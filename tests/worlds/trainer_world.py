@@ -4,6 +4,12 @@ usage: trainer_world.py --model-dir MODEL_DIR --batch BATCH.safetensors --out OU
                         [--budget 4096|rowsN] [--loss aipo] [--max-staleness ETA|none] [--normalize-batch]
                         [--prox recompute|loglinear] [--num-minibatches K] [--lr LR] [--optimizer adamw|sgd]
                         [--probes]
+       trainer_world.py --plan JOBS.json
+
+``--plan``: a JSON list of such argument lists, each a whole job (its own trainer, optimizer and
+``--out``), run one after the other in this one world: the process start, imports and process
+group are paid once for all the jobs of a rank count (the tests' parity cases: ``run_trainer_jobs``
+in tests/trainer_reference.py).
 
 The trainer runs at version ``CURRENT_VERSION`` (the batch's tokens are versions 1..3: exercises
 staleness and the log-linear prox) with the hyper-parameters of ``tests/trainer_reference.py``.
@@ -67,7 +73,7 @@ def staleness(text: str) -> int | None:
     return None if text == "none" else int(text)
 
 
-def parse_args() -> argparse.Namespace:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
     parser.add_argument("--model-dir", required=True)
     parser.add_argument("--batch", required=True, help="the whole batch (safetensors); each rank trains its part")
@@ -84,12 +90,28 @@ def parse_args() -> argparse.Namespace:
                         help="sgd: the trainer's AdamW is swapped for plain SGD (the same lr) after init")
     parser.add_argument("--logprob-chunk-tokens", type=int, default=0, help="--trainer.logprob-chunk-tokens")
     parser.add_argument("--probes", action="store_true", help="every rank writes OUT.rank<r>.json (see above)")
-    return parser.parse_args()
+    return parser.parse_args(argv)
 
 
 def main() -> None:
-    args = parse_args()
+    plan = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
+    plan.add_argument("--plan", default=None)
+    known, rest = plan.parse_known_args()
+    if known.plan is None:
+        jobs = [parse_args(rest)]
+    else:
+        with open(known.plan) as f:
+            jobs = [parse_args(job) for job in json.load(f)]
     ctx = ExecutorContext.create([ExecutorSpec("trainer", int(os.environ["WORLD_SIZE"]))], timeout_s=60)
+    for args in jobs:
+        train(ctx, args)
+    ctx.destroy()
+
+
+def train(ctx: ExecutorContext, args: argparse.Namespace) -> None:
+    """One job: a fresh trainer from the model on disk, one ``train_on`` of this rank's part, rank 0's output."""
+    PROBES.clear()
+    MINIBATCH[0] = 0
     trainer = TrainerExecutor(ctx, model_config=ModelConfig(name=args.model_dir),
                               config=TrainerConfig(lr=args.lr, grad_clip=CLIP, num_minibatches=args.num_minibatches,
                                                    logprob_chunk_tokens=args.logprob_chunk_tokens,
@@ -123,7 +145,6 @@ def main() -> None:
                   metadata={"metrics": json.dumps(metrics)})
     if args.probes:
         Path(f"{args.out}.rank{ctx.local_rank}.json").write_text(json.dumps(PROBES))
-    ctx.destroy()
 
 
 if __name__ == "__main__":
