@@ -52,6 +52,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--smollm2", default=None, help="the recipe: a directory of SmolLM2-135M-Instruct's HF weights")
     parser.add_argument("--recipe-ticks", type=int, default=25, help="the recipe's ticks (make run's 25)")
     parser.add_argument("--recipe-eval-every", type=int, default=5, help="the recipe's evaluation period (make run's 5)")
+    parser.add_argument("--decode-compiled", action="store_true",
+                        help="section b: also time static_decode='compiled' (every bucket compiled first) at its first row count")
     parser.add_argument("--in-process", action="store_true",
                         help="run decode and capture in this process (no timeout; --smoke's default)")
     parser.add_argument("--isolated", action="store_true",
@@ -80,7 +82,8 @@ def run_child(args) -> int:
 
     out = Path(args.child_out)
     device = "cuda" if torch.cuda.is_available() and not args.smoke else "cpu"
-    sz = sizes(smoke=args.smoke, device=device, recipe_ticks=args.recipe_ticks, recipe_eval_every=args.recipe_eval_every)
+    sz = sizes(smoke=args.smoke, device=device, recipe_ticks=args.recipe_ticks, recipe_eval_every=args.recipe_eval_every,
+               decode_compiled=args.decode_compiled)
     holder: dict = {"result": {}}
 
     def save(result):
@@ -242,7 +245,8 @@ def main(argv: list[str] | None = None) -> int:
     device = "cuda" if torch.cuda.is_available() and not args.smoke else "cpu"
     out_dir = Path(args.out) if args.out else REPO / "runs" / f"gpu-check-{time.strftime('%Y%m%d-%H%M%S')}"
     out_dir.mkdir(parents=True, exist_ok=True)
-    sz = sizes(smoke=args.smoke, device=device, recipe_ticks=args.recipe_ticks, recipe_eval_every=args.recipe_eval_every)
+    sz = sizes(smoke=args.smoke, device=device, recipe_ticks=args.recipe_ticks, recipe_eval_every=args.recipe_eval_every,
+               decode_compiled=args.decode_compiled)
     report = {"created": time.strftime("%Y-%m-%d %H:%M:%S %z"), "command": [sys.executable, "benchmarks/gpu_check",
               *(sys.argv[1:] if argv is None else argv)], "smoke": args.smoke, "environment": environment(device),
               "targets": TARGETS, "sizes": asdict(sz), "budget_s": args.budget_s, "sections": {}}

@@ -69,6 +69,7 @@ class Sizes:
     dtype: str = "bfloat16"
     decode_rows: tuple[int, ...] = (64, 512)
     decode_new_tokens: int = 33
+    decode_compiled: bool = False  # --decode-compiled: also time static_decode="compiled"
     decode_repeats: int = 3
     hf_repeats: int = 2  # the slow paths (HF's modules, HF generate)
     copy_bytes: int = 1 << 30
@@ -84,15 +85,17 @@ class Sizes:
     tick_ticks: int = 3
 
 
-def sizes(*, smoke: bool, device: str, recipe_ticks: int = 25, recipe_eval_every: int = 5) -> Sizes:
+def sizes(*, smoke: bool, device: str, recipe_ticks: int = 25, recipe_eval_every: int = 5,
+          decode_compiled: bool = False) -> Sizes:
     if not smoke:
         return Sizes(smoke=False, device=device, shape=dict(SMOLLM2_SHAPE), recipe_ticks=recipe_ticks,
-                     recipe_eval_every=recipe_eval_every)
+                     recipe_eval_every=recipe_eval_every, decode_compiled=decode_compiled)
     # fp32: the CPU's bf16 paths compile C kernels on first use, which a dry run need not wait for.
     return Sizes(smoke=True, device=device, shape=dict(TINY_SHAPE), dtype="float32", decode_rows=(2, 4),
                  decode_new_tokens=3, decode_repeats=1, hf_repeats=1, copy_bytes=1 << 22, capture_rows=4,
                  capture_new_tokens=6, capture_eos_every=8, capture_grow_rows=8, recipe_ticks=2,
-                 recipe_eval_every=1, tick_prompts=2, tick_samples=2, tick_new_tokens=8, tick_ticks=2)
+                 recipe_eval_every=1, tick_prompts=2, tick_samples=2, tick_new_tokens=8, tick_ticks=2,
+                 decode_compiled=decode_compiled)
 
 
 def build_model(shape: dict, *, dtype: str, device: str, seed: int = 0):

@@ -80,6 +80,36 @@ def hf_generate_step_ms(model, tok, prompts: list[list[int]], *, new_tokens: int
     return 1000 * max(full - first, 0.0) / (new_tokens - 1)
 
 
+def kernels_per_step(model, *, rows: int, device: str, steps: int = 4) -> dict | None:
+    """Device kernels one uncaptured static decode step of ``rows`` rows launches (torch.profiler's
+    CUDA events over ``steps`` steps, divided): what a captured graph replays, and on a small
+    model what a step's time is bound by; ``{"per_step": n, "names": {kernel: per step}}`` (the
+    20 most frequent names). None off CUDA."""
+    import torch
+
+    from llamarl.engines.static_decode import StaticDecoder
+
+    if not device.startswith("cuda"):
+        return None
+    decoder = StaticDecoder(model, cuda_graphs=False)
+    state = decoder.new_state(capacity=rows, positions=128)
+    for _ in range(2):  # lazy init, allocator warm
+        decoder.step(state, rows)
+    torch.cuda.synchronize()
+    activity = torch.profiler.ProfilerActivity.CUDA
+    with torch.profiler.profile(activities=[activity]) as profile:
+        for _ in range(steps):
+            decoder.step(state, rows)
+        torch.cuda.synchronize()
+    kernels = [e.name for e in profile.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    state.release()
+    names: dict[str, int] = {}
+    for name in kernels:
+        names[name] = names.get(name, 0) + 1
+    top = sorted(names.items(), key=lambda item: -item[1])[:20]
+    return {"per_step": len(kernels) / steps, "names": {name[:120]: count / steps for name, count in top}}
+
+
 @contextlib.contextmanager
 def engine_warnings():
     """The engine's warnings while inside (a static path that fell back to HF's modules says so)."""
@@ -107,6 +137,36 @@ def _release(engine) -> None:
         torch.cuda.empty_cache()
 
 
+def _time_path(out: dict, *, path: str, mode: str, model, tok, rows: list[int], sizes: Sizes) -> None:
+    """``out[path]``: ``decode_scaling``'s ms per step of a TorchEngine with ``static_decode=mode``, its
+    decoder's counters and the wall time of the whole timing (compiles and captures included)."""
+    import generation
+
+    from llamarl.engines.torch_engine import TorchEngine
+
+    engine = None
+    try:
+        engine = TorchEngine(model, eos_token_ids=[], pad_token_id=tok.pad_token_id, static_decode=mode,
+                             fused_decode=path != "hf_modules")
+        start = time.perf_counter()
+        with engine_warnings() as warnings:
+            timed = generation.decode_scaling(model, tok, batches=rows, new_tokens=sizes.decode_new_tokens,
+                                              repeats=sizes.hf_repeats if path == "hf_modules" else sizes.decode_repeats,
+                                              static_decode=mode, engine=engine, device=sizes.device)
+        counters = decoder_counters(engine)
+        out[path] = {"step_ms": {str(r): ms for r, (ms, _) in timed.items()}, "wall_s": time.perf_counter() - start,
+                     "probe_bound_ms": {str(r): least for r, (_, least) in timed.items()},
+                     "decoder": counters, "warnings": warnings}
+        if path != "hf_modules" and not counters["num_steps"]:
+            out["errors"][path] = ("the static decoder ran no step: the graph path fell back to HF's modules "
+                                   f"({'; '.join(warnings) or 'no warning logged'}); its times are not the graphs'")
+    except Exception as error:  # noqa: BLE001 - recorded; the other paths still run
+        out["errors"][path] = f"{type(error).__name__}: {error}"
+    finally:
+        if engine is not None:
+            _release(engine)
+
+
 def decode(sizes: Sizes, save) -> dict:
     """Section b (module docstring of gpu_check): step ms per path and row count, the bound, ratios."""
     import generation
@@ -128,28 +188,13 @@ def decode(sizes: Sizes, save) -> dict:
                   "nominal_gbps": None if nominal_tbps is None else 1000 * nominal_tbps}
     out["bound_ms"] = 1000 * weight_bytes / (copy_gbps * 1e9)
     out["bound_nominal_ms"] = None if nominal_tbps is None else 1000 * weight_bytes / (nominal_tbps * 1e12)
+    try:
+        out["kernels_per_step"] = {str(r): kernels_per_step(model, rows=r, device=device) for r in rows}
+    except Exception as error:  # noqa: BLE001 - a count, not a verdict
+        out["errors"]["kernels_per_step"] = f"{type(error).__name__}: {error}"
     save(out)
     for path, mode in (("graph", graph_mode(sizes)), ("hf_modules", "off")):
-        engine = None
-        try:
-            engine = TorchEngine(model, eos_token_ids=[], pad_token_id=tok.pad_token_id, static_decode=mode,
-                                 fused_decode=path == "graph")
-            with engine_warnings() as warnings:
-                timed = generation.decode_scaling(model, tok, batches=rows, new_tokens=new_tokens,
-                                                  repeats=sizes.decode_repeats if path == "graph" else sizes.hf_repeats,
-                                                  static_decode=mode, engine=engine, device=device)
-            counters = decoder_counters(engine)
-            out[path] = {"step_ms": {str(r): ms for r, (ms, _) in timed.items()},
-                         "probe_bound_ms": {str(r): least for r, (_, least) in timed.items()},
-                         "decoder": counters, "warnings": warnings}
-            if path == "graph" and not counters["num_steps"]:
-                out["errors"][path] = ("the static decoder ran no step: the graph path fell back to HF's modules "
-                                       f"({'; '.join(warnings) or 'no warning logged'}); its times are not the graphs'")
-        except Exception as error:  # noqa: BLE001 - recorded; the other paths still run
-            out["errors"][path] = f"{type(error).__name__}: {error}"
-        finally:
-            if engine is not None:
-                _release(engine)
+        _time_path(out, path=path, mode=mode, model=model, tok=tok, rows=rows, sizes=sizes)
         save(out)
     out["hf_generate"] = {"step_ms": {}}
     for r in rows:
@@ -160,6 +205,9 @@ def decode(sizes: Sizes, save) -> dict:
         except Exception as error:  # noqa: BLE001
             out["errors"][f"hf_generate_{r}"] = f"{type(error).__name__}: {error}"
         save(out)
+    if sizes.decode_compiled:  # last: compiling every bucket may take what is left of the timeout
+        _time_path(out, path="graph_compiled", mode="compiled", model=model, tok=tok, rows=rows[:1], sizes=sizes)
+        save(out)
     out["ratios"] = {}
     for r in rows:
         graph = out.get("graph", {}).get("step_ms", {}).get(str(r))
@@ -169,6 +217,9 @@ def decode(sizes: Sizes, save) -> dict:
             "graph_vs_bound": graph / out["bound_ms"] if graph is not None else None,
             "hf_modules_vs_hf_generate": (out["hf_modules"]["step_ms"][str(r)] / hf
                                           if "hf_modules" in out and hf else None)}
+        compiled = out.get("graph_compiled", {}).get("step_ms", {}).get(str(r))
+        if compiled is not None and hf:
+            out["ratios"][str(r)]["compiled_vs_hf_generate"] = compiled / hf
     save(out)
     if out["errors"]:
         raise RuntimeError("; ".join(f"{k}: {v}" for k, v in out["errors"].items()))

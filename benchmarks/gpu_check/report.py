@@ -41,6 +41,17 @@ def _decode(r: dict) -> list[str]:
                      f"{_f(r.get('hf_generate', {}).get('step_ms', {}).get(key), '.2f'):>12} "
                      f"{_f(r.get('bound_ms'), '.3f'):>9} {_f(ratio.get('graph_vs_hf_generate'), '.3f'):>13} "
                      f"{_f(ratio.get('graph_vs_bound'), '.1f'):>12}")
+    kernels = r.get("kernels_per_step") or {}
+    if any(v is not None for v in kernels.values()):
+        lines.append("kernels per uncaptured static step (what a graph replays): "
+                     + ", ".join(f"{k} rows {_f(v['per_step'], '.0f')}" for k, v in kernels.items() if v))
+    compiled = r.get("graph_compiled")
+    if compiled:
+        lines.append("compiled graphs (static_decode='compiled'), ms per step: "
+                     + ", ".join(f"{k} rows {_f(v, '.2f')}" for k, v in compiled.get("step_ms", {}).items())
+                     + f"; the whole timing incl. compiling every bucket {_f(compiled.get('wall_s'), '.0f')} s; "
+                     + ", ".join(f"{k} rows / HF generate {_f(v.get('compiled_vs_hf_generate'), '.3f')}"
+                                 for k, v in r.get("ratios", {}).items()))
     decoder = r.get("graph", {}).get("decoder")
     if decoder:
         lines.append("graph path's decoder: " + ", ".join(f"{k} {v}" for k, v in decoder.items()))

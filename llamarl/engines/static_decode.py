@@ -1,11 +1,12 @@
 """A decode step with static shapes, captured once per batch bucket as a CUDA graph and replayed for
 the engine's life: the native engine's path on CUDA, where a step is bound by the host.
 
-Why: on one H100 the native engine's HF-module loop spent 103-115 ms per decode step (64 / 512
-rows) for ~7 ms of GPU work, all of it Python and kernel launches (docs/benchmarks.md). gpt-fast,
-nano-vllm and vLLM remove that the same way: every tensor a step touches has a fixed shape and
-address, so the step can be captured once and replayed with one launch per step (and, opt-in,
-compiled first: ``torch.compile``, one graph, no graph breaks).
+Why: eager HF modules are bound by the host on a GPU (Python and one launch per op, for a
+fraction of that in device work; docs/gpu.md). gpt-fast, nano-vllm and vLLM remove that the same
+way: every tensor a step touches has a fixed shape and address, so the step can be captured once
+and replayed with one launch per step (and, opt-in, compiled first: ``torch.compile``, one graph,
+no graph breaks). A replayed small model is then bound by the number of kernels in the graph, so
+the step is written in few of them (``static_forward``).
 
 * **Static state** (``StaticState``): per layer a KV cache ``[slots, kv_heads, width, head_dim]``
   allocated once per decoder (slots rounded up to a power of two, width to a power of two >= 64;
@@ -14,16 +15,19 @@ compiled first: ``torch.compile``, one graph, no graph breaks).
   ``tokens`` / ``positions``. What a row sees is computed in the graph from its position
   (``column <= position``): no mask tensor, no per-step concatenation.
 * **Batch buckets**: a step runs the first ``rows`` slots, ``rows`` a power of two (``bucket``);
-  each bucket is one captured graph on CUDA (and one compiled graph, ``dynamic=False``, when
-  compiled). Slots of
+  each bucket is one captured graph on CUDA (compiled first, when asked, by a compile that serves
+  every bucket: dynamo's automatic dynamic shapes recompile once, with the rows symbolic, at
+  the second bucket instead of once per bucket). Slots of
   finished or empty rows inside the bucket compute garbage that nothing reads (their writes go
   to their own slot); the decode loop (llamarl/engines/decode_loop.py) compacts rows into a
   smaller bucket when they fit.
-* **The forward** is HF's eager math for Llama, Qwen2, Mistral and Qwen3 (q/k norms) written over
-  the model's own modules (norms, projections, MLP, LM head), so in-place weight updates are
-  read by the next step and the numerics are those of HF's eager attention (scores, the dtype's
-  minimum where masked, softmax in fp32, cast back). RoPE's cos / sin come from the model's own
-  rotary module, evaluated once per state for every column.
+* **The forward** is HF's eager math for Llama, Qwen2, Mistral and Qwen3 (q/k norms) over the
+  model's own parameters (norm weights, projections, MLP, LM head), so in-place weight updates are
+  read by the next step. The numerics are HF's eager attention's (scores, the dtype's minimum
+  where masked, softmax in fp32, cast back) with two roundings fewer: the RMSNorm's
+  normalisation is one fp32 kernel and the score's scale and mask are applied inside its matmul
+  (``baddbmm``), so fp32 matches HF to fp32 rounding and bf16 to a bf16 rounding. RoPE's cos /
+  sin come from the model's own rotary module, evaluated once per state for every column.
 
 Graphs for the engine's life (nano-vllm's and vLLM's scheme): the state (KV cache, fed tokens and
 positions, RoPE tables) is allocated once per decoder, at the capacity and width the calls need
@@ -90,9 +94,19 @@ def _width(positions: int) -> int:
     return max(64, 1 << (positions - 1).bit_length())
 
 
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+def _rms_norm(norm: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """HF's Llama-family RMSNorm (``weight * (x32 * rsqrt(mean(x32^2) + eps)).to(dtype)``) with the
+    normalisation as ``torch.nn.functional.rms_norm``, one fused kernel on CUDA where HF's module
+    launches five (pow, mean, add, rsqrt, mul); the same value up to fp32 rounding."""
+    normed = torch.nn.functional.rms_norm(x.float(), (x.shape[-1],), eps=norm.variance_epsilon)
+    return norm.weight * normed.to(x.dtype)
+
+
+def _rope(x: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor) -> torch.Tensor:
+    """HF's ``x * cos + rotate_half(x) * sin`` in four kernels instead of six:
+    ``rotate_half(x) = cat(-x2, x1) = roll(x, d / 2) * [-1 .. -1, 1 .. 1]``, the sign folded into
+    ``sin_signed`` (``StaticState.sin``): bitwise HF's value (a sign flip is exact)."""
+    return x * cos + torch.roll(x, x.shape[-1] // 2, dims=-1) * sin_signed
 
 
 def static_forward(model: torch.nn.Module, tokens: torch.Tensor, positions: torch.Tensor,
@@ -102,44 +116,51 @@ def static_forward(model: torch.nn.Module, tokens: torch.Tensor, positions: torc
     """Logits ``[rows, vocab]`` of the token after ``tokens`` ``[rows]``, each fed at its row's
     position ``positions`` ``[rows]``; writes its keys and values into row r of ``keys[l]`` /
     ``values[l]`` (``[rows, kv, width, d]``: views of the state's first ``rows`` slots) at that
-    position and attends over the row's columns ``0 .. position``. Shapes depend only on ``rows``
-    and the width: one graph per pair."""
+    position and attends over the row's columns ``0 .. position``. ``sin_table`` is RoPE's sine
+    with its first half negated (``_rope``). Shapes depend only on ``rows`` and the width: one
+    graph per pair.
+
+    Every op is a kernel of the captured graph, and a decode step of a small model is bound by
+    their number, not their work: the step is HF's eager math in fewer kernels (fused RMSNorm,
+    RoPE on queries and keys at once, the score's scale and mask folded into one ``baddbmm``)."""
     rows = tokens.shape[0]
     inner = model.model
     hidden = inner.embed_tokens(tokens)  # [rows, hidden]
     cos, sin = cos_table[positions].unsqueeze(1), sin_table[positions].unsqueeze(1)  # [rows, 1, d]
     width = keys[0].shape[2]
-    visible = torch.arange(width, device=tokens.device) <= positions.unsqueeze(1)  # [rows, width]
-    bias = torch.zeros((rows, 1, 1, width), dtype=hidden.dtype, device=hidden.device).masked_fill(
-        ~visible[:, None, None, :], torch.finfo(hidden.dtype).min)
-    row_index = torch.arange(rows, device=tokens.device)
     groups = num_heads // num_kv_heads
+    visible = torch.arange(width, device=tokens.device) <= positions.unsqueeze(1)  # [rows, width]
+    # One mask row per (row, KV head), the batch of the score's baddbmm: [rows * kv, 1, width].
+    bias = torch.zeros((rows, num_kv_heads, 1, width), dtype=hidden.dtype, device=hidden.device).masked_fill(
+        ~visible[:, None, None, :], torch.finfo(hidden.dtype).min).view(rows * num_kv_heads, 1, width)
+    row_index = torch.arange(rows, device=tokens.device)
     for layer, layer_keys, layer_values in zip(inner.layers, keys, values):
         attn = layer.self_attn
-        x = layer.input_layernorm(hidden)
+        x = _rms_norm(layer.input_layernorm, hidden)
         q = attn.q_proj(x).view(rows, num_heads, head_dim)
         k = attn.k_proj(x).view(rows, num_kv_heads, head_dim)
         v = attn.v_proj(x).view(rows, num_kv_heads, head_dim)
         if hasattr(attn, "q_norm"):  # Qwen3: RMSNorm over each head before RoPE
-            q, k = attn.q_norm(q), attn.k_norm(k)
-        q = q * cos + _rotate_half(q) * sin
-        k = k * cos + _rotate_half(k) * sin
-        layer_keys[row_index, :, positions] = k
+            q, k = _rms_norm(attn.q_norm, q), _rms_norm(attn.k_norm, k)
+        rotated = _rope(torch.cat((q, k), dim=1), cos, sin)  # [rows, heads + kv, d]
+        layer_keys[row_index, :, positions] = rotated[:, num_heads:]
         layer_values[row_index, :, positions] = v
-        # Grouped query heads against their KV head: [rows, kv, groups, d] x [rows, kv, d, width].
-        scores = torch.matmul(q.view(rows, num_kv_heads, groups, head_dim),
-                              layer_keys.transpose(-1, -2)) * scaling + bias
+        # Grouped query heads against their KV head, batched over (row, KV head):
+        # [rows * kv, groups, d] x [rows * kv, d, width], scaled and masked in the same kernel.
+        q = rotated[:, :num_heads].reshape(rows * num_kv_heads, groups, head_dim)
+        scores = torch.baddbmm(bias, q, layer_keys.view(rows * num_kv_heads, width, head_dim).transpose(1, 2),
+                               alpha=scaling)
         weights = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
-        attended = torch.matmul(weights, layer_values)  # [rows, kv, groups, d]
-        hidden = hidden + attn.o_proj(attended.reshape(rows, num_heads * head_dim))
-        hidden = hidden + layer.mlp(layer.post_attention_layernorm(hidden))
-    return model.lm_head(inner.norm(hidden))
+        attended = torch.bmm(weights, layer_values.view(rows * num_kv_heads, width, head_dim))
+        hidden = hidden + attn.o_proj(attended.view(rows, num_heads * head_dim))
+        hidden = hidden + layer.mlp(_rms_norm(layer.post_attention_layernorm, hidden))
+    return model.lm_head(_rms_norm(inner.norm, hidden))
 
 
 class StaticState:
     """One call's static buffers (module docstring): per-layer ``keys`` / ``values``
     ``[slots, kv, width, d]``, ``tokens`` / ``positions`` ``[slots]`` (int64: what each slot feeds
-    at the next step, and where), RoPE's ``cos`` / ``sin`` ``[width, d]``, and the captured graphs
+    at the next step, and where), RoPE's ``cos`` / ``sin`` ``[width, d]`` (the sine's first half negated: ``_rope``), and the captured graphs
     by bucket."""
 
     def __init__(self, *, keys: list[torch.Tensor], values: list[torch.Tensor], cos: torch.Tensor,
@@ -245,7 +266,7 @@ class StaticDecoder:
     def __init__(self, model: torch.nn.Module, *, compiled: bool = False, backend: str = "inductor",
                  cuda_graphs: bool | None = None) -> None:
         """``compiled``: run ``static_forward`` through ``torch.compile(fullgraph=True,
-        dynamic=False)`` with ``backend`` (``"eager"`` traces without generating code: tests);
+        dynamic=None)`` with ``backend`` (``"eager"`` traces without generating code: tests);
         False (default) runs it eagerly. ``cuda_graphs`` (None: when the model is on CUDA): capture
         each bucket's step as a CUDA graph, compiled or not (module docstring)."""
         self.model = model
@@ -256,7 +277,9 @@ class StaticDecoder:
         self.compiled = compiled
         # A code object of its own: dynamo caches graphs per code object (module constant above).
         own = types.FunctionType(static_forward.__code__.replace(), static_forward.__globals__, "static_forward")
-        self._forward = torch.compile(own, fullgraph=True, dynamic=False, backend=backend) if compiled else own
+        # dynamic=None: the first bucket compiles with static shapes, the second recompiles with the
+        # rows symbolic, and that graph serves every later bucket (two compiles, not one per bucket).
+        self._forward = torch.compile(own, fullgraph=True, dynamic=None, backend=backend) if compiled else own
         device = model.get_input_embeddings().weight.device
         self.cuda_graphs = device.type == "cuda" if cuda_graphs is None else cuda_graphs
         if self.cuda_graphs and device.type != "cuda":
@@ -318,9 +341,11 @@ class StaticDecoder:
             column_ids = torch.arange(width, device=weight.device).unsqueeze(0)
             probe = torch.zeros((1, width, 1), dtype=weight.dtype, device=weight.device)
             cos, sin = self.model.model.rotary_emb(probe, column_ids)
+            half = self.head_dim // 2
+            sin_signed = torch.cat((-sin[0, :, :half], sin[0, :, half:]), dim=-1)  # static_forward's _rope
         return StaticState(keys=[weight.new_zeros(shape) for _ in range(num_layers)],
                            values=[weight.new_zeros(shape) for _ in range(num_layers)],
-                           cos=cos[0].contiguous(), sin=sin[0].contiguous())
+                           cos=cos[0].contiguous(), sin=sin_signed.contiguous())
 
     def _run(self, state: StaticState, rows: int) -> torch.Tensor:
         # Older torch (< 2.7) names the limit cache_size_limit.

@@ -10,7 +10,13 @@ from tiny_model import save_tiny_model, tiny_llama_config, tiny_tokenizer
 
 
 def smollm2_shaped(directory):
-    """A random-init Llama with SmolLM2-135M's dimensions (its weights do not fit a device carry)."""
+    """A random-init Llama with SmolLM2-135M's dimensions (its weights do not fit a device carry).
+
+    The tests' character tokenizer knows ~100 of its 49,152 ids; a plain random init samples an id
+    it cannot decode nearly every time, so every completion decodes empty, every group scores
+    alike and the trainer never steps (what failed on an H200, 2026-11-26). The (tied) embedding
+    rows of the other ids are zeroed and the tokenizer's own scaled by 3: sampled ids are then
+    mostly decodable and their first characters varied (measured on CPU with HF ``generate``)."""
     from transformers import LlamaForCausalLM
 
     config = tiny_llama_config(vocab_size=49152, hidden_size=576, num_layers=30, num_heads=9, num_kv_heads=3,
@@ -18,7 +24,11 @@ def smollm2_shaped(directory):
     tokenizer = tiny_tokenizer()
     config.eos_token_id, config.pad_token_id = tokenizer.eos_token_id, tokenizer.pad_token_id
     torch.manual_seed(0)
-    LlamaForCausalLM(config).save_pretrained(directory, safe_serialization=True)
+    model = LlamaForCausalLM(config)
+    with torch.no_grad():
+        model.model.embed_tokens.weight[len(tokenizer):] = 0
+        model.model.embed_tokens.weight[: len(tokenizer)] *= 3
+    model.save_pretrained(directory, safe_serialization=True)
     tokenizer.save_pretrained(directory)
     return directory
 
