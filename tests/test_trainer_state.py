@@ -43,25 +43,44 @@ def world(tmp, model_dir, nproc, *jobs):
 
 
 @pytest.fixture(scope="module")
-def one_rank(tied, tmp_path_factory):
-    """One 1-rank world: a step; a save before the step, then the step; a load of that save; batches
-    the trainer must refuse. ``(plain, saved_first, loaded, error lines)``."""
+def worlds(tied, tmp_path_factory):
+    """Every world of this module, three in all (each a start-up paid once for several jobs):
+
+    1. 2 ranks: a step, then a save (``ckpt_2``); a no-grad forward (``whole.json``).
+    2. 1 rank: a step; a save before the step, then the step; a load of that save; batches the trainer
+       must refuse; a step and a save (``ckpt_1``); a load of ``ckpt_2``.
+    3. 2 ranks: loads of ``ckpt_1`` and ``ckpt_2``.
+
+    Returns the directory, ``{"one_rank": (plain, saved_first, loaded, error lines)}`` and the
+    ``(before, after)`` tensors of each (save ranks, load ranks)."""
     tmp, model_dir = tied
-    out = tmp_path_factory.mktemp("one_rank")
-    plain, saved_first, loaded = world(tmp, model_dir, 1, (out / "unused", out / "plain.st", "train"),
-                                       (out / "ckpt", out / "saved_first.st", "save-train"),
-                                       (out / "ckpt", out / "loaded.st", "load"),
-                                       (out / "unused", out / "errors.txt", "bad-groups"))
-    return plain, saved_first, loaded, (out / "errors.txt").read_text().splitlines()
+    out = tmp_path_factory.mktemp("worlds")
+    (saved_2,) = world(tmp, model_dir, 2, (out / "ckpt_2", out / "saved_2.st", "save"),
+                       (out / "unused", out / "whole.json", "no-grad"))
+    plain, saved_first, loaded, saved_1, loaded_2_1 = world(
+        tmp, model_dir, 1, (out / "unused", out / "plain.st", "train"),
+        (out / "ckpt", out / "saved_first.st", "save-train"), (out / "ckpt", out / "loaded.st", "load"),
+        (out / "unused", out / "errors.txt", "bad-groups"),
+        (out / "ckpt_1", out / "saved_1.st", "save"), (out / "ckpt_2", out / "loaded_2_1.st", "load"))
+    loaded_1_2, loaded_2_2 = world(tmp, model_dir, 2, (out / "ckpt_1", out / "loaded_1_2.st", "load"),
+                                   (out / "ckpt_2", out / "loaded_2_2.st", "load"))
+    return out, {"one_rank": (plain, saved_first, loaded, (out / "errors.txt").read_text().splitlines()),
+                 (2, 1): (saved_2, loaded_2_1), (1, 2): (saved_1, loaded_1_2), (2, 2): (saved_2, loaded_2_2)}
+
+
+@pytest.fixture(scope="module")
+def one_rank(worlds):
+    """The 1-rank world's checks: a step; a save before the step, then the step; a load of that save;
+    batches the trainer must refuse. ``(plain, saved_first, loaded, error lines)``."""
+    return worlds[1]["one_rank"]
 
 
 @pytest.mark.parametrize(("save_ranks", "load_ranks"), [(2, 1), (1, 2), (2, 2)])
-def test_tied_model_saves_once_and_reloads_bitwise_on_any_ranks(tied, tmp_path, save_ranks, load_ranks):
+def test_tied_model_saves_once_and_reloads_bitwise_on_any_ranks(worlds, save_ranks, load_ranks):
     """Weights and every AdamW moment saved by N ranks load onto M ranks unchanged."""
-    tmp, model_dir = tied
-    ckpt = tmp_path / "ckpt"
-    (before,) = world(tmp, model_dir, save_ranks, (ckpt, tmp_path / "saved.st", "save"))
-    (after,) = world(tmp, model_dir, load_ranks, (ckpt, tmp_path / "loaded.st", "load"))
+    out, results = worlds
+    ckpt = out / f"ckpt_{save_ranks}"
+    before, after = results[save_ranks, load_ranks]
     assert sorted(before) == sorted(after) and "exp_avg.model.embed_tokens.weight" in before
     assert any(k.startswith("exp_avg_sq.") for k in before)
     for key, tensor in before.items():
@@ -96,11 +115,9 @@ def test_the_trainer_refuses_batches_whose_groups_it_cannot_trust(one_rank):
     assert partial.startswith("trainer input: group 7 has 1 rows, but the batch's group_size is 2")
 
 
-def test_a_forward_without_backward_leaves_every_parameter_sharded(tied, tmp_path):
+def test_a_forward_without_backward_leaves_every_parameter_sharded(worlds):
     """FSDP2 keeps the root's parameters whole after a forward until a backward; a no-grad forward
     (the proximal policy's, a reference policy's) has none, and a weight read would copy wrong rows."""
-    tmp, model_dir = tied
-    out = tmp_path / "whole.json"
-    world(tmp, model_dir, 2, (tmp_path / "c", out, "no-grad"))
+    out = worlds[0] / "whole.json"  # 2 ranks
     for rank in (0, 1):
         assert json.loads(Path(f"{out}.rank{rank}").read_text()) == []
