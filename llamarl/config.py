@@ -380,7 +380,12 @@ class EnvConfig:
     """Multi-turn episodes with an environment and its tools (llamarl/environments/)."""
 
     name: str | None = None
-    """Registered environment (``calculator``) or ``module:Class``; None: one completion per sample."""
+    """Registered environment (built in: ``calculator``, ``guess_number``) or ``module:Class`` (imported
+    and checked at flag parsing); None: one completion per sample."""
+    tools: str | None = None
+    """Plain Python functions as the tools, ``module:function[,module:function...]``, presented and
+    called through the chat template as TRL's ``tools=`` (llamarl/environments/function_tools.py):
+    each needs type hints and a docstring with ``Args:``; checked at flag parsing. Instead of ``name``."""
     max_turns: int = 4
     """Policy turns per episode at most (a turn ends at one of the environment's stop tokens or EOS)."""
     tool_timeout_s: float = 5.0
@@ -389,9 +394,24 @@ class EnvConfig:
     num_tool_workers: int = 1
     """Processes running the tools on each generator rank (0: inline in the generator, for tests)."""
 
+    def reference(self) -> str | None:
+        """What ``build_environment`` and the tool workers build: ``name``, or ``tools:<tools>``; None
+        without an environment."""
+        return f"tools:{self.tools}" if self.tools is not None else self.name
+
     def __post_init__(self) -> None:
         if self.name is not None and ":" not in self.name and self.name not in environment_names():
             raise ValueError(f"--env.name must be one of {environment_names()} or module:Class, got {self.name!r}")
+        if self.name is not None and ":" in self.name:
+            from llamarl.environments.base import resolve_environment_class
+
+            resolve_environment_class(self.name)  # a typo in module:Class fails at the flag, not after the model loads
+        if self.tools is not None:
+            _check(self.name is None, f"--env.tools and --env.name are two environments: pass one (got --env.name "
+                   f"{self.name} and --env.tools {self.tools}; --env.name None drops a recipe's default)")
+            from llamarl.environments.function_tools import resolve_tools
+
+            resolve_tools(self.tools)  # every module:function imported and its schema made here
         _check(self.max_turns >= 1, f"--env.max-turns must be >= 1, got {self.max_turns}")
         _check(self.tool_timeout_s > 0, f"--env.tool-timeout-s must be > 0, got {self.tool_timeout_s}")
         _check(self.num_tool_workers >= 0, f"--env.num-tool-workers must be >= 0, got {self.num_tool_workers}")

@@ -13,21 +13,41 @@ from safetensors.torch import load_file
 
 sys.path.insert(0, str(Path(__file__).parent))
 from conftest import read_jsonl
-from launch import check, run_torchrun
+from launch import check, run_colocated_runs, run_torchrun
 
 # Keys that measure time, not what was computed: they differ between any two runs. Weight-sync
 # keys too: sync moves weights at the start of the next tick, colocated at the end of this one.
 TIMING = ("seconds", "per_s", "time", "step", "weight_sync")
 
 
+def flags(model_dir, out, *args):
+    """Every run's flags here: the tiny model, 4 evaluation problems, 2 prompts a tick, the device guard."""
+    return ["--model.name", str(model_dir), "--run.num-eval-problems", "4", "--run.output-dir", str(out),
+            "--generator.num-prompts-per-step", "2", "--reward.num-workers", "0", "--run.device-guard", *args]
+
+
 def run(tmp_path, model_dir, name, *, nproc, args, env=None):
     out = tmp_path / name
     check(run_torchrun("e2e_arithmetic.py", nproc=nproc, timeout_s=300, env={
         "LLAMARL_TEST_SCORER": "scorers_for_tests:recording_first_char_even",
-        "LLAMARL_TEST_SAMPLES": str(tmp_path / f"samples_{name}"), **(env or {})}, args=[
-        "--model.name", str(model_dir), "--run.num-eval-problems", "4", "--run.output-dir", str(out),
-        "--generator.num-prompts-per-step", "2", "--reward.num-workers", "0", "--run.device-guard", *args]))
+        "LLAMARL_TEST_SAMPLES": str(tmp_path / f"samples_{name}"), **(env or {})}, args=flags(model_dir, out, *args)))
     return out
+
+
+ZERO_LR = {"LLAMARL_TEST_ZERO_LR": "1"}
+# The frozen-policy comparisons' common flags. fp32 compute: bf16 would round micro-batches of
+# different composition differently.
+FROZEN = ["--run.max-steps", "3", "--generator.token-budget", "5", "--trainer.param-dtype", "float32"]
+
+
+@pytest.fixture(scope="module")
+def sync3(tmp_path_factory, model_dir):
+    """The reference that three frozen-policy tests compare against, run once for the module: sync on
+    3 ranks (1 generator, the trainer and the reward on the other 2). ``(directory, run directory)``;
+    ``samples(directory, "sync")`` are the completions it scored."""
+    tmp = tmp_path_factory.mktemp("sync3")
+    return tmp, run(tmp, model_dir, "sync", nproc=3, env=ZERO_LR,
+                    args=[*FROZEN, "--run.schedule", "sync", "--generator.num-ranks", "1"])
 
 
 def exported(run_dir, name="final"):
@@ -48,20 +68,20 @@ def values(records, *, rel=1e-5):
 
 
 @pytest.mark.parametrize(("colocated_ranks", "sync_args"), [
-    (1, ["--generator.num-ranks", "1"]),  # sync world: 1 generator + 1 reward + 1 trainer
-    (2, ["--generator.num-ranks", "2"]),  # sync world: 2 generators + 1 reward + 1 trainer
+    (1, ["--generator.num-ranks", "1"]),  # sync world: 1 generator + 2 trainer ranks (the reward on them)
+    (2, ["--generator.num-ranks", "2"]),  # sync world: 2 generators + 2 trainer ranks (the reward on them)
 ])
-def test_colocated_equals_sync_at_learning_rate_zero(tmp_path, model_dir, colocated_ranks, sync_args):
+def test_colocated_equals_sync_at_learning_rate_zero(tmp_path, model_dir, request, colocated_ranks, sync_args):
     """A frozen policy makes the schedules differ only in where things run and when: the same
     samples (every completion scored, evaluations included) and the same metrics per step."""
-    # fp32 compute: bf16 would round micro-batches of different composition differently.
-    common = ["--run.max-steps", "3", "--generator.token-budget", "5", "--trainer.param-dtype", "float32"]
-    env = {"LLAMARL_TEST_ZERO_LR": "1"}
-    colocated = run(tmp_path, model_dir, "colocated", nproc=colocated_ranks, env=env,
-                    args=[*common, "--run.schedule", "colocated"])
-    sync = run(tmp_path, model_dir, "sync", nproc=colocated_ranks + 2, env=env,
-               args=[*common, "--run.schedule", "sync", *sync_args])
-    got, expected = samples(tmp_path, "colocated"), samples(tmp_path, "sync")
+    colocated = run(tmp_path, model_dir, "colocated", nproc=colocated_ranks, env=ZERO_LR,
+                    args=[*FROZEN, "--run.schedule", "colocated"])
+    if colocated_ranks == 1:  # the 3-rank sync reference the module runs once (``sync3``)
+        sync_dir, sync = request.getfixturevalue("sync3")
+    else:
+        sync_dir, sync = tmp_path, run(tmp_path, model_dir, "sync", nproc=colocated_ranks + 2, env=ZERO_LR,
+                                       args=[*FROZEN, "--run.schedule", "sync", *sync_args])
+    got, expected = samples(tmp_path, "colocated"), samples(sync_dir, "sync")
     assert len(expected) > 2 * 4 and got == expected  # more than the two evaluations scored
     for executor in ("generator", "reward", "trainer"):
         got_metrics, expected_metrics = (read_jsonl(d / "metrics" / f"{executor}.jsonl") for d in (colocated, sync))
@@ -81,22 +101,21 @@ def test_colocated_equals_sync_at_learning_rate_zero(tmp_path, model_dir, coloca
 
 
 @pytest.mark.parametrize("reward_ranks", ["1", "0"])  # its own rank; on the trainer's two ranks
-def test_async_lag1_scores_the_same_samples_as_sync_at_learning_rate_zero(tmp_path, model_dir, reward_ranks):
+def test_async_lag1_scores_the_same_samples_as_sync_at_learning_rate_zero(tmp_path, model_dir, sync3, reward_ranks):
     """Asynchrony changes when things run, not what is sampled: with a frozen policy, async lag 1
     (rollouts scored within their tick) generates and scores exactly sync's completions, and its
     generator and reward metrics match step for step (the trainer's differ: it starts a tick later).
     Placement does not change it either: the reward on a rank of its own, or on the trainer's ranks
-    (``--reward.num-ranks 0``, co-resident: it scores in the trainer's processes after it trains)."""
-    common = ["--run.max-steps", "3", "--generator.token-budget", "5", "--trainer.param-dtype", "float32"]
-    env = {"LLAMARL_TEST_ZERO_LR": "1"}
-    sync = run(tmp_path, model_dir, "sync", nproc=3, env=env, args=[*common, "--run.schedule", "sync"])
-    lag1 = run(tmp_path, model_dir, "lag1", nproc=3, env=env,
-               args=[*common, "--run.schedule", "async", "--run.async-lag", "1", "--reward.num-ranks", reward_ranks])
+    (``--reward.num-ranks 0``, co-resident: it scores in the trainer's processes after it trains).
+    The sync reference is the module's (``sync3``: the same 3 ranks, the reward on the trainer's)."""
+    sync_dir, sync = sync3
+    lag1 = run(tmp_path, model_dir, "lag1", nproc=3, env=ZERO_LR,
+               args=[*FROZEN, "--run.schedule", "async", "--run.async-lag", "1", "--reward.num-ranks", reward_ranks])
     if reward_ranks == "0":
         trace = json.loads((lag1 / "timeline.json").read_text())
         assert {(e["pid"], e["tid"]) for e in trace["traceEvents"] if e["pid"] == "reward"} == \
             {("reward", 1), ("reward", 2)}, "the reward runs on the trainer's ranks 1 and 2"
-    got, expected = samples(tmp_path, "lag1"), samples(tmp_path, "sync")
+    got, expected = samples(tmp_path, "lag1"), samples(sync_dir, "sync")
     assert len(expected) > 2 * 4 and got == expected
 
     def without_versions(records):
@@ -146,8 +165,13 @@ def test_evaluations_do_not_change_training(tmp_path, model_dir):
 
     common = ["--run.schedule", "colocated", "--run.max-steps", "3", "--generator.token-budget", "5",
               "--trainer.lr", "1e-3", "--export.every", "1"]
-    quiet = run(tmp_path, model_dir, "quiet", nproc=1, args=common)
-    evaluating = run(tmp_path, model_dir, "evaluating", nproc=1, args=[*common, "--run.eval-every", "1"])
+    quiet, evaluating = tmp_path / "quiet", tmp_path / "evaluating"
+    # Both one-process runs in one Python process, one after the other (imports paid once).
+    check(run_colocated_runs([flags(model_dir, quiet, *common),
+                              flags(model_dir, evaluating, *common, "--run.eval-every", "1")],
+                             plan_file=tmp_path / "runs.json", timeout_s=300,
+                             env={"LLAMARL_TEST_SCORER": "scorers_for_tests:recording_first_char_even",
+                                  "LLAMARL_TEST_SAMPLES": str(tmp_path / "samples")}))
     evals = json.loads((evaluating / "summary.json").read_text())["evals"]
     assert [e["step"] for e in evals] == [0, 1, 2, 3]
     a, b = exported(quiet), exported(evaluating)

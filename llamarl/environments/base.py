@@ -16,13 +16,27 @@ and version -1, so it is context for every later token and contributes no gradie
 state in its ``Turn``: it runs in worker processes with a timeout (llamarl/environments/tools.py),
 an episode in progress is checkpointed as that state, and a resumed run continues it exactly.
 Register an environment with ``@register_environment("name")`` on a class with a no-argument
-constructor; select it with ``--env.name name``.
+constructor; select it with ``--env.name name`` (or ``--env.name module:Class``). Plain Python
+functions as tools, presented and called through the chat template: ``--env.tools module:fn``
+(llamarl/environments/function_tools.py).
+
+Optional capability, declared here (``PresentsTools``) and looked up once when the generator starts:
+``chat_tools()``, the JSON schemas of the environment's tools. The generator then builds prompts
+with ``apply_chat_template(..., tools=schemas)`` and renders each ``step``'s observation as the
+content of a ``role: "tool"`` message through the same template.
+
+Programming errors stop the run (``EnvironmentContractError``, one line naming the environment,
+the method and what was wrong): ``step`` returning anything but a ``Turn`` (or a ``Turn`` whose
+fields have the wrong types or whose state is not JSON), ``reset`` returning a state that is not a
+JSON object, a ``chat_tools`` schema without a name. An exception raised inside ``step`` (a tool
+that failed, a call the model got wrong) is not one: it is counted and answered (tools.py).
 """
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from typing import Protocol, runtime_checkable
 
 from llamarl.data.prompts import Problem
@@ -68,6 +82,82 @@ class Environment(Protocol):
         ...
 
 
+@runtime_checkable
+class PresentsTools(Protocol):
+    """Optional capability (module docstring): the tools' JSON schemas, as
+    ``apply_chat_template(tools=...)`` takes them (``transformers.utils.get_json_schema``'s form:
+    ``{"type": "function", "function": {"name": ..., "description": ..., "parameters": {...}}}``).
+    ``step``'s observations are then tool message contents, rendered by the chat template."""
+
+    def chat_tools(self) -> list[dict]: ...
+
+
+class EnvironmentContractError(RuntimeError):
+    """An environment broke its contract (a programming error, module docstring): the run stops."""
+
+
+def _json_error(value) -> str | None:
+    try:
+        json.dumps(value, allow_nan=False)
+    except (TypeError, ValueError) as exc:
+        return str(exc)
+    return None
+
+
+def check_state(name: str, method: str, state) -> dict:
+    """``state`` if it is a JSON object; EnvironmentContractError naming ``name`` and ``method`` otherwise."""
+    if not isinstance(state, dict):
+        raise EnvironmentContractError(f"environment {name!r}: {method} returned a {type(state).__name__} as the "
+                                       "state, expected a dict of JSON values")
+    error = _json_error(state)
+    if error is not None:
+        raise EnvironmentContractError(f"environment {name!r}: {method} returned a state that is not JSON ({error}): "
+                                       "the state crosses processes and checkpoints as JSON")
+    return state
+
+
+def check_turn(name: str, turn) -> dict:
+    """``turn`` (what ``step`` returned) as a JSON-ready dict; EnvironmentContractError naming ``name``
+    and ``step`` when it is not a ``Turn`` of the documented types."""
+    if not isinstance(turn, Turn):
+        raise EnvironmentContractError(f"environment {name!r}: step returned a {type(turn).__name__}, expected a Turn "
+                                       "(llamarl.environments.base.Turn)")
+    for field_name, expected in (("observation", str), ("done", bool), ("state", dict)):
+        value = getattr(turn, field_name)
+        if not isinstance(value, expected):
+            raise EnvironmentContractError(f"environment {name!r}: step returned a Turn whose {field_name} is a "
+                                           f"{type(value).__name__}, expected a {expected.__name__}")
+    if turn.reward is not None and (isinstance(turn.reward, bool) or not isinstance(turn.reward, (int, float))):
+        raise EnvironmentContractError(f"environment {name!r}: step returned a Turn whose reward is a "
+                                       f"{type(turn.reward).__name__}, expected a float or None")
+    check_state(name, "step", turn.state)
+    return asdict(turn)
+
+
+def check_tool_schemas(name: str, environment: Environment) -> list[dict] | None:
+    """The schemas of an environment that presents tools (``PresentsTools``), checked; None otherwise."""
+    if not isinstance(environment, PresentsTools):
+        return None
+    schemas = environment.chat_tools()
+    if not isinstance(schemas, list) or not schemas:
+        raise EnvironmentContractError(f"environment {name!r}: chat_tools returned {schemas!r}, expected a non-empty "
+                                       "list of JSON schemas")
+    names = []
+    for schema in schemas:
+        function = schema.get("function") if isinstance(schema, dict) else None
+        tool = function.get("name") if isinstance(function, dict) else None
+        if not isinstance(tool, str) or not tool:
+            raise EnvironmentContractError(f"environment {name!r}: chat_tools has a schema without function.name: "
+                                           f"{schema!r}")
+        error = _json_error(schema)
+        if error is not None:
+            raise EnvironmentContractError(f"environment {name!r}: chat_tools' schema of {tool!r} is not JSON ({error})")
+        names.append(tool)
+    if len(set(names)) != len(names):
+        raise EnvironmentContractError(f"environment {name!r}: chat_tools names a tool twice: {names}")
+    return schemas
+
+
 def observation_ids(tokenizer, text: str) -> list[int]:
     """``text``'s token ids as appended after a policy turn (no special tokens added)."""
     return list(tokenizer(text, add_special_tokens=False)["input_ids"]) if text else []
@@ -103,9 +193,29 @@ def environment_names() -> list[str]:
     return ENVIRONMENTS.names()
 
 
+_CONTRACT = ("stop_texts", "end_texts", "reset", "step")
+
+
+def resolve_environment_class(name: str) -> Callable[[], Environment]:
+    """What builds the environment ``name`` (registered, or ``module:Class``); ValueError, one line,
+    for an unknown name, a module or class that does not import, or a class without the contract's
+    methods (checked at flag parsing)."""
+    if ":" not in name:
+        return ENVIRONMENTS.get(name)
+    factory = import_path(name, kind="environment")
+    missing = [method for method in _CONTRACT if not callable(getattr(factory, method, None))]
+    if isinstance(factory, type) and missing:
+        raise ValueError(f"environment {name!r} is not an environment: it has no {', '.join(missing)} "
+                         "(llamarl/environments/base.py)")
+    return factory
+
+
 def build_environment(name: str) -> Environment:
     """A new instance of the environment registered as ``name``; ValueError listing the known ones.
-    ``module:Class`` also works (imported, for a user's environment outside a registry import)."""
-    if ":" in name:
-        return import_path(name, kind="environment")()
-    return ENVIRONMENTS.get(name)()
+    ``module:Class`` also works (imported, for a user's environment outside a registry import);
+    ``tools:module:fn,...`` is the environment of those functions (``--env.tools``)."""
+    from llamarl.environments.function_tools import REFERENCE_PREFIX, FunctionToolsEnvironment
+
+    if name.startswith(REFERENCE_PREFIX):
+        return FunctionToolsEnvironment.from_reference(name)
+    return resolve_environment_class(name)()

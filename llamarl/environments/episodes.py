@@ -13,6 +13,10 @@ the observation and one more token (the observation is then not appended). A req
 "carried" (``token_budget``) is returned as is with its episode state; resubmitted later, possibly
 after a weight update, it continues where it stopped (tokens after the update carry the new version).
 An empty observation ends the episode (a turn must be followed by something, or it is the answer).
+An environment that presents tools (``PresentsTools``, llamarl/environments/function_tools.py) has
+each observation rendered as a ``role: "tool"`` message by the chat template (from the end of the
+tool call to the next assistant header); a tool error's observation is rendered the same way.
+``reset`` returning a state that is not a JSON object stops the run (``EnvironmentContractError``).
 
 The episode's JSON state travels with the sample (``Request.episode``: the environment's ``state``,
 ``turns`` taken, ``turn_start`` where the current policy turn began), so checkpoints keep it and
@@ -36,7 +40,13 @@ from llamarl.engines.base import (
     SamplingParams,
     sampled_mask,
 )
-from llamarl.environments.base import Environment, observation_ids, stop_token_ids
+from llamarl.environments.base import (
+    Environment,
+    check_state,
+    check_tool_schemas,
+    observation_ids,
+    stop_token_ids,
+)
 from llamarl.environments.tools import ToolRunner
 
 
@@ -53,6 +63,13 @@ class EpisodeRunner:
         self.end_ids = stop_token_ids(environment, tokenizer, ending=True)
         self.pad_token_id = engine.pad_token_id
         self.num_turns = 0  # policy turns that called a tool, since the runner was made
+        # An environment presenting tools: its observations are tool messages, framed by the template.
+        self.tool_schemas = check_tool_schemas(tools.name, environment)
+        self.observation_frame = ("", "")
+        if self.tool_schemas is not None:
+            from llamarl.environments.function_tools import tool_observation_format
+
+            self.observation_frame = tool_observation_format(tokenizer, self.tool_schemas)
 
     def weights_updated(self, model: torch.nn.Module) -> None:
         self.engine.weights_updated(model)
@@ -68,8 +85,8 @@ class EpisodeRunner:
             sampling, stop_token_ids=[*sampling.stop_token_ids, *self.turn_stop_ids, *self.end_ids])
         for req in requests:
             if not req.episode:
-                req.episode = {"state": self.environment.reset(self.problem_of(req.sample_id)), "turns": 0,
-                               "turn_start": len(req.completion_ids)}
+                state = check_state(self.tools.name, "reset", self.environment.reset(self.problem_of(req.sample_id)))
+                req.episode = {"state": state, "turns": 0, "turn_start": len(req.completion_ids)}
         order = [r.sample_id for r in requests]
         done: dict[int, Completion] = {}
         while requests:
@@ -91,7 +108,9 @@ class EpisodeRunner:
                 if turn.reward is not None:
                     episode["reward"] = turn.reward
                 out.episode = episode
-                obs = observation_ids(self.tokenizer, turn.observation)
+                before, after = self.observation_frame
+                obs = observation_ids(self.tokenizer, f"{before}{turn.observation}{after}" if self.tool_schemas is not None
+                                      else turn.observation)
                 if turn.done or not obs:
                     done[out.sample_id] = out  # finish_reason "stop": the episode's own end
                     continue

@@ -6,7 +6,10 @@ pickle, so state must be JSON: the same state a checkpoint keeps). A call that r
 an error observation; one that runs past ``timeout_s`` has its worker killed and replaced and comes
 back as a timeout observation. Neither ends the run: both are counted (``num_errors``,
 ``num_timeouts``) and the episode goes on with the observation ``[tool error: ...]`` (the state is
-left as it was). ``num_workers=0`` runs steps inline in the calling process (unit tests; the
+left as it was). A programming error does end it: ``step`` returning anything but a ``Turn`` of the
+documented types with a JSON state raises ``EnvironmentContractError`` here, one line naming the
+environment and ``step`` (llamarl/environments/base.py), at the first such call.
+``num_workers=0`` runs steps inline in the calling process (unit tests; the
 timeout is then enforced with SIGALRM, main thread only).
 
 Tensor parallelism: the ranks of a TP group run the same episodes and must append the same
@@ -30,7 +33,7 @@ from multiprocessing.connection import Connection, wait
 import torch
 import torch.distributed as dist
 
-from llamarl.environments.base import Turn, build_environment
+from llamarl.environments.base import EnvironmentContractError, Turn, build_environment, check_turn
 
 logger = logging.getLogger(__name__)
 
@@ -43,13 +46,6 @@ def _alarm(signum, frame) -> None:
     raise _Timeout
 
 
-def _step_json(environment, message: dict) -> dict:
-    turn = environment.step(message["state"], message["turn"])
-    if not isinstance(turn, Turn):
-        raise TypeError(f"step returned {type(turn).__name__}, expected a Turn")
-    return asdict(turn)
-
-
 def _worker_main(conn: Connection, name: str) -> None:
     environment = build_environment(name)
     conn.send_bytes(b"ready")
@@ -59,9 +55,14 @@ def _worker_main(conn: Connection, name: str) -> None:
         except EOFError:
             return
         try:
-            reply = {"ok": _step_json(environment, message)}
+            turn = environment.step(message["state"], message["turn"])
         except Exception as exc:  # noqa: BLE001 - any failure of a tool is an observation, not a crash
             reply = {"error": f"{type(exc).__name__}: {exc}"}
+        else:
+            try:
+                reply = {"ok": check_turn(name, turn)}
+            except EnvironmentContractError as exc:  # a programming error: the runner stops the run
+                reply = {"fatal": str(exc)}
         conn.send_bytes(json.dumps(reply).encode())
 
 
@@ -178,6 +179,8 @@ class ToolRunner:
                 except (EOFError, OSError):
                     self._workers[worker] = self._start()
                     reply = {"error": "the tool worker died"}
+                if "fatal" in reply:
+                    raise EnvironmentContractError(reply["fatal"])
                 results[call] = Turn(**reply["ok"]) if "ok" in reply else \
                     self._failed(calls[call][0], reply["error"], timeout=False)
                 idle.append(worker)
@@ -187,7 +190,7 @@ class ToolRunner:
         previous = signal.signal(signal.SIGALRM, _alarm)
         signal.setitimer(signal.ITIMER_REAL, self.timeout_s)
         try:
-            return Turn(**_step_json(self._inline, {"state": state, "turn": turn}))
+            answer = self._inline.step(state, turn)
         except _Timeout:
             return self._failed(state, f"step timed out after {self.timeout_s} s", timeout=True)
         except Exception as exc:  # noqa: BLE001
@@ -195,6 +198,7 @@ class ToolRunner:
         finally:
             signal.setitimer(signal.ITIMER_REAL, 0)
             signal.signal(signal.SIGALRM, previous)
+        return Turn(**check_turn(self.name, answer))
 
     def counts(self) -> dict[str, int]:
         """The cumulative counters, as the generator logs (``env_tool_<key>``) and checkpoints them."""

@@ -63,6 +63,7 @@ from llamarl.engines.base import (
 )
 from llamarl.environments.base import build_environment
 from llamarl.environments.episodes import EpisodeRunner
+from llamarl.environments.function_tools import presenting_tools
 from llamarl.environments.tools import ToolRunner, TurnShare
 from llamarl.evaluation import score_samples
 from llamarl.executor import Executor
@@ -197,7 +198,7 @@ class GeneratorExecutor(Executor):
         # Prompt + max_new_tokens must fit this (the trainer's micro-batch budget, the model's
         # context); a longer prompt is skipped with a warning and counted, never a mid-run crash.
         self.max_sequence_tokens = max_sequence_tokens
-        self.env_config = env if env is not None and env.name is not None else None
+        self.env_config = env if env is not None and env.reference() is not None else None
         self.skipped_prompts = 0
 
     def _tp_first_rank(self):
@@ -257,10 +258,12 @@ class GeneratorExecutor(Executor):
             if self.ctx.tp_size > 1:  # TP peers must append the same observations: the first rank's
                 share = TurnShare(group=tp_group, device=self.ctx.device, src=tp_src)
             self.episodes = self.engine = EpisodeRunner(
-                self.engine, environment=build_environment(env.name), tokenizer=self.tokenizer,
-                tools=ToolRunner(env.name, timeout_s=env.tool_timeout_s, num_workers=env.num_tool_workers,
+                self.engine, environment=build_environment(env.reference()), tokenizer=self.tokenizer,
+                tools=ToolRunner(env.reference(), timeout_s=env.tool_timeout_s, num_workers=env.num_tool_workers,
                                  share=share),
                 max_turns=env.max_turns, problem_of=lambda sample_id: self.problems[sample_id // samples])
+            if self.episodes.tool_schemas is not None:  # the environment presents tools: every prompt shows them
+                self.prompt_fn = presenting_tools(self.prompt_fn, self.episodes.tool_schemas)
         # Seeded by the DP replica, not the rank: TP peers must draw the same samples.
         # On ctx.device: the sampler draws its uniforms on the logits' device.
         self.rng = torch.Generator(device=self.ctx.device).manual_seed(self.seed * 1000 + self.ctx.dp_rank)
