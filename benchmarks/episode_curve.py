@@ -6,8 +6,8 @@ its run directory (not a test).
 Reads ``RUN_DIR/summary.json`` (held-out greedy score at each evaluation) and
 ``RUN_DIR/metrics/{reward,generator}.jsonl`` (per tick: the training samples' reward, the fraction
 of emitted samples whose episode got an observation, ``env_samples_with_observation /
-gen_emitted_samples``, and the tool calls per emitted sample, from the cumulative
-``env_tool_calls``), prints them as a table and draws the first two and the evaluations against
+gen_emitted_samples``, and the tool calls per emitted sample, ``env_tool_calls`` of the tick; a
+run directory written before ``env_tool_calls`` became per tick holds it cumulative), prints them as a table and draws the first two and the evaluations against
 the tick.
 """
 
@@ -34,8 +34,9 @@ def curve(run_dir: Path) -> dict:
     ticks, calls_before = [], 0.0
     for r in sorted(generator, key=lambda r: r["step"]):
         emitted = r.get("gen_emitted_samples") or float("nan")
+        per_tick = "env_tool_calls_total" in r  # else an older run's cumulative env_tool_calls
         ticks.append((r["step"], rewards.get(r["step"], float("nan")), r["env_samples_with_observation"] / emitted,
-                      (r["env_tool_calls"] - calls_before) / emitted))
+                      (r["env_tool_calls"] - (0.0 if per_tick else calls_before)) / emitted))
         calls_before = r["env_tool_calls"]
     evals = sorted({e["step"]: e["accuracy"] for e in summary["evals"]}.items())
     return {"evals": evals, "ticks": ticks, "wall_seconds": summary["wall_seconds"]}

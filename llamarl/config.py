@@ -292,7 +292,8 @@ class WeightsConfig:
 
 @dataclass
 class RunConfig:
-    """The run: ticks, schedule and lag, seed, output directory, timeouts, evaluation and the device guard."""
+    """The run: ticks, schedule and lag, seed, output directory, timeouts, evaluation, the device guard,
+    and what is logged besides the metrics (training samples, Weights & Biases)."""
 
     max_steps: int = 20
     """Controller ticks to run."""
@@ -335,8 +336,23 @@ class RunConfig:
         _check(self.max_steps >= 0, f"--run.max-steps must be >= 0, got {self.max_steps}")
         _check(self.collective_timeout_s > 0, "--run.collective-timeout-s must be > 0")
         _check(self.liveness_timeout_s > 0, "--run.liveness-timeout-s must be > 0")
+    log_samples: int = 0
+    """Write this many training samples each tick to ``<run>/samples.jsonl`` (the first rows the
+    trainer's first rank receives): the prompt, each turn split into the policy's text and the
+    environment's observation, the reward, the weight versions and the tick (0: none)."""
+    wandb_project: str | None = None
+    """Also log to Weights & Biases in this project: every metric with its tick, each evaluation's
+    accuracy and a table of its rollouts (``WANDB_MODE=offline`` works without a key). A missing
+    ``wandb`` package or a failed login is one warning line; the run goes on with TensorBoard."""
+    wandb_run_name: str | None = None
+    """The W&B run's name (default: the run directory's name)."""
+    wandb_entity: str | None = None
+    """The W&B entity (user or team) owning the project (default: the logged-in user's)."""
         _check(self.eval_every >= 0, f"--run.eval-every must be >= 0, got {self.eval_every}")
         _check(self.num_eval_problems >= 0, f"--run.num-eval-problems must be >= 0, got {self.num_eval_problems}")
+        _check(self.log_samples >= 0, f"--run.log-samples must be >= 0, got {self.log_samples}")
+        _check(self.wandb_project is None or self.wandb_project.strip() != "",
+               "--run.wandb-project must be a non-empty name")
 
 
 @dataclass

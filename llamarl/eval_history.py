@@ -14,7 +14,10 @@ run's base evaluation, and an evaluation due at step n that the interrupted run 
 died during it) is made by the run resumed at n before its first tick.
 
 Only the ranks of the evaluator's first data-parallel replica evaluate (collective over a TP
-group); the first of them reports.
+group); the first of them reports (the log line, and ``on_evaluation``: the W&B table).
+
+A run without held-out problems (``--run.num-eval-problems 0``, or no evaluator stage) evaluates
+nothing: no accuracy is logged, and ``summary.json`` has no accuracy entries.
 """
 
 from __future__ import annotations
@@ -44,8 +47,11 @@ class Evaluations:
         """``evaluates``: this rank evaluates (a rank of the evaluator's first replica); ``reports``:
         it logs each evaluation (the first of them); ``wall_start``: when this segment of the run
         started (``time.time()``), for ``elapsed``."""
-        self.evaluator, self.stage = evaluator, stage
+        # No held-out problems: nothing to evaluate (no accuracy of an empty set is reported).
+        self.evaluator, self.stage = evaluator, stage if heldout else None
         self.heldout, self.score, self.run_dir = heldout, score, run_dir
+        self.on_evaluation: Callable[[int, float, Path], None] | None = None
+        """Called on the reporting rank after each evaluation: (step, accuracy, its samples file)."""
         self.rank, self.evaluates, self.reports = rank, evaluates, reports
         self.eval_every, self.max_steps, self.device_guard = run.eval_every, run.max_steps, run.device_guard
         self.resume, self.wall_start = resume, wall_start
@@ -81,6 +87,8 @@ class Evaluations:
         self.spans.append({"executor": self.stage, "rank": self.rank, "step": step, "start": start,
                            "end": time.time(), "kind": "eval"})
         self.record(step, accuracy)
+        if self.reports and self.on_evaluation is not None:
+            self.on_evaluation(step, accuracy, self.run_dir / samples_name)
         return accuracy
 
     def record(self, step: int, accuracy: float) -> None:
@@ -95,6 +103,8 @@ class Evaluations:
         run's weights are not the base model's: it reuses the first run's base evaluation, and makes
         the evaluation due at its checkpoint's step if the interrupted run died before it."""
         resume_dir, start_step = self.resume.directory, self.resume.step
+        if self.stage is None:
+            return
         if resume_dir is None:
             self.base_accuracy = self.evaluate(0, "eval_base.jsonl")
             return
@@ -111,13 +121,13 @@ class Evaluations:
     def between_ticks(self, step: int) -> None:
         """The evaluation due after ``step`` ticks, on the ranks that evaluate (collective over the
         evaluator's TP group), under the device guard (``--run.device-guard``)."""
-        if self.evaluates:
+        if self.evaluates and self.stage is not None:
             with torch.device("meta") if self.device_guard else contextlib.nullcontext():
                 self.evaluate(step, f"eval_step_{step}.jsonl")
 
     def final(self) -> None:
         """After the last tick, with the final weights (the caller holds the device guard)."""
-        if self.evaluates:
+        if self.evaluates and self.stage is not None:
             self.final_accuracy = self.evaluate(self.max_steps, "eval_final.jsonl")
 
     def summary(self) -> dict:

@@ -61,16 +61,21 @@ def load_policy(base: str, *, weights_dir: str | Path | None = None, dtype: torc
 @torch.no_grad()
 def score_samples(engine, tokenizer, *, problems: list[Problem], prompts: list[list[int]], score: Score,
                   sampling: SamplingParams, copies: int = 1, chunk: int = 64, version: int = 0,
-                  generator: torch.Generator | None = None) -> tuple[list[list[float]], list[str]]:
+                  generator: torch.Generator | None = None,
+                  segments: list | None = None) -> tuple[list[list[float]], list[str]]:
     """Generate ``copies`` completions of each prompt (``prompts[i]`` is ``problems[i]``'s) with
     ``engine`` (any engine with ``generate(requests, sampling=, version=, generator=)``), at most
     ``chunk`` sequences a batch, and score each against its problem's answer (a ``TrajectoryScore``:
     its ``Trajectory`` against the problem). Returns the scores
-    (``[problem][copy]``) and the decoded texts (sample id ``i * copies + j``)."""
+    (``[problem][copy]``) and the decoded texts (sample id ``i * copies + j``); ``segments``, a
+    list, is filled likewise with each completion's ``Trajectory.segments`` (the policy's text and
+    the environment's observations apart)."""
     requests = [Request(sample_id=i * copies + j, prompt_ids=list(prompts[i]))
                 for i in range(len(problems)) for j in range(copies)]
     scores = [[0.0] * copies for _ in problems]
     texts: list[str] = [""] * len(requests)
+    if segments is not None:
+        segments[:] = [[] for _ in requests]
     for lo in range(0, len(requests), chunk):
         kwargs = {"generator": generator} if generator is not None else {}
         outs = engine.generate(requests[lo : lo + chunk], sampling=sampling, version=version, **kwargs)
@@ -78,8 +83,12 @@ def score_samples(engine, tokenizer, *, problems: list[Problem], prompts: list[l
         for out, text in zip(outs, decoded):
             i, j = divmod(out.sample_id, copies)
             texts[out.sample_id] = text
+            trajectory = trajectory_of(out, tokenizer) if segments is not None or isinstance(score, TrajectoryScore) \
+                else None
+            if segments is not None:
+                segments[out.sample_id] = trajectory.segments
             if isinstance(score, TrajectoryScore):
-                scores[i][j] = float(score(trajectory_of(out, tokenizer), problems[i]))
+                scores[i][j] = float(score(trajectory, problems[i]))
             else:
                 scores[i][j] = float(score(text, problems[i].answer))
     return scores, texts

@@ -117,9 +117,13 @@ class MetricsLogger:
         self.jsonl.write(json.dumps(record) + "\n")
         self.jsonl.flush()
         if self.writer is not None:
-            for key, value in metrics.items():
-                section = self.specs[key].section if key in self.specs else "misc"
-                self.writer.add_scalar(f"{self.executor}/{section}/{key}", float(value), step)
+            for tag, value in self.tags(metrics).items():
+                self.writer.add_scalar(tag, value, step)
+
+    def tags(self, metrics: dict[str, float]) -> dict[str, float]:
+        """``metrics`` under their TensorBoard tags, ``<executor>/<section>/<key>`` (also W&B's keys)."""
+        return {f"{self.executor}/{self.specs[key].section if key in self.specs else 'misc'}/{key}": float(value)
+                for key, value in metrics.items()}
 
     def close(self) -> None:
         self.jsonl.close()

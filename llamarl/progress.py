@@ -10,6 +10,12 @@ tick's channels pair every executor with its producer and consumer anyway.
 On a terminal, rank 0 draws a tqdm bar (ETA, rate) with the headline numbers as its postfix;
 elsewhere (a log file, CI) it logs one line per tick instead. Other ranks print nothing per tick:
 their full metrics are in ``<run>/metrics/<executor>.jsonl`` and TensorBoard.
+
+Every number shown is the tick's own. Some have a short name (``SHORT_NAMES``); a stage reporting
+``env_tool_errors`` and ``env_tool_calls`` shows them together as ``tool_err=<failed>/<calls>``
+(this tick's tool calls that raised or timed out, ``env_tool_errors + env_tool_timeouts``, of all
+of them), so that a run whose tools all fail cannot look healthy; the first tick where every call
+failed also logs a warning.
 """
 
 from __future__ import annotations
@@ -22,6 +28,26 @@ import torch.distributed as dist
 
 logger = logging.getLogger("llamarl.progress")
 
+SHORT_NAMES = {"env_tool_errors": "tool_err", "env_tool_calls": "tool_calls", "env_turns_mean": "turns"}
+"""Metric -> the name the progress line shows it under."""
+
+
+def progress_text(shown: dict[str, float]) -> str:
+    """The progress line's ``name=value`` pairs of the gathered ``stage/metric`` values (module docstring)."""
+    parts = []
+    for name, value in shown.items():
+        stage, _, key = name.rpartition("/")
+        prefix = f"{stage}/" if stage else ""
+        calls = shown.get(f"{prefix}env_tool_calls")
+        if key in ("env_tool_calls", "env_tool_timeouts") and f"{prefix}env_tool_errors" in shown:
+            continue  # shown with the errors
+        if key == "env_tool_errors" and calls is not None:
+            failed = value + shown.get(f"{prefix}env_tool_timeouts", 0.0)
+            parts.append(f"{prefix}tool_err={failed:.4g}/{calls:.4g}")
+        else:
+            parts.append(f"{prefix}{SHORT_NAMES.get(key, key)}={value:.4g}")
+    return " ".join(parts)
+
 
 class Progress:
     """Collects the headline numbers of every stage on global rank 0 and shows them."""
@@ -31,6 +57,7 @@ class Progress:
         """``keys``: ``(stage, metric)`` pairs in display order (the same list on every rank)."""
         self.keys, self.max_steps, self.rank, self.device = keys, max_steps, rank, device
         self.latest: dict[str, float] = {}
+        self.warned_tools = False
         self.bar = None
         if rank == 0 and (sys.stderr.isatty() if use_bar is None else use_bar):
             from tqdm import tqdm
@@ -55,13 +82,29 @@ class Progress:
         shown = {f"{stage}/{key}": gathered[i] for i, (stage, key) in enumerate(self.keys)
                  if gathered[len(self.keys) + i] > 0}
         self.latest.update(shown)
-        text = " ".join(f"{name}={value:.4g}" for name, value in shown.items())
+        text = progress_text(shown)
+        self._warn_tools(step, shown)
         if self.bar is not None:
             self.bar.set_postfix_str(text, refresh=False)
             self.bar.update(1)
         else:
             logger.info("[%3d/%d] %s", step + 1, self.max_steps, text)
         return shown
+
+    def _warn_tools(self, step: int, shown: dict[str, float]) -> None:
+        """Once per run: a warning the first tick where every tool call of a stage failed."""
+        if self.warned_tools:
+            return
+        for name, errors in shown.items():
+            if name.endswith("env_tool_errors"):
+                calls = shown.get(name.removesuffix("errors") + "calls", 0.0)
+                errors += shown.get(name.removesuffix("errors") + "timeouts", 0.0)
+                if calls > 0 and errors >= calls:
+                    self.warned_tools = True
+                    logger.warning("tick %d: every tool call failed (%d of %d; env_tool_errors and "
+                                   "env_tool_timeouts in metrics/%s.jsonl, the lines above say why)",
+                                   step, errors, calls, name.split("/")[0])
+                    return
 
     def close(self) -> None:
         if self.bar is not None:

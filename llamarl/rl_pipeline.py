@@ -42,7 +42,7 @@ from llamarl.runner import run_pipeline
 
 logger = logging.getLogger(__name__)
 
-GENERATOR_HEADLINE = ("gen_tokens_per_s",)
+GENERATOR_HEADLINE = ("gen_tokens_per_s", "env_tool_errors", "env_tool_timeouts", "env_tool_calls", "env_turns_mean")
 REWARD_HEADLINE = ("reward_mean", "accuracy")
 TRAINER_HEADLINE = ("loss", "staleness_mean", "train_tokens_per_s")
 

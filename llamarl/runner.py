@@ -11,8 +11,9 @@ and runs the controller. Each of the run's other jobs is one object of its own m
   held-out problems before training, every ``--run.eval-every`` ticks and after the last tick (with
   the final weights), on every rank of its first data-parallel replica (collective over a TP
   group), and the history a resumed run continues;
-- ``RunLog`` (``llamarl/run_log.py``): each tick's spans, metrics (JSONL + TensorBoard per executor)
-  and rank 0's progress line;
+- ``RunLog`` (``llamarl/run_log.py``): each tick's spans, metrics (JSONL + TensorBoard per executor,
+  and W&B with ``--run.wandb-project``), training samples (``--run.log-samples``) and rank 0's
+  progress line;
 - ``RunCheckpoints`` (``llamarl/run_checkpoints.py``): checkpoints, exports, liveness and the device
   guard as the controller's ``Upkeep``, and the runner's state in each checkpoint;
 - ``RunSummary`` (``llamarl/run_summary.py``): ``summary.json``, the Chrome trace and the timeline
@@ -85,7 +86,9 @@ def run_pipeline(pipeline: Pipeline, config: RunSections, *, recipe: str, heldou
                               resume=resume, wall_start=wall_start)
     log = RunLog(contexts=contexts, run_dir=directory.path, start_step=resume.step, weight_channels=init_channels,
                  progress=Progress(keys=pipeline.headline_keys(), max_steps=run.max_steps, start_step=resume.step,
-                                   rank=ctx.rank, device=ctx.world_device))
+                                   rank=ctx.rank, device=ctx.world_device),
+                 run=run, executors=executors, reporter_rank=reporter_rank)
+    evaluations.on_evaluation = log.evaluated  # each evaluation's accuracy and rollouts to W&B
     checkpoints = RunCheckpoints(config.checkpoint, config.export, run=run, run_dir=directory.path,
                                  evaluations=evaluations, ctx=ctx, reporter_rank=reporter_rank)
     controller = ExecutorController(contexts, executors, channels, max_steps=run.max_steps,

@@ -52,3 +52,11 @@ class RankDigitsEnv(DigitsEnv):
 
         answered = super().step(state, turn)
         return Turn(observation=f" r{os.environ['RANK']}", state=answered.state, done=answered.done)
+
+
+class BrokenToolEnv(DigitsEnv):
+    """``DigitsEnv`` whose tool always raises: every call is a counted tool error (the progress line
+    shows ``tool_err=<calls>/<calls>``)."""
+
+    def step(self, state: dict, turn: str) -> Turn:
+        raise RuntimeError("the tool is broken")

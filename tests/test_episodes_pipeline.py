@@ -35,13 +35,15 @@ def test_episodes_call_the_tools_and_train(tmp_path, model_dir, nproc, schedule)
     check(run_torchrun("e2e_arithmetic.py", nproc=nproc, timeout_s=300, env=ENV,
                        args=flags(model_dir, out, "--run.max-steps", "3", *schedule)))
     generator = read_jsonl(out / "metrics" / "generator.jsonl")
-    calls = [r["env_tool_calls"] for r in generator]
-    assert calls == sorted(calls) and calls[-1] >= 6, calls  # cumulative, and the tools were used
+    calls, totals = [r["env_tool_calls"] for r in generator], [r["env_tool_calls_total"] for r in generator]
+    assert totals == sorted(totals) and totals[-1] >= 6, totals  # cumulative, and the tools were used
+    assert [sum(calls[: i + 1]) for i in range(len(calls))] == totals, (calls, totals)  # per tick
     if nproc == 1:  # every episode of a tick is emitted in it: the calls are the emitted episodes' turns
         # (the base evaluation's episodes, before tick 0, are not counted)
         turns = [r.get("env_turns_mean", 0) * r["gen_emitted_samples"] for r in generator]
-        assert [b - a for a, b in zip([0, *calls], calls)] == pytest.approx(turns), (calls, turns)
+        assert calls == pytest.approx(turns), (calls, turns)
     assert all(r["env_tool_errors"] == 0 and r["env_tool_timeouts"] == 0 for r in generator)
+    assert all(r["env_tool_errors_total"] == 0 and r["env_tool_timeouts_total"] == 0 for r in generator)
     assert all(0 <= r["env_samples_with_observation"] <= r["gen_emitted_samples"] for r in generator)
     assert sum(r["env_samples_with_observation"] for r in generator) > 0
     trainer = [r for r in read_jsonl(out / "metrics" / "trainer.jsonl") if "loss" in r]

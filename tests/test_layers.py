@@ -4,7 +4,8 @@ The layers, lowest first (``LAYERS`` below is the rule as data; a module belongs
 its longest matching name, and may import its own layer and any lower one):
 
 1. foundation: the payload (``batch``), shard boxes (``boxes``), the name registry, the logger,
-   checkpoint files and sharded state, metrics files and the progress line. They import nothing of
+   checkpoint files and sharded state, metrics files, the progress line, the training-sample log
+   and the Weights & Biases logger. They import nothing of
    llamarl above them, so anything may use them.
 2. ``data``: problems, prompts, datasets, micro-batch packing, the ``\\boxed{}`` parser.
 3. ``models``: loading, FSDP2 / TP sharding, per-token log-probs, micro-batched forwards,
@@ -37,7 +38,8 @@ ROOT = Path(__file__).resolve().parents[1]
 
 LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("foundation", ("llamarl", "llamarl.batch", "llamarl.boxes", "llamarl.registry", "llamarl.log",
-                    "llamarl.checkpoint", "llamarl.sharded_state", "llamarl.metrics", "llamarl.progress")),
+                    "llamarl.checkpoint", "llamarl.sharded_state", "llamarl.metrics", "llamarl.progress",
+                    "llamarl.sample_log", "llamarl.wandb_log")),
     ("data", ("llamarl.data",)),
     ("models", ("llamarl.models",)),
     ("algorithms", ("llamarl.algorithms",)),

@@ -72,6 +72,7 @@ from llamarl.models.loading import load_causal_lm, load_causal_lm_layout, stop_t
 from llamarl.models.tensor_parallel import apply_tensor_parallel
 from llamarl.rewards.trajectory import trajectory_of
 from llamarl.run_plan import check_wait_meets_lag
+from llamarl.sample_log import turns_of
 
 logger = logging.getLogger("llamarl.generator")
 
@@ -136,6 +137,9 @@ GENERATOR_METRICS = {
     "env_tool_calls": MetricSpec("environment", "sum"),
     "env_tool_errors": MetricSpec("environment", "sum"),
     "env_tool_timeouts": MetricSpec("environment", "sum"),
+    "env_tool_calls_total": MetricSpec("environment", "sum"),
+    "env_tool_errors_total": MetricSpec("environment", "sum"),
+    "env_tool_timeouts_total": MetricSpec("environment", "sum"),
     "env_samples_with_observation": MetricSpec("environment", "sum"),
     "env_turns_mean": MetricSpec("environment", "mean", weight="gen_emitted_samples"),
     "gen_version": MetricSpec("rollouts", "max"),
@@ -146,9 +150,12 @@ GENERATOR_METRICS = {
 }
 """The generator's metrics and their reduction over its ranks: work and counters add up over the
 data-parallel replicas (TP peers do not report them, see ``_PER_REPLICA``); the data position and
-the version are shared."""
+the version are shared. The ``env_*`` metrics are per tick (this tick's tool calls, errors and
+timeouts, emitted episodes with an observation, turns per emitted episode) except the
+``env_tool_*_total`` counters, cumulative over the run (a resumed run continues them)."""
 _PER_REPLICA = ("gen_new_tokens", "gen_tokens_per_s", "gen_carried", "gen_restarted_stale", "gen_skipped_prompts",
-                "env_tool_calls", "env_tool_errors", "env_tool_timeouts")
+                "env_tool_calls", "env_tool_errors", "env_tool_timeouts",
+                "env_tool_calls_total", "env_tool_errors_total", "env_tool_timeouts_total")
 
 
 class GeneratorExecutor(Executor):
@@ -376,6 +383,7 @@ class GeneratorExecutor(Executor):
 
     def step(self) -> None:
         start = time.perf_counter()
+        tools_before = self._tool_counts()  # the env_tool_* metrics are this tick's calls
         self._restart_stale_groups()
         requests = self.carried + self._new_requests()
         outputs = self.engine.generate(requests, sampling=self.sampling(), version=self.version,
@@ -415,8 +423,10 @@ class GeneratorExecutor(Executor):
                         "gen_skipped_prompts": float(self.skipped_prompts),
                         "gen_restarted_stale": float(self.restarted_stale),
                         "data_skipped_rows": float(getattr(self.task, "num_skipped_rows", 0))}
-        if self.episodes is not None:  # cumulative over the run (a resumed run continues them)
-            self.metrics.update({f"env_tool_{key}": float(value) for key, value in self._tool_counts().items()})
+        if self.episodes is not None:  # this tick's, and cumulative over the run (a resumed run continues them)
+            for key, value in self._tool_counts().items():
+                self.metrics[f"env_tool_{key}"] = float(value - tools_before.get(key, 0))
+                self.metrics[f"env_tool_{key}_total"] = float(value)
             # emitted samples whose episode got at least one observation (a tool's answer)
             self.metrics["env_samples_with_observation"] = float(
                 sum(0 in sampled_mask(c) for c in completions) if emits else 0)
@@ -437,7 +447,8 @@ class GeneratorExecutor(Executor):
 
         With ``tp > 1`` it is collective over this rank's TP group: every rank of the group must
         call it with the same problems (each returns the same accuracy). ``samples_path`` gets one
-        JSON line per problem (question, reference, completion, score) for inspection.
+        JSON line per problem (question, reference, completion, score, and ``turns``: the completion
+        split into the policy's text and the environment's observations, ``llamarl.sample_log``).
         """
         greedy = SamplingParams(temperature=0.0, max_new_tokens=self.config.max_new_tokens)
         prompts = [list(self.prompt_fn(self.tokenizer, p.question)) for p in problems]
@@ -446,9 +457,11 @@ class GeneratorExecutor(Executor):
             training_problems, episodes.problem_of = episodes.problem_of, problems.__getitem__
             # The env_tool_* metrics count training episodes: the evaluation's calls are not theirs.
             training_counts = episodes.tools.counts()
+        segments: list = []
         try:
             scores, texts = score_samples(self.engine, self.tokenizer, problems=problems, prompts=prompts,
-                                          score=score, sampling=greedy, chunk=chunk, version=self.version)
+                                          score=score, sampling=greedy, chunk=chunk, version=self.version,
+                                          segments=segments if samples_path is not None else None)
         finally:
             if episodes is not None:
                 episodes.problem_of = training_problems
@@ -456,6 +469,7 @@ class GeneratorExecutor(Executor):
         correct = sum(s[0] for s in scores)
         if samples_path is not None:
             samples_path.write_text("".join(
-                json.dumps({"question": p.question, "reference": p.answer, "completion": t, "score": s[0]}) + "\n"
-                for p, t, s in zip(problems, texts, scores)))
+                json.dumps({"question": p.question, "reference": p.answer, "completion": t, "score": s[0],
+                            "turns": turns_of(g)}) + "\n"
+                for p, t, s, g in zip(problems, texts, scores, segments)))
         return correct / max(len(problems), 1)
