@@ -331,11 +331,6 @@ class RunConfig:
     """Debug: run every executor step, channel and evaluation with torch's default device set to
     ``meta``, so that a tensor created without an explicit device fails loudly when it meets a real
     one (the bug that crashes on a GPU). The test suite runs its CPU worlds with it."""
-
-    def __post_init__(self) -> None:
-        _check(self.max_steps >= 0, f"--run.max-steps must be >= 0, got {self.max_steps}")
-        _check(self.collective_timeout_s > 0, "--run.collective-timeout-s must be > 0")
-        _check(self.liveness_timeout_s > 0, "--run.liveness-timeout-s must be > 0")
     log_samples: int = 0
     """Write this many training samples each tick to ``<run>/samples.jsonl`` (the first rows the
     trainer's first rank receives): the prompt, each turn split into the policy's text and the
@@ -348,11 +343,16 @@ class RunConfig:
     """The W&B run's name (default: the run directory's name)."""
     wandb_entity: str | None = None
     """The W&B entity (user or team) owning the project (default: the logged-in user's)."""
-        _check(self.eval_every >= 0, f"--run.eval-every must be >= 0, got {self.eval_every}")
-        _check(self.num_eval_problems >= 0, f"--run.num-eval-problems must be >= 0, got {self.num_eval_problems}")
+
+    def __post_init__(self) -> None:
         _check(self.log_samples >= 0, f"--run.log-samples must be >= 0, got {self.log_samples}")
         _check(self.wandb_project is None or self.wandb_project.strip() != "",
                "--run.wandb-project must be a non-empty name")
+        _check(self.max_steps >= 0, f"--run.max-steps must be >= 0, got {self.max_steps}")
+        _check(self.collective_timeout_s > 0, "--run.collective-timeout-s must be > 0")
+        _check(self.liveness_timeout_s > 0, "--run.liveness-timeout-s must be > 0")
+        _check(self.eval_every >= 0, f"--run.eval-every must be >= 0, got {self.eval_every}")
+        _check(self.num_eval_problems >= 0, f"--run.num-eval-problems must be >= 0, got {self.num_eval_problems}")
 
 
 @dataclass
