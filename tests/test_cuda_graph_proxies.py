@@ -266,7 +266,7 @@ def _compute_ops_per_layer(compute_ops) -> float:
     for layers in (2, 4):
         decoder = StaticDecoder(build_tiny_llama(seed=0, vocab_size=128, num_layers=layers), compiled=False)
         state = decoder.new_state(capacity=4, positions=32)
-        counts[layers] = compute_ops(lambda: decoder.step(state, 4))
+        counts[layers] = compute_ops(lambda decoder=decoder, state=state: decoder.step(state, 4))
     return (counts[4] - counts[2]) / 2
 
 

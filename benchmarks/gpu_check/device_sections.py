@@ -172,8 +172,6 @@ def decode(sizes: Sizes, save) -> dict:
     import generation
     import torch
 
-    from llamarl.engines.torch_engine import TorchEngine
-
     device, rows, new_tokens = sizes.device, list(sizes.decode_rows), sizes.decode_new_tokens
     model = build_model(sizes.shape, dtype=sizes.dtype, device=device)
     tok = IdsTokenizer(sizes.shape["vocab_size"])
