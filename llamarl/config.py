@@ -140,6 +140,11 @@ class RewardConfig:
     """Scoring processes per rank the reward runs on (its own or the trainer's; 0 scores inline, without timeouts)."""
     timeout_s: float = 5.0
     """Per-sample scoring timeout; a timeout scores 0 and is counted."""
+    scorer: str | None = None
+    """A text scorer ``(completion, reference) -> float``, by registered name (``arithmetic``,
+    ``gsm8k``, ``math``) or ``module:function`` (your own file, importable: on ``PYTHONPATH`` or in
+    the directory you run from); it replaces the recipe's own, for training and the greedy
+    evaluations. None: the recipe's. ``recipes.task`` needs this or ``--reward.trajectory-scorer``."""
     trajectory_scorer: str | None = None
     """A scorer of the whole episode and its problem, ``(trajectory, problem) -> float``
     (llamarl/rewards/trajectory.py), by registered name (built in: ``env``, the environment's own
@@ -147,10 +152,10 @@ class RewardConfig:
     greedy evaluations. None: the recipe's scorer of ``(completion text, reference)``."""
 
     def __post_init__(self) -> None:
-        if self.trajectory_scorer is not None:
-            from llamarl.rewards.trajectory import resolve_trajectory_scorer
-
-            resolve_trajectory_scorer(self.trajectory_scorer)  # an unknown name fails at the flag
+        # The references themselves are resolved before any rank starts, one line each
+        # (llamarl/config_checks.py: check_scorers), not here inside tyro's error box.
+        _check(self.scorer is None or self.trajectory_scorer is None,
+               "--reward.scorer and --reward.trajectory-scorer both replace the recipe's scorer: set one")
         _check(self.num_ranks >= 0, f"--reward.num-ranks must be >= 0 (0: on the trainer's ranks), got {self.num_ranks}")
         _check(self.device == "auto" or self.num_ranks > 0, "--reward.device cpu needs --reward.num-ranks N > 0 "
                "(on the trainer's ranks the reward uses the trainer's device)")

@@ -36,6 +36,7 @@ from llamarl.executors.generator import GeneratorExecutor, PromptFn, Task
 from llamarl.executors.reward import RewardExecutor
 from llamarl.executors.trainer import TrainerExecutor
 from llamarl.pipeline import ChannelSpec, Pipeline, Stage
+from llamarl.rewards import resolve_scorer
 from llamarl.rewards.trajectory import TrajectoryScore, resolve_trajectory_scorer
 from llamarl.run_plan import plan_run
 from llamarl.runner import run_pipeline
@@ -186,16 +187,20 @@ def run_rl(config: RLConfig, *, recipe: str, task: Task, heldout: list[Problem],
     the summary dict on global rank 0, else None. A configuration that cannot run raises ValueError
     before any process group: a configuration error under ``llamarl.errors.config_errors``.
     ``scorer`` (training) and ``score`` (evaluations) are the recipe's text scorer; a recipe scored
-    only by ``--reward.trajectory-scorer`` passes None for both, and then needs that flag."""
+    only by the user's (``--reward.scorer`` or ``--reward.trajectory-scorer``, which replace the
+    recipe's) passes None for both, and then needs one of those flags."""
     validate_config(config)
-    if (scorer is None or score is None) and config.reward.trajectory_scorer is None:
-        raise ValueError(f"recipe {recipe} has no text scorer: set --reward.trajectory-scorer")
+    if (scorer is None or score is None) and config.reward.trajectory_scorer is None and config.reward.scorer is None:
+        raise ValueError(f"recipe {recipe} has no scorer of its own: set --reward.scorer module:function "
+                         "(completion, reference) -> float, or --reward.trajectory-scorer")
     return run_pipeline(rl_pipeline(config, task=task, scorer=scorer, prompt_fn=prompt_fn), config,
                         recipe=recipe, heldout=heldout, score=evaluation_score(config, score))
 
 
 def evaluation_score(config: RLConfig, score: Callable[[str, str], float] | None) -> Callable[[str, str], float] | None:
-    """What the evaluations score with: the recipe's text scorer ``score``, or the trajectory scorer
-    ``--reward.trajectory-scorer``, which replaces it in evaluations as in training."""
+    """What the evaluations score with: the recipe's text scorer ``score``, or the one that replaces
+    it in evaluations as in training: ``--reward.trajectory-scorer``, else ``--reward.scorer``."""
     name = config.reward.trajectory_scorer
-    return score if name is None else TrajectoryScore(resolve_trajectory_scorer(name))
+    if name is not None:
+        return TrajectoryScore(resolve_trajectory_scorer(name))
+    return score if config.reward.scorer is None else resolve_scorer(config.reward.scorer)

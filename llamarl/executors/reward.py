@@ -50,12 +50,14 @@ def set_balance_tokens(batch: TensorBatch) -> None:
 
 
 def build_pool(config: RewardConfig, scorer: str | None) -> RewardPool:
-    """The scoring pool of ``config``: its trajectory scorer when set, else the text ``scorer``."""
+    """The scoring pool of ``config``: its trajectory scorer when set, else its text scorer
+    (``--reward.scorer``) when set, else the recipe's text ``scorer``."""
     if config.trajectory_scorer is not None:
         return RewardPool(config.trajectory_scorer, num_workers=config.num_workers, timeout_s=config.timeout_s,
                           kind="trajectory")
+    scorer = config.scorer or scorer
     if scorer is None:
-        raise ValueError("no scorer: the recipe has no text scorer and --reward.trajectory-scorer is not set")
+        raise ValueError("no scorer: the recipe has no text scorer; set --reward.scorer or --reward.trajectory-scorer")
     return RewardPool(scorer, num_workers=config.num_workers, timeout_s=config.timeout_s)
 
 

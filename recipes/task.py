@@ -1,0 +1,146 @@
+"""Your own task from one file and one command: a dataset, a scorer, optionally tools, by reference.
+
+    torchrun --standalone --nproc-per-node 1 -m recipes.task --run.schedule colocated \\
+        --task.dataset data.jsonl --task.prompt-field question --task.answer-field answer \\
+        --reward.scorer my_task:score
+
+(docs/your_own_task.md walks through it, a tool task included.) The pieces:
+
+- ``--task.dataset``: a local JSONL / JSON / Parquet / Arrow file (or a ``save_to_disk``
+  directory), or a Hugging Face dataset ``name[:config][@split]`` (llamarl/data/task_dataset.py).
+  Each row gives the prompt (``--task.prompt-field``, or ``--task.prompt-template`` formatted with
+  the row's fields) and the reference answer (``--task.answer-field``).
+- The evaluation: ``--task.eval-dataset`` (same forms, split ``test`` by default), else
+  ``--task.eval-fraction`` of the rows held out by a seeded shuffle; the greedy evaluations before
+  and after training (and every ``--run.eval-every``) use the first ``--run.num-eval-problems``.
+- The prompt: the row's text as the user turn of the model's chat template, after
+  ``--task.system-prompt`` if given (with ``--env.tools``, the tools' schemas in that template).
+- The reward: ``--reward.scorer module:function``, ``(completion: str, reference: str) -> float``,
+  or ``--reward.trajectory-scorer module:function``, ``(trajectory, problem) -> float``
+  (llamarl/rewards/trajectory.py: the turns, the tool answers, the environment's reward).
+- Episodes: ``--env.name module:Class`` or ``--env.tools module:fn,...``, as in every recipe.
+
+Every reference is resolved before any rank starts: an unknown module or function, a missing
+dataset file, a field no row has, is one line (``llamarl: config error: --flag value: what is
+wrong``) and exit code 2 (through ``torchrun/local.sh``, torchrun never starts: llamarl/preflight.py).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import tyro
+
+from llamarl.config import GeneratorConfig, RLConfig, RunConfig, TrainerConfig
+from llamarl.config_checks import check_scorers
+from llamarl.data.problem_list import ListTask
+from llamarl.data.prompts import Problem, build_chat_prompt
+from llamarl.data.task_dataset import load_rows, rows_to_problems, split_heldout, template_fields
+from llamarl.errors import config_errors, parse_flags
+from llamarl.rl_pipeline import run_rl
+
+FLAGS = {"dataset": "--task.dataset", "prompt_field": "--task.prompt-field", "answer_field": "--task.answer-field",
+         "prompt_template": "--task.prompt-template"}
+
+
+@dataclass
+class TaskSection:
+    """Your task's data and prompt (see the module docstring of ``recipes/task.py``)."""
+
+    dataset: str | None = None
+    """The training rows: a local ``.jsonl`` / ``.json`` / ``.parquet`` / ``.arrow`` / ``.csv`` file, a
+    ``save_to_disk`` directory, or a Hugging Face dataset ``name[:config][@split]`` (split ``train``
+    by default). Required."""
+    prompt_field: str = "question"
+    """The row field holding the prompt text (used when ``--task.prompt-template`` is not set)."""
+    answer_field: str = "answer"
+    """The row field holding the reference answer: what the scorer gets as ``reference`` (a non-string
+    value as JSON)."""
+    prompt_template: str | None = None
+    """The user turn as a Python format string of the row's fields, e.g. ``"Convert {value} {from_unit}
+    to {to_unit}."``; None: the prompt field's text as it is."""
+    system_prompt: str | None = None
+    """A system turn before the user turn (chat templates; without one it is prepended as plain text)."""
+    eval_dataset: str | None = None
+    """The evaluation rows, in any form ``--task.dataset`` takes (a Hub name's split defaults to
+    ``test``); None: ``--task.eval-fraction`` of the training rows are held out instead."""
+    eval_fraction: float = 0.1
+    """Without ``--task.eval-dataset``: this fraction of the rows (at least one, seeded by
+    ``--run.seed``) is held out of training for the greedy evaluations; 0 holds none out."""
+    max_train_problems: int | None = None
+    """Train on only the first this many rows (None: all)."""
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.eval_fraction < 1:
+            raise ValueError(f"--task.eval-fraction must be in [0, 1), got {self.eval_fraction}")
+        if self.max_train_problems is not None and self.max_train_problems < 1:
+            raise ValueError(f"--task.max-train-problems must be >= 1, got {self.max_train_problems}")
+
+
+@dataclass
+class TaskConfig(RLConfig):
+    """RL on your own task: a dataset, a scorer and optionally tools, each given by reference."""
+
+    task: TaskSection = field(default_factory=TaskSection)
+    generator: GeneratorConfig = field(default_factory=lambda: GeneratorConfig(
+        num_prompts_per_step=16, samples_per_prompt=4, max_new_tokens=64, temperature=0.8, dtype="bfloat16",
+        num_threads=1))
+    trainer: TrainerConfig = field(default_factory=lambda: TrainerConfig(lr=1.5e-5, param_dtype="bfloat16",
+                                                                          num_threads=2))
+    run: RunConfig = field(default_factory=lambda: RunConfig(max_steps=30, num_eval_problems=64))
+
+
+def make_prompt_fn(system: str | None):
+    """``prompt_fn(tokenizer, question)``: the question as the user turn of the chat template, after
+    ``system`` (``build_chat_prompt``; with ``--env.tools`` the generator adds the tools' schemas to
+    that template call: llamarl/environments/function_tools.py)."""
+
+    def prompt_fn(tokenizer, question: str) -> list[int]:
+        return build_chat_prompt(tokenizer, question, system=system)
+    return prompt_fn
+
+
+def load_task(config: TaskConfig) -> tuple[ListTask, list[Problem]]:
+    """The training task and the held-out problems of ``config.task``, after checking every reference
+    (the scorers, the tools' functions, the dataset and its fields); ValueError (one line naming the
+    flag) otherwise. Sets ``--run.num-eval-problems`` to the held-out count when there are fewer."""
+    task, run = config.task, config.run
+    if config.reward.scorer is None and config.reward.trajectory_scorer is None:
+        raise ValueError("recipes.task needs a reward: --reward.scorer module:function, (completion, reference) "
+                         "-> float, or --reward.trajectory-scorer module:function, (trajectory, problem) -> float")
+    check_scorers(config.reward)
+    if task.dataset is None:
+        raise ValueError("recipes.task needs --task.dataset: a JSONL / Parquet / Arrow file or a Hugging Face "
+                         "dataset name[:config][@split]")
+    if task.prompt_template is not None:
+        template_fields(task.prompt_template, FLAGS["prompt_template"])
+    fields = {"prompt_field": task.prompt_field, "answer_field": task.answer_field, "prompt_template": task.prompt_template}
+    problems = rows_to_problems(load_rows(task.dataset, flag=FLAGS["dataset"]), flags=FLAGS, **fields)
+    if task.eval_dataset is not None:
+        train = problems
+        heldout = list(rows_to_problems(load_rows(task.eval_dataset, flag="--task.eval-dataset", default_split="test"),
+                                        flags={**FLAGS, "dataset": "--task.eval-dataset"}, **fields))
+    else:
+        train, heldout = split_heldout(problems, fraction=task.eval_fraction, seed=run.seed)
+    if task.max_train_problems is not None:
+        skipped, train = train.num_skipped_rows, type(train)(train[: task.max_train_problems])
+        train.num_skipped_rows = skipped
+    if run.num_eval_problems > len(heldout):
+        if not heldout:
+            raise ValueError(f"--run.num-eval-problems {run.num_eval_problems}: no problem is held out for "
+                             "evaluation; set --task.eval-dataset or --task.eval-fraction > 0, or "
+                             "--run.num-eval-problems 0")
+        run.num_eval_problems = len(heldout)
+    return ListTask(train, seed=run.seed), heldout[: run.num_eval_problems]
+
+
+def main(config: TaskConfig) -> dict | None:
+    task, heldout = load_task(config)
+    prompt_fn = make_prompt_fn(config.task.system_prompt)
+    # No scorer of the recipe's own: --reward.scorer or --reward.trajectory-scorer replaces it.
+    return run_rl(config, recipe="task", task=task, heldout=heldout, score=None, scorer=None, prompt_fn=prompt_fn)
+
+
+if __name__ == "__main__":
+    with config_errors():
+        main(parse_flags(tyro.cli, TaskConfig))
