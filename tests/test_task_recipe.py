@@ -6,7 +6,7 @@ through the generic recipe, and docs/your_own_task.md's commands run as written.
   seeded and disjoint; every mistake is one line naming its flag.
 - The references (``--reward.scorer`` / ``--reward.trajectory-scorer``): resolved before any rank
   starts, one line naming the flag (unknown module, unknown function, wrong signature).
-- Worlds: the doc's single-turn task (its ``my_task.py`` and its commands, run from a directory of
+- Worlds: the doc's single-turn and tool tasks (its ``my_task.py`` and its commands, run from a directory of
   their own, plus flags for the tiny model and two ticks); a task of the test's own whose
   trajectory scorer gives mixed rewards, so the policy really trains; the bad inputs through
   ``torchrun/local.sh`` (the doc's launch-script line): one line on stderr, exit 2, no rank started.
@@ -296,7 +296,7 @@ def test_a_task_in_one_file_outside_the_repository_trains(tmp_path, model_dir):
     (("my_task:score", "my_tsk:score"), ("--reward.scorer my_tsk:score: no module named 'my_tsk' (run from the "
                                         "directory that holds it, or put that directory on PYTHONPATH)")),
     (("my_task:score", "my_task:scor"), ("--reward.scorer my_task:scor: {dir}/my_task.py has no 'scor' (it "
-                                        "defines: convert, score, write_dataset)")),
+                                        "defines: answered_after_the_tool, convert, score, write_dataset)")),
     (("data.jsonl", "dta.jsonl"), "--task.dataset dta.jsonl: no such file"),
     (("{value}", "{amount}"), ("--task.prompt-template 'How many {{to_unit}} is {{amount}} {{from_unit}}?': no row "
                               "of data.jsonl has a field 'amount' (its fields: answer, from_unit, question, to_unit, value)")),
@@ -312,3 +312,32 @@ def test_bad_inputs_are_one_line_and_exit_2_before_any_rank(units, model_dir, re
                             str(model_dir), "--run.output-dir", str(units / "run"), timeout=120, env=env)
     assert (proc.returncode, proc.stdout, proc.stderr) == (2, "", f"llamarl: config error: {line.format(dir=units)}\n")
     assert not (units / "run").exists()
+
+
+@pytest.fixture(scope="module")
+def qwen_dir(tmp_path_factory) -> Path:
+    """A tiny random Qwen2 with Qwen2.5's chat template (tool support, ``</tool_call>`` one token)."""
+    from tools_for_tests import qwen_tokenizer, tiny_qwen2
+
+    directory = tmp_path_factory.mktemp("qwen") / "model"
+    tokenizer = qwen_tokenizer()
+    tiny_qwen2(tokenizer).save_pretrained(directory)
+    tokenizer.save_pretrained(directory)
+    return directory
+
+
+def test_the_docs_tool_task_runs_as_written(units, qwen_dir):
+    """The doc's tool-task command (``--env.tools my_task:convert``, the trajectory scorer of the same
+    file) from the task's directory, on a tiny Qwen2 with Qwen2.5's template for two ticks: the tools
+    are presented (a prompt without them would be refused), episodes run, every sample is scored."""
+    out = units / "tools-run"
+    ok(run_user_command(doc_command("--env.tools"), units, "--model.name", str(qwen_dir), "--run.output-dir", str(out),
+                        *TINY, "--generator.max-new-tokens", "24", "--generator.dtype", "float32"))
+    assert json.loads((out / "summary.json").read_text())["num_steps"] == 2
+    generator = read_jsonl(out / "metrics" / "generator.jsonl")
+    assert len(generator) == 2 and all("env_tool_calls" in r for r in generator)
+    reward = read_jsonl(out / "metrics" / "reward.jsonl")
+    assert all(r["reward_errors"] == 0 and r["reward_samples"] == 8 for r in reward)
+    config = json.loads((out / "config.json").read_text())
+    assert config["env"]["tools"] == "my_task:convert"
+    assert config["reward"]["trajectory_scorer"] == "my_task:answered_after_the_tool"
