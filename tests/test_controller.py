@@ -14,10 +14,17 @@ from llamarl.controller import ExecutorController
 MAX_STEPS = 5
 
 
-def run_schedule(tmp_path, schedule):
+SCHEDULES = ("async", "async1", "sync")
+
+
+@pytest.fixture(scope="module")
+def schedules(tmp_path_factory):
+    """Every schedule, one after the other in ONE 4-rank world (a controller and fresh executors each):
+    ``{schedule: {rank: what its executor saw per tick}}``."""
+    out = tmp_path_factory.mktemp("schedules")
     check(run_torchrun("controller_world.py", nproc=4,
-                       args=["--out", str(tmp_path), "--schedule", schedule, "--max-steps", str(MAX_STEPS)]))
-    return {r: json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(4)}
+                       args=["--out", str(out), "--schedule", *SCHEDULES, "--max-steps", str(MAX_STEPS)]))
+    return {s: {r: json.loads((out / s / f"rank{r}.json").read_text()) for r in range(4)} for s in SCHEDULES}
 
 
 def train_seen(seen):
@@ -27,8 +34,8 @@ def train_seen(seen):
             for a, b in zip(seen[2], seen[3])]
 
 
-def test_async_schedule_lags_by_the_pipeline_depth(tmp_path):
-    seen = run_schedule(tmp_path, "async")
+def test_async_schedule_lags_by_the_pipeline_depth(schedules):
+    seen = schedules["async"]
     # The generator uses the weights the trainer produced one tick earlier (version = tick).
     assert [s["version"] for s in seen[0]] == [0, 1, 2, 3, 4]
     # Reward scores the rollouts of the previous tick.
@@ -38,8 +45,8 @@ def test_async_schedule_lags_by_the_pipeline_depth(tmp_path):
     assert all(s["rows"] == 2 for s in seen[2][2:]), "SCATTER should give each trainer rank one group"
 
 
-def test_sync_schedule_is_strictly_on_policy(tmp_path):
-    seen = run_schedule(tmp_path, "sync")
+def test_sync_schedule_is_strictly_on_policy(schedules):
+    seen = schedules["sync"]
     assert [s["version"] for s in seen[0]] == [0, 1, 2, 3, 4]
     assert [s["gen_steps"] for s in seen[1]] == [[0], [1], [2], [3], [4]]
     # Tick t trains on tick t's rollouts, generated with version t = the trainer's own version.
@@ -56,8 +63,8 @@ def test_a_rank_that_raises_takes_the_world_down_with_a_named_message(tmp_path):
     assert not list(tmp_path.glob("rank*.json")), "no rank should have finished normally"
 
 
-def test_async_lag_one_scores_within_the_tick_and_trains_one_version_behind(tmp_path):
-    seen = run_schedule(tmp_path, "async1")
+def test_async_lag_one_scores_within_the_tick_and_trains_one_version_behind(schedules):
+    seen = schedules["async1"]
     assert [s["version"] for s in seen[0]] == [0, 1, 2, 3, 4]
     # Rollouts are scored within the tick they were generated ...
     assert [s["gen_steps"] for s in seen[1]] == [[0], [1], [2], [3], [4]]

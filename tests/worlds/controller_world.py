@@ -1,9 +1,11 @@
 """Toy gen -> rew -> train -> gen pipeline on 4 ranks (gen 1, rew 1, train 2) through the controller.
 
-usage: controller_world.py --out OUT_DIR --schedule async|async1|sync --max-steps N
+usage: controller_world.py --out OUT_DIR --schedule async|async1|sync [...] --max-steps N
                           [--fail-rank R --fail-step S]
 Each rank writes ``OUT_DIR/rank<r>.json`` with what its executor saw at every tick. With
-``--fail-rank`` / ``--fail-step``, that rank's executor raises at that step.
+``--fail-rank`` / ``--fail-step``, that rank's executor raises at that step. Several schedules run
+one after the other in this one world, each with fresh executors and its own controller, and
+write ``OUT_DIR/<schedule>/rank<r>.json``.
 """
 
 import argparse
@@ -70,7 +72,7 @@ class Train(Toy):
 def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
     parser.add_argument("--out", type=Path, required=True, help="directory for rank<r>.json")
-    parser.add_argument("--schedule", choices=["async", "async1", "sync"], required=True)
+    parser.add_argument("--schedule", choices=["async", "async1", "sync"], nargs="+", required=True)
     parser.add_argument("--max-steps", type=int, required=True)
     parser.add_argument("--fail-rank", type=int, default=-1, help="the rank whose executor raises (-1: none)")
     parser.add_argument("--fail-step", type=int, default=-1, help="the step at which it raises")
@@ -79,19 +81,27 @@ def parse_args() -> argparse.Namespace:
 
 def main() -> None:
     args = parse_args()
-    out, schedule, max_steps = args.out, args.schedule, args.max_steps
-    specs = [ExecutorSpec("gen", 1), ExecutorSpec("rew", 1), ExecutorSpec("train", 2)]
+    ctx = ExecutorContext.create([ExecutorSpec("gen", 1), ExecutorSpec("rew", 1), ExecutorSpec("train", 2)],
+                                 timeout_s=30)
+    for schedule in args.schedule:
+        out = args.out if len(args.schedule) == 1 else args.out / schedule
+        out.mkdir(parents=True, exist_ok=True)
+        run(ctx, args, schedule, out)
+    ctx.destroy()
+
+
+def run(ctx: ExecutorContext, args: argparse.Namespace, schedule: str, out: Path) -> None:
+    """One schedule through a controller of its own; this rank's ``seen`` to ``out/rank<r>.json``."""
     # The three schedules differ only in which channels deliver within the tick.
     same_tick = {"async": (), "async1": ("rollouts",), "sync": ("rollouts", "scored")}[schedule]
     channels = [CommunicationChannel("rollouts", "gen", "rew", BROADCAST, same_tick="rollouts" in same_tick),
                 CommunicationChannel("scored", "rew", "train", SCATTER, same_tick="scored" in same_tick),
                 CommunicationChannel("weights", "train", "gen", BROADCAST)]
-    ctx = ExecutorContext.create(specs, timeout_s=30)
     executor = {"gen": Gen, "rew": Rew, "train": Train}[ctx.executor](ctx, fail_rank=args.fail_rank,
                                                                       fail_step=args.fail_step)
-    ExecutorController(ctx, executor, channels, max_steps=max_steps, executor_order=["gen", "rew", "train"]).run()
+    ExecutorController(ctx, executor, channels, max_steps=args.max_steps,
+                       executor_order=["gen", "rew", "train"]).run()
     (out / f"rank{ctx.rank}.json").write_text(json.dumps(executor.seen))
-    ctx.destroy()
 
 
 if __name__ == "__main__":
