@@ -13,7 +13,6 @@ from llamarl.algorithms.registry import ADVANTAGES, POLICY_LOSSES
 from llamarl.engines.base import EngineConfig, engine_config_class, engine_names
 from llamarl.engines.torch_engine import TorchEngineConfig
 from llamarl.engines.vllm_engine import VLLMEngineConfig
-from llamarl.environments.base import environment_names
 
 
 def resume_step(path: str) -> int | None:
@@ -421,18 +420,12 @@ class EnvConfig:
         return f"tools:{self.tools}" if self.tools is not None else self.name
 
     def __post_init__(self) -> None:
-        if self.name is not None and ":" not in self.name and self.name not in environment_names():
-            raise ValueError(f"--env.name must be one of {environment_names()} or module:Class, got {self.name!r}")
-        if self.name is not None and ":" in self.name:
-            from llamarl.environments.base import resolve_environment_class
-
-            resolve_environment_class(self.name)  # a typo in module:Class fails at the flag, not after the model loads
+        # The references themselves (a module:Class, each module:function's schema) are resolved by
+        # llamarl.config_checks.check_environment with the run's other checks: one line and exit 2
+        # before any rank starts, not tyro's multi-line box.
         if self.tools is not None:
             _check(self.name is None, f"--env.tools and --env.name are two environments: pass one (got --env.name "
                    f"{self.name} and --env.tools {self.tools}; --env.name None drops a recipe's default)")
-            from llamarl.environments.function_tools import resolve_tools
-
-            resolve_tools(self.tools)  # every module:function imported and its schema made here
         _check(self.max_turns >= 1, f"--env.max-turns must be >= 1, got {self.max_turns}")
         _check(self.tool_timeout_s > 0, f"--env.tool-timeout-s must be > 0, got {self.tool_timeout_s}")
         _check(self.num_tool_workers >= 0, f"--env.num-tool-workers must be >= 0, got {self.num_tool_workers}")

@@ -20,7 +20,7 @@ from pathlib import Path
 from huggingface_hub import constants, try_to_load_from_cache
 
 from llamarl.checkpoint import resolve_resume
-from llamarl.config import RewardConfig, RLConfig
+from llamarl.config import EnvConfig, RewardConfig, RLConfig
 from llamarl.models.loading import KNOWN_ALIASES
 from llamarl.run_plan import check_wait_meets_lag, expected_lag, model_context_length
 
@@ -125,12 +125,31 @@ def check_scorers(reward: RewardConfig) -> None:
         check_call(flag, value, import_reference(flag, value), parameters)
 
 
+def check_environment(env: EnvConfig) -> None:
+    """``--env.name`` (registered, or a ``module:Class`` that imports and has the contract's methods)
+    and ``--env.tools`` (each ``module:function`` imported and its schema made); ValueError, one
+    line naming the flag, otherwise: found before the model loads, not when the generator starts."""
+    from llamarl.environments.base import environment_names, resolve_environment_class
+    from llamarl.environments.function_tools import resolve_tools
+
+    if env.name is not None and ":" not in env.name and env.name not in environment_names():
+        raise ValueError(f"--env.name must be one of {environment_names()} or module:Class, got {env.name!r}")
+    if env.name is not None and ":" in env.name:
+        try:
+            resolve_environment_class(env.name)
+        except ValueError as error:
+            raise ValueError(f"--env.name {env.name}: {error}") from None
+    if env.tools is not None:
+        resolve_tools(env.tools)
+
+
 def validate_config(config: RLConfig) -> None:
     """Raise ValueError (one line, naming the flag and the value) for a configuration that cannot run.
 
     The rank split is not checked here: ``Pipeline.specs`` checks it for every pipeline, naming each
     stage's ``--*.num-ranks`` flag, before any process group exists."""
     check_scorers(config.reward)
+    check_environment(config.env)
     name = config.model.name
     check_model(name)
     output = Path(config.run.output_dir or "runs")

@@ -19,6 +19,7 @@ import torch
 from tools_for_tests import convert, plain_chat_tokenizer, qwen_tokenizer, tiny_qwen2
 
 from llamarl.config import EnvConfig
+from llamarl.config_checks import check_environment
 from llamarl.data.prompts import Problem, build_chat_prompt
 from llamarl.engines.base import Completion, Request, SamplingParams, sampled_mask
 from llamarl.engines.torch_engine import TorchEngine
@@ -63,7 +64,7 @@ def test_the_schema_comes_from_the_signature_and_docstring():
 ])
 def test_a_bad_tool_reference_is_one_line_at_the_flag(spec, match):
     with pytest.raises(ValueError, match=match) as info:
-        EnvConfig(tools=spec)
+        check_environment(EnvConfig(tools=spec))
     assert "\n" not in str(info.value)
 
 
@@ -74,8 +75,9 @@ def test_a_bad_tool_reference_is_one_line_at_the_flag(spec, match):
     ("calculater", r"--env.name must be one of \['calculator', 'guess_number'"),
 ])
 def test_a_bad_environment_reference_is_one_line_at_the_flag(name, match):
-    with pytest.raises(ValueError, match=match):
-        EnvConfig(name=name)
+    with pytest.raises(ValueError, match=match) as info:
+        check_environment(EnvConfig(name=name))
+    assert "\n" not in str(info.value)
     with pytest.raises(ValueError, match="--env.tools and --env.name are two environments"):
         EnvConfig(name="calculator", tools=TOOLS)
 
