@@ -25,7 +25,11 @@ def test_smollm2_checkpoints_and_resumes_to_the_same_run(tmp_path):
               "--generator.num-prompts-per-step", "2", "--generator.samples-per-prompt", "4",
               "--generator.max-new-tokens", "6", "--run.num-eval-problems", "2", "--reward.num-workers", "0",
               "--checkpoint.keep", "0",
-              "--trainer.lr", "1e-4", "--run.device-guard"]
+              "--trainer.lr", "1e-4", "--run.device-guard",
+              # One thread, as every test process here (OMP_NUM_THREADS=1): the recipe's 2 (tuned for
+              # `make run` on an idle 2-core machine) beside the other pytest worker made this test
+              # spin, 260 s instead of 34 s on a loaded 2-vCPU box; what it checks does not depend on it.
+              "--trainer.num-threads", "1"]
     # A reward SmolLM2's answers split on (the first character's parity), so every tick trains.
     env = {"LLAMARL_TEST_SCORER": "scorers_for_tests:first_char_even"}
     straight, resumed = tmp_path / "straight", tmp_path / "resumed"
