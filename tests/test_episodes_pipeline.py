@@ -53,7 +53,8 @@ def test_episodes_call_the_tools_and_train(tmp_path, model_dir, nproc, schedule)
 
 def test_a_run_checkpointed_mid_episode_resumes_to_the_same_policy(tmp_path, model_dir):
     common = ["--run.schedule", "colocated", "--run.max-steps", "6", "--checkpoint.every", "3",
-              "--generator.token-budget", "4", "--generator.dtype", "float32"]
+              "--generator.token-budget", "4", "--generator.dtype", "float32",
+              "--trainer.num-threads", "1"]  # one thread, as every test process (the recipe's 2 spin beside another)
     straight, resumed = tmp_path / "straight", tmp_path / "resumed"
     check(run_torchrun("e2e_arithmetic.py", nproc=1, timeout_s=300, env=ENV, args=flags(model_dir, straight, *common)))
     state = json.loads((straight / "checkpoints" / "step_3" / "generator" / "state_rank0.json").read_text())

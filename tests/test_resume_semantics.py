@@ -26,7 +26,7 @@ def run(model_dir, out, *extra, expect_ok=True):
         "--run.num-eval-problems", "4", "--run.output-dir", str(out), "--generator.num-prompts-per-step", "2",
         "--reward.num-workers", "0", "--generator.token-budget", "5", "--trainer.lr", "1e-3",
         "--checkpoint.every", "1", "--checkpoint.keep", "0", "--run.eval-every", "1", "--export.every", "1",
-        "--run.device-guard", *extra])
+        "--run.device-guard", "--trainer.num-threads", "1", *extra])  # one thread, as every test process
     if expect_ok:
         check(proc)
     return proc
