@@ -188,3 +188,18 @@ def test_observation_tokens_contribute_no_gradient(tiny, model_dir):
     (-(advantages[:, 1:] * ref_logp * sampled).sum() / sampled.sum()).backward()
     for name, param in reference.named_parameters():
         torch.testing.assert_close(grads[name], param.grad, atol=1e-5, rtol=1e-4)
+
+
+def test_a_repeated_tool_failure_is_printed_once_and_counted_every_time(caplog):
+    """A policy repeating one mistake must not flood the console (a new user's run printed 21 such
+    lines): one warning per kind of failure, every failure counted."""
+    runner = ToolRunner("test_environments:FlakyTools", timeout_s=1.0, num_workers=0)
+    try:
+        with caplog.at_level("WARNING", logger="llamarl.environments.tools"):
+            turns = runner.run([({"n": 0}, "boom="), ({"n": 1}, "boom="), ({"n": 2}, "ab="), ({"n": 3}, "boom=")])
+    finally:
+        runner.close()
+    assert [t.error is not None for t in turns] == [True, True, False, True]
+    assert runner.num_errors == 3
+    warned = [r.getMessage() for r in caplog.records if "the tool broke" in r.getMessage()]
+    assert len(warned) == 1 and "further RuntimeError failures are counted" in warned[0], warned

@@ -113,6 +113,7 @@ class ToolRunner:
             raise ValueError(f"num_workers must be >= 0, got {num_workers}")
         self.name, self.timeout_s, self.share = name, timeout_s, share
         self.num_errors = self.num_timeouts = self.num_calls = 0
+        self._warned: set[str] = set()  # the kinds of tool failure already printed (_failed)
         if share is not None and not share.is_source():
             num_workers = 0  # a TP peer receives its answers: no processes of its own
         self._inline = build_environment(name) if num_workers == 0 else None
@@ -134,7 +135,16 @@ class ToolRunner:
             self.num_timeouts += 1
         else:
             self.num_errors += 1
-        logger.warning("environment %r: %s", self.name, message)
+        # A policy that keeps making the same mistake would print a line per call (tens a tick):
+        # each kind of failure (a timeout, or an exception's type) is printed once, the rest counted
+        # (env_tool_errors / env_tool_timeouts, tool_err= on the progress line).
+        kind = "timeout" if timeout else message.split(":", 1)[0]
+        if kind not in self._warned:
+            self._warned.add(kind)
+            logger.warning("environment %r: %s (further %s failures are counted, not printed)", self.name, message,
+                           "timeout" if timeout else kind)
+        else:
+            logger.debug("environment %r: %s", self.name, message)
         return Turn(observation=f"[tool error: {message}]", state=state, error=message)
 
     def run(self, calls: list[tuple[dict, str]]) -> list[Turn]:
