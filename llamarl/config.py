@@ -213,6 +213,49 @@ class AlgoConfig:
 
 
 @dataclass
+class LoraConfig:
+    """LoRA adapters on the trainer (``llamarl/models/lora.py``): off unless ``rank`` is set."""
+
+    rank: int | None = None
+    """Adapter rank r (None: full fine-tuning, the default). With a rank, the base weights are frozen
+    in ``--trainer.param-dtype`` and only the adapters train (fp32 masters and AdamW state), sync to
+    the generator (merged there in place: ``W = W_base + (alpha / r) B A``), checkpoint and export."""
+    alpha: float | None = None
+    """LoRA's alpha: the update is scaled by alpha / r. None: 2 x rank (a scale of 2, TRL's and
+    verl's examples' r=16 / alpha=32)."""
+    targets: str = "all-linear"
+    """Comma-separated module-name suffixes to adapt (``q_proj,v_proj``), or ``all-linear``: every
+    linear of the attention and MLP blocks. Embeddings and the LM head are never adapted (tied
+    families keep one shared matrix, frozen)."""
+    dropout: float = 0.0
+    """Dropout on the adapters' input while training (peft's ``lora_dropout``); 0 keeps the
+    trainer's forward deterministic, which the ratios of the off-policy losses assume."""
+    export_merged: bool = False
+    """Also write the merged model (base + adapters, an HF directory ``from_pretrained`` and vLLM
+    load as-is) under ``<export>/merged`` beside the PEFT adapter directory."""
+
+    def __post_init__(self) -> None:
+        _check(self.rank is None or self.rank >= 1,
+               f"--trainer.lora.rank must be >= 1 (leave it unset for full fine-tuning), got {self.rank}")
+        _check(self.alpha is None or self.alpha > 0, f"--trainer.lora.alpha must be > 0, got {self.alpha}")
+        _check(0.0 <= self.dropout < 1.0, f"--trainer.lora.dropout must be in [0, 1), got {self.dropout}")
+        names = [t.strip() for t in self.targets.split(",")]
+        _check(all(names), f"--trainer.lora.targets has an empty name: {self.targets!r}")
+        _check("all-linear" not in names or len(names) == 1,
+               f"--trainer.lora.targets: all-linear cannot be combined with other names, got {self.targets!r}")
+
+    @property
+    def enabled(self) -> bool:
+        return self.rank is not None
+
+    @property
+    def scale(self) -> float:
+        """alpha / r, the factor of the merged update."""
+        assert self.rank is not None
+        return (self.alpha if self.alpha is not None else 2.0 * self.rank) / self.rank
+
+
+@dataclass
 class TrainerConfig:
     """The trainer executor: optimizer, precision, micro-batching, minibatches, threads and the non-finite guard."""
 
@@ -258,6 +301,13 @@ class TrainerConfig:
     trainer rank) are cut into this many minibatches, one AdamW step each, each a global token mean
     of its own. The version counts optimizer steps, so it advances by this much per batch; the
     recomputed proximal policy (``--algo.prox recompute``) is the weights before the first one."""
+    lora: LoraConfig = field(default_factory=LoraConfig)
+    """LoRA adapters instead of full fine-tuning (``--trainer.lora.rank``; docs/running.md, "LoRA")."""
+    activation_checkpointing: Literal["auto", "on", "off"] = "auto"
+    """Recompute each decoder layer's activations in the backward instead of keeping them
+    (``torch.utils.checkpoint`` per layer, under FSDP2): about one more forward of compute for
+    activation memory of one layer's inputs per layer. ``auto``: on where the memory model
+    (``llamarl/models/memory.py``) says a micro-batch's activations would not fit the device."""
 
     def __post_init__(self) -> None:
         _check(self.lr > 0, f"--trainer.lr must be > 0, got {self.lr}")
