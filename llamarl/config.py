@@ -13,6 +13,7 @@ from llamarl.algorithms.registry import ADVANTAGES, POLICY_LOSSES
 from llamarl.engines.base import EngineConfig, engine_config_class, engine_names
 from llamarl.engines.torch_engine import TorchEngineConfig
 from llamarl.engines.vllm_engine import VLLMEngineConfig
+from llamarl.models.lora import LoraSpec
 
 
 def resume_step(path: str) -> int | None:
@@ -248,11 +249,12 @@ class LoraConfig:
     def enabled(self) -> bool:
         return self.rank is not None
 
-    @property
-    def scale(self) -> float:
-        """alpha / r, the factor of the merged update."""
-        assert self.rank is not None
-        return (self.alpha if self.alpha is not None else 2.0 * self.rank) / self.rank
+    def spec(self) -> LoraSpec | None:
+        """What the trainer, generator and export build the adapters from (None: full fine-tuning)."""
+        if self.rank is None:
+            return None
+        return LoraSpec(rank=self.rank, alpha=self.alpha if self.alpha is not None else 2.0 * self.rank,
+                        targets=self.targets, dropout=self.dropout)
 
 
 @dataclass

@@ -60,7 +60,7 @@ def _generator(config: RLConfig, *, task: Task, prompt_fn: PromptFn, output: str
         return GeneratorExecutor(ctx, model_config=config.model, config=generator_config, task=task,
                                  prompt_fn=prompt_fn, output_name=output, seed=config.run.seed,
                                  max_sequence_tokens=plan.max_sequence_tokens, algo=config.algo, env=config.env,
-                                 expected_lag=plan.expected_lag)
+                                 expected_lag=plan.expected_lag, lora=config.trainer.lora.spec())
     return build
 
 

@@ -17,13 +17,15 @@ from safetensors.torch import load_file
 
 sys.path.insert(0, str(Path(__file__).parent))
 from launch import check, run_torchrun
-from worlds.weights_world import BUCKET_MB, ERROR_CASES, cases
+from tiny_model import build_tiny_llama
+from tp_layout import llama_tp_slices
+from worlds.weights_world import BUCKET_MB, ERROR_CASES, LORA, SIZES, cases, lora_cases
 
 from llamarl.boxes import chunk_slice
 from llamarl.channels.ddma_plan import build_plan
 
 # Split name -> (trainer ranks, generator ranks); the first one spans the whole world.
-WORLDS = {"3->2": (3, 2), "2->1": (2, 1), "1->2": (1, 2)}
+WORLDS = {"3->2": (3, 2), "2->1": (2, 1), "1->2": (1, 2), "1->1": (1, 1)}
 
 
 @pytest.fixture(scope="module")
@@ -71,6 +73,47 @@ def test_generator_weights_equal_the_trainers_bitwise(worlds, world, case):
             assert tensor.dtype == dtype and tensor.shape == want.shape, name
             assert torch.equal(tensor, want), f"{case} generator {index}: {name} differs"
         assert info["version"] == 17  # the second sync's trainer version
+
+
+LORA_CASES = [(w, c) for w, (_, g) in WORLDS.items() for c in lora_cases(g)]
+
+
+@pytest.mark.parametrize(("world", "case"), LORA_CASES, ids=[f"{w}-{c}" for w, c in LORA_CASES])
+def test_lora_syncs_only_the_adapters_and_each_generator_rank_merges_them_in_place(worlds, world, case):
+    """--trainer.lora.rank: each generator rank receives exactly its slice of every adapter, bitwise
+    (a TP rank: rows of B for column-parallel weights, columns of A for row-parallel ones), keeps
+    the base it loaded, and holds ``W_base + (alpha / r) B A`` in the weights' own storage; the wire
+    carries the adapters only."""
+    out = world_dir(worlds, world)
+    trainers, generators = WORLDS[world]
+    config = lora_cases(generators)[case]
+    dtype = getattr(torch, config["dtype"])
+    full = load_file(out / f"{case}_trainer.safetensors")
+    base_model = dict(build_tiny_llama(seed=2, tie_word_embeddings=config["tied"], **SIZES).to(dtype).named_parameters())
+    full_bytes = sum(p.numel() * p.element_size() for p in base_model.values())
+    sent = [tuple(x) for t in range(trainers)
+            for x in json.loads((out / f"{case}_trainer{t}.json").read_text())["bytes_sent"]]
+    for index in range(generators):
+        got, info = load_generator(out, case, index)
+        adapters = {k.removeprefix("adapter/"): v for k, v in got.items() if k.startswith("adapter/")}
+        assert sorted(adapters) == sorted(full) and len(full) == 2 * 7 * 2  # A and B of 7 linears x 2 layers
+        for name, tensor in adapters.items():
+            assert torch.equal(tensor, expected_local(full[name], dtype, info["slices"].get(name))), (case, name)
+        weight_slices = llama_tp_slices(build_tiny_llama(seed=2, **SIZES), tp_rank=index,
+                                        tp_size=generators) if config["layout"] == "tp_dtensor" else {}
+        for module in (k.removeprefix("merged/") for k in got if k.startswith("merged/")):
+            spec = weight_slices.get(f"{module}.weight")
+            base = expected_local(base_model[f"{module}.weight"], dtype, spec)
+            assert torch.equal(got[f"base/{module}"], base), f"{case}: the base of {module} changed"
+            a = expected_local(full[f"{module}.lora_A.weight"], dtype, info["slices"].get(f"{module}.lora_A.weight"))
+            b = expected_local(full[f"{module}.lora_B.weight"], dtype, info["slices"].get(f"{module}.lora_B.weight"))
+            want = torch.addmm(base.float(), b.float(), a.float(), alpha=LORA.scale).to(dtype)
+            assert torch.equal(got[f"merged/{module}"], want), f"{case} generator {index}: {module} merged wrongly"
+        assert info["same_storage"], f"{case}: a generation weight was rebound instead of written in place"
+        assert sum(n for _, _, n in info["bytes_received"]) == info["nbytes"], case
+        assert sum(n for _, dst, n in sent if dst == index) == info["nbytes"], case
+        assert info["nbytes"] < 0.2 * full_bytes, f"{case}: {info['nbytes']} bytes for a {full_bytes}-byte model"
+        assert info["version"] == 17
 
 
 @pytest.mark.parametrize("world", list(WORLDS))

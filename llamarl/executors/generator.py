@@ -69,6 +69,8 @@ from llamarl.evaluation import score_samples
 from llamarl.executor import Executor
 from llamarl.metrics import MetricSpec
 from llamarl.models.loading import load_causal_lm, load_causal_lm_layout, stop_token_ids
+from llamarl.models.lora import LoraSpec
+from llamarl.models.lora_merge import AdapterMerger
 from llamarl.models.tensor_parallel import apply_tensor_parallel
 from llamarl.rewards.trajectory import trajectory_of
 from llamarl.run_plan import check_wait_meets_lag
@@ -172,10 +174,12 @@ class GeneratorExecutor(Executor):
     def __init__(self, ctx, *, model_config: ModelConfig, config: GeneratorConfig, task: Task,
                  prompt_fn: PromptFn, output_name: str = "rollouts", seed: int = 0,
                  max_sequence_tokens: int | None = None, algo: AlgoConfig | None = None,
-                 expected_lag: int = 1, env: EnvConfig | None = None) -> None:
+                 expected_lag: int = 1, env: EnvConfig | None = None, lora: LoraSpec | None = None) -> None:
         """``algo``: its ``max_staleness`` / ``stale_policy`` (None: no staleness control here).
         ``env``: with a ``name``, every sample is an episode of that environment
         (llamarl/environments/episodes.py); None or no name: one completion per sample.
+        ``lora``: the trainer's adapters (``--trainer.lora.*``): the weights channel then brings only
+        them, merged into this rank's generation weights in place (``models/lora_merge.py``).
         ``expected_lag``: trainer versions between the weights a sample is generated with and the
         optimizer step that trains it, at most: the schedule's lag in ticks (async 2 or 1, sync and
         colocated 0) with ``--trainer.num-minibatches`` 1; with k minibatches, lag * k + k - 1
@@ -207,6 +211,8 @@ class GeneratorExecutor(Executor):
         self.max_sequence_tokens = max_sequence_tokens
         self.env_config = env if env is not None and env.reference() is not None else None
         self.skipped_prompts = 0
+        self.lora = lora
+        self.merger: AdapterMerger | None = None
 
     def _tp_first_rank(self):
         """(this rank's TP group, its first rank's global rank); (None, 0) without TP."""
@@ -241,6 +247,11 @@ class GeneratorExecutor(Executor):
         # what the weight channel plans against, stays whole on every rank of the group.
         if self.ctx.tp_size > 1 and not self.streams_weights:
             apply_tensor_parallel(self.model, self.ctx.tp_mesh)
+        if self.lora is not None:
+            if self.streams_weights:
+                raise ValueError("--trainer.lora.rank with an engine that streams its weights "
+                                 f"(--generator.engine {self.config.engine}) is not supported; use the torch engine")
+            self.merger = AdapterMerger(self.model, self.lora)
         eos = stop_token_ids(self.model, self.tokenizer)
         pad = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else min(eos, default=0)
         tp_group, tp_src = self._tp_first_rank()
@@ -307,7 +318,14 @@ class GeneratorExecutor(Executor):
         return {} if self.episodes is None else self.episodes.tools.counts()
 
     def get_model(self) -> torch.nn.Module:
-        return self.model
+        """What the weights channel writes: the generation model, or under LoRA the adapters' receive
+        buffers (merged into the model by ``set_weights_version``)."""
+        return self.model if self.merger is None else self.merger.view()
+
+    def get_weight_slices(self) -> dict[str, tuple[int, int, int]] | None:
+        """Under LoRA with TP, which slice of each adapter this rank's merge needs (``AdapterMerger``);
+        None otherwise (the model's TP DTensors describe themselves)."""
+        return None if self.merger is None else self.merger.slices()
 
     def weight_sink(self):
         """The weight channels' streaming entry (``llamarl/channels/weights.py``): for an engine that
@@ -323,6 +341,8 @@ class GeneratorExecutor(Executor):
     def set_weights_version(self, version: int) -> None:
         """Called by the weight channel after the new weights are in place (written into the
         model, or already streamed into the engine)."""
+        if self.merger is not None:
+            self.merger.merge()
         if not self.streams_weights:
             self.engine.weights_updated(self.model)
         self.version = version

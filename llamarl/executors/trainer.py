@@ -72,6 +72,8 @@ from llamarl.executor import Executor
 from llamarl.executors.trainer_metrics import TRAINER_METRICS, combine_minibatch_metrics, device_timer
 from llamarl.metrics import MetricSpec
 from llamarl.models.export import export_hf
+from llamarl.models.lora import AdapterView
+from llamarl.models.lora_export import export_adapter
 from llamarl.models.microbatch import (
     microbatch_inputs,
     microbatch_logprobs,
@@ -116,15 +118,20 @@ class TrainerExecutor(Executor):
         dtype = getattr(torch, self.model_config.dtype)
         # Built on the meta device, sharded, then each rank reads only its own rows of each
         # weight onto ctx.device: no rank ever holds the full model (models/sharded_loading.py).
+        # Under LoRA the base is frozen in param_dtype and only the adapters (masters in dtype)
+        # train, checkpoint, sync and export (llamarl/models/lora.py).
+        self.lora = self.config.lora.spec()
         self.model, self.tokenizer = load_sharded_causal_lm(
             self.model_config.name, dtype=dtype, mesh=self.ctx.mesh, device=self.ctx.device,
-            param_dtype=getattr(torch, self.config.param_dtype))
+            param_dtype=getattr(torch, self.config.param_dtype), lora=self.lora, seed=self.seed)
         self.model.train()
-        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=self.config.lr,
-                                           weight_decay=self.config.weight_decay)
+        self.trainable = [p for p in self.model.parameters() if p.requires_grad]
+        self.optimizer = torch.optim.AdamW(self.trainable, lr=self.config.lr, weight_decay=self.config.weight_decay)
 
     def get_model(self) -> torch.nn.Module:
-        return self.model
+        """What the weights channel moves: the policy, or under LoRA its adapters alone (the
+        generator merges them into its own copy of the base)."""
+        return self.model if self.lora is None else AdapterView(self.model)
 
     def save_checkpoint(self, directory: Path) -> None:
         """Sharded model + AdamW (every trainer rank, safetensors + JSON, reshardable), version and
@@ -155,8 +162,15 @@ class TrainerExecutor(Executor):
 
     def export(self, directory: Path) -> None:
         """The policy as an HF directory (``from_pretrained`` / vLLM load it as-is), written by the
-        trainer's first rank shard by shard; collective over the trainer."""
-        export_hf(directory, model=self.model, tokenizer=self.tokenizer, writer=self.ctx.local_rank == 0)
+        trainer's first rank shard by shard; collective over the trainer. Under LoRA: a PEFT
+        adapter directory (``PeftModel.from_pretrained(base, directory)``), and with
+        ``--trainer.lora.export-merged`` the merged model in ``directory / "merged"``."""
+        if self.lora is None:
+            export_hf(directory, model=self.model, tokenizer=self.tokenizer, writer=self.ctx.local_rank == 0)
+            return
+        export_adapter(directory, model=self.model, spec=self.lora, base=self.model_config.name,
+                       tokenizer=self.tokenizer, writer=self.ctx.local_rank == 0,
+                       merged=self.config.lora.export_merged)
 
     # ----- one step -----
     def step(self) -> None:
@@ -276,7 +290,7 @@ class TrainerExecutor(Executor):
                     "dropped_stale_samples": dropped_stale}
         self.optimizer.zero_grad(set_to_none=True)
         sums, maxes = self._accumulate_gradients(batch, microbatches, max_mbs, total_tokens)
-        grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(),
+        grad_norm = torch.nn.utils.clip_grad_norm_(self.trainable,
                                                    self.config.grad_clip if self.config.grad_clip > 0 else float("inf"))
         if isinstance(grad_norm, torch.distributed.tensor.DTensor):
             grad_norm = grad_norm.full_tensor()

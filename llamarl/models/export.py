@@ -21,17 +21,20 @@ from safetensors.torch import save_file
 from torch.distributed.tensor import DTensor
 
 
-def _shard_plan(model: torch.nn.Module, max_shard_bytes: int) -> list[list[str]]:
+def _shard_plan(sizes: list[tuple[str, int]], max_shard_bytes: int) -> list[list[str]]:
     shards: list[list[str]] = [[]]
     size = 0
-    for name, param in model.named_parameters():
-        nbytes = param.numel() * param.element_size()
+    for name, nbytes in sizes:
         if shards[-1] and size + nbytes > max_shard_bytes:
             shards.append([])
             size = 0
         shards[-1].append(name)
         size += nbytes
     return shards
+
+
+def _full(param: torch.Tensor) -> torch.Tensor:
+    return (param.full_tensor() if isinstance(param, DTensor) else param).detach()
 
 
 @torch.no_grad()
@@ -43,21 +46,35 @@ def export_hf(directory: Path, *, model: torch.nn.Module, tokenizer=None, writer
     ``writer`` True on exactly one of them); the writer creates ``directory`` (replacing an older
     one) with the weights, ``config.json``, ``generation_config.json`` and, when given, the tokenizer.
     """
-    plan = _shard_plan(model, max_shard_bytes)
     params = dict(model.named_parameters())
+    sizes = [(name, p.numel() * p.element_size()) for name, p in params.items()]
+    write_hf_tensors(directory, model=model, sizes=sizes, tensors=((n, _full(p)) for n, p in params.items()),
+                     dtype=next(iter(params.values())).dtype, tokenizer=tokenizer, writer=writer,
+                     max_shard_bytes=max_shard_bytes)
+
+
+@torch.no_grad()
+def write_hf_tensors(directory: Path, *, model: torch.nn.Module, sizes: list[tuple[str, int]], tensors,
+                     dtype: torch.dtype, tokenizer=None, writer: bool, max_shard_bytes: int = 2 << 30) -> None:
+    """``export_hf`` for any stream of whole tensors: ``sizes`` lists ``(name, bytes)`` in the order
+    ``tensors`` yields ``(name, full tensor)`` (every rank must consume it: the tensors may be
+    gathered collectively); ``model`` gives the config and generation config, ``dtype`` the config's
+    ``torch_dtype``. The merged export of LoRA adapters writes through it."""
+    plan = _shard_plan(sizes, max_shard_bytes)
     partial = directory.with_name(directory.name + ".partial")
     if writer:
         shutil.rmtree(partial, ignore_errors=True)
         partial.mkdir(parents=True)
     weight_map = {}
+    stream = iter(tensors)
     for index, names in enumerate(plan):
         filename = "model.safetensors" if len(plan) == 1 else f"model-{index + 1:05d}-of-{len(plan):05d}.safetensors"
         shard = {}
         for name in names:
-            param = params[name]
-            full = param.full_tensor() if isinstance(param, DTensor) else param
+            got, full = next(stream)
+            assert got == name, f"export stream out of order: {got!r} where {name!r} was planned"
             if writer:
-                shard[name] = full.detach().to("cpu").contiguous()
+                shard[name] = full.to("cpu").contiguous()
                 weight_map[name] = filename
             del full
         if writer:
@@ -66,11 +83,11 @@ def export_hf(directory: Path, *, model: torch.nn.Module, tokenizer=None, writer
     if not writer:
         return
     if len(plan) > 1:
-        total = sum(p.numel() * p.element_size() for p in params.values())
+        total = sum(nbytes for _, nbytes in sizes)
         (partial / "model.safetensors.index.json").write_text(
             json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2))
     config = model.config
-    config.torch_dtype = next(iter(params.values())).dtype
+    config.torch_dtype = dtype
     config.to_json_file(str(partial / "config.json"))
     # The generation config carries every end-of-turn id (Qwen2.5, Llama-3 list several): without
     # it a reloaded export would stop only at the tokenizer's EOS.

@@ -29,6 +29,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
 from llamarl.boxes import chunk_slice
 from llamarl.models.loading import load_causal_lm, resolve_source
+from llamarl.models.lora import LoraSpec, checkpoint_name
 from llamarl.models.sharding import shard_model
 
 logger = logging.getLogger(__name__)
@@ -58,19 +59,36 @@ def _local_rows(param: DTensor) -> tuple[int, int]:
     return start, start + length
 
 
+def _adapt(model: torch.nn.Module, lora: LoraSpec | None, *, frozen_dtype: torch.dtype | None) -> None:
+    """Inject ``lora``'s adapters (``models/lora.py``) and store the frozen base in ``frozen_dtype``
+    (meta or real parameters; before sharding, so FSDP2 shards what training keeps)."""
+    if lora is None:
+        return
+    lora.inject(model)
+    if frozen_dtype is not None:
+        for param in model.parameters():
+            if not param.requires_grad and param.dtype != frozen_dtype:
+                param.data = param.data.to(frozen_dtype)
+
+
 def load_sharded_causal_lm(name_or_path: str, *, dtype: torch.dtype, mesh, device: torch.device,
-                           param_dtype: torch.dtype | None = None):
+                           param_dtype: torch.dtype | None = None, lora: LoraSpec | None = None,
+                           seed: int = 0):
     """``(model, tokenizer)``: the causal LM at ``name_or_path`` (``load_causal_lm``'s resolution)
     FSDP2-sharded over ``mesh`` by ``shard_model(..., param_dtype=)``, master weights in ``dtype``
     on ``device`` (this rank's ``ctx.device``), loaded shard by shard (module docstring); in train
     mode is left to the caller (returned in eval mode, like ``load_causal_lm``). Collective-free:
-    every rank reads only its own rows."""
+    every rank reads only its own rows.
+
+    With ``lora`` the adapters are injected before sharding: the base (frozen, stored in
+    ``param_dtype``) loads from the checkpoint under its HF names, the adapters (masters in
+    ``dtype``) start as ``LoraSpec.initialise`` draws them from ``seed``."""
     source = resolve_source(name_or_path)
     directory = Path(source) if Path(source).is_dir() else _cached_snapshot(source)
     files = _checkpoint_files(directory) if directory is not None else None
     if files is None:
         return _full_load(name_or_path, dtype=dtype, mesh=mesh, device=device, param_dtype=param_dtype,
-                          why="no local safetensors checkpoint")
+                          lora=lora, seed=seed, why="no local safetensors checkpoint")
     config = AutoConfig.from_pretrained(str(directory))
     # Parameters on meta, buffers (RoPE inv_freq) for real on the host.
     from accelerate import init_empty_weights
@@ -79,11 +97,13 @@ def load_sharded_causal_lm(name_or_path: str, *, dtype: torch.dtype, mesh, devic
         model = AutoModelForCausalLM.from_config(config, dtype=dtype)
     # Parameters made on the meta device are not tied yet; tie them as from_pretrained does.
     model.tie_weights()
-    names = [name for name, _ in model.named_parameters()]
+    names = [checkpoint_name(name) for name, _ in model.named_parameters()]
     missing = [name for name in names if name not in files]
     if missing:
         return _full_load(name_or_path, dtype=dtype, mesh=mesh, device=device, param_dtype=param_dtype,
+                          lora=lora, seed=seed,
                           why=f"the checkpoint has no tensor {missing[0]!r} (names differ from the model's)")
+    _adapt(model, lora, frozen_dtype=param_dtype)
     buffers = {name: buf.detach().clone() for name, buf in model.named_buffers()}
     model = shard_model(model, mesh, param_dtype=param_dtype)
     model.to_empty(device=device)
@@ -94,17 +114,22 @@ def load_sharded_causal_lm(name_or_path: str, *, dtype: torch.dtype, mesh, devic
             for name, buf in buffers.items():
                 model.get_buffer(name).copy_(buf)
             for name, param in model.named_parameters():
-                path = files[name]
+                stored = checkpoint_name(name)
+                if stored is None:  # an adapter: initialised below
+                    continue
+                path = files[stored]
                 if path not in handles:
                     handles[path] = safe_open(str(path), "pt")
-                rows = handles[path].get_slice(name)
+                rows = handles[path].get_slice(stored)
                 local = param.to_local() if isinstance(param, DTensor) else param
                 if isinstance(param, DTensor):
                     start, stop = _local_rows(param)
                     if stop > start:
-                        local.copy_(rows[start:stop].to(dtype))
+                        local.copy_(rows[start:stop].to(local.dtype))
                 else:
-                    local.copy_(rows[:].to(dtype))
+                    local.copy_(rows[:].to(local.dtype))
+            if lora is not None:
+                lora.initialise(model, seed=seed)
     finally:
         handles.clear()
     tokenizer = AutoTokenizer.from_pretrained(str(directory))
@@ -124,8 +149,12 @@ def _cached_snapshot(repo_id: str) -> Path | None:
         return None
 
 
-def _full_load(name_or_path: str, *, dtype, mesh, device, param_dtype, why: str):
+def _full_load(name_or_path: str, *, dtype, mesh, device, param_dtype, why: str, lora: LoraSpec | None = None,
+               seed: int = 0):
     logger.warning("loading %s whole on every trainer rank before sharding: %s", name_or_path, why)
     model, tokenizer = load_causal_lm(name_or_path, dtype=dtype, device="cpu")
+    _adapt(model, lora, frozen_dtype=param_dtype)
+    if lora is not None:
+        lora.initialise(model, seed=seed)  # the same adapters as the sharded path draws
     model = shard_model(model, mesh, param_dtype=param_dtype)
     return model, tokenizer

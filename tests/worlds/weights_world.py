@@ -39,6 +39,8 @@ from tp_layout import llama_tp_slices, narrow_to_slices
 from llamarl.channels.ddma_plan import local_tensor
 from llamarl.channels.weights import WeightsChannel
 from llamarl.executor import Executor
+from llamarl.models.lora import AdapterView, LoraSpec
+from llamarl.models.lora_merge import AdapterMerger
 from llamarl.models.sharding import full_named_parameters, shard_model
 from llamarl.world import ExecutorContext, ExecutorSpec
 
@@ -79,6 +81,75 @@ def cases(num_generators: int) -> dict[str, dict]:
         out["untied_bfloat16_tp_dtensor"] = {"tied": False, "trainer_dtype": "float32", "dtype": "bfloat16",
                                              "layout": "tp_dtensor", "mode": "ddma"}
     return out
+
+
+LORA = LoraSpec(rank=4, alpha=12.0)
+
+
+def lora_cases(num_generators: int) -> dict[str, dict]:
+    """LoRA (``--trainer.lora.rank``): only the adapters move and each generator rank merges them
+    into its own weights; replicas (DDMA and gather-broadcast) and, with 2 generators, TP DTensors."""
+    out = {}
+    for tied in (False, True):
+        for dtype in ("float32", "bfloat16"):
+            name = f"lora_{'tied' if tied else 'untied'}_{dtype}_replica"
+            out[name] = {"tied": tied, "dtype": dtype, "layout": "replica", "mode": "ddma"}
+            out[f"{name}_gb"] = {**out[name], "mode": "gather_broadcast"}
+            if num_generators > 1:
+                out[name.replace("replica", "tp_dtensor")] = {**out[name], "layout": "tp_dtensor"}
+    return out
+
+
+def run_lora_case(ctx, out: Path, name: str, case: dict, num_generators: int) -> None:
+    """The trainer adapts a tiny Llama (``LoraSpec.inject``), shards it, perturbs its adapters and
+    syncs twice; a generator rank (its own base, seed 2) merges after each sync and writes its
+    receive buffers, merged weights and the base it kept; the trainer writes the full adapters."""
+    if ctx.executor not in ("trainer", "generator"):
+        return
+    channel = WeightsChannel("weights", "trainer", "generator", mode=case["mode"])
+    if ctx.executor == "trainer":
+        model = LORA.inject(build_tiny_llama(seed=1, tie_word_embeddings=case["tied"], **SIZES))
+        LORA.initialise(model, seed=3)
+        model = shard_model(model, ctx.mesh)
+        toy = Toy(ctx, AdapterView(model))
+        for step in range(2):
+            with torch.no_grad():
+                for param in model.parameters():
+                    if param.requires_grad:  # B starts at zero: give it values, rank-dependent
+                        local_tensor(param).add_(0.01 * (ctx.local_rank + 1) + 0.1 * step)
+            toy.version = 10 * step + 7
+            channel.communicate(ctx, toy)
+        full = {n: (p.full_tensor() if isinstance(p, DTensor) else p).detach()
+                for n, p in AdapterView(model).named_parameters()}
+        if ctx.local_rank == 0:
+            save_file({k: v.contiguous() for k, v in full.items()}, out / f"{name}_trainer.safetensors")
+        sent = [[src, dst, n] for (src, dst), n in channel.bytes_sent.items()]
+        (out / f"{name}_trainer{ctx.local_rank}.json").write_text(json.dumps({"bytes_sent": sent}))
+        return
+    model = build_tiny_llama(seed=2, tie_word_embeddings=case["tied"], **SIZES).to(getattr(torch, case["dtype"]))
+    if case["layout"] == "tp_dtensor":
+        slices = llama_tp_slices(model, tp_rank=ctx.local_rank, tp_size=num_generators)
+        narrow_to_slices(model, slices)
+        to_dtensors(model, slices, ctx.mesh)
+    merger = AdapterMerger(model, LORA)
+    pointers = [local_tensor(p).data_ptr() for p in model.parameters()]
+
+    class LoraToy(Toy):
+        def set_weights_version(self, version):
+            merger.merge()
+            self.version = version
+
+    toy = LoraToy(ctx, merger.view(), slices=merger.slices())
+    for _ in range(2):
+        channel.communicate(ctx, toy)
+    tensors = {f"adapter/{n}": t.contiguous() for n, t in merger.tensors.items()}
+    for module, target in merger.targets.items():
+        tensors[f"merged/{module}"] = target.weight.detach().contiguous()
+        tensors[f"base/{module}"] = target.base.contiguous()
+    info = {"version": toy.version, "slices": merger.slices() or {}, "nbytes": merger.nbytes,
+            "same_storage": pointers == [local_tensor(p).data_ptr() for p in model.parameters()],
+            "bytes_received": [[src, dst, n] for (src, dst), n in channel.bytes_received.items()]}
+    save_file(tensors, out / f"{name}_gen{ctx.local_rank}.safetensors", metadata={"info": json.dumps(info)})
 
 
 class Toy(Executor):
@@ -261,6 +332,8 @@ def main() -> None:
         split_dir.mkdir(parents=True, exist_ok=True)
         for name, case in cases(generators).items():
             run_case(split, split_dir, name, case, generators)
+        for name, case in lora_cases(generators).items():
+            run_lora_case(split, split_dir, name, case, generators)
         for name in ERROR_CASES:
             run_error_case(split, split_dir, name)
     ctx.destroy()

@@ -1,0 +1,72 @@
+"""Export of a LoRA-trained policy: a PEFT adapter directory, and on request the merged model.
+
+``<dir>/adapter_config.json`` + ``<dir>/adapter_model.safetensors`` are what ``peft`` saves
+(``PeftModel.from_pretrained(base, dir)`` loads them; keys ``base_model.model.<module>.lora_A.weight``
+and ``lora_B``), with the tokenizer beside them and ``base_model_name_or_path`` the base the run
+loaded, so ``AutoPeftModelForCausalLM`` finds it. The adapters are gathered whole one at a time
+(collective over the trainer's FSDP2 mesh), a few MB in all. With ``merged`` the merged model
+``W = W_base + (alpha / r) B A`` (``lora.merged_named_parameters``) is written as an HF directory
+in ``<dir>/merged`` by ``export.write_hf_tensors``, shard by shard as the full export is. Both
+appear atomically (``<dir>.partial`` renamed).
+"""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import torch
+from safetensors.torch import save_file
+from torch.distributed.tensor import DTensor
+
+from llamarl.models.export import write_hf_tensors
+from llamarl.models.loading import resolve_source
+from llamarl.models.lora import LoraSpec, adapter_parameters, merged_named_parameters
+
+__all__ = ["export_adapter", "peft_key"]
+
+
+def peft_key(wire_name: str) -> str:
+    """The key peft saves an adapter under: ``base_model.model.`` + its wire name."""
+    return f"base_model.model.{wire_name}"
+
+
+def adapted_modules(model: torch.nn.Module) -> list[str]:
+    """The full names of the modules ``model``'s adapters adapt, in order."""
+    return list(dict.fromkeys(name.rsplit(".lora_", 1)[0] for name in adapter_parameters(model)))
+
+
+@torch.no_grad()
+def export_adapter(directory: Path, *, model: torch.nn.Module, spec: LoraSpec, base: str, tokenizer=None,
+                   writer: bool, merged: bool = False) -> None:
+    """Write the adapters of ``model`` (an injected, possibly FSDP2-sharded model) as a PEFT
+    directory at ``directory`` (module docstring), and with ``merged`` the merged model in
+    ``directory / "merged"``. Collective over the FSDP2 mesh; ``writer`` True on exactly one rank."""
+    from peft import LoraConfig
+
+    partial = directory.with_name(directory.name + ".partial")
+    tensors = {}
+    for name, param in adapter_parameters(model).items():
+        full = (param.full_tensor() if isinstance(param, DTensor) else param).detach()
+        if writer:
+            tensors[peft_key(name)] = full.to("cpu").contiguous()
+    if writer:
+        shutil.rmtree(partial, ignore_errors=True)
+        partial.mkdir(parents=True)
+        save_file(tensors, str(partial / "adapter_model.safetensors"), metadata={"format": "pt"})
+        config = LoraConfig(r=spec.rank, lora_alpha=spec.alpha, target_modules=adapted_modules(model),
+                            lora_dropout=spec.dropout, bias="none", base_model_name_or_path=resolve_source(base),
+                            task_type="CAUSAL_LM")
+        config.save_pretrained(str(partial))
+        if tokenizer is not None:
+            tokenizer.save_pretrained(str(partial))
+    if merged:
+        params = dict(model.named_parameters())
+        sizes = [(name.replace(".base_layer.", "."), p.numel() * p.element_size()) for name, p in params.items()
+                 if ".lora_A." not in name and ".lora_B." not in name]
+        dtype = next(p.dtype for p in params.values() if not p.requires_grad)
+        write_hf_tensors(partial / "merged", model=model, sizes=sizes, tensors=merged_named_parameters(model, spec),
+                         dtype=dtype, tokenizer=tokenizer, writer=writer)
+    if writer:
+        shutil.rmtree(directory, ignore_errors=True)
+        partial.rename(directory)
