@@ -13,6 +13,9 @@ Layout of ``<dir>``:
 - ``meta.json`` (rank 0): the number of ranks that wrote, so a missing file is detected, and whether
   the optimizer had any state (``optimizer_state``).
 
+A model with frozen parameters (LoRA's base) saves only those that train (and their optimizer
+state): the rest is the model it was loaded from, reloaded at start-up.
+
 Tied parameters (SmolLM2, Qwen2/3, Gemma: ``lm_head.weight`` is ``model.embed_tokens.weight``) are
 one tensor under two keys: it is saved once, under the first key, and the index records the other
 key as ``{"alias_of": <first key>}``; on load the alias is filled by the same tensor (a model that
@@ -56,7 +59,8 @@ def _flatten(model: torch.nn.Module, optimizer: torch.optim.Optimizer, *,
              with_optimizer: bool) -> tuple[dict, list[dict]]:
     """``{key: tensor}`` of the whole state (DTensors stay sharded) and the param groups; without
     ``with_optimizer`` only the model's entries (and no param groups)."""
-    flat = {f"model/{fqn}": t for fqn, t in get_model_state_dict(model).items()}
+    trained = _trained_names(model)
+    flat = {f"model/{fqn}": t for fqn, t in get_model_state_dict(model).items() if trained is None or fqn in trained}
     if not with_optimizer:
         return flat, []
     optim = get_optimizer_state_dict(model, optimizer)  # initialises AdamW state if no step ran yet
@@ -66,6 +70,15 @@ def _flatten(model: torch.nn.Module, optimizer: torch.optim.Optimizer, *,
                 raise TypeError(f"optimizer state {fqn}/{name} is a {type(value).__name__}, not a tensor")
             flat[f"optim/{fqn}/{name}"] = value
     return flat, optim["param_groups"]
+
+
+def _trained_names(model: torch.nn.Module) -> set[str] | None:
+    """The parameters a checkpoint holds when some are frozen (LoRA: the adapters; the base is
+    reloaded from the model it came from), else None (every parameter)."""
+    params = list(model.named_parameters())
+    if all(p.requires_grad for _, p in params):
+        return None
+    return {name for name, p in params if p.requires_grad}
 
 
 def _local(key: str, tensor: torch.Tensor) -> tuple[torch.Tensor, BoxLike]:
@@ -192,8 +205,11 @@ def load_sharded_state(directory: Path, *, model: torch.nn.Module, optimizer: to
             raise ValueError(f"checkpoint {directory}: {key!r} is only partly saved (a rank's file is missing "
                              f"or truncated)")
     model_state = {k.removeprefix("model/"): v for k, v in flat.items() if k.startswith("model/")}
+    # Frozen parameters are not in the checkpoint (they are the loaded model's); every trained one
+    # was read above or raised.
+    options = StateDictOptions(strict=_trained_names(model) is None)
     if not with_optimizer:
-        set_model_state_dict(model, model_state, options=StateDictOptions(strict=True))
+        set_model_state_dict(model, model_state, options=options)
         return
     groups = _read_json(directory / "optim_param_groups.json")
     optim_state: dict[str, dict] = {}
@@ -201,5 +217,5 @@ def load_sharded_state(directory: Path, *, model: torch.nn.Module, optimizer: to
         if key.startswith("optim/"):
             fqn, name = key.removeprefix("optim/").rsplit("/", 1)
             optim_state.setdefault(fqn, {})[name] = value
-    set_model_state_dict(model, model_state, options=StateDictOptions(strict=True))
+    set_model_state_dict(model, model_state, options=options)
     set_optimizer_state_dict(model, optimizer, {"state": optim_state, "param_groups": groups})

@@ -19,13 +19,18 @@ from scorers_for_tests import first_char_even
 MAX_STEPS = 5
 
 
+# LoRA (rank 4: only the adapters train and sync, merged on the generator) in three of the four.
+LORA = ["--trainer.lora.rank", "4", "--trainer.lr", "1e-3"]
+
+
 @pytest.mark.parametrize(("schedule", "extra"), [
-    ("async2", ["--algo.loss", "aipo", "--run.async-lag", "2"]),
+    ("async2", ["--algo.loss", "aipo", "--run.async-lag", "2", *LORA]),
     ("async1", ["--algo.loss", "aipo", "--run.eval-every", "2"]),  # lag 1 is the default
-    ("sync", ["--algo.loss", "decoupled_ppo", "--algo.prox", "recompute", "--generator.token-budget", "5"]),
+    ("sync", ["--algo.loss", "decoupled_ppo", "--algo.prox", "recompute", "--generator.token-budget", "5", *LORA]),
     # Two optimizer steps per tick; wait mode plans with the pipeline's lag (1 tick x 2 steps + 1 = 3).
     ("async1-minibatches", ["--run.async-lag", "1", "--trainer.num-minibatches", "2", "--algo.loss", "decoupled_ppo",
-                            "--algo.prox", "recompute", "--algo.max-staleness", "3", "--algo.stale-policy", "wait"]),
+                            "--algo.prox", "recompute", "--algo.max-staleness", "3", "--algo.stale-policy", "wait",
+                            *LORA]),
 ])
 def test_recipe_runs_and_reports(tmp_path, model_dir, schedule, extra):
     out = tmp_path / "run"
@@ -61,10 +66,18 @@ def test_recipe_runs_and_reports(tmp_path, model_dir, schedule, extra):
         # the one sent at start-up); from tick 3 every tick follows an update and sends.
         generator = read_jsonl(out / "metrics" / "generator.jsonl")
         assert [r["weight_sync_skipped"] for r in generator] == [1, 1, 1, 0, 0]
-        # A sync moves the whole policy to the one generator rank, in its bf16 (the recipe's default
-        # --generator.dtype); a skipped one moves nothing.
-        model_bytes = 2 * sum(t.numel() for t in load_file(str(model_dir / "model.safetensors")).values())
-        assert [r["weight_sync_bytes"] for r in generator] == [0, 0, 0, model_bytes, model_bytes]
+        # Under LoRA a sync moves the adapters alone to the one generator rank, in its bf16 (the
+        # recipe's default --generator.dtype): r x (in + out) per linear of the decoder layers; a
+        # skipped one moves nothing.
+        weights = load_file(str(model_dir / "model.safetensors"))
+        adapter_bytes = 2 * 4 * sum(sum(t.shape) for n, t in weights.items() if ".layers." in n and t.dim() == 2)
+        assert adapter_bytes < 0.2 * 2 * sum(t.numel() for t in weights.values())
+        assert [r["weight_sync_bytes"] for r in generator] == [0, 0, 0, adapter_bytes, adapter_bytes]
+    if "--trainer.lora.rank" in extra:
+        # The export is the PEFT adapter directory, and the checkpoint-free run trained adapters only.
+        assert sorted(p.name for p in (out / "hf" / "final").glob("adapter_*")) == ["adapter_config.json",
+                                                                                  "adapter_model.safetensors"]
+        assert all(".lora_" in k for k in load_file(str(out / "hf" / "final" / "adapter_model.safetensors")))
     elif schedule == "async1-minibatches":
         assert all(r["optimizer_steps"] == 2 and r["num_minibatches"] == 2 for r in trainer)
         assert all(r["staleness_max"] <= 3 and r["dropped_stale_samples"] == 0 for r in trainer)

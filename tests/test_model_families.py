@@ -45,6 +45,10 @@ COLOCATED = ["--run.schedule", "colocated", "--run.max-steps", "2", "--checkpoin
              "--trainer.num-threads", "1"]
 
 
+# LoRA on every family (rank 4, every linear of the decoder layers; the merged model exported too).
+LORA = ["--trainer.lora.rank", "4", "--trainer.lora.export-merged", "--trainer.lr", "1e-2"]
+
+
 @pytest.fixture(scope="module")
 def family_dirs(tmp_path_factory):
     """``{family: HF directory}`` of every family's tiny model."""
@@ -78,6 +82,11 @@ def colocated_runs(family_dirs, tmp_path_factory):
         plan.append([*model, *COLOCATED, "--run.output-dir", str(straight)])
         plan.append([*model, *COLOCATED, "--run.output-dir", str(resumed),
                      "--checkpoint.resume", str(straight / "checkpoints" / "step_1")])
+        lora_straight, lora_resumed = root / name / "lora_straight", root / name / "lora_resumed"
+        runs[f"lora:{name}"] = (lora_straight, lora_resumed)
+        plan.append([*model, *COLOCATED, *LORA, "--run.output-dir", str(lora_straight)])
+        plan.append([*model, *COLOCATED, *LORA, "--run.output-dir", str(lora_resumed),
+                     "--checkpoint.resume", str(lora_straight / "checkpoints" / "step_1")])
     proc = run_colocated_runs(plan, plan_file=root / "runs.json",
                               env={"LLAMARL_TEST_SCORER": "scorers_for_tests:first_char_even"})
     check(proc)
@@ -182,6 +191,40 @@ def test_colocated_checkpoint_resume_and_export(name, family_dirs, colocated_run
         prompt = list(prompt_fn(tokenizer, record["question"]))
         text = tokenizer.decode(hf_greedy(model, prompt, 6), skip_special_tokens=True)
         assert text == record["completion"], record["question"]
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_lora_trains_resumes_exactly_and_exports_an_adapter_peft_loads(name, family_dirs, colocated_runs):
+    """LoRA on each family, colocated: the checkpoint holds the adapters alone and a resume from it
+    ends with bitwise the adapters of the run straight through; the exported adapter directory loads
+    with ``peft.PeftModel``, whose log-probs equal the exported merged model's and whose greedy text
+    is the run's own final evaluation (the generator's merged weights), text for text."""
+    from peft import PeftModel
+
+    straight, resumed = colocated_runs[f"lora:{name}"]
+    adapters = [load_file(str(run / "hf" / "final" / "adapter_model.safetensors")) for run in (straight, resumed)]
+    assert sorted(adapters[0]) == sorted(adapters[1]) and all(".lora_" in k for k in adapters[0])
+    for key, tensor in adapters[0].items():
+        assert torch.equal(adapters[1][key], tensor), key
+    assert any(k.endswith("lora_B.weight") and tensor.abs().max() > 0 for k, tensor in adapters[0].items()), "no update"
+    (state,) = (straight / "checkpoints" / "step_1").glob("**/state/rank0.safetensors")
+    saved = load_file(str(state))
+    assert saved and all(".lora_" in k for k in saved), sorted(saved)[:3]
+    base, tokenizer = load_causal_lm(str(family_dirs[name]))
+    policy = PeftModel.from_pretrained(base, str(straight / "hf" / "final")).eval()
+    merged, _ = load_causal_lm(str(straight / "hf" / "final" / "merged"))
+    records = [json.loads(line) for line in (straight / "eval_final.jsonl").read_text().splitlines()]
+    assert len(records) == 3
+    for record in records:
+        prompt = list(prompt_fn(tokenizer, record["question"]))
+        completion = hf_greedy(policy, prompt, 6)
+        assert tokenizer.decode(completion, skip_special_tokens=True) == record["completion"], record["question"]
+        ids = torch.tensor([prompt + completion])
+        with torch.no_grad():
+            mask = torch.ones_like(ids)
+            want = completion_logprobs(policy, ids, mask, start=len(prompt), temperature=1.0)
+            got = completion_logprobs(merged, ids, mask, start=len(prompt), temperature=1.0)
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
 
 
 def test_every_eos_id_of_the_generation_config_stops_generation(tmp_path):

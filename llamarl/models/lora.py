@@ -23,7 +23,7 @@ from __future__ import annotations
 import contextlib
 import math
 import re
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import torch
@@ -173,26 +173,31 @@ def adapters_disabled(model: torch.nn.Module):
 
 
 @torch.no_grad()
-def merged_named_parameters(model: torch.nn.Module, spec: LoraSpec) -> Iterator[tuple[str, torch.Tensor]]:
-    """``(HF name, full tensor)`` of the merged model ``W = W_base + (alpha / r) B A`` in the base's
-    dtype (merged in fp32), every other parameter as it is; one parameter gathered at a time
-    (collective over an FSDP2 mesh: every rank must consume the whole iterator). The export's
-    merged model."""
+def merged_named_parameters(model: torch.nn.Module, spec: LoraSpec, *,
+                            base: Callable[[str], torch.Tensor] | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+    """``(HF name, full tensor)`` of the merged model ``W = W_base + (alpha / r) B A`` (merged in
+    fp32), every other parameter as it is, in the adapters' dtype; one parameter gathered at a time
+    (collective over an FSDP2 mesh: every rank must consume the whole iterator). ``base(name)``:
+    the base tensor as the checkpoint stores it (the frozen copy in ``model`` may be rounded to
+    ``--trainer.param-dtype``, the generator's is not); None: ``model``'s own. The merged export."""
     params = dict(model.named_parameters())
+    dtype = next((p.dtype for p in params.values() if p.requires_grad), None)
 
     def full(name: str) -> torch.Tensor:
         param = params[name]
         return (param.full_tensor() if isinstance(param, DTensor) else param).detach()
 
+    def frozen(name: str) -> torch.Tensor:
+        return (full(name) if base is None else base(checkpoint_name(name))).to(dtype or params[name].dtype)
+
     for name in params:
         if _ADAPTER.search(name):
             continue
         if not name.endswith(".base_layer.weight"):  # not adapted, or an adapted linear's bias
-            yield checkpoint_name(name), full(name)
+            yield checkpoint_name(name), frozen(name)
             continue
         module = name.removesuffix(".base_layer.weight")
-        base = full(name)
+        weight = frozen(name)
         a = full(next(n for n in params if n.startswith(module + ".lora_A.")))
         b = full(next(n for n in params if n.startswith(module + ".lora_B.")))
-        merged = torch.addmm(base.float(), b.float(), a.float(), alpha=spec.scale).to(base.dtype)
-        yield checkpoint_name(name), merged
+        yield checkpoint_name(name), torch.addmm(weight.float(), b.float(), a.float(), alpha=spec.scale).to(weight.dtype)

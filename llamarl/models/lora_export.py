@@ -12,18 +12,22 @@ appear atomically (``<dir>.partial`` renamed).
 
 from __future__ import annotations
 
+import logging
 import shutil
 from pathlib import Path
 
 import torch
+from safetensors import safe_open
 from safetensors.torch import save_file
 from torch.distributed.tensor import DTensor
 
 from llamarl.models.export import write_hf_tensors
 from llamarl.models.loading import resolve_source
-from llamarl.models.lora import LoraSpec, adapter_parameters, merged_named_parameters
+from llamarl.models.lora import LoraSpec, adapter_parameters, checkpoint_name, merged_named_parameters
 
 __all__ = ["export_adapter", "peft_key"]
+
+logger = logging.getLogger(__name__)
 
 
 def peft_key(wire_name: str) -> str:
@@ -34,6 +38,24 @@ def peft_key(wire_name: str) -> str:
 def adapted_modules(model: torch.nn.Module) -> list[str]:
     """The full names of the modules ``model``'s adapters adapt, in order."""
     return list(dict.fromkeys(name.rsplit(".lora_", 1)[0] for name in adapter_parameters(model)))
+
+
+def _base_reader(base: str):
+    """``name -> tensor`` reading the base model's checkpoint (the values the generator loaded,
+    before the trainer stored its frozen copy in ``--trainer.param-dtype``); None when it is not a
+    local safetensors directory (the trainer's frozen copy is merged then, with a warning)."""
+    from llamarl.models.sharded_loading import checkpoint_files
+
+    files = checkpoint_files(Path(resolve_source(base)))
+    if files is None:
+        logger.warning("merged export: %s is not a local safetensors directory; merging onto the trainer's "
+                       "frozen copy of the base (in --trainer.param-dtype)", base)
+        return None
+
+    def read(name: str) -> torch.Tensor:
+        with safe_open(str(files[name]), "pt") as handle:
+            return handle.get_tensor(name)
+    return read
 
 
 @torch.no_grad()
@@ -62,11 +84,12 @@ def export_adapter(directory: Path, *, model: torch.nn.Module, spec: LoraSpec, b
             tokenizer.save_pretrained(str(partial))
     if merged:
         params = dict(model.named_parameters())
-        sizes = [(name.replace(".base_layer.", "."), p.numel() * p.element_size()) for name, p in params.items()
-                 if ".lora_A." not in name and ".lora_B." not in name]
-        dtype = next(p.dtype for p in params.values() if not p.requires_grad)
-        write_hf_tensors(partial / "merged", model=model, sizes=sizes, tensors=merged_named_parameters(model, spec),
-                         dtype=dtype, tokenizer=tokenizer, writer=writer)
+        dtype = next(p.dtype for p in params.values() if p.requires_grad)
+        sizes = [(checkpoint_name(name), p.numel() * dtype.itemsize) for name, p in params.items()
+                 if checkpoint_name(name) is not None]
+        tensors = merged_named_parameters(model, spec, base=_base_reader(base))
+        write_hf_tensors(partial / "merged", model=model, sizes=sizes, tensors=tensors, dtype=dtype,
+                         tokenizer=tokenizer, writer=writer)
     if writer:
         shutil.rmtree(directory, ignore_errors=True)
         partial.rename(directory)

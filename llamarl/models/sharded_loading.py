@@ -37,7 +37,7 @@ logger = logging.getLogger(__name__)
 __all__ = ["load_sharded_causal_lm"]
 
 
-def _checkpoint_files(directory: Path) -> dict[str, Path] | None:
+def checkpoint_files(directory: Path) -> dict[str, Path] | None:
     """Tensor name -> the safetensors file holding it, or None when the directory has none."""
     index = directory / "model.safetensors.index.json"
     if index.is_file():
@@ -85,7 +85,7 @@ def load_sharded_causal_lm(name_or_path: str, *, dtype: torch.dtype, mesh, devic
     ``dtype``) start as ``LoraSpec.initialise`` draws them from ``seed``."""
     source = resolve_source(name_or_path)
     directory = Path(source) if Path(source).is_dir() else _cached_snapshot(source)
-    files = _checkpoint_files(directory) if directory is not None else None
+    files = checkpoint_files(directory) if directory is not None else None
     if files is None:
         return _full_load(name_or_path, dtype=dtype, mesh=mesh, device=device, param_dtype=param_dtype,
                           lora=lora, seed=seed, why="no local safetensors checkpoint")
