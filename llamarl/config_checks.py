@@ -21,7 +21,7 @@ from huggingface_hub import constants, try_to_load_from_cache
 
 from llamarl.checkpoint import resolve_resume
 from llamarl.config import EnvConfig, RewardConfig, RLConfig
-from llamarl.models.loading import KNOWN_ALIASES
+from llamarl.models.loading import KNOWN_ALIASES, resolve_source
 from llamarl.run_plan import check_wait_meets_lag, expected_lag, model_context_length
 
 
@@ -143,6 +143,30 @@ def check_environment(env: EnvConfig) -> None:
         resolve_tools(env.tools)
 
 
+def check_lora(config: RLConfig) -> None:
+    """``--trainer.lora.*`` against the model and the rest of the run: the targets must match linears
+    of the model's decoder layers (checked on its architecture built on the meta device, no weights
+    read), and the generator must be one that merges adapters (the native engine)."""
+    spec = config.trainer.lora.spec()
+    if spec is None:
+        return
+    if config.generator.engine_config().streams_weights:
+        raise ValueError(f"--trainer.lora.rank with --generator.engine {config.generator.engine}: LoRA adapters are "
+                         "merged into a generation model the generator holds, which an engine that streams its "
+                         "weights (vLLM) does not; use --generator.engine torch or full fine-tuning")
+    source = Path(config.model.name).expanduser()
+    if config.model.name in KNOWN_ALIASES:
+        source = Path(resolve_source(config.model.name))
+    if not (source / "config.json").is_file():
+        return  # a hub id: its architecture is known once downloaded, where the trainer checks again
+    from accelerate import init_empty_weights
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    with init_empty_weights(include_buffers=False):
+        model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(str(source)))
+    spec.target_modules(model)
+
+
 def validate_config(config: RLConfig) -> None:
     """Raise ValueError (one line, naming the flag and the value) for a configuration that cannot run.
 
@@ -152,6 +176,7 @@ def validate_config(config: RLConfig) -> None:
     check_environment(config.env)
     name = config.model.name
     check_model(name)
+    check_lora(config)
     output = Path(config.run.output_dir or "runs")
     if not _writable(output):
         raise ValueError(f"--run.output-dir {output}: not writable")
