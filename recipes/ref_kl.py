@@ -30,6 +30,12 @@ distributions the trainer's ratios also use, and is ~0 while the weights still e
 generator's KV-cached decoding and the reference's full forward round differently; in bf16 it is
 bf16 noise).
 
+Under LoRA (``--trainer.lora.rank``) there is no second model: the reference is the trainer's own
+model with its adapters disabled (``llamarl.models.lora.adapters_disabled``), i.e. the frozen base
+it started from, so the stage runs on the trainer's ranks (``colocate_with="trainer"``; its
+``--ref.num-ranks`` and ``--ref.param-dtype`` then do not apply: it forwards in the trainer's
+precision), reading the trainer's model when it steps, before the trainer in each tick.
+
 Schedules: ``async`` (default) and ``sync`` deliver as ``rl_pipeline`` does, with the extra hop
 ``scored`` (reward -> ref) always same-tick, so the lag of every trained token is the standard
 pipeline's (``--run.async-lag``) and ``--algo.stale-policy wait`` plans with the right one.
@@ -48,9 +54,11 @@ sample), ``ref_samples``, ``ref_tokens``, ``ref_seconds``. Each shaped batch als
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
-from dataclasses import dataclass, field
+from collections.abc import Callable
+from dataclasses import dataclass, field, replace
 from typing import ClassVar, Literal
 
 import torch
@@ -63,8 +71,10 @@ from llamarl.errors import config_errors, parse_flags
 from llamarl.executor import Executor
 from llamarl.executors.generator import PromptFn, Task
 from llamarl.executors.reward import set_balance_tokens
+from llamarl.executors.trainer import TrainerExecutor
 from llamarl.metrics import MetricSpec
 from llamarl.models.loading import load_causal_lm
+from llamarl.models.lora import adapters_disabled
 from llamarl.models.microbatch import sequence_logprobs
 from llamarl.models.sharding import shard_model
 from llamarl.pipeline import Pipeline, Stage
@@ -186,15 +196,24 @@ class RefPolicyExecutor(Executor):
     metric_specs: ClassVar[dict] = REF_METRICS
 
     def __init__(self, ctx, *, model_config: ModelConfig, config: RefConfig, temperature: float,
-                 max_tokens_per_microbatch: int, input_name: str = "scored", output_name: str = "shaped") -> None:
+                 max_tokens_per_microbatch: int, input_name: str = "scored", output_name: str = "shaped",
+                 policy: Callable[[], torch.nn.Module] | None = None) -> None:
+        """``policy``: under LoRA, returns the trainer's adapted model on this rank (the reference is
+        it with the adapters disabled: module docstring); None: load the initial policy."""
         super().__init__(ctx)
         self.model_config, self.config, self.temperature = model_config, config, temperature
         self.max_tokens_per_microbatch = max_tokens_per_microbatch
         self.input_name, self.output_name = input_name, output_name
         self.model = None
+        self.policy = policy
 
     def init(self) -> None:
         torch.set_num_threads(self.config.num_threads)
+        if self.policy is not None:
+            if self.ctx.local_rank == 0:
+                logger.info("reference policy: the trainer's base (its LoRA adapters disabled); KL %s, beta %g",
+                            self.config.kl_estimator, self.config.kl_coef)
+            return
         # On the host, then fully_shard moves each rank's shards to the mesh's device (as the trainer).
         model, _ = load_causal_lm(self.model_config.name, dtype=getattr(torch, self.model_config.dtype), device="cpu")
         model.requires_grad_(False)
@@ -211,9 +230,11 @@ class RefPolicyExecutor(Executor):
         if len(batch):
             batch = batch.to(self.ctx.device)
         # Collective: every reference rank calls it, an empty one included (dummy forwards).
-        ref_logp = sequence_logprobs(self.model, batch, temperature=self.temperature,
-                                     max_tokens_per_microbatch=self.max_tokens_per_microbatch,
-                                     group=self.ctx.group, device=self.ctx.device)
+        model = self.model if self.policy is None else self.policy()
+        with adapters_disabled(model) if self.policy is not None else contextlib.nullcontext():
+            ref_logp = sequence_logprobs(model, batch, temperature=self.temperature,
+                                         max_tokens_per_microbatch=self.max_tokens_per_microbatch,
+                                         group=self.ctx.group, device=self.ctx.device)
         if not len(batch):
             self.metrics = {}
             return
@@ -222,15 +243,18 @@ class RefPolicyExecutor(Executor):
         self.metrics = {**metrics, "ref_seconds": time.perf_counter() - start}
 
 
-def ref_stage(config: RefKLConfig, *, name: str = "ref", input_name: str = "scored", output: str = "shaped") -> Stage:
-    """The reference policy on ``--ref.num-ranks`` ranks: reads ``input_name``, sends ``output``."""
+def ref_stage(config: RefKLConfig, *, name: str = "ref", input_name: str = "scored", output: str = "shaped",
+              policy: Callable[[], torch.nn.Module] | None = None) -> Stage:
+    """The reference policy on ``--ref.num-ranks`` ranks: reads ``input_name``, sends ``output``.
+    With ``policy`` (LoRA: the trainer's model on this rank) it runs on the trainer's ranks."""
     budget = config.ref.max_tokens_per_microbatch or config.trainer.max_tokens_per_microbatch
 
     def build(ctx) -> RefPolicyExecutor:
         return RefPolicyExecutor(ctx, model_config=config.model, config=config.ref,
                                  temperature=config.generator.temperature, max_tokens_per_microbatch=budget,
-                                 input_name=input_name, output_name=output)
-    return Stage(name, build=build, num_ranks=config.ref.num_ranks, ranks_flag="--ref.num-ranks", headline=REF_HEADLINE)
+                                 input_name=input_name, output_name=output, policy=policy)
+    return Stage(name, build=build, num_ranks=config.ref.num_ranks, ranks_flag="--ref.num-ranks", headline=REF_HEADLINE,
+                 colocate_with="trainer" if policy is not None else None)
 
 
 def ref_kl_pipeline(config: RefKLConfig, *, task: Task, scorer: str, prompt_fn: PromptFn) -> Pipeline:
@@ -240,10 +264,22 @@ def ref_kl_pipeline(config: RefKLConfig, *, task: Task, scorer: str, prompt_fn: 
     ``--run.async-lag 1``, ``shaped`` same-tick under sync, ``scored`` always same-tick (the
     reference adds no lag); colocated puts every stage, the reference included, on every rank.
     """
-    return stage_before_trainer(config, ref_stage(config, input_name="scored", output="shaped"), task=task,
-                                scorer=scorer, prompt_fn=prompt_fn, reward_output="scored", output="shaped",
-                                title="KL to reference",
-                                summary={"kl_coef": config.ref.kl_coef, "kl_estimator": config.ref.kl_estimator})
+    trainers: dict[str, TrainerExecutor] = {}  # this rank's trainer, once built (LoRA's reference reads it)
+    policy = (lambda: trainers["trainer"].model) if config.trainer.lora.enabled else None
+    pipeline = stage_before_trainer(config, ref_stage(config, input_name="scored", output="shaped", policy=policy),
+                                    task=task, scorer=scorer, prompt_fn=prompt_fn, reward_output="scored",
+                                    output="shaped", title="KL to reference",
+                                    summary={"kl_coef": config.ref.kl_coef, "kl_estimator": config.ref.kl_estimator})
+    if policy is None:
+        return pipeline
+
+    def remembered(build):
+        def build_trainer(ctx):
+            trainers["trainer"] = build(ctx)
+            return trainers["trainer"]
+        return build_trainer
+    pipeline.stages = [replace(s, build=remembered(s.build)) if s.name == "trainer" else s for s in pipeline.stages]
+    return pipeline
 
 
 def check_ref_kl(config: RefKLConfig) -> None:

@@ -96,6 +96,21 @@ def test_shaped_rewards_are_rule_reward_minus_beta_kl_async_k3_two_ref_ranks(tmp
     assert [r["step"] for r in trainer] == [2, 3, 4, 5] and all(r["optimizer_steps"] == 1 for r in trainer)
 
 
+def test_under_lora_the_reference_is_the_trainers_base_with_its_adapters_disabled(tmp_path, model_dir):
+    """--trainer.lora.rank: no second model; the reference stage runs on the trainer's ranks and
+    forwards the trainer's own model with the adapters off. Its KL sums are those of the base loaded
+    independently here, while the adapters move the policy away from it."""
+    out, taps = run_world(tmp_path, model_dir, "lora", nproc=3, args=[
+        "--run.max-steps", "5", "--run.schedule", "async", "--run.async-lag", "2", "--ref.kl-coef", "0.5",
+        "--ref.kl-estimator", "k3", "--trainer.lr", "5e-2", "--trainer.lora.rank", "4"])
+    ref = read_jsonl(out / "metrics" / "ref.jsonl")
+    assert [r["step"] for r in ref] == [1, 2, 3, 4] and sorted(taps) == [2, 3, 4]
+    model, _ = load_causal_lm(str(model_dir), dtype=torch.float32)
+    for batch in taps.values():
+        torch.testing.assert_close(batch["kl_sum"].double(), reference_kl_sums(model, batch, "k3"), atol=1e-5, rtol=1e-4)
+    assert ref[0]["kl_mean"] < 1e-10 and ref[-1]["kl_mean"] > 1e-4, ref  # the adapters moved the policy
+
+
 def last_ticks_kl(out, ticks=3):
     ref = read_jsonl(out / "metrics" / "ref.jsonl")
     return sum(r["kl_mean"] for r in ref[-ticks:]) / ticks, ref
