@@ -17,8 +17,21 @@ not from a formula of the model's size, and the rest is sized from them:
   forward and backward), and the log-probs' logits: ``3 x tokens x vocab x 4`` bytes (the fp32
   copy, the division by the temperature and the log-softmax; measured 2.6 copies on CPU in
   benchmarks/logprob_memory.py) for a whole micro-batch, or for one chunk under
-  ``--trainer.logprob-chunk-tokens``. Activations of the decoder layers are not counted (they
-  depend on checkpointing and the attention kernel), so the trainer's total is a lower bound.
+  ``--trainer.logprob-chunk-tokens``, and the activations one micro-batch keeps for its backward,
+  counted by ``llamarl/models/memory.py`` (a fake-tensor forward and backward at the micro-batch's
+  tokens, as one packed row: the attention mask's worst case) on a two-layer slice of the model,
+  its layers repeated to the model's depth (every layer of these models is the same; two, so that
+  what several layers share is seen as shared). Activation checkpointing is what
+  ``--trainer.activation-checkpointing auto`` resolves to for the layout (``Layout.activation_checkpointing``):
+  on when those activations and the rank's parameters, gradients and AdamW moments pass 3/4 of the
+  GPU (``resolve_activation_checkpointing``, the trainer's own decision); the activations are then
+  each layer's input plus one layer recomputed in the backward.
+* trainer with LoRA (``lora=True``: rank 16 on every linear of the decoder layers): the base frozen
+  in bf16 (its shard, no gradients, no AdamW state), the adapters ``r x (in + out)`` per adapted
+  linear in fp32 with fp32 gradients and two fp32 AdamW moments, sharded by the same torch.chunk
+  rule (the rule ``test_fake_group_shards_follow_fsdp2_chunks`` checks); activations counted with
+  peft's adapters injected into the counted slice. The generator is as in full fine-tuning (an
+  upper bound: a LoRA sync moves the adapters only).
 * generator: the native engine's HF model (the TP slice, in the generator's dtype; a vLLM
   generator keeps none), the DDMA receive buckets (at most ``--weights.bucket-mb`` per trainer
   peer; none colocated, where weights are handed over in memory), what a stream into vLLM stages
@@ -40,6 +53,8 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
+import functools
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -51,10 +66,18 @@ from torch.distributed.tensor import DTensor
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from llamarl.models.sharding import shard_model
+from llamarl.boxes import chunk_slice
+from llamarl.models.memory import (
+    ActivationCount,
+    resolve_activation_checkpointing,
+    saved_activation_bytes,
+    trainer_state_bytes,
+)
+from llamarl.models.sharding import decoder_layers, shard_model
 from llamarl.models.tensor_parallel import apply_tensor_parallel
 
 GIB = 2**30
+LORA_RANK = 16
 
 # Public model shapes (their config.json), so no download is needed.
 MODELS = {
@@ -67,7 +90,7 @@ MODELS = {
 }
 
 
-@dataclass
+@dataclass(frozen=True)
 class Layout:
     """One job: a model and how its ranks are split (the GPU presets' values by default)."""
 
@@ -88,6 +111,8 @@ class Layout:
     """Native engine: rows decoding at once on a generator rank (its KV cache grows with them)."""
     kv_tokens: int = 2048
     """Native engine: prompt + completion tokens per row."""
+    activation_checkpointing: str = "auto"
+    """``--trainer.activation-checkpointing`` (auto: resolved as the trainer resolves it)."""
 
 
 LAYOUTS = [
@@ -114,14 +139,46 @@ def fake_world(world_size: int, rank: int = 0):
         dist.destroy_process_group()
 
 
-def meta_model(name: str, dtype: torch.dtype) -> torch.nn.Module:
+def meta_model(name: str, dtype: torch.dtype, *, num_layers: int | None = None) -> torch.nn.Module:
+    """``name``'s model on the meta device (``num_layers``: only its first that many layers)."""
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
-    config = Qwen2Config(**MODELS[name], max_position_embeddings=32_768)
+    shape = MODELS[name] | ({"num_hidden_layers": num_layers} if num_layers else {})
+    config = Qwen2Config(**shape, max_position_embeddings=32_768)
     with torch.device("meta"):
         model = Qwen2ForCausalLM(config).to(dtype)
     model.tie_weights()
     return model
+
+
+def _adapted_linears(model: torch.nn.Module) -> list[torch.nn.Linear]:
+    """``--trainer.lora.targets all-linear``: every nn.Linear inside the decoder layers."""
+    return [m for layer in decoder_layers(model) for m in layer.modules() if isinstance(m, torch.nn.Linear)]
+
+
+def lora_meta_model(name: str, *, num_layers: int | None = None) -> torch.nn.Module:
+    """``name`` on the meta device as a LoRA trainer holds it: peft's rank-16 adapters (fp32,
+    trainable) on every linear of the decoder layers, every other parameter frozen in bf16."""
+    from peft import LoraConfig, inject_adapter_in_model
+
+    model = meta_model(name, torch.float32, num_layers=num_layers)
+    targets = [n for n, m in model.named_modules() if isinstance(m, torch.nn.Linear) and ".layers." in f".{n}"]
+    inject_adapter_in_model(LoraConfig(r=LORA_RANK, lora_alpha=2 * LORA_RANK, target_modules=targets), model)
+    for pname, param in model.named_parameters():
+        if ".lora_" not in pname:
+            param.requires_grad_(False)
+            param.data = param.data.to(torch.bfloat16)
+    return model
+
+
+@functools.cache
+def activation_count(name: str, tokens: int, *, lora: bool = False) -> ActivationCount:
+    """What a ``tokens``-token micro-batch of ``name`` keeps for its backward in bf16 (one packed
+    row), counted on a two-layer slice and its layers repeated to the model's depth."""
+    model = lora_meta_model(name, num_layers=2) if lora else meta_model(name, torch.float32, num_layers=2)
+    count = saved_activation_bytes(model, tokens=tokens, dtype=torch.bfloat16)
+    depth = MODELS[name]["num_hidden_layers"]
+    return dataclasses.replace(count, layers=count.layers[-1:] * depth, layer_inputs=count.layer_inputs[-1:] * depth)
 
 
 def _local_bytes(model: torch.nn.Module) -> int:
@@ -136,24 +193,54 @@ def _full_bytes(model: torch.nn.Module) -> int:
     return sum(p.numel() * p.element_size() for p in model.parameters())
 
 
-def trainer_rank(layout: Layout) -> dict:
-    """Rank 0 of the trainer (FSDP2's largest shard under torch.chunk) in GiB, by component."""
-    model = meta_model(layout.model, torch.float32)
-    full = _full_bytes(model)
+def _lora_rank0_bytes(model: torch.nn.Module, world: int) -> tuple[int, int]:
+    """Rank 0's fp32 adapter bytes (FSDP2's torch.chunk rows of A [r, in] and B [out, r]) and
+    the adapters' numel in one decoder layer."""
+    local = 0
+    for linear in _adapted_linears(model):
+        out_features, in_features = linear.weight.shape
+        local += chunk_slice(LORA_RANK, rank=0, world=world)[1] * in_features * 4
+        local += chunk_slice(out_features, rank=0, world=world)[1] * LORA_RANK * 4
+    per_layer = sum(LORA_RANK * (m.in_features + m.out_features) for m in _adapted_linears(model)) // max(
+        1, len(decoder_layers(model)))
+    return local, per_layer
+
+
+def trainer_rank(layout: Layout, *, lora: bool = False) -> dict:
+    """Rank 0 of the trainer (FSDP2's largest shard under torch.chunk) in GiB, by component, and
+    (not components) the activations with checkpointing off and on and whether it is on."""
+    model = meta_model(layout.model, torch.bfloat16 if lora else torch.float32)
     numel = sum(p.numel() for p in model.parameters())
     layer_numel = sum(p.numel() for p in model.model.layers[0].parameters())
     root_numel = numel - layer_numel * len(model.model.layers)
+    adapters, adapter_layer_numel = _lora_rank0_bytes(model, layout.trainer_ranks) if lora else (0, 0)
+    full = _full_bytes(model) + (adapter_layer_numel * len(model.model.layers) * 4 if lora else 0)
+    if lora:
+        model.requires_grad_(False)
+    # The trainer's own estimate (memory.activation_checkpointing_for): adapters added by hand.
+    state = trainer_state_bytes(model, world_size=layout.trainer_ranks) + 4 * adapters
     with fake_world(layout.trainer_ranks):
         mesh = DeviceMesh("cpu", list(range(layout.trainer_ranks)))
         shard_model(model, mesh, param_dtype=torch.bfloat16)
-        master = _local_bytes(model)
+        base = _local_bytes(model)
+    trainable = adapters if lora else base
     vocab = MODELS[layout.model]["vocab_size"]
     tokens = layout.logprob_chunk_tokens or layout.microbatch_tokens
+    count = activation_count(layout.model, layout.microbatch_tokens, lora=lora)
+    checkpointing = resolve_activation_checkpointing(layout.activation_checkpointing,
+                                                     estimated_bytes=count.peak(False) + state,
+                                                     device_bytes=int(layout.gpu_gib * GIB))
     return {
-        "full model": full / GIB, "master weights": master / GIB, "gradients": master / GIB,
-        "AdamW": 2 * master / GIB, "gathered (2 layers + root, bf16)": (2 * layer_numel + root_numel) * 2 / GIB,
-        "logits": 3 * tokens * vocab * 4 / GIB,
+        "full model": full / GIB, "master weights": (base + adapters) / GIB, "gradients": trainable / GIB,
+        "AdamW": 2 * trainable / GIB,
+        "gathered (2 layers + root, bf16)": (2 * (layer_numel + adapter_layer_numel) + root_numel) * 2 / GIB,
+        "logits": 3 * tokens * vocab * 4 / GIB, "activations": count.peak(checkpointing) / GIB,
+        "activations, checkpointing off": count.peak(False) / GIB,
+        "activations, checkpointing on": count.peak(True) / GIB, "checkpointing": checkpointing,
     }
+
+
+NOT_COMPONENTS = ("full model", "activations, checkpointing off", "activations, checkpointing on", "checkpointing")
 
 
 def generator_rank(layout: Layout, *, num_trainer_peers: int) -> dict:
@@ -188,12 +275,14 @@ def generator_rank(layout: Layout, *, num_trainer_peers: int) -> dict:
     return out
 
 
-def layout_memory(layout: Layout) -> dict:
+@functools.cache
+def layout_memory(layout: Layout, *, lora: bool = False) -> dict:
     """``{"trainer": {...}, "generator": {...}, "trainer_total", "generator_total", "gpu_total"}``
-    in GiB for one layout (module docstring); ``gpu_total`` is the busiest GPU's."""
-    trainer = trainer_rank(layout)
+    in GiB for one layout (module docstring), its trainer fine-tuning fully or with LoRA;
+    ``gpu_total`` is the busiest GPU's. Cached: treat the result as read-only."""
+    trainer = trainer_rank(layout, lora=lora)
     generator = generator_rank(layout, num_trainer_peers=layout.trainer_ranks)
-    trainer_total = sum(v for k, v in trainer.items() if k != "full model")
+    trainer_total = sum(v for k, v in trainer.items() if k not in NOT_COMPONENTS)
     generator_total = sum(v for k, v in generator.items() if k != "full model")
     if not layout.colocated:
         gpu_total = max(trainer_total, generator_total)
@@ -208,28 +297,41 @@ def layout_memory(layout: Layout) -> dict:
             "generator_total": generator_total, "gpu_total": gpu_total}
 
 
-def markdown_table(layouts: list[Layout]) -> str:
-    """The per-layout table of docs/scaling.md."""
-    header = ("| layout | model | trainer rank: master / grads / AdamW / gathered / logits (GiB) | trainer rank | "
+def _gib(value: float) -> str:
+    # LoRA's adapters, gradients and moments are tens of MiB: two places, not 0.0.
+    return f"{value:.2f}" if 0 < value < 0.1 else f"{value:.1f}"
+
+
+def markdown_table(layouts: list[Layout], *, lora: bool = False) -> str:
+    """The per-layout table of docs/scaling.md (``lora``: the trainer with rank-16 adapters)."""
+    header = ("| layout | model | trainer rank: master / grads / AdamW / gathered / logits / activations (GiB) | "
+              "activations without / with checkpointing (GiB): auto | trainer rank | "
               "generator rank: HF weights / DDMA buckets / stream staging / vLLM or KV cache (GiB) | generator rank | "
               "busiest GPU of 80 GiB |")
-    lines = [header, "|---|---|---|---|---|---|---|"]
+    lines = [header, "|---|---|---|---|---|---|---|---|"]
     for layout in layouts:
-        m = layout_memory(layout)
+        m = layout_memory(layout, lora=lora)
         t, g = m["trainer"], m["generator"]
-        trainer = " / ".join(f"{t[k]:.1f}" for k in ("master weights", "gradients", "AdamW",
-                                                      "gathered (2 layers + root, bf16)", "logits"))
+        trainer = " / ".join(_gib(t[k]) for k in ("master weights", "gradients", "AdamW",
+                                                  "gathered (2 layers + root, bf16)", "logits", "activations"))
+        activations = (f"{t['activations, checkpointing off']:.1f} / {t['activations, checkpointing on']:.1f}: "
+                       f"{'on' if t['checkpointing'] else 'off'}")
         engine = g.get("vLLM (its weights, activations, KV cache)", g.get("KV cache", 0.0))
         generator = (f"{g['weights (HF model)']:.1f} / {g['DDMA buckets']:.1f} / {g['stream staging']:.1f} / "
                      f"{engine:.1f}")
-        lines.append(f"| {layout.name} | {layout.model} ({t['full model']:.1f} GiB fp32) | {trainer} | "
+        model = (f"{t['full model']:.1f} GiB: bf16 base, r={LORA_RANK} fp32 adapters" if lora
+                 else f"{t['full model']:.1f} GiB fp32")
+        lines.append(f"| {layout.name} | {layout.model} ({model}) | {trainer} | {activations} | "
                      f"{m['trainer_total']:.1f} | {generator} | {m['generator_total']:.1f} | {m['gpu_total']:.1f} |")
     return "\n".join(lines)
 
 
 def main() -> None:
-    argparse.ArgumentParser(description="Print docs/scaling.md's per-rank memory table.").parse_args()
+    argparse.ArgumentParser(description="Print docs/scaling.md's per-rank memory tables (full fine-tuning, "
+                                        "then LoRA).").parse_args()
     print(markdown_table(LAYOUTS))
+    print()
+    print(markdown_table(LAYOUTS, lora=True))
 
 
 if __name__ == "__main__":
