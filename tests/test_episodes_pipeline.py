@@ -23,13 +23,13 @@ def flags(model_dir, out, *extra):
 
 
 @pytest.mark.parametrize(("nproc", "schedule"), [
-    (1, ["--run.schedule", "colocated"]),
-    (3, ["--run.schedule", "async", "--run.async-lag", "2"]),
+    (1, ["--run.schedule", "colocated", "--trainer.lora.rank", "4"]),  # LoRA: adapters synced and merged
+    (3, ["--run.schedule", "async", "--run.async-lag", "2", "--trainer.lora.rank", "4"]),
     (3, ["--run.schedule", "sync", "--generator.token-budget", "6"]),  # episodes carried between ticks
     # lag 1 with wait: groups whose carried episode would be too stale restart from their prompt
     (3, ["--run.schedule", "async", "--run.async-lag", "1", "--generator.token-budget", "12",
          "--algo.max-staleness", "1", "--algo.stale-policy", "wait"]),
-], ids=["colocated", "async2", "sync-partial", "async1-wait"])
+], ids=["colocated-lora", "async2-lora", "sync-partial", "async1-wait"])
 def test_episodes_call_the_tools_and_train(tmp_path, model_dir, nproc, schedule):
     out = tmp_path / "run"
     check(run_torchrun("e2e_arithmetic.py", nproc=nproc, timeout_s=300, env=ENV,

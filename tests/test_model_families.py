@@ -82,6 +82,10 @@ def colocated_runs(family_dirs, tmp_path_factory):
         plan.append([*model, *COLOCATED, "--run.output-dir", str(straight)])
         plan.append([*model, *COLOCATED, "--run.output-dir", str(resumed),
                      "--checkpoint.resume", str(straight / "checkpoints" / "step_1")])
+        if name == NAMES[0]:  # the same run with each decoder layer checkpointed (recomputed in the backward)
+            runs["checkpointed"] = (root / name / "checkpointed",)
+            plan.append([*model, *COLOCATED, "--trainer.activation-checkpointing", "on",
+                         "--run.output-dir", str(root / name / "checkpointed")])
         lora_straight, lora_resumed = root / name / "lora_straight", root / name / "lora_resumed"
         runs[f"lora:{name}"] = (lora_straight, lora_resumed)
         plan.append([*model, *COLOCATED, *LORA, "--run.output-dir", str(lora_straight)])
@@ -225,6 +229,19 @@ def test_lora_trains_resumes_exactly_and_exports_an_adapter_peft_loads(name, fam
             want = completion_logprobs(policy, ids, mask, start=len(prompt), temperature=1.0)
             got = completion_logprobs(merged, ids, mask, start=len(prompt), temperature=1.0)
         torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+
+
+def test_activation_checkpointing_trains_exactly_the_same_policy(colocated_runs):
+    """--trainer.activation-checkpointing on: every decoder layer recomputed in the backward, the same
+    gradients, so bitwise the same final weights as the run without it."""
+    (checkpointed,) = colocated_runs["checkpointed"]
+    straight = colocated_runs[NAMES[0]][0]
+    want = load_file(str(straight / "hf" / "final" / "model.safetensors"))
+    got = load_file(str(checkpointed / "hf" / "final" / "model.safetensors"))
+    assert sorted(got) == sorted(want)
+    for name, tensor in want.items():
+        assert torch.equal(got[name], tensor), name
+    assert json.loads((checkpointed / "config.json").read_text())["trainer"]["activation_checkpointing"] == "on"
 
 
 def test_every_eos_id_of_the_generation_config_stops_generation(tmp_path):

@@ -123,7 +123,9 @@ class TrainerExecutor(Executor):
         self.lora = self.config.lora.spec()
         self.model, self.tokenizer = load_sharded_causal_lm(
             self.model_config.name, dtype=dtype, mesh=self.ctx.mesh, device=self.ctx.device,
-            param_dtype=getattr(torch, self.config.param_dtype), lora=self.lora, seed=self.seed)
+            param_dtype=getattr(torch, self.config.param_dtype), lora=self.lora, seed=self.seed,
+            activation_checkpointing=self.config.activation_checkpointing,
+            microbatch_tokens=self.config.max_tokens_per_microbatch * max(1, self.config.microbatch_rows))
         self.model.train()
         self.trainable = [p for p in self.model.parameters() if p.requires_grad]
         self.optimizer = torch.optim.AdamW(self.trainable, lr=self.config.lr, weight_decay=self.config.weight_decay)

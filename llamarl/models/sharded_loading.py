@@ -30,6 +30,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 from llamarl.boxes import chunk_slice
 from llamarl.models.loading import load_causal_lm, resolve_source
 from llamarl.models.lora import LoraSpec, checkpoint_name
+from llamarl.models.memory import activation_checkpointing_for
 from llamarl.models.sharding import shard_model
 
 logger = logging.getLogger(__name__)
@@ -73,7 +74,7 @@ def _adapt(model: torch.nn.Module, lora: LoraSpec | None, *, frozen_dtype: torch
 
 def load_sharded_causal_lm(name_or_path: str, *, dtype: torch.dtype, mesh, device: torch.device,
                            param_dtype: torch.dtype | None = None, lora: LoraSpec | None = None,
-                           seed: int = 0):
+                           seed: int = 0, activation_checkpointing: str = "off", microbatch_tokens: int = 0):
     """``(model, tokenizer)``: the causal LM at ``name_or_path`` (``load_causal_lm``'s resolution)
     FSDP2-sharded over ``mesh`` by ``shard_model(..., param_dtype=)``, master weights in ``dtype``
     on ``device`` (this rank's ``ctx.device``), loaded shard by shard (module docstring); in train
@@ -82,13 +83,18 @@ def load_sharded_causal_lm(name_or_path: str, *, dtype: torch.dtype, mesh, devic
 
     With ``lora`` the adapters are injected before sharding: the base (frozen, stored in
     ``param_dtype``) loads from the checkpoint under its HF names, the adapters (masters in
-    ``dtype``) start as ``LoraSpec.initialise`` draws them from ``seed``."""
+    ``dtype``) start as ``LoraSpec.initialise`` draws them from ``seed``.
+
+    ``activation_checkpointing`` (``--trainer.activation-checkpointing``: on / off / auto, auto
+    resolved by ``models/memory.py`` for micro-batches of ``microbatch_tokens``) recomputes each
+    decoder layer in the backward."""
+    checkpointing = {"activation_checkpointing": activation_checkpointing, "microbatch_tokens": microbatch_tokens}
     source = resolve_source(name_or_path)
     directory = Path(source) if Path(source).is_dir() else _cached_snapshot(source)
     files = checkpoint_files(directory) if directory is not None else None
     if files is None:
         return _full_load(name_or_path, dtype=dtype, mesh=mesh, device=device, param_dtype=param_dtype,
-                          lora=lora, seed=seed, why="no local safetensors checkpoint")
+                          lora=lora, seed=seed, why="no local safetensors checkpoint", **checkpointing)
     config = AutoConfig.from_pretrained(str(directory))
     # Parameters on meta, buffers (RoPE inv_freq) for real on the host.
     from accelerate import init_empty_weights
@@ -101,11 +107,13 @@ def load_sharded_causal_lm(name_or_path: str, *, dtype: torch.dtype, mesh, devic
     missing = [name for name in names if name not in files]
     if missing:
         return _full_load(name_or_path, dtype=dtype, mesh=mesh, device=device, param_dtype=param_dtype,
-                          lora=lora, seed=seed,
+                          lora=lora, seed=seed, **checkpointing,
                           why=f"the checkpoint has no tensor {missing[0]!r} (names differ from the model's)")
     _adapt(model, lora, frozen_dtype=param_dtype)
     buffers = {name: buf.detach().clone() for name, buf in model.named_buffers()}
-    model = shard_model(model, mesh, param_dtype=param_dtype)
+    model = shard_model(model, mesh, param_dtype=param_dtype,
+                        activation_checkpointing=_checkpointing(model, device=device, mesh=mesh, param_dtype=param_dtype,
+                                                                **checkpointing))
     model.to_empty(device=device)
     handles: dict[Path, object] = {}
     try:
@@ -149,12 +157,21 @@ def _cached_snapshot(repo_id: str) -> Path | None:
         return None
 
 
+def _checkpointing(model, *, device, mesh, param_dtype, activation_checkpointing: str, microbatch_tokens: int) -> bool:
+    """Whether to checkpoint each decoder layer (``auto`` counted on ``model`` as it will train)."""
+    return activation_checkpointing_for(activation_checkpointing, model=model, device=device,
+                                        microbatch_tokens=microbatch_tokens, world_size=mesh.size(),
+                                        param_dtype=param_dtype)
+
+
 def _full_load(name_or_path: str, *, dtype, mesh, device, param_dtype, why: str, lora: LoraSpec | None = None,
-               seed: int = 0):
+               seed: int = 0, activation_checkpointing: str = "off", microbatch_tokens: int = 0):
     logger.warning("loading %s whole on every trainer rank before sharding: %s", name_or_path, why)
     model, tokenizer = load_causal_lm(name_or_path, dtype=dtype, device="cpu")
     _adapt(model, lora, frozen_dtype=param_dtype)
     if lora is not None:
         lora.initialise(model, seed=seed)  # the same adapters as the sharded path draws
-    model = shard_model(model, mesh, param_dtype=param_dtype)
+    on = _checkpointing(model, device=device, mesh=mesh, param_dtype=param_dtype,
+                        activation_checkpointing=activation_checkpointing, microbatch_tokens=microbatch_tokens)
+    model = shard_model(model, mesh, param_dtype=param_dtype, activation_checkpointing=on)
     return model, tokenizer
