@@ -146,14 +146,10 @@ def check_environment(env: EnvConfig) -> None:
 def check_lora(config: RLConfig) -> None:
     """``--trainer.lora.*`` against the model and the rest of the run: the targets must match linears
     of the model's decoder layers (checked on its architecture built on the meta device, no weights
-    read), and the generator must be one that merges adapters (the native engine)."""
+    read)."""
     spec = config.trainer.lora.spec()
     if spec is None:
         return
-    if config.generator.engine_config().streams_weights:
-        raise ValueError(f"--trainer.lora.rank with --generator.engine {config.generator.engine}: LoRA adapters are "
-                         "merged into a generation model the generator holds, which an engine that streams its "
-                         "weights (vLLM) does not; use --generator.engine torch or full fine-tuning")
     source = Path(config.model.name).expanduser()
     if config.model.name in KNOWN_ALIASES:
         source = Path(resolve_source(config.model.name))

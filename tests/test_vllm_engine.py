@@ -334,6 +334,24 @@ def test_async_vllm_generator_receives_ddma_rounds_as_a_stream(tmp_path):
     assert synced and all(b == float(_policy_bytes()) for b in synced)
 
 
+def test_under_lora_vllm_gets_the_merged_policy_while_the_wire_carries_the_adapters(tmp_path):
+    """--trainer.lora.rank with vLLM (async, generator rank 0, trainer rank 1): each sync moves the
+    adapters alone, the generator merges them into its HF copy of the base and streams the merged
+    policy into vLLM from its own memory; the run trains and evaluates on it."""
+    from llamarl.models.loading import load_causal_lm_layout
+
+    metrics = _arithmetic_run(tmp_path, nproc=2, flags=["--trainer.lora.rank", "4", "--trainer.lr", "1e-3"])
+    generator = metrics["generator"]
+    assert len(generator) == 3 and max(m["gen_version"] for m in generator) >= 1.0
+    model, _ = load_causal_lm_layout("smollm2-135m-instruct", dtype=torch.bfloat16)
+    linears = [p for n, p in model.named_parameters() if ".layers." in n and p.dim() == 2]
+    adapter_bytes = 2 * 4 * sum(sum(p.shape) for p in linears)  # r x (in + out) per linear, bf16
+    synced = [m["weight_sync_bytes"] for m in generator if not m["weight_sync_skipped"]]
+    assert synced and all(b == float(adapter_bytes) for b in synced), (synced, adapter_bytes)
+    assert adapter_bytes < 0.05 * _policy_bytes()
+    assert any("loss" in m for m in metrics["trainer"])
+
+
 def test_engines_on_ranks_of_a_world(hf_model, tmp_path):
     """Ranks 1 and 2 of a 3-rank gloo world each build an engine: each engine's worker binds to its
     own rank's device (LOCAL_RANK; on CUDA, that GPU), the weight update reaches each, and the

@@ -238,7 +238,9 @@ class GeneratorExecutor(Executor):
         # it (weight_sink). Otherwise the engine samples from the HF model, the channels' receive buffer.
         engine_config = self.config.engine_config()
         self.streams_weights = engine_config.streams_weights
-        if self.streams_weights:
+        # Under LoRA such an engine still gets whole merged weights streamed, merged here into an HF copy
+        # of the base (the wire carries the adapters alone): the one case it keeps an HF model.
+        if self.streams_weights and self.lora is None:
             self.model, self.tokenizer = load_causal_lm_layout(self.model_config.name, dtype=dtype)
         else:
             self.model, self.tokenizer = load_causal_lm(self.model_config.name, dtype=dtype, device=self.ctx.device)
@@ -248,9 +250,6 @@ class GeneratorExecutor(Executor):
         if self.ctx.tp_size > 1 and not self.streams_weights:
             apply_tensor_parallel(self.model, self.ctx.tp_mesh)
         if self.lora is not None:
-            if self.streams_weights:
-                raise ValueError("--trainer.lora.rank with an engine that streams its weights "
-                                 f"(--generator.engine {self.config.engine}) is not supported; use the torch engine")
             self.merger = AdapterMerger(self.model, self.lora)
         eos = stop_token_ids(self.model, self.tokenizer)
         pad = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else min(eos, default=0)
@@ -332,7 +331,7 @@ class GeneratorExecutor(Executor):
         streams its weights (vLLM), a callable that loads an iterator of ``(name, full tensor)`` into
         it as it is consumed (``get_model()`` then only describes the layout); None for one that
         samples from the model (the native engine), whose parameters the channels write in place."""
-        if not self.streams_weights:
+        if not self.streams_weights or self.merger is not None:  # LoRA: adapters written in place, then merged
             return None
         engine: StreamsWeights = self.base_engine  # checked when it was built
         shapes = {name: tuple(param.shape) for name, param in self.model.named_parameters()}
@@ -343,6 +342,10 @@ class GeneratorExecutor(Executor):
         model, or already streamed into the engine)."""
         if self.merger is not None:
             self.merger.merge()
+            if self.streams_weights:  # the merged policy, streamed into the engine from this rank's memory
+                engine: StreamsWeights = self.base_engine
+                engine.load_weights(((n, p.detach()) for n, p in self.model.named_parameters()),
+                                    shapes={n: tuple(p.shape) for n, p in self.model.named_parameters()})
         if not self.streams_weights:
             self.engine.weights_updated(self.model)
         self.version = version
