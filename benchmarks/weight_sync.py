@@ -3,7 +3,7 @@
 Not a test. Usage::
 
     .venv/bin/python benchmarks/weight_sync.py [--sizes 50m,200m,1b] [--layouts 1->1,2->1,2->2,4->2tp]
-        [--repeats 5] [--out rows.json] [--plot sync.png] [--mem-budget-gb 12]
+        [--repeats 5] [--out rows.json] [--plot sync.png] [--mem-budget-gb 12] [--lora-rank 8]
 
 Models are synthetic Llama shapes (``transformers.LlamaConfig``, untied embeddings) built on the
 meta device, so every rank allocates only what it holds: the trainer an FSDP2 ``Shard(0)`` shard
@@ -31,6 +31,13 @@ For TP layouts ``gather_broadcast`` sends every generator rank the full model an
 slice (the peers' way of feeding TP engines). A (layout, size,
 mode) whose estimated peak memory (all ranks together) exceeds ``--mem-budget-gb`` is skipped.
 Size ``tiny`` (a 1k vocabulary, 2 layers) exists for the smoke test, not for timing.
+
+``--lora-rank R`` adds, per (layout, size), modes ``ddma_lora`` and ``gather_broadcast_lora``: the
+same channel modes moving only LoRA adapters (rank R, alpha 2R, every decoder linear), each sync
+followed by the generator ranks' in-place merge, timed on its own (``merge_seconds_median``, between
+world barriers) and checked exactly (``weight_sync_lora.py``). Their rows add ``bytes_ratio_to_full``
+and ``seconds_ratio_to_full`` / ``with_merge_ratio_to_full`` (over the full ``ddma`` row); no memcpy
+floor applies (the adapters are far fewer bytes than the bound's copy).
 """
 
 from __future__ import annotations
@@ -49,6 +56,8 @@ from collections.abc import Callable
 from pathlib import Path
 
 import torch
+from weight_sync_lora import LORA_MODES
+from weight_sync_lora import print_table as print_lora_table
 
 REPO = Path(__file__).resolve().parents[1]
 if str(REPO / "tests") not in sys.path:  # tp_layout: the TP stand-in the weight-channel tests use too
@@ -106,12 +115,18 @@ def generator_numels(size: str, *, generators: int, tp: bool) -> list[int]:
     return out
 
 
-def estimate_bytes(size: str, *, layout: str, mode: str, trainer_bytes: int, gen_bytes: int) -> int:
+def estimate_bytes(size: str, *, layout: str, mode: str, trainer_bytes: int, gen_bytes: int,
+                   lora_rank: int = 0) -> int:
     """Peak resident bytes of the whole world while ``mode`` runs (models, buckets, gathers)."""
     trainers, generators, tp = parse_layout(layout)
     numels = generator_numels(size, generators=generators, tp=tp)
     total = generator_numels(size, generators=1, tp=False)[0]
     base = total * trainer_bytes + sum(numels) * gen_bytes + (trainers + generators) * RANK_OVERHEAD_BYTES
+    if mode in LORA_MODES:  # + the merger's base copies; adapters in fp32 a few times over on every rank
+        from weight_sync_lora import adapter_counts
+
+        adapters, adapted = adapter_counts(meta_llama(size, dtype=torch.float32), lora_rank)
+        return base + adapted * gen_bytes * (1 if tp else generators) + 4 * adapters * 4 * (trainers + generators)
     if mode == "ddma":  # send buckets (replicas share one) + one receive bucket per generator rank
         send = total * gen_bytes if not tp else sum(numels) * gen_bytes
         return base + send + sum(numels) * gen_bytes
@@ -290,23 +305,33 @@ def _build(ctx, size: str, *, tp: bool, trainer_dtype, gen_dtype) -> _Holder:
 
 
 def _run_mode(ctx, holder: _Holder, mode: str, *, repeats: int, version: int, expected_bytes: int,
-              bound_times: list[float] | None) -> tuple[list[float], int]:
+              bound_times: list[float] | None, merger=None) -> tuple[list[float], int, list[float]]:
     """Warm-up plus ``repeats`` timed syncs of ``mode`` from ``version + 1`` on, each checked.
 
-    Returns this rank's times and the bytes all generator ranks received per sync.
+    LoRA modes (``*_lora``): after each sync the generator ranks' ``merger`` (None on trainer
+    ranks) merges, timed on its own between world barriers, and the merged weights are checked.
+    Returns this rank's times, the bytes all generator ranks received per sync and the merge times.
     """
+    from weight_sync_lora import check_merged
+
     from llamarl.channels.weights import WeightsChannel
 
-    channel = WeightsChannel("weights", "trainer", "generator", mode=mode)
+    lora = mode in LORA_MODES
+    channel = WeightsChannel("weights", "trainer", "generator", mode=mode.removesuffix("_lora"))
     per_sync: set[int] = set()
+    merge_times: list[float] = []
 
     def before(k: int) -> None:
         if ctx.executor == "trainer":
             _set_version(holder, version + 1 + k)
 
     def after(k: int) -> None:
+        if lora:
+            merge_times.append(_timed(merger.merge if merger else lambda: None, repeats=1)[0])
         # One collective: every rank's verdict and byte counts, so all ranks raise together.
         error = _check_sync(ctx, channel, holder, version=version + 1 + k, expected_bytes=expected_bytes)
+        if error is None and merger is not None:
+            error = check_merged(merger, version=version + 1 + k, value=pattern_value)
         sent = sum(channel.bytes_sent.values()) if ctx.executor == "trainer" else 0
         received = sum(channel.bytes_received.values()) if ctx.executor == "generator" else 0
         reports = _gather((error, sent, received))
@@ -325,12 +350,26 @@ def _run_mode(ctx, holder: _Holder, mode: str, *, repeats: int, version: int, ex
     # Rank 0's verdict for all (its times are the ones reported).
     _raise_if([_gather(check_floor(times, bound_times, label=mode) if ctx.rank == 0 else None)[0]])
     (nbytes,) = per_sync  # the same layout moves the same bytes every sync
-    return times, nbytes
+    return times, nbytes, merge_times[1:]  # not the warm-up's merge
+
+
+def _build_lora(ctx, size: str, *, tp: bool, rank: int, trainer_dtype, gen_dtype):
+    """``(holder, merger)``: the trainer's ``AdapterView`` (merger None) or a generator rank's
+    receive buffers and their ``AdapterMerger`` (``weight_sync_lora.py``)."""
+    from weight_sync_lora import build_generator, build_trainer
+
+    if ctx.executor == "trainer":
+        return _Holder(build_trainer(ctx, meta_llama(size, dtype=trainer_dtype), rank, fill=0.02)), None
+    model, merger = build_generator(ctx, meta_llama(size, dtype=gen_dtype), rank, tp=tp, fill=0.02)
+    holder = _Holder(merger.view())
+    holder.slices, holder.generation_model = merger.slices(), model
+    return holder, merger
 
 
 def worker(args) -> None:
     """Run every size of ``args.sizes`` for one layout; global rank 0 writes rows to ``args.json``."""
     import torch.distributed as dist
+    from weight_sync_lora import adapter_counts, add_ratios
 
     from llamarl.world import ExecutorContext, ExecutorSpec
 
@@ -339,37 +378,63 @@ def worker(args) -> None:
                                  timeout_s=1800)
     trainer_dtype, gen_dtype = getattr(torch, args.trainer_dtype), getattr(torch, args.dtype)
     rows = []
+
+    def record(size: str, mode: str, times: list[float], nbytes: int, bound_times, merge_times=None) -> None:
+        median = statistics.median(times)
+        ratio = median / statistics.median(bound_times) if bound_times else None
+        rows.append({"layout": args.layout, "size": size, "num_params": num_params, "mode": mode,
+                     "seconds_median": median, "seconds": times, "bytes_per_sync": nbytes, "memcpy_ratio": ratio,
+                     "floor_checked": bool(bound_times) and min(bound_times) >= BOUND_CHECK_MIN_S})
+        if merge_times is not None:
+            rows[-1].update(lora_rank=args.lora_rank, merge_seconds_median=statistics.median(merge_times),
+                            merge_seconds=merge_times)
+        if ctx.rank == 0:
+            print(f"{args.layout} {size} {mode}: {median:.3f} s, {nbytes / 1e6:.{1 if nbytes > 1e7 else 3}f} MB per sync"
+                  + (f", {ratio:.2f}x memcpy" if ratio else "")
+                  + (f", merge {rows[-1]['merge_seconds_median']:.3f} s" if merge_times is not None else ""),
+                  flush=True)
+
     for size in args.sizes.split(","):
         modes = [m for m in RUN_ORDER if m not in args.skip.get(size, [])]
-        if not modes:
-            continue
-        holder = _build(ctx, size, tp=tp, trainer_dtype=trainer_dtype, gen_dtype=gen_dtype)
+        lora_modes = [m for m in LORA_MODES if args.lora_rank > 0 and m not in args.skip.get(size, [])]
         num_params = generator_numels(size, generators=1, tp=False)[0]
-        # What one sync must deliver to this generator rank: its own shard (ddma), the whole model
-        # (gather_broadcast, TP layouts included).
-        mine = sum(local_bytes(p) for p in holder.model.parameters()) if ctx.executor == "generator" else 0
-        expected = {"ddma": mine, "gather_broadcast": num_params * gen_dtype.itemsize}
-        version, bound_times = 0, None
-        for mode in modes:
-            if mode == "memcpy_bound":
-                nbytes = mine if ctx.rank == 0 else 0  # global rank 0 is generator rank 0
-                times = bound_times = _memcpy_times(nbytes, repeats=args.repeats)
-            else:
-                times, nbytes = _run_mode(ctx, holder, mode, repeats=args.repeats, version=version,
-                                          expected_bytes=expected[mode], bound_times=bound_times)
-                version += args.repeats + 1
+        version = 0
+        if modes:
+            holder = _build(ctx, size, tp=tp, trainer_dtype=trainer_dtype, gen_dtype=gen_dtype)
+            # What one sync must deliver to this generator rank: its own shard (ddma), the whole model
+            # (gather_broadcast, TP layouts included).
+            mine = sum(local_bytes(p) for p in holder.model.parameters()) if ctx.executor == "generator" else 0
+            expected = {"ddma": mine, "gather_broadcast": num_params * gen_dtype.itemsize}
+            bound_times = None
+            for mode in modes:
+                if mode == "memcpy_bound":
+                    nbytes = mine if ctx.rank == 0 else 0  # global rank 0 is generator rank 0
+                    times = bound_times = _memcpy_times(nbytes, repeats=args.repeats)
+                else:
+                    times, nbytes, _ = _run_mode(ctx, holder, mode, repeats=args.repeats, version=version,
+                                                 expected_bytes=expected[mode], bound_times=bound_times)
+                    version += args.repeats + 1
+                gc.collect()
+                record(size, mode, times, nbytes, bound_times)
+            del holder
             gc.collect()
-            median = statistics.median(times)
-            ratio = median / statistics.median(bound_times) if bound_times else None
-            rows.append({"layout": args.layout, "size": size, "num_params": num_params, "mode": mode,
-                         "seconds_median": median, "seconds": times, "bytes_per_sync": nbytes,
-                         "memcpy_ratio": ratio,
-                         "floor_checked": bool(bound_times) and min(bound_times) >= BOUND_CHECK_MIN_S})
-            if ctx.rank == 0:
-                print(f"{args.layout} {size} {mode}: {median:.3f} s, {nbytes / 1e6:.1f} MB per sync"
-                      + (f", {ratio:.2f}x memcpy" if ratio else ""), flush=True)
-        del holder
-        gc.collect()
+        if lora_modes:
+            holder, merger = _build_lora(ctx, size, tp=tp, rank=args.lora_rank, trainer_dtype=trainer_dtype,
+                                         gen_dtype=gen_dtype)
+            # ddma: this rank's receive buffers (its TP slices of the adapters); gather_broadcast:
+            # every adapter whole.
+            whole = adapter_counts(meta_llama(size, dtype=gen_dtype), args.lora_rank)[0] * gen_dtype.itemsize
+            expected = {"ddma_lora": merger.nbytes if merger else 0, "gather_broadcast_lora": whole}
+            for mode in lora_modes:
+                times, nbytes, merge_times = _run_mode(ctx, holder, mode, repeats=args.repeats, version=version,
+                                                       expected_bytes=expected[mode], bound_times=None,
+                                                       merger=merger)
+                version += args.repeats + 1
+                gc.collect()
+                record(size, mode, times, nbytes, None, merge_times)
+            del holder, merger
+            gc.collect()
+    add_ratios(rows)
     if ctx.rank == 0:
         Path(args.json).write_text(json.dumps(rows))
     dist.barrier()
@@ -392,6 +457,7 @@ def _launch(layout: str, args, skip: dict[str, list[str]], json_path: Path) -> l
            f"--nproc-per-node={trainers + generators}",
            "--monitor-interval=0.5", __file__, "--worker", "--layout", layout, "--sizes", args.sizes,
            "--repeats", str(args.repeats), "--dtype", args.dtype, "--trainer-dtype", args.trainer_dtype,
+           "--lora-rank", str(args.lora_rank),
            "--skip-json", json.dumps(skip), "--json", str(json_path)]
     # A session of its own, so a timeout can end this world (and only it) by its process group id.
     proc = subprocess.Popen(cmd, cwd=REPO, env=env, start_new_session=True)
@@ -410,7 +476,8 @@ def print_table(rows: list[dict], skipped: list[tuple[str, str, str, float]]) ->
     each mode moved per sync (all generator ranks) and each median over memcpy_bound's (``x cp``)."""
     table: dict[tuple[str, str], dict] = {}
     for row in rows:
-        table.setdefault((row["layout"], row["size"]), {"num_params": row["num_params"]})[row["mode"]] = row
+        if row["mode"] in MODES:
+            table.setdefault((row["layout"], row["size"]), {"num_params": row["num_params"]})[row["mode"]] = row
     print(f"{'layout':>8} {'size':>5} {'params':>8} {'ddma s':>9} {'gather_bc s':>11} {'memcpy s':>9} "
           f"{'gb/ddma':>8} {'ddma MB':>8} {'gb MB':>8} {'ddma x cp':>9} {'gb x cp':>8}")
 
@@ -446,7 +513,7 @@ def plot(rows: list[dict], path: Path) -> None:
     layouts = list(dict.fromkeys(r["layout"] for r in rows))
     fig, axes = plt.subplots(1, len(layouts), figsize=(4 * len(layouts), 3.5), squeeze=False, sharey=True)
     for ax, layout in zip(axes[0], layouts):
-        for color, mode in zip(("tab:blue", "tab:orange", "tab:green"), MODES):
+        for color, mode in zip(("tab:blue", "tab:orange", "tab:green", "tab:purple", "tab:red"), MODES + LORA_MODES):
             points = sorted((r["num_params"], r["seconds_median"]) for r in rows
                             if r["layout"] == layout and r["mode"] == mode)
             if points:
@@ -468,6 +535,8 @@ def main() -> None:
     parser.add_argument("--trainer-dtype", default="float32")
     parser.add_argument("--mem-budget-gb", type=float, default=12.0)
     parser.add_argument("--timeout", type=float, default=900.0, help="seconds per layout")
+    parser.add_argument("--lora-rank", type=int, default=0,
+                        help="> 0: also ddma_lora / gather_broadcast_lora (adapters of this rank, then a merge)")
     parser.add_argument("--out", type=Path, help="write the rows as JSON here")
     parser.add_argument("--plot", type=Path, help="PNG path (default: --out with .png)")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
@@ -491,14 +560,15 @@ def main() -> None:
             skip: dict[str, list[str]] = {}
             for size in args.sizes.split(","):
                 skip[size] = []
-                for mode in MODES:
+                for mode in MODES + (LORA_MODES if args.lora_rank > 0 else ()):
                     need = estimate_bytes(size, layout=layout, mode=mode, trainer_bytes=trainer_bytes,
-                                          gen_bytes=gen_bytes)
+                                          gen_bytes=gen_bytes, lora_rank=args.lora_rank)
                     if mode not in skip[size] and need > args.mem_budget_gb * 2**30:
                         skip[size].append(mode)
                         skipped.append((layout, size, mode, need / 2**30))
             rows += _launch(layout, args, skip, Path(tmp) / f"{len(rows)}.json")
     print_table(rows, skipped)
+    print_lora_table(rows)
     if args.out:
         args.out.write_text(json.dumps(rows, indent=1))
     plot_path = args.plot or (args.out.with_suffix(".png") if args.out else None)

@@ -283,28 +283,54 @@ def test_weight_sync_checks_catch_a_sync_that_moved_nothing():
     assert ws.check_floor([0.0], None, label="ddma") is None
 
 
+def test_weight_sync_lora_merge_check_catches_a_missed_or_stale_merge():
+    """--lora-rank: a generator's merged weights must be base + scale * B A of the version received."""
+    ws, lora = load_benchmark("weight_sync"), load_benchmark("weight_sync_lora")
+    ctx = SimpleNamespace(device=torch.device("cpu"))
+    _, merger = lora.build_generator(ctx, ws.meta_llama("tiny", dtype=torch.bfloat16), 4, tp=False, fill=0.02)
+    holder = ws._Holder(merger.view())
+    ws._set_version(holder, 5)  # the adapters of version 5, as a sync leaves them
+    assert "merged model.layers.0.self_attn.q_proj.weight" in lora.check_merged(merger, version=5, value=ws.pattern_value)
+    merger.merge()
+    assert lora.check_merged(merger, version=5, value=ws.pattern_value) is None
+    ws._set_version(holder, 6)  # version 6 received, the merge not redone
+    assert "expected base" in lora.check_merged(merger, version=6, value=ws.pattern_value)
+    merger.merge()
+    assert lora.check_merged(merger, version=6, value=ws.pattern_value) is None
+
+
 def test_weight_sync_runs_real_syncs(tmp_path, monkeypatch, capsys):
-    """weight_sync.py end to end on the tiny size, 1 trainer -> 2 TP generator ranks, 2 repeats: every
-    sync was checked inside the run, and each row records the bytes its layout must move."""
+    """weight_sync.py end to end on the tiny size, 1 trainer -> 2 TP generator ranks, 2 repeats, with
+    LoRA rank 4: every sync (and merge) was checked inside the run, and each row records the bytes its
+    layout must move."""
     ws = load_benchmark("weight_sync")
     out = tmp_path / "ws.json"
     monkeypatch.setattr(sys, "argv", ["weight_sync.py", "--sizes", "tiny", "--layouts", "1->2tp",
                                       "--repeats", "2", "--out", str(out), "--plot", str(tmp_path / "ws.png"),
-                                      "--timeout", "120"])
+                                      "--timeout", "120", "--lora-rank", "4"])
     ws.main()
     rows = {r["mode"]: r for r in json.loads(out.read_text())}
-    assert set(rows) == set(ws.MODES)
+    assert set(rows) == set(ws.MODES) | set(ws.LORA_MODES)
     per_rank = ws.generator_numels("tiny", generators=2, tp=True)
     full = ws.generator_numels("tiny", generators=1, tp=False)[0]
     assert per_rank[0] < full  # a real TP split: ddma moves less than gather_broadcast
     assert rows["memcpy_bound"]["bytes_per_sync"] == per_rank[0] * 2  # bf16: generator rank 0's shard
     assert rows["ddma"]["bytes_per_sync"] == sum(per_rank) * 2
     assert rows["gather_broadcast"]["bytes_per_sync"] == 2 * full * 2  # the whole model to each rank
-    for row in rows.values():
-        assert len(row["seconds"]) == 2 and isinstance(row["memcpy_ratio"], float)
-        assert isinstance(row["floor_checked"], bool)
+    for mode in ws.MODES:
+        assert len(rows[mode]["seconds"]) == 2 and isinstance(rows[mode]["memcpy_ratio"], float)
+        assert isinstance(rows[mode]["floor_checked"], bool)
+    # Adapters only: r (in + out) per decoder linear, bf16; each TP rank its slices (ddma) or all (gb).
+    adapters = 2 * 4 * (2 * (64 + 64) + 2 * (64 + 32) + 3 * (64 + 128)) * 2  # q o, k v, gate up down
+    assert rows["gather_broadcast_lora"]["bytes_per_sync"] == 2 * adapters
+    assert adapters < rows["ddma_lora"]["bytes_per_sync"] < 2 * adapters  # A of column-parallel whole on both
+    for mode in ws.LORA_MODES:
+        row = rows[mode]
+        assert row["lora_rank"] == 4 and len(row["seconds"]) == 2 and len(row["merge_seconds"]) == 2
+        assert row["bytes_ratio_to_full"] == row["bytes_per_sync"] / rows["ddma"]["bytes_per_sync"] < 0.2
+        assert row["seconds_ratio_to_full"] > 0 and row["merge_seconds_median"] > 0
     table = capsys.readouterr().out
-    assert "ddma MB" in table and "ddma x cp" in table
+    assert "ddma MB" in table and "ddma x cp" in table and "+merge/full" in table
 
 
 def test_logprob_memory_runs_every_chunk_size_and_checks_the_results_agree():
