@@ -69,7 +69,12 @@ from llamarl.batch import TensorBatch
 from llamarl.checkpoint import load_rng, read_json, save_rng, write_json
 from llamarl.config import AlgoConfig, ModelConfig, TrainerConfig
 from llamarl.executor import Executor
-from llamarl.executors.trainer_metrics import TRAINER_METRICS, combine_minibatch_metrics, device_timer
+from llamarl.executors.trainer_metrics import (
+    TRAINER_METRICS,
+    combine_minibatch_metrics,
+    device_timer,
+    state_bytes,
+)
 from llamarl.metrics import MetricSpec
 from llamarl.models.export import export_hf
 from llamarl.models.lora import AdapterView
@@ -186,6 +191,7 @@ class TrainerExecutor(Executor):
         metrics["optimizer_steps"] = float(self.version - version_before)
         if len(batch) and self.version != version_before:  # no tokens/s for a batch without an update
             metrics["train_tokens_per_s"] = float(batch["num_tokens"].sum()) / seconds
+        metrics["state_mib"] = state_bytes(self.model, self.optimizer) / 2**20
         self.metrics = metrics
 
     def _all_reduce(self, values: list[float], op=dist.ReduceOp.SUM) -> list[float]:

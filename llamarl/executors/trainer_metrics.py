@@ -11,7 +11,7 @@ import torch
 
 from llamarl.metrics import MetricSpec
 
-__all__ = ["TRAINER_METRICS", "combine_minibatch_metrics", "device_timer"]
+__all__ = ["TRAINER_METRICS", "combine_minibatch_metrics", "device_timer", "state_bytes"]
 
 # The step reduces these over the trainer's ranks itself (identical on every rank: "max" keeps them),
 # except this rank's throughput, which the runner sums.
@@ -27,11 +27,32 @@ TRAINER_METRICS = {
     # Time this rank spent producing proximal log-probs (recompute: the extra forward; loglinear:
     # A-3PO's interpolation inside each micro-batch). Only for losses that use a proximal policy.
     "prox_seconds": MetricSpec("throughput", "max"),
+    # Parameters, gradients and optimizer state this rank holds after the step (local shards), MiB,
+    # summed over the trainer's ranks: what LoRA shrinks (the base has neither gradients nor moments).
+    "state_mib": MetricSpec("memory", "sum"),
 }
 
 _SUMMED = frozenset({"num_loss_tokens", "dropped_stale_samples", "zero_advantage_samples", "skipped",
                      "skipped_no_signal", "skipped_nonfinite"})
 _LAST = frozenset({"version", "nonfinite_steps"})
+
+
+def state_bytes(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> int:
+    """Bytes of ``model``'s parameters and gradients and ``optimizer``'s state on this rank (each
+    DTensor's local shard; a tied parameter once)."""
+    def local(t: torch.Tensor) -> torch.Tensor:
+        return t.to_local() if hasattr(t, "to_local") else t
+
+    total = 0
+    for param in model.parameters():
+        total += local(param).numel() * param.element_size()
+        if param.grad is not None:
+            total += local(param.grad).numel() * param.grad.element_size()
+    for entries in optimizer.state.values():
+        for value in entries.values():
+            if isinstance(value, torch.Tensor):
+                total += local(value).numel() * value.element_size()
+    return total
 
 
 def combine_minibatch_metrics(results: list[dict[str, float]], *, loss_metrics: dict[str, str]) -> dict[str, float]:

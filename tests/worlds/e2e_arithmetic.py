@@ -5,6 +5,7 @@
 ``LLAMARL_TEST_PID_DIR`` makes each rank write its pid to ``<dir>/rank<RANK>.pid``."""
 
 import os
+import sys
 
 import tyro
 
@@ -16,6 +17,10 @@ if __name__ == "__main__":
         with open(os.path.join(os.environ["LLAMARL_TEST_PID_DIR"], f"rank{os.environ['RANK']}.pid"), "w") as f:
             f.write(str(os.getpid()))
     config = tyro.cli(ArithmeticConfig)
+    # One trainer thread unless the test asks (the recipe's 2 spin beside the other pytest worker and
+    # the world's other ranks on a 2-core machine: several times the CPU for the same result).
+    if not any(flag.startswith("--trainer.num-threads") for flag in sys.argv):
+        config.trainer.num_threads = 1
     if os.environ.get("LLAMARL_TEST_ZERO_LR") == "1":
         config.trainer.lr = 0.0
     scorer = os.environ.get("LLAMARL_TEST_SCORER")

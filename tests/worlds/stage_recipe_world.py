@@ -9,6 +9,7 @@ scorer a tiny random model earns reward from (``scorers_for_tests:first_char_eve
 
 import argparse
 import os
+import sys
 from pathlib import Path
 
 import tyro
@@ -32,6 +33,10 @@ if __name__ == "__main__":
     args = parser.parse_args()
     config_class, build_pipeline, checks = RECIPES[args.recipe]
     config = tyro.cli(config_class, args=[f for f in args.flags if f != "--"])
+    # One trainer thread unless the test asks (the recipe's 2 spin beside the other pytest worker and
+    # the world's other ranks on a 2-core machine: several times the CPU for the same result).
+    if not any(flag.startswith("--trainer.num-threads") for flag in sys.argv):
+        config.trainer.num_threads = 1
     if os.environ.get("LLAMARL_TEST_ZERO_LR") == "1":
         config.trainer.lr = 0.0
 
