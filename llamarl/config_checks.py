@@ -10,7 +10,6 @@ prompt too long for the budget, a broken row) is skipped with a warning and coun
 
 from __future__ import annotations
 
-import importlib
 import inspect
 import os
 import tempfile
@@ -22,6 +21,7 @@ from huggingface_hub import constants, try_to_load_from_cache
 from llamarl.checkpoint import resolve_resume
 from llamarl.config import EnvConfig, RewardConfig, RLConfig
 from llamarl.models.loading import KNOWN_ALIASES, resolve_source
+from llamarl.registry import import_path
 from llamarl.run_plan import check_wait_meets_lag, expected_lag, model_context_length
 
 
@@ -64,35 +64,6 @@ def check_model(name: str, flag: str = "--model.name") -> None:
                          f"in the local Hugging Face cache (HF_HUB_OFFLINE is set)")
 
 
-def import_reference(flag: str, value: str, *, kind: str = "function") -> Callable:
-    """The callable ``value`` (``module:name``) names, imported; ValueError, one line naming ``flag``
-    and what is wrong: not ``module:name``, no such module (or importing it failed, and how), no
-    such name in it (listing the module's own functions), or not callable."""
-    module_name, sep, attr = value.partition(":")
-    if not sep or not module_name or not attr:
-        raise ValueError(f"{flag} {value}: expected module:{kind} (a Python file my_task.py and its {kind} f: "
-                         "my_task:f)")
-    try:
-        module = importlib.import_module(module_name)
-    except ModuleNotFoundError as exc:
-        if exc.name and (module_name == exc.name or module_name.startswith(exc.name + ".")):
-            raise ValueError(f"{flag} {value}: no module named {module_name!r} (run from the directory that "
-                             "holds it, or put that directory on PYTHONPATH)") from None
-        raise ValueError(f"{flag} {value}: importing {module_name} failed: {exc}") from None
-    except Exception as exc:  # noqa: BLE001 - the user's module may raise anything at import
-        first = next((line for line in str(exc).splitlines() if line.strip()), "")
-        raise ValueError(f"{flag} {value}: importing {module_name} failed: {type(exc).__name__}: {first}") from None
-    where = getattr(module, "__file__", None) or module_name
-    if not hasattr(module, attr):
-        own = sorted(name for name, item in vars(module).items() if callable(item) and not name.startswith("_")
-                     and getattr(item, "__module__", None) == module.__name__)
-        raise ValueError(f"{flag} {value}: {where} has no {attr!r} (it defines: {', '.join(own) or 'nothing callable'})")
-    item = getattr(module, attr)
-    if not callable(item):
-        raise ValueError(f"{flag} {value}: {attr} in {where} is a {type(item).__name__}, not a {kind}")  # noqa: TRY004 - a config error, reported as one
-    return item
-
-
 def check_call(flag: str, value: str, item: Callable, parameters: tuple[str, ...]) -> None:
     """ValueError naming ``flag`` when ``item`` cannot be called with ``parameters`` positional
     arguments (its signature, where Python can read one)."""
@@ -122,7 +93,7 @@ def check_scorers(reward: RewardConfig) -> None:
         if ":" not in value:
             known = ", ".join(sorted(registry) if isinstance(registry, dict) else registry.names())
             raise ValueError(f"{flag} {value}: not a registered scorer ({known}) nor module:function")
-        check_call(flag, value, import_reference(flag, value), parameters)
+        check_call(flag, value, import_path(value, kind="function", flag=flag), parameters)
 
 
 def check_environment(env: EnvConfig) -> None:

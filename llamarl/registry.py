@@ -61,15 +61,32 @@ class Registry(Generic[T]):
         return other
 
 
-def import_path(path: str, *, kind: str) -> Callable:
-    """The callable a ``"package.module:attr"`` path names (a user's scorer, environment class, ...
-    outside any registry); ValueError naming the ``kind`` and the path when it does not import or
-    is not callable (a bad name in a flag is a configuration error)."""
-    module_name, _, attr = path.partition(":")
+def import_path(path: str, *, kind: str, flag: str | None = None) -> Callable:
+    """The callable a ``"package.module:attr"`` path names (a user's scorer, environment class, tool
+    function, ... outside any registry). ValueError, one line: ``<flag> <path>: <why>`` with a
+    ``flag``, else ``cannot import <kind> '<path>': <why>``, where why is one of: not
+    ``module:name``; no such module (with how to make it importable) or importing it failed, and
+    how; no such name in it (listing the module's own functions); not callable."""
+    prefix = f"{flag} {path}" if flag else f"cannot import {kind} {path!r}"
+    module_name, sep, attr = path.partition(":")
+    if not sep or not module_name or not attr:
+        raise ValueError(f"{prefix}: expected module:{kind} (a Python file my_task.py and its {kind} f: my_task:f)")
     try:
-        item = getattr(importlib.import_module(module_name), attr)
-    except (ImportError, AttributeError) as exc:
-        raise ValueError(f"cannot import {kind} {path!r}: {exc}") from None
+        module = importlib.import_module(module_name)
+    except ModuleNotFoundError as exc:
+        if exc.name and (module_name == exc.name or module_name.startswith(exc.name + ".")):
+            raise ValueError(f"{prefix}: no module named {module_name!r} (run from the directory that holds it, "
+                             "or put that directory on PYTHONPATH)") from None
+        raise ValueError(f"{prefix}: importing {module_name} failed: {exc}") from None
+    except Exception as exc:  # noqa: BLE001 - the user's module may raise anything at import
+        first = next((line for line in str(exc).splitlines() if line.strip()), "")
+        raise ValueError(f"{prefix}: importing {module_name} failed: {type(exc).__name__}: {first}") from None
+    where = getattr(module, "__file__", None) or module_name
+    if not hasattr(module, attr):
+        own = sorted(name for name, item in vars(module).items() if callable(item) and not name.startswith("_")
+                     and getattr(item, "__module__", None) == module.__name__)
+        raise ValueError(f"{prefix}: {where} has no {attr!r} (it defines: {', '.join(own) or 'nothing callable'})")
+    item = getattr(module, attr)
     if not callable(item):
-        raise ValueError(f"{kind} {path!r} is not callable")  # noqa: TRY004 - a config error, reported as one
+        raise ValueError(f"{prefix}: {attr} in {where} is a {type(item).__name__}, not callable as a {kind}")  # noqa: TRY004 - a config error, reported as one
     return item

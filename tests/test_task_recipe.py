@@ -157,7 +157,7 @@ def user_module(tmp_path, monkeypatch):
     ({"scorer": "user_scorers:one_argument"}, ("--reward.scorer user_scorers:one_argument: one_argument(completion) "
                                               "cannot be called as f(completion, reference)")),
     ({"scorer": "user_scorers:NOT_A_FUNCTION"}, ("--reward.scorer user_scorers:NOT_A_FUNCTION: NOT_A_FUNCTION in "
-                                                "{file} is a int, not a function")),
+                                                "{file} is a int, not callable as a function")),
     ({"scorer": "exact"}, "--reward.scorer exact: not a registered scorer (arithmetic, gsm8k, math"),
     ({"trajectory_scorer": "user_scorers:missing"}, "--reward.trajectory-scorer user_scorers:missing: {file} has no"),
     ({"trajectory_scorer": "nope"}, "--reward.trajectory-scorer nope: not a registered scorer (env"),
