@@ -36,7 +36,7 @@ def world(tmp, model_dir, nproc, *jobs):
     check(run_torchrun("reshard_world.py", nproc=nproc, args=args))
     results = []
     for _, out, mode in jobs:
-        if mode in ("save", "load", "train", "save-train"):
+        if mode in ("save", "load", "train", "save-train", "save-lora", "load-lora"):
             with safe_open(str(out), "pt") as f:
                 results.append({k: f.get_tensor(k) for k in f.keys()})  # noqa: SIM118 - not iterable
     return results
@@ -55,17 +55,20 @@ def worlds(tied, tmp_path_factory):
     ``(before, after)`` tensors of each (save ranks, load ranks)."""
     tmp, model_dir = tied
     out = tmp_path_factory.mktemp("worlds")
-    (saved_2,) = world(tmp, model_dir, 2, (out / "ckpt_2", out / "saved_2.st", "save"),
-                       (out / "unused", out / "whole.json", "no-grad"))
-    plain, saved_first, loaded, saved_1, loaded_2_1 = world(
+    saved_2, saved_lora = world(tmp, model_dir, 2, (out / "ckpt_2", out / "saved_2.st", "save"),
+                                (out / "unused", out / "whole.json", "no-grad"),
+                                (out / "ckpt_lora", out / "saved_lora.st", "save-lora"))
+    plain, saved_first, loaded, saved_1, loaded_2_1, loaded_lora = world(
         tmp, model_dir, 1, (out / "unused", out / "plain.st", "train"),
         (out / "ckpt", out / "saved_first.st", "save-train"), (out / "ckpt", out / "loaded.st", "load"),
         (out / "unused", out / "errors.txt", "bad-groups"),
-        (out / "ckpt_1", out / "saved_1.st", "save"), (out / "ckpt_2", out / "loaded_2_1.st", "load"))
+        (out / "ckpt_1", out / "saved_1.st", "save"), (out / "ckpt_2", out / "loaded_2_1.st", "load"),
+        (out / "ckpt_lora", out / "loaded_lora.st", "load-lora"))
     loaded_1_2, loaded_2_2 = world(tmp, model_dir, 2, (out / "ckpt_1", out / "loaded_1_2.st", "load"),
                                    (out / "ckpt_2", out / "loaded_2_2.st", "load"))
     return out, {"one_rank": (plain, saved_first, loaded, (out / "errors.txt").read_text().splitlines()),
-                 (2, 1): (saved_2, loaded_2_1), (1, 2): (saved_1, loaded_1_2), (2, 2): (saved_2, loaded_2_2)}
+                 (2, 1): (saved_2, loaded_2_1), (1, 2): (saved_1, loaded_1_2), (2, 2): (saved_2, loaded_2_2),
+                 "lora": (saved_lora, loaded_lora)}
 
 
 @pytest.fixture(scope="module")
@@ -91,6 +94,23 @@ def test_tied_model_saves_once_and_reloads_bitwise_on_any_ranks(worlds, save_ran
     with safe_open(str(ckpt / "state" / "rank0.safetensors"), "pt") as f:
         stored = set(f.keys())
     assert "model/model.embed_tokens.weight" in stored and "model/lm_head.weight" not in stored
+
+
+def test_a_lora_checkpoint_holds_the_adapters_alone_and_reloads_bitwise_on_other_ranks(worlds):
+    """--trainer.lora.rank: 2 ranks save the adapters and their AdamW moments only (the frozen base is
+    the model directory's), and 1 rank loads them back unchanged."""
+    out, results = worlds
+    before, after = results["lora"]
+    assert sorted(before) == sorted(after) and any(k.startswith("exp_avg.") for k in before)
+    assert all(".lora_" in k for k in before), sorted(before)[:3]
+    for key, tensor in before.items():
+        assert torch.equal(after[key], tensor), key
+    assert any(k.endswith("lora_B.weight") and not k.startswith(("exp_avg", "step")) and before[k].any()
+               for k in before), "the step did not move B"
+    for rank in (0, 1):
+        with safe_open(str(out / "ckpt_lora" / "state" / f"rank{rank}.safetensors"), "pt") as f:
+            keys = list(f.keys())
+        assert keys and all(".lora_" in k for k in keys), keys[:3]
 
 
 def test_a_save_before_the_first_step_does_not_change_the_step(tied, one_rank):

@@ -177,7 +177,7 @@ class TrainerExecutor(Executor):
             return
         export_adapter(directory, model=self.model, spec=self.lora, base=self.model_config.name,
                        tokenizer=self.tokenizer, writer=self.ctx.local_rank == 0,
-                       merged=self.config.lora.export_merged)
+                       merged=self.config.lora.export_merged, dtype=getattr(torch, self.model_config.dtype))
 
     # ----- one step -----
     def step(self) -> None:

@@ -173,15 +173,15 @@ def adapters_disabled(model: torch.nn.Module):
 
 
 @torch.no_grad()
-def merged_named_parameters(model: torch.nn.Module, spec: LoraSpec, *,
-                            base: Callable[[str], torch.Tensor] | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+def merged_named_parameters(model: torch.nn.Module, spec: LoraSpec, *, base: Callable[[str], torch.Tensor] | None = None,
+                            dtype: torch.dtype | None = None) -> Iterator[tuple[str, torch.Tensor]]:
     """``(HF name, full tensor)`` of the merged model ``W = W_base + (alpha / r) B A`` (merged in
-    fp32), every other parameter as it is, in the adapters' dtype; one parameter gathered at a time
+    fp32), every other parameter as it is, in ``dtype`` (None: the adapters'); one parameter gathered at a time
     (collective over an FSDP2 mesh: every rank must consume the whole iterator). ``base(name)``:
     the base tensor as the checkpoint stores it (the frozen copy in ``model`` may be rounded to
     ``--trainer.param-dtype``, the generator's is not); None: ``model``'s own. The merged export."""
     params = dict(model.named_parameters())
-    dtype = next((p.dtype for p in params.values() if p.requires_grad), None)
+    dtype = dtype or next((p.dtype for p in params.values() if p.requires_grad), None)
 
     def full(name: str) -> torch.Tensor:
         param = params[name]

@@ -60,10 +60,11 @@ def _base_reader(base: str):
 
 @torch.no_grad()
 def export_adapter(directory: Path, *, model: torch.nn.Module, spec: LoraSpec, base: str, tokenizer=None,
-                   writer: bool, merged: bool = False) -> None:
+                   writer: bool, merged: bool = False, dtype: torch.dtype = torch.float32) -> None:
     """Write the adapters of ``model`` (an injected, possibly FSDP2-sharded model) as a PEFT
     directory at ``directory`` (module docstring), and with ``merged`` the merged model in
-    ``directory / "merged"``. Collective over the FSDP2 mesh; ``writer`` True on exactly one rank."""
+    ``directory / "merged"`` in ``dtype`` (``--model.dtype``). Collective over the FSDP2 mesh;
+    ``writer`` True on exactly one rank."""
     from peft import LoraConfig
 
     partial = directory.with_name(directory.name + ".partial")
@@ -84,10 +85,9 @@ def export_adapter(directory: Path, *, model: torch.nn.Module, spec: LoraSpec, b
             tokenizer.save_pretrained(str(partial))
     if merged:
         params = dict(model.named_parameters())
-        dtype = next(p.dtype for p in params.values() if p.requires_grad)
         sizes = [(checkpoint_name(name), p.numel() * dtype.itemsize) for name, p in params.items()
                  if checkpoint_name(name) is not None]
-        tensors = merged_named_parameters(model, spec, base=_base_reader(base))
+        tensors = merged_named_parameters(model, spec, base=_base_reader(base), dtype=dtype)
         write_hf_tensors(partial / "merged", model=model, sizes=sizes, tensors=tensors, dtype=dtype,
                          tokenizer=tokenizer, writer=writer)
     if writer:

@@ -61,15 +61,17 @@ def _local_rows(param: DTensor) -> tuple[int, int]:
 
 
 def _adapt(model: torch.nn.Module, lora: LoraSpec | None, *, frozen_dtype: torch.dtype | None) -> None:
-    """Inject ``lora``'s adapters (``models/lora.py``) and store the frozen base in ``frozen_dtype``
-    (meta or real parameters; before sharding, so FSDP2 shards what training keeps)."""
+    """Inject ``lora``'s adapters (``models/lora.py``), their masters in fp32 whatever ``--model.dtype``,
+    and store the frozen base in ``frozen_dtype`` (meta or real parameters; before sharding, so
+    FSDP2 shards what training keeps)."""
     if lora is None:
         return
     lora.inject(model)
-    if frozen_dtype is not None:
-        for param in model.parameters():
-            if not param.requires_grad and param.dtype != frozen_dtype:
-                param.data = param.data.to(frozen_dtype)
+    for param in model.parameters():
+        if param.requires_grad:  # the adapters: fp32 masters (and so fp32 gradients and AdamW state)
+            param.data = param.data.to(torch.float32)
+        elif frozen_dtype is not None and param.dtype != frozen_dtype:
+            param.data = param.data.to(frozen_dtype)
 
 
 def load_sharded_causal_lm(name_or_path: str, *, dtype: torch.dtype, mesh, device: torch.device,
@@ -82,8 +84,8 @@ def load_sharded_causal_lm(name_or_path: str, *, dtype: torch.dtype, mesh, devic
     every rank reads only its own rows.
 
     With ``lora`` the adapters are injected before sharding: the base (frozen, stored in
-    ``param_dtype``) loads from the checkpoint under its HF names, the adapters (masters in
-    ``dtype``) start as ``LoraSpec.initialise`` draws them from ``seed``.
+    ``param_dtype``) loads from the checkpoint under its HF names, the adapters (fp32 masters)
+    start as ``LoraSpec.initialise`` draws them from ``seed``.
 
     ``activation_checkpointing`` (``--trainer.activation-checkpointing``: on / off / auto, auto
     resolved by ``models/memory.py`` for micro-batches of ``microbatch_tokens``) recomputes each

@@ -9,7 +9,8 @@ save: one training step, then ``save_checkpoint(CKPT_DIR)``. load: ``load_checkp
 train: one training step only. save-train: ``save_checkpoint(CKPT_DIR)`` before any step, then one
 step (a save must not change what the step does). bad-groups: ``train_on`` a batch without
 ``group_size`` and one missing a group's row; OUT is then a text file of the two error messages.
-no-grad: ``sequence_logprobs`` (the proximal forward, no backward follows); OUT is then a JSON
+save-lora / load-lora: save / load with ``--trainer.lora.rank 4`` (OUT then holds the adapters under
+their wire names and their AdamW state). no-grad: ``sequence_logprobs`` (the proximal forward, no backward follows); OUT is then a JSON
 list of the parameters that are not DTensors afterwards (each rank: OUT.rank<r>).
 Either way rank 0 then writes the full parameters and the full AdamW state (``exp_avg.<name>``,
 ``exp_avg_sq.<name>``, ``step.<name>``) to OUT, and the version in its metadata.
@@ -26,11 +27,11 @@ from torch.distributed.tensor import DTensor
 
 from llamarl.batch import TensorBatch
 from llamarl.channels.base import balanced_group_partition
-from llamarl.config import AlgoConfig, ModelConfig, TrainerConfig
+from llamarl.config import AlgoConfig, LoraConfig, ModelConfig, TrainerConfig
 from llamarl.executors.trainer import TrainerExecutor
 from llamarl.world import ExecutorContext, ExecutorSpec
 
-MODES = ("save", "load", "train", "save-train", "bad-groups", "no-grad")
+MODES = ("save", "load", "train", "save-train", "bad-groups", "no-grad", "save-lora", "load-lora")
 
 
 def full(t):
@@ -39,8 +40,10 @@ def full(t):
 
 def run_mode(ctx, model_dir: str, batch: TensorBatch, ckpt: str, out: str, mode: str) -> None:
     """One MODE (see the module docstring) on a freshly built trainer."""
+    lora = LoraConfig(rank=4) if mode.endswith("-lora") else LoraConfig()
+    mode = mode.removesuffix("-lora")
     trainer = TrainerExecutor(ctx, model_config=ModelConfig(name=model_dir),
-                              config=TrainerConfig(lr=1e-2, grad_clip=0.5), algo=AlgoConfig(), temperature=0.8)
+                              config=TrainerConfig(lr=1e-2, grad_clip=0.5, lora=lora), algo=AlgoConfig(), temperature=0.8)
     trainer.init()
     directory = Path(ckpt)
     shard = batch.select(balanced_group_partition(batch, ctx.local_world_size)[ctx.local_rank])
