@@ -16,8 +16,9 @@ from conftest import read_jsonl
 from launch import check, run_colocated_runs, run_torchrun
 
 # Keys that measure time, not what was computed: they differ between any two runs. Weight-sync
-# keys too: sync moves weights at the start of the next tick, colocated at the end of this one.
-TIMING = ("seconds", "per_s", "time", "step", "weight_sync")
+# keys too: sync moves weights at the start of the next tick, colocated at the end of this one; and
+# the trainer's state bytes, summed over its ranks (each rank keeps its own AdamW step counters).
+TIMING = ("seconds", "per_s", "time", "step", "weight_sync", "state_mib")
 
 
 def flags(model_dir, out, *args):
