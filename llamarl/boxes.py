@@ -60,6 +60,11 @@ def chunk_slice(size: int, *, rank: int, world: int) -> tuple[int, int]:
     return start, min(chunk, size - start)
 
 
+def local_tensor(param: torch.Tensor) -> torch.Tensor:
+    """The tensor this rank holds for ``param`` (the DTensor's local shard, else the tensor)."""
+    return param.to_local() if isinstance(param, DTensor) else param
+
+
 def dtensor_box(name: str, param: DTensor) -> list[list[int]]:
     """The box this rank's shard of ``param`` covers, as JSON (``[[offset, length], ...]``).
 

@@ -27,7 +27,7 @@ import torch
 from torch.distributed.tensor import DTensor
 
 from llamarl.batch import DTYPE_NAMES, DTYPES
-from llamarl.boxes import Box, box_index, dtensor_box, inside, intersect, shift, volume
+from llamarl.boxes import Box, box_index, dtensor_box, inside, intersect, local_tensor, shift, volume
 
 __all__ = ["Box", "DdmaPlan", "Piece", "box_index", "build_plan", "describe_local_layout", "local_tensor"]
 
@@ -71,11 +71,6 @@ def describe_local_layout(
     if dtypes and dtypes[0] not in DTYPE_NAMES:
         raise ValueError(f"parameter dtype {dtypes[0]} is not supported by the weight channel")
     return {"dtype": DTYPE_NAMES[dtypes[0]] if dtypes else "float32", "params": params}
-
-
-def local_tensor(param: torch.Tensor) -> torch.Tensor:
-    """The tensor this rank holds for ``param`` (the DTensor's local shard, else the tensor)."""
-    return param.to_local() if isinstance(param, DTensor) else param
 
 
 @dataclass(frozen=True)

@@ -9,6 +9,7 @@ from collections.abc import Callable
 
 import torch
 
+from llamarl.boxes import local_tensor
 from llamarl.metrics import MetricSpec
 
 __all__ = ["TRAINER_METRICS", "combine_minibatch_metrics", "device_timer", "state_bytes"]
@@ -40,18 +41,15 @@ _LAST = frozenset({"version", "nonfinite_steps"})
 def state_bytes(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> int:
     """Bytes of ``model``'s parameters and gradients and ``optimizer``'s state on this rank (each
     DTensor's local shard; a tied parameter once)."""
-    def local(t: torch.Tensor) -> torch.Tensor:
-        return t.to_local() if hasattr(t, "to_local") else t
-
     total = 0
     for param in model.parameters():
-        total += local(param).numel() * param.element_size()
+        total += local_tensor(param).numel() * param.element_size()
         if param.grad is not None:
-            total += local(param.grad).numel() * param.grad.element_size()
+            total += local_tensor(param.grad).numel() * param.grad.element_size()
     for entries in optimizer.state.values():
         for value in entries.values():
             if isinstance(value, torch.Tensor):
-                total += local(value).numel() * value.element_size()
+                total += local_tensor(value).numel() * value.element_size()
     return total
 
 

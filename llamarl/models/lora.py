@@ -29,6 +29,8 @@ from dataclasses import dataclass
 import torch
 from torch.distributed.tensor import DTensor
 
+from llamarl.boxes import dtensor_box, local_tensor
+
 __all__ = ["AdapterView", "LoraSpec", "adapter_parameters", "adapters_disabled", "merged_named_parameters"]
 
 _ADAPTER = re.compile(r"\.(lora_[AB])\.[^.]+\.weight$")
@@ -98,7 +100,7 @@ class LoraSpec:
             match = _ADAPTER.search(name)
             if match is None:
                 continue
-            local = param.to_local() if isinstance(param, DTensor) else param
+            local = local_tensor(param)
             if match.group(1) == "lora_B":
                 local.zero_()
                 continue
@@ -108,8 +110,6 @@ class LoraSpec:
             bound = 1.0 / math.sqrt(full.shape[1])  # kaiming_uniform_(a=sqrt(5)): gain sqrt(1/3) * sqrt(3 / fan_in)
             full.uniform_(-bound, bound, generator=generator)
             if isinstance(param, DTensor):
-                from llamarl.boxes import dtensor_box
-
                 box = dtensor_box(name, param)
                 full = full[tuple(slice(start, start + length) for start, length in box)]
             local.copy_(full.to(local.dtype))

@@ -40,10 +40,12 @@ def adapted_modules(model: torch.nn.Module) -> list[str]:
     return list(dict.fromkeys(name.rsplit(".lora_", 1)[0] for name in adapter_parameters(model)))
 
 
-def _base_reader(base: str):
+def _base_reader(base: str, *, writer: bool):
     """``name -> tensor`` reading the base model's checkpoint (the values the generator loaded,
     before the trainer stored its frozen copy in ``--trainer.param-dtype``); None when it is not a
-    local safetensors directory (the trainer's frozen copy is merged then, with a warning)."""
+    local safetensors directory (the trainer's frozen copy is merged then, with a warning). Only
+    the writer reads the bytes: another rank's merged tensors are discarded, so it gets uninitialised
+    ones of the stored shape (read from the header)."""
     from llamarl.models.sharded_loading import checkpoint_files
 
     files = checkpoint_files(Path(resolve_source(base)))
@@ -54,7 +56,9 @@ def _base_reader(base: str):
 
     def read(name: str) -> torch.Tensor:
         with safe_open(str(files[name]), "pt") as handle:
-            return handle.get_tensor(name)
+            if writer:
+                return handle.get_tensor(name)
+            return torch.empty(handle.get_slice(name).get_shape())
     return read
 
 
@@ -87,7 +91,7 @@ def export_adapter(directory: Path, *, model: torch.nn.Module, spec: LoraSpec, b
         params = dict(model.named_parameters())
         sizes = [(checkpoint_name(name), p.numel() * dtype.itemsize) for name, p in params.items()
                  if checkpoint_name(name) is not None]
-        tensors = merged_named_parameters(model, spec, base=_base_reader(base), dtype=dtype)
+        tensors = merged_named_parameters(model, spec, base=_base_reader(base, writer=writer), dtype=dtype)
         write_hf_tensors(partial / "merged", model=model, sizes=sizes, tensors=tensors, dtype=dtype,
                          tokenizer=tokenizer, writer=writer)
     if writer:

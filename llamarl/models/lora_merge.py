@@ -30,7 +30,7 @@ from dataclasses import dataclass
 import torch
 from torch.distributed.tensor import DTensor
 
-from llamarl.boxes import dtensor_box
+from llamarl.boxes import dtensor_box, local_tensor
 from llamarl.models.lora import AdapterView, LoraSpec
 
 __all__ = ["AdapterMerger"]
@@ -54,7 +54,7 @@ class AdapterMerger:
         self._slices: dict[str, tuple[int, int, int]] = {}
         for module in spec.target_modules(model):
             weight = model.get_submodule(module).weight
-            local = weight.to_local() if isinstance(weight, DTensor) else weight
+            local = local_tensor(weight)
             out_features, in_features = weight.shape
             a_cols, b_rows = in_features, out_features
             if isinstance(weight, DTensor):
