@@ -231,6 +231,11 @@ class LoraConfig:
     dropout: float = 0.0
     """Dropout on the adapters' input while training (peft's ``lora_dropout``); 0 keeps the
     trainer's forward deterministic, which the ratios of the off-policy losses assume."""
+    merged_forward: bool = True
+    """The trainer computes each adapted linear with the merged weight ``W_base + (alpha / r) B A``
+    (one small GEMM per micro-batch), bitwise the weights the generator samples from, instead of
+    peft's unmerged sum, which in bf16 drifts from the generator's policy as the adapters grow
+    (``llamarl/models/lora_forward.py``; ignored with dropout, which needs the unmerged form)."""
     export_merged: bool = False
     """Also write the merged model (base + adapters, an HF directory ``from_pretrained`` and vLLM
     load as-is) under ``<export>/merged`` beside the PEFT adapter directory."""
@@ -254,7 +259,7 @@ class LoraConfig:
         if self.rank is None:
             return None
         return LoraSpec(rank=self.rank, alpha=self.alpha if self.alpha is not None else 2.0 * self.rank,
-                        targets=self.targets, dropout=self.dropout)
+                        targets=self.targets, dropout=self.dropout, merged_forward=self.merged_forward)
 
 
 @dataclass

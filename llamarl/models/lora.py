@@ -30,6 +30,7 @@ import torch
 from torch.distributed.tensor import DTensor
 
 from llamarl.boxes import dtensor_box, local_tensor
+from llamarl.models.lora_forward import use_merged_forward
 
 __all__ = ["AdapterView", "LoraSpec", "adapter_parameters", "adapters_disabled", "merged_named_parameters"]
 
@@ -39,13 +40,16 @@ _ADAPTER = re.compile(r"\.(lora_[AB])\.[^.]+\.weight$")
 @dataclass(frozen=True)
 class LoraSpec:
     """The adapters of one run: ``rank`` r, ``alpha`` (scale alpha / r), ``targets`` (comma-separated
-    module-name suffixes, or ``all-linear``: every ``nn.Linear`` inside the decoder layers), and the
-    training ``dropout``."""
+    module-name suffixes, or ``all-linear``: every ``nn.Linear`` inside the decoder layers), the
+    training ``dropout``, and ``merged_forward``: the trainer computes each adapted linear with the
+    merged weight the generator samples from (``models/lora_forward.py``) rather than peft's
+    unmerged sum."""
 
     rank: int
     alpha: float
     targets: str = "all-linear"
     dropout: float = 0.0
+    merged_forward: bool = True
 
     @property
     def scale(self) -> float:
@@ -88,6 +92,8 @@ class LoraSpec:
         inject_adapter_in_model(self.peft_config(model), model)
         for name, param in model.named_parameters():
             param.requires_grad_(_ADAPTER.search(name) is not None)
+        if self.merged_forward:
+            use_merged_forward(model)
         return model
 
     @torch.no_grad()
