@@ -398,8 +398,10 @@ class RunConfig:
     environment's observation, the reward, the weight versions and the tick (0: none)."""
     wandb_project: str | None = None
     """Also log to Weights & Biases in this project: every metric with its tick, each evaluation's
-    accuracy and a table of its rollouts (``WANDB_MODE=offline`` works without a key). A missing
-    ``wandb`` package or a failed login is one warning line; the run goes on with TensorBoard."""
+    accuracy and a table of its rollouts (``WANDB_MODE=offline`` works without a key). A resumed
+    run (``--checkpoint.resume``) continues the same W&B run (its id is kept in
+    ``<run>/wandb_run_id``). A missing ``wandb`` package or a failed login is one warning line; the
+    run goes on with TensorBoard."""
     wandb_run_name: str | None = None
     """The W&B run's name (default: the run directory's name)."""
     wandb_entity: str | None = None

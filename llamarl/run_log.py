@@ -55,7 +55,7 @@ class RunLog:
             config_file = run_dir / "config.json"
             self.wandb = WandbLog.start(project=run.wandb_project, name=run.wandb_run_name, entity=run.wandb_entity,
                                         run_dir=run_dir, config=json.loads(config_file.read_text())
-                                        if config_file.is_file() else None)
+                                        if config_file.is_file() else None, resumed=start_step > 0)
 
     def tick(self, step: int, ticked: dict) -> None:
         """The controller's ``on_tick``: ``reduce`` then ``write`` (collective, as ``reduce``)."""

@@ -13,6 +13,15 @@ logs:
 - with ``--run.log-samples``, the training samples of the tick before each evaluation that this
   rank wrote (``train/samples``).
 
+A resumed run (``--checkpoint.resume``) continues the same W&B run: the run's id is kept in
+``<run>/wandb_run_id`` (plain text, written by the reporting rank when the run starts) and passed
+back to ``wandb.init(id=..., resume="allow")``, so its charts go on where the first segment's
+stopped. W&B's steps only grow: ticks the first segment logged after the checkpoint it resumes from
+keep their first values in W&B (the run directory moves those ticks' files into
+``abandoned-<time>/``; W&B's ``resume_from`` rewinding is left out: a beta that offline runs lack).
+A fresh run in the same directory starts a new W&B run, and ``WANDB_RUN_ID`` in the environment,
+W&B's own way, wins over the file.
+
 ``WANDB_MODE=offline`` needs no key and writes the run under ``$WANDB_DIR`` (default: the run
 directory), to upload later with ``wandb sync``. A missing ``wandb`` package, a missing key in
 online mode or a failed ``wandb.init`` is one warning line and the run goes on with TensorBoard;
@@ -24,6 +33,8 @@ from __future__ import annotations
 import json
 import logging
 import os
+import re
+import secrets
 from pathlib import Path
 
 import torch
@@ -35,6 +46,25 @@ TABLE_COLUMNS = ["step", "question", "reference", "policy", "observation", "turn
 """The rollout tables' columns (``policy`` / ``observation``: every turn's text, one per line block)."""
 
 TURN_SEPARATOR = "\n---\n"
+
+RUN_ID_FILE = "wandb_run_id"
+"""Where a run directory keeps its W&B run's id (module docstring)."""
+
+_RUN_ID = re.compile(r"[A-Za-z0-9_-]{1,64}")
+
+
+def run_id(run_dir: Path, *, resumed: bool) -> tuple[str, bool]:
+    """``(id, continued)``: the id ``RUN_ID_FILE`` holds when ``resumed`` (continued True), else a new
+    one, then recorded there. A file that is not an id is one warning line and a new run."""
+    path = run_dir / RUN_ID_FILE
+    if resumed and path.is_file():
+        text = path.read_text(encoding="utf-8", errors="replace").strip()
+        if _RUN_ID.fullmatch(text):
+            return text, True
+        logger.warning("%s does not hold a W&B run id (%r); the resumed run starts a new W&B run", path, text[:80])
+    new = secrets.token_hex(4)  # wandb's own ids are 8 lowercase alphanumerics too
+    path.write_text(new + "\n", encoding="utf-8")
+    return new, False
 
 
 def gather_json(payload: dict, *, device: torch.device, world_size: int) -> list[dict]:
@@ -74,8 +104,9 @@ class WandbLog:
 
     @classmethod
     def start(cls, *, project: str, name: str | None, entity: str | None, run_dir: Path,
-              config: dict | None = None) -> WandbLog | None:
-        """A W&B run in ``project``, or None after one warning line (module docstring)."""
+              config: dict | None = None, resumed: bool = False) -> WandbLog | None:
+        """A W&B run in ``project``, or None after one warning line; ``resumed``: this segment
+        resumes a checkpoint, so the run directory's W&B run continues (module docstring)."""
         try:
             import wandb
         except ImportError as exc:
@@ -88,14 +119,20 @@ class WandbLog:
                 logger.warning("--run.wandb-project %s: no W&B API key (wandb login, WANDB_API_KEY, or "
                                "WANDB_MODE=offline); logging to TensorBoard only", project)
                 return None
+            identity = {}
+            if not os.environ.get("WANDB_RUN_ID"):
+                identity["id"], continued = run_id(run_dir, resumed=resumed)
+                if continued:
+                    identity["resume"] = "allow"
             run = wandb.init(project=project, name=name or run_dir.name, entity=entity, config=config,
                              dir=None if os.environ.get("WANDB_DIR") else str(run_dir),
-                             settings=wandb.Settings(console="off", silent=True))
+                             settings=wandb.Settings(console="off", silent=True), **identity)
         except Exception as exc:  # noqa: BLE001 - a logger must not end the run
             logger.warning("--run.wandb-project %s: wandb.init failed (%s: %s); logging to TensorBoard only",
                            project, type(exc).__name__, str(exc).splitlines()[0] if str(exc) else "")
             return None
-        logger.info("W&B run %s (%s)", run.name, getattr(run, "dir", ""))
+        logger.info("W&B run %s, id %s%s (%s)", run.name, run.id, ", continued" if identity.get("resume") else "",
+                    getattr(run, "dir", ""))
         return cls(run)
 
     def _call(self, what: str, fn) -> None:

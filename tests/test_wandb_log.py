@@ -1,6 +1,7 @@
 """Weights & Biases (issue 38 item 5): a tiny colocated run with ``--run.wandb-project`` under
 ``WANDB_MODE=offline`` writes its offline run (every metric with its tick, each evaluation's
-accuracy and rollout table); with ``wandb`` unimportable the run says so in one line and completes."""
+accuracy and rollout table); a resumed run continues the same W&B run; with ``wandb`` unimportable
+the run says so in one line and completes."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ import struct
 from conftest import read_jsonl
 from launch import REPO, check, run_colocated_runs
 
-from llamarl.wandb_log import TABLE_COLUMNS, rollout_rows
+from llamarl.wandb_log import RUN_ID_FILE, TABLE_COLUMNS, rollout_rows, run_id
 
 ENV = {"LLAMARL_TEST_SCORER": "scorers_for_tests:first_char_even"}
 
@@ -57,12 +58,26 @@ def test_rollout_rows_split_the_turns():
          "turns": json.dumps([{"policy": "plain", "observation": None}]), "score": 0.0}]
 
 
-def test_wandb_offline_run_has_the_metrics_and_rollout_tables(tmp_path, model_dir):
-    out, wandb_dir = tmp_path / "run", tmp_path / "wandb_home"
+def offline_env(wandb_dir):
     wandb_dir.mkdir()
     env = {**ENV, "WANDB_MODE": "offline", "WANDB_DIR": str(wandb_dir), "WANDB_CONFIG_DIR": str(wandb_dir / "config"),
            "WANDB_CACHE_DIR": str(wandb_dir / "cache"), "WANDB_DATA_DIR": str(wandb_dir / "data")}
     env.pop("WANDB_API_KEY", None)
+    return env
+
+
+def history_of(run) -> dict[int, dict]:
+    history: dict[int, dict] = {}
+    for record in wandb_records(next(run.glob("run-*.wandb"))):
+        if record.WhichOneof("record_type") == "history":
+            items = {item.key or "/".join(item.nested_key): json.loads(item.value_json) for item in record.history.item}
+            history.setdefault(record.history.step.num, {}).update(items)
+    return history
+
+
+def test_wandb_offline_run_has_the_metrics_and_rollout_tables(tmp_path, model_dir):
+    out, wandb_dir = tmp_path / "run", tmp_path / "wandb_home"
+    env = offline_env(wandb_dir)
     proc = run_colocated_runs([flags(model_dir, out, "--run.wandb-project", "llamarl-test", "--run.eval-every", "1",
                                      "--run.log-samples", "2", "--run.wandb-run-name", "tiny")],
                               plan_file=tmp_path / "plan.json", env=env)
@@ -105,6 +120,38 @@ def test_wandb_offline_run_has_the_metrics_and_rollout_tables(tmp_path, model_di
     accuracies = {step: h["eval/accuracy"] for step, h in history.items() if "eval/accuracy" in h}
     summary = json.loads((out / "summary.json").read_text())
     assert accuracies == {e["step"]: e["accuracy"] for e in summary["evals"]}, (accuracies, summary["evals"])
+
+
+def test_a_resumed_run_continues_its_wandb_run(tmp_path, model_dir):
+    """Two segments of one run directory (2 ticks, then resumed from tick 1's checkpoint to 3): one
+    W&B run id for both, the second segment's history starting after its checkpoint."""
+    out, wandb_dir = tmp_path / "run", tmp_path / "wandb_home"
+    env = offline_env(wandb_dir)
+    wandb = ["--run.wandb-project", "llamarl-test", "--checkpoint.every", "1"]
+    proc = run_colocated_runs([flags(model_dir, out, *wandb),
+                               [*flags(model_dir, out, *wandb), "--run.max-steps", "3",
+                                "--checkpoint.resume", str(out / "checkpoints" / "step_1")]],
+                              plan_file=tmp_path / "plan.json", env=env)
+    check(proc)
+    recorded = (out / RUN_ID_FILE).read_text().strip()
+    runs = sorted((wandb_dir / "wandb").glob("offline-run-*"))
+    assert len(runs) == 2 and all(run.name.endswith(f"-{recorded}") for run in runs), (recorded, runs)
+    first, second = (history_of(run) for run in runs)
+    assert sorted(first) == [0, 1, 2] and min(second) >= 1 and max(second) == 3, (sorted(first), sorted(second))
+    assert "continued" in proc.stdout + proc.stderr
+
+
+def test_the_run_id_file(tmp_path, caplog):
+    fresh, continued = run_id(tmp_path, resumed=False)
+    assert not continued and (tmp_path / RUN_ID_FILE).read_text().strip() == fresh
+    assert run_id(tmp_path, resumed=True) == (fresh, True)
+    other, continued = run_id(tmp_path, resumed=False)  # a fresh run in the same directory: a new W&B run
+    assert not continued and other != fresh
+    (tmp_path / RUN_ID_FILE).write_text("not an id!\n")
+    renewed, continued = run_id(tmp_path, resumed=True)
+    assert not continued and renewed != other and "does not hold a W&B run id" in caplog.text
+    (tmp_path / RUN_ID_FILE).unlink()
+    assert run_id(tmp_path, resumed=True)[1] is False
 
 
 def test_without_wandb_one_line_and_the_run_completes(tmp_path, model_dir):
