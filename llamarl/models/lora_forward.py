@@ -15,7 +15,9 @@ alone.
 ``F.linear(x, addmm(W_base, B, A, alpha=alpha / r), bias)`` in the compute dtype, the same
 ``addmm`` the generator's merge runs on the same bf16 values (A and B as FSDP2's mixed precision
 casts them, which is how the wire rounds them), so the two sides hold bitwise the same merged
-weights (checked on this machine's kernels for whole and TP-sliced weights: ``tests/test_lora.py``).
+weights and the trainer's log-probs are the generator's model's exactly (``tests/test_lora_forward.py``,
+FSDP2 mixed precision and activation checkpointing included). A TP rank's merge of its slice computes
+each element from the same r products; on this machine's kernels it matched the whole merge bitwise.
 The backward is LoRA's own, never materialising a full weight gradient: with ``g`` the output's
 gradient, ``dx = g W``, ``dA = s (g B)^T x``, ``dB = s g^T (x A^T)`` (s = alpha / r), which is the
 gradient of the merged forward exactly (d/dA and d/dB of ``x (W_base + s B A)^T``). Cost: one
