@@ -16,6 +16,13 @@ A checkpoint of step n (the state after n ticks) is written by every executor in
   evaluations made so far, the run's elapsed wall seconds, the steps it was resumed from), so that
   the summary of a resumed run describes the whole run.
 
+Every file's size and xxh3-128 digest are recorded in ``COMPLETE.json`` as the files are written,
+and a resume verifies them first (``llamarl/checkpoint_files.py``), with the run's identity
+(``llamarl/run_identity.py``): ``choose_checkpoint`` falls back from a ``latest`` that does not
+verify to the newest earlier one that does. A step is deleted (``prune``) by first renaming it out
+of the ``step_<n>`` namespace (``step_<n>.deleting``), so a crash never leaves a marked checkpoint
+without its files.
+
 Resuming at step n makes the run directory describe one timeline again: ``archive_after`` moves
 whatever an abandoned run left there of the ticks after n (newer checkpoints, exports, evaluation
 samples, metric records, the final summary) into ``<run>/abandoned-<time>/``.
@@ -33,9 +40,21 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
+from llamarl.checkpoint_files import (
+    HASH,
+    CheckpointInvalid,
+    collect_files,
+    fault_point,
+    verify_checkpoint,
+    written,
+)
+from llamarl.run_identity import check_identity
+
 COMPLETE_MARKER = "COMPLETE.json"
 RUNNER_STATE = "runner_state.json"
 ARCHIVE_PREFIX = "abandoned-"
+DELETING_SUFFIX = ".deleting"
+VERIFY_MODES = ("full", "size", "off")
 
 
 @dataclass(frozen=True)
@@ -73,18 +92,36 @@ def partial_dir(checkpoint_dir: Path, step: int) -> Path:
 
 
 def commit_step(checkpoint_dir: Path, step: int, info: dict) -> Path:
-    """Make the checkpoint of ``step`` visible: rename its partial directory, then write the marker.
+    """Make the checkpoint of ``step`` visible: list its files with their digests, rename its partial
+    directory, then write the marker (``info`` plus ``files`` and ``hash``).
 
-    Called by one rank after a barrier that every executor passed once its files were on disk. A
-    crash before the rename leaves only ``step_<n>.partial``; between the rename and the marker, a
-    directory without a marker: neither is ever resumed or counted.
+    Called by one rank after a barrier that every executor passed once its files (and each rank's
+    manifest of them, ``llamarl/checkpoint_files.py``) were on disk. A crash before the rename
+    leaves only ``step_<n>.partial``; between the rename and the marker, a directory without a
+    marker: neither is ever resumed or counted, and the next ``prune`` removes both.
     """
     final = step_dir(checkpoint_dir, step)
-    if final.exists():
-        shutil.rmtree(final)
-    partial_dir(checkpoint_dir, step).rename(final)
-    write_json(final / COMPLETE_MARKER, {"step": step, **info})
+    partial = partial_dir(checkpoint_dir, step)
+    files = collect_files(partial)
+    if final.exists():  # a step written again (an abandoned timeline's): out of the namespace first
+        _remove(final, current=step)
+    fault_point("rename", step)
+    partial.rename(final)
+    fault_point("marker", step)
+    write_json(final / COMPLETE_MARKER, {"step": step, **info, "hash": HASH, "files": files})
     return final
+
+
+def _remove(path: Path, *, current: int) -> None:
+    """Delete a step directory so that no crash leaves it half-deleted under its own name: renamed to
+    ``<name>.deleting`` (which nothing resumes or counts) first, then removed (``current``: the step
+    being committed, for ``fault_point``)."""
+    doomed = path.with_name(path.name + DELETING_SUFFIX)
+    if doomed.exists():
+        shutil.rmtree(doomed, ignore_errors=True)
+    path.rename(doomed)
+    fault_point("prune", current)
+    shutil.rmtree(doomed, ignore_errors=True)
 
 
 def complete_steps(checkpoint_dir: Path) -> list[int]:
@@ -100,31 +137,44 @@ def complete_steps(checkpoint_dir: Path) -> list[int]:
 
 
 def prune(checkpoint_dir: Path, *, keep: int, current: int) -> list[Path]:
-    """Delete complete checkpoints beyond the newest ``keep`` (0 keeps all) and every partial or
-    unmarked directory older than ``current``; return what was deleted."""
+    """Delete complete checkpoints beyond the newest ``keep`` (0 keeps all), every partial or
+    unmarked directory older than ``current`` and whatever an interrupted deletion left
+    (``step_<n>.deleting``); return what was deleted. Each goes out of the ``step_<n>`` namespace
+    before its files do (``_remove``)."""
     removed = []
     steps = complete_steps(checkpoint_dir)
     doomed = set(steps[:-keep]) if keep and len(steps) > keep else set()
     for path in sorted(checkpoint_dir.iterdir()) if checkpoint_dir.is_dir() else []:
+        if path.name.endswith(DELETING_SUFFIX) and path.name.startswith("step_"):
+            shutil.rmtree(path, ignore_errors=True)
+            removed.append(path)
+            continue
         name = path.name.removesuffix(".partial")
         if not (name.startswith("step_") and name[5:].isdigit()):
             continue
         step = int(name[5:])
         stale = step < current and (path.name.endswith(".partial") or not (path / COMPLETE_MARKER).is_file())
         if step in doomed and not path.name.endswith(".partial") or stale:
-            shutil.rmtree(path, ignore_errors=True)
+            _remove(path, current=current)
             removed.append(path)
     return removed
 
 
 def resolve_resume(resume: str, checkpoint_dir: Path) -> tuple[Path, int]:
-    """``(directory, step)`` to resume from: ``"latest"`` (the newest complete step under
-    ``checkpoint_dir``) or a ``.../step_<n>`` directory, which must be complete."""
+    """``(directory, step)`` named by ``resume``: ``"latest"`` (the newest complete step under
+    ``checkpoint_dir``) or a ``.../step_<n>`` directory, which must be complete. Nothing is verified
+    (``choose_checkpoint`` does)."""
+    return _candidates(resume, checkpoint_dir)[0]
+
+
+def _candidates(resume: str, checkpoint_dir: Path) -> list[tuple[Path, int]]:
+    """The checkpoints ``resume`` may resume from, in order of preference: for ``latest`` every
+    complete step, newest first; else the one named."""
     if resume == "latest":
         steps = complete_steps(checkpoint_dir)
         if not steps:
             raise ValueError(f"--checkpoint.resume latest: no complete checkpoint under {checkpoint_dir}")
-        return step_dir(checkpoint_dir, steps[-1]), steps[-1]
+        return [(step_dir(checkpoint_dir, s), s) for s in reversed(steps)]
     path = Path(resume)
     name = path.name
     if not (name.startswith("step_") and name[5:].isdigit()):
@@ -132,21 +182,66 @@ def resolve_resume(resume: str, checkpoint_dir: Path) -> tuple[Path, int]:
     if not (path / COMPLETE_MARKER).is_file():
         raise ValueError(f"--checkpoint.resume {resume}: not a complete checkpoint (no {COMPLETE_MARKER}; "
                          "the run died while saving it)")
-    return path, int(name[5:])
+    return [(path, int(name[5:]))]
 
 
-def resume_point(resume: str | None, run_dir: Path, *, max_steps: int) -> ResumePoint:
+def choose_checkpoint(resume: str, checkpoint_dir: Path, *, verify: str = "full", identity: dict | None = None,
+                      allow_changes: tuple[str, ...] = ()) -> tuple[Path, int, list[str]]:
+    """``(directory, step, notes)``: the checkpoint this run resumes from, verified (``verify``: full /
+    size / off, ``llamarl/checkpoint_files.py``) and of this run (``identity``, when given:
+    ``llamarl/run_identity.py``; ``allow_changes``: the fields it may differ in). ``notes`` are lines
+    to log (a fallback, an unverifiable older checkpoint, allowed changes).
+
+    ``latest`` falls back, newest first, past checkpoints that do not verify, and says so; a step
+    named explicitly is resumed as named or not at all. Another run's checkpoint is refused, not
+    skipped (its older steps are of the same run). Each failure is a one-line ValueError. Reads
+    files only."""
+    notes: list[str] = []
+    failures: list[str] = []
+    for path, step in _candidates(resume, checkpoint_dir):
+        try:
+            marker = read_json(path / COMPLETE_MARKER)
+        except ValueError as exc:
+            failures.append(str(exc))
+            continue
+        if identity is not None and not failures:
+            changed = check_identity(marker.get("identity"), identity, allow=allow_changes, where=path)
+            if changed == ["<no identity>"]:
+                notes.append(f"{path} records no run identity (written by an older llamarl): not compared")
+            elif changed:
+                notes.append(f"resuming {path} with changes allowed by --checkpoint.allow-changes: {', '.join(changed)}")
+        try:
+            verified = verify_checkpoint(path, marker, mode=verify)
+        except CheckpointInvalid as exc:
+            failures.append(str(exc))
+            continue
+        if failures:
+            notes.append(f"checkpoint verification failed ({'; '.join(failures)}): falling back to {path}")
+        if not verified:
+            notes.append(f"{path} has no file digests (written by an older llamarl): not verified")
+        return path, step, notes
+    if resume != "latest":
+        raise ValueError(f"--checkpoint.resume {resume} does not verify: {failures[0]}; resume another step "
+                         "(--checkpoint.resume latest falls back by itself) or pass --checkpoint.verify off")
+    raise ValueError(f"--checkpoint.resume latest: no checkpoint under {checkpoint_dir} verifies "
+                     f"({'; '.join(failures)})")
+
+
+def resume_point(resume: str | None, run_dir: Path, *, max_steps: int, verify: str = "full",
+                 identity: dict | None = None, allow_changes: tuple[str, ...] = ()) -> tuple[ResumePoint, list[str]]:
     """Where a run of ``run_dir`` starts with ``--checkpoint.resume`` ``resume`` (None: a fresh
-    run): the checkpoint (``resolve_resume`` under ``run_dir/checkpoints``), the runner's state saved
-    in it, and the summary of a run that already finished there (``finished_summary``; then no
-    state is read: nothing is run). Reads files only; moves nothing (``archive_after`` does)."""
+    run), and the lines to log about it: the checkpoint (``choose_checkpoint`` under
+    ``run_dir/checkpoints``: verified, of this run), the runner's state saved in it, and the summary
+    of a run that already finished there (``finished_summary``; then no state is read: nothing is
+    run). Reads files only; moves nothing (``archive_after`` does)."""
     if not resume:
-        return ResumePoint()
-    directory, step = resolve_resume(resume, run_dir / "checkpoints")
+        return ResumePoint(), []
+    directory, step, notes = choose_checkpoint(resume, run_dir / "checkpoints", verify=verify, identity=identity,
+                                               allow_changes=allow_changes)
     finished = finished_summary(run_dir, directory, step, max_steps)
     if finished is not None:
-        return ResumePoint(directory, step, finished=finished)
-    return ResumePoint(directory, step, restored=read_runner_state(directory) or {})
+        return ResumePoint(directory, step, finished=finished), notes
+    return ResumePoint(directory, step, restored=read_runner_state(directory) or {}), notes
 
 
 def finished_summary(run_dir: Path, resume_dir: Path, step: int, max_steps: int) -> dict | None:
@@ -242,6 +337,7 @@ def archive_after(run_dir: Path, step: int) -> tuple[Path, list[str]] | None:
         target.parent.mkdir(parents=True, exist_ok=True)
         path.rename(target)
         described.append(str(path.relative_to(run_dir)))
+        fault_point("archive", step)
     for path, (kept, moved) in cut.items():
         target = archive / path.relative_to(run_dir)
         target.parent.mkdir(parents=True, exist_ok=True)
@@ -266,6 +362,7 @@ def write_json(path: Path, value: dict) -> None:
     tmp = path.with_suffix(path.suffix + ".tmp")
     tmp.write_text(json.dumps(value))
     tmp.replace(path)
+    written(path)
 
 
 def read_json(path: Path) -> dict:
@@ -278,6 +375,7 @@ def read_json(path: Path) -> dict:
 
 def save_rng(path: Path, generator: torch.Generator) -> None:
     save_file({"state": generator.get_state()}, str(path))
+    written(path)
 
 
 def load_rng(path: Path, generator: torch.Generator) -> None:

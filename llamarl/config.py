@@ -431,6 +431,19 @@ class CheckpointConfig:
     """``latest`` (the newest complete checkpoint of ``--run.output-dir``) or a
     ``.../checkpoints/step_<n>`` directory: the run continues at tick n with every executor's state
     (weights, optimizer, data position, carried samples, pending outputs, RNG)."""
+    verify: Literal["full", "size", "off"] = "full"
+    """What a resume checks of the checkpoint before anything on disk changes: ``full`` every file's
+    size and xxh3-128 digest (recorded in ``COMPLETE.json`` as it was written; ``latest`` falls back
+    to the newest earlier checkpoint that verifies), ``size`` sizes only, ``off`` nothing. Costs:
+    docs/troubleshooting.md."""
+    allow_changes: str = ""
+    """Comma-separated fields of the run's identity a resume may change (``trainer.lr,dataset``, or a
+    section: ``algo``): by default a checkpoint whose recipe, model, dataset or math-changing flags
+    differ from this run's is refused (llamarl/run_identity.py; docs/troubleshooting.md)."""
+
+    def allowed_changes(self) -> tuple[str, ...]:
+        """``allow_changes`` as a tuple of field names."""
+        return tuple(part.strip() for part in self.allow_changes.split(",") if part.strip())
 
     def __post_init__(self) -> None:
         _check(self.every >= 0, f"--checkpoint.every must be >= 0, got {self.every}")

@@ -49,7 +49,16 @@ import torch
 
 from llamarl.channels.base import check_delivery_order, check_endpoints
 from llamarl.channels.in_memory import InMemoryChannel, InMemoryWeights
-from llamarl.checkpoint import commit_step, partial_dir, prune
+from llamarl.checkpoint import (
+    COMPLETE_MARKER,
+    commit_step,
+    complete_steps,
+    partial_dir,
+    prune,
+    read_json,
+    step_dir,
+)
+from llamarl.checkpoint_files import disk_full_error, fault_point, is_disk_full, recording
 from llamarl.errors import exception_text
 from llamarl.executor import Executor
 from llamarl.liveness import Heartbeat
@@ -87,6 +96,12 @@ class Upkeep:
     """torch's default device is ``meta`` inside steps, channels and evaluations (see ``guard``)."""
     liveness_timeout_s: float | None = None
     """A rank silent this long ends the job (llamarl/liveness.py); None: no watch."""
+    checkpoint_info: dict = field(default_factory=dict)
+    """More entries of each checkpoint's ``COMPLETE.json`` (the run's ``identity``,
+    ``llamarl/run_identity.py``), known on the committing rank (global rank 0)."""
+    traceback_dir: Path | None = None
+    """Where a failing rank writes its full traceback (``rank<r>.traceback.txt``, named in its
+    one-line report); None: the traceback goes to stderr above the line."""
 
     def __post_init__(self) -> None:
         if self.checkpoint_every and self.checkpoint_dir is None:
@@ -283,22 +298,51 @@ class ExecutorController:
             self.after_tick(step)
 
     def _checkpoint(self, step: int) -> None:
-        """Atomic across executors: partial directory, WORLD barrier, then rename + marker on rank 0."""
+        """Atomic across executors: partial directory, WORLD barrier, then rename + marker on rank 0.
+
+        Each rank records the digests of the files it writes (``llamarl/checkpoint_files.py``); a
+        full disk is one line naming the directory, the step and the bytes needed."""
         root = Path(self.checkpoint_dir)
-        for name, executor in self.executors.items():
-            self._active, self.phase = name, "checkpoint"
-            directory = partial_dir(root, step) / name
-            directory.mkdir(parents=True, exist_ok=True)
-            executor.save_checkpoint(directory)
-        if self.on_checkpoint is not None:
-            self.phase = "checkpoint"
-            self.on_checkpoint(partial_dir(root, step))
+        with recording(partial_dir(root, step), rank=self.ctx.rank):
+            for name, executor in self.executors.items():
+                self._active, self.phase = name, "checkpoint"
+                directory = partial_dir(root, step) / name
+                directory.mkdir(parents=True, exist_ok=True)
+                try:
+                    executor.save_checkpoint(directory)
+                    fault_point("write", step)
+                except Exception as exc:
+                    if not is_disk_full(exc):
+                        raise
+                    raise self._disk_full(root, step, directory, prefix=name + "/") from None
+            if self.on_checkpoint is not None:
+                self.phase = "checkpoint"
+                try:
+                    self.on_checkpoint(partial_dir(root, step))
+                except Exception as exc:
+                    if not is_disk_full(exc):
+                        raise
+                    raise self._disk_full(root, step, partial_dir(root, step), prefix="") from None
+            fault_point("state", step)
         self.phase = "checkpoint barrier"
         world_barrier(self.ctx)  # every executor's files are on disk (WORLD: all ranks checkpoint together)
         if self.ctx.rank == 0:
+            self.phase = "checkpoint commit"
             commit_step(root, step, {"executors": sorted(self.ctx.ranks), "world_size": self.ctx.world_size,
-                                     "time": time.time()})
+                                     "time": time.time(), **self.upkeep.checkpoint_info})
+            self.phase = "checkpoint prune"
             prune(root, keep=self.checkpoint_keep, current=step)
+
+    @staticmethod
+    def _disk_full(root: Path, step: int, directory: Path, *, prefix: str) -> OSError:
+        steps = [s for s in complete_steps(root) if s < step]
+        previous = None
+        if steps:
+            try:
+                previous = read_json(step_dir(root, steps[-1]) / COMPLETE_MARKER)
+            except ValueError:
+                previous = None
+        return disk_full_error(directory=directory, step=step, previous=previous, prefix=prefix)
 
     def _communicate(self, channel, records: dict[str, TickRecord] | None, *, label: str = "channel") -> None:
         """Run ``channel`` for whichever of this rank's executors it involves: in memory when it joins
@@ -346,6 +390,19 @@ class ExecutorController:
                 f"{ctx.local_rank}) failed at step {self.step_index} during {self.phase}: "
                 f"{type(exc).__name__}{': ' + text if text else ''}")
 
+    def _save_traceback(self, exc: BaseException) -> Path | None:
+        """Write ``exc``'s traceback to ``upkeep.traceback_dir/rank<r>.traceback.txt``; its path, or
+        None when there is no such directory or it cannot be written (then stderr has it)."""
+        if self.upkeep.traceback_dir is None:
+            return None
+        try:
+            path = Path(self.upkeep.traceback_dir) / f"rank{self.ctx.rank}.traceback.txt"
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_text(f"{self.failure_line(exc)}\n\n" + "".join(traceback.format_exception(exc)))
+            return path
+        except OSError:  # a full disk, most likely: the traceback goes to stderr instead
+            return None
+
     def abort(self, exc: BaseException) -> None:
         """Report ``exc`` (its traceback, then ``failure_line``) and end this process (exit code 1).
 
@@ -358,7 +415,11 @@ class ExecutorController:
         not cut this report short (``_on_sigterm``)."""
         self._aborting = True
         message = self.failure_line(exc)
-        traceback.print_exc(file=sys.stderr)
+        saved = self._save_traceback(exc)
+        if saved is None:
+            traceback.print_exc(file=sys.stderr)
+        else:
+            message += f" (traceback: {saved})"
         print(message, file=sys.stderr, flush=True)
         sys.stdout.flush()
         if self.heartbeat is not None:

@@ -29,6 +29,7 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
 from llamarl.batch import TensorBatch
+from llamarl.checkpoint_files import written
 
 if TYPE_CHECKING:
     from llamarl.world import ExecutorContext
@@ -102,6 +103,7 @@ class Executor:
         for name, batch in self.outputs.items():
             tensors[f"{name}.header"], tensors[f"{name}.data"] = batch.encode()
         save_file(tensors, str(directory / f"outputs_rank{self.ctx.local_rank}.safetensors"))
+        written(directory / f"outputs_rank{self.ctx.local_rank}.safetensors")  # digest for COMPLETE.json
 
     def load_checkpoint(self, directory: Path) -> None:
         """Restore what ``save_checkpoint`` wrote."""

@@ -38,6 +38,7 @@ from llamarl.executors.trainer import TrainerExecutor
 from llamarl.pipeline import ChannelSpec, Pipeline, Stage
 from llamarl.rewards import resolve_scorer
 from llamarl.rewards.trajectory import TrajectoryScore, resolve_trajectory_scorer
+from llamarl.run_identity import dataset_fingerprint
 from llamarl.run_plan import plan_run
 from llamarl.runner import run_pipeline
 
@@ -194,7 +195,8 @@ def run_rl(config: RLConfig, *, recipe: str, task: Task, heldout: list[Problem],
         raise ValueError(f"recipe {recipe} has no scorer of its own: set --reward.scorer module:function "
                          "(completion, reference) -> float, or --reward.trajectory-scorer")
     return run_pipeline(rl_pipeline(config, task=task, scorer=scorer, prompt_fn=prompt_fn), config,
-                        recipe=recipe, heldout=heldout, score=evaluation_score(config, score))
+                        recipe=recipe, heldout=heldout, score=evaluation_score(config, score),
+                        dataset=lambda: dataset_fingerprint(task))
 
 
 def evaluation_score(config: RLConfig, score: Callable[[str, str], float] | None) -> Callable[[str, str], float] | None:

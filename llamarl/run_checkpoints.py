@@ -21,6 +21,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from llamarl.checkpoint import COMPLETE_MARKER, RUNNER_STATE, step_dir, write_json
+from llamarl.checkpoint_files import replace_committed_file
 from llamarl.config import CheckpointConfig, ExportConfig, RunConfig
 from llamarl.controller import Upkeep
 from llamarl.eval_history import Evaluations
@@ -32,9 +33,12 @@ class RunCheckpoints:
     checkpoint (module docstring)."""
 
     def __init__(self, checkpoint: CheckpointConfig, export: ExportConfig, *, run: RunConfig, run_dir: Path,
-                 evaluations: Evaluations, ctx: ExecutorContext, reporter_rank: int) -> None:
+                 evaluations: Evaluations, ctx: ExecutorContext, reporter_rank: int,
+                 identity: dict | None = None) -> None:
         """``reporter_rank``: the global rank that writes the runner's state and ``summary.json``
-        (the evaluator's first rank, else 0)."""
+        (the evaluator's first rank, else 0). ``identity``: the run's (``llamarl/run_identity.py``),
+        recorded in each checkpoint's marker by global rank 0 (None elsewhere). A failing rank's
+        traceback goes to ``<run>/logs/``."""
         self.checkpoint_dir = run_dir / "checkpoints"
         self.every, self.max_steps = checkpoint.every, run.max_steps
         self.evaluations, self.ctx = evaluations, ctx
@@ -42,7 +46,9 @@ class RunCheckpoints:
         self.upkeep = Upkeep(checkpoint_every=checkpoint.every, checkpoint_keep=checkpoint.keep,
                              checkpoint_dir=self.checkpoint_dir, export_every=export.every,
                              export_dir=run_dir / "hf" if export.final or export.every else None,
-                             device_guard=run.device_guard, liveness_timeout_s=run.liveness_timeout_s)
+                             device_guard=run.device_guard, liveness_timeout_s=run.liveness_timeout_s,
+                             checkpoint_info={"identity": identity} if identity is not None else {},
+                             traceback_dir=run_dir / "logs")
 
     def save_state(self, partial: Path) -> None:
         """The controller's ``on_checkpoint``: the runner's state into the checkpoint being written
@@ -62,7 +68,9 @@ class RunCheckpoints:
             world_barrier(self.ctx)
         self.evaluations.between_ticks(done)
         if checkpointed and self.reporter:
-            write_json(step_dir(self.checkpoint_dir, done) / RUNNER_STATE, self.evaluations.state())
+            # The marker lists the file's digest: rewritten with it (llamarl/checkpoint_files.py).
+            replace_committed_file(step_dir(self.checkpoint_dir, done), RUNNER_STATE, self.evaluations.state(),
+                                   marker_name=COMPLETE_MARKER)
 
     def after_final(self, *, start_step: int) -> None:
         """After the final evaluation, on every rank: the whole run's state into this segment's
@@ -74,4 +82,4 @@ class RunCheckpoints:
             world_barrier(self.ctx)  # rank 0 has committed step_<max_steps>
         last = step_dir(self.checkpoint_dir, self.max_steps)
         if self.reporter and (last / COMPLETE_MARKER).is_file():
-            write_json(last / RUNNER_STATE, self.evaluations.state())
+            replace_committed_file(last, RUNNER_STATE, self.evaluations.state(), marker_name=COMPLETE_MARKER)

@@ -3,10 +3,18 @@
 Every rank of the job uses one run directory: ``--run.output-dir``, or
 ``runs/<recipe>-<time>`` with global rank 0's time broadcast to every rank, checked at start to be
 the same filesystem on every node (``llamarl/shared_dir.py``). It holds ``config.json`` (written
-by global rank 0), ``checkpoints/``, ``metrics/``, ``timeline/``, the evaluation samples, the exports
+by global rank 0; each later segment of a resumed run adds ``config.<k>.json`` beside it),
+``logs/`` (a failing rank's traceback), ``checkpoints/``, ``metrics/``, ``timeline/``, the evaluation samples, the exports
 under ``hf/`` and ``summary.json``.
 
 Resuming (``--checkpoint.resume``) at step n continues one run, not a second one beside it:
+
+- global rank 0 first chooses the checkpoint and proves it (``llamarl.checkpoint.choose_checkpoint``:
+  every file's digest, ``--checkpoint.verify``; the run's identity, ``--checkpoint.allow-changes``;
+  ``latest`` falling back past a checkpoint that does not verify) before anything on disk moves, and
+  tells every rank the step it chose (a broadcast). A checkpoint that cannot be resumed ends the job
+  with one ``llamarl:`` line on rank 0 and exit code 2 on every rank (``ResumeRefused``), and the
+  run directory is as it was;
 
 - what the run directory holds of the ticks after n (newer checkpoints of an abandoned run,
   their exports, evaluation samples, metric records, its summary) is first moved into
@@ -34,12 +42,25 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from llamarl.checkpoint import RUNNER_STATE, ResumePoint, archive_after, resume_point
+from llamarl.checkpoint import RUNNER_STATE, ResumePoint, archive_after, resume_point, step_dir
 from llamarl.config import CheckpointConfig, RunConfig
 from llamarl.shared_dir import check_shared_run_dir
 from llamarl.world import ExecutorContext, world_barrier
 
 logger = logging.getLogger("llamarl.runner")
+
+
+class ResumeRefused(ValueError):
+    """The checkpoint to resume cannot be resumed: raised on every rank (the message on global rank 0,
+    None elsewhere); the runner reports it as one line and exits 2."""
+
+
+def current_config(run_dir: Path) -> Path:
+    """The newest segment's ``config.json`` / ``config.<k>.json`` of ``run_dir`` (``RunDirectory.record``)."""
+    path, k = run_dir / "config.json", 1
+    while (run_dir / f"config.{k}.json").exists():
+        path, k = run_dir / f"config.{k}.json", k + 1
+    return path
 
 
 @dataclass(frozen=True)
@@ -63,18 +84,40 @@ class RunDirectory:
         check_shared_run_dir(path, device=ctx.world_device)  # every node must see the same directory
         return cls(path)
 
-    def resume(self, checkpoint: CheckpointConfig, *, max_steps: int, ctx: ExecutorContext) -> ResumePoint:
+    def resume(self, checkpoint: CheckpointConfig, *, max_steps: int, ctx: ExecutorContext,
+               identity: dict | None = None) -> ResumePoint:
         """Where this segment of the run starts (``--checkpoint.resume``; ``llamarl.checkpoint.resume_point``),
-        the run directory made one timeline for it.
+        the run directory made one timeline for it. ``identity``: this run's (global rank 0's; None
+        elsewhere), compared with the checkpoint's.
 
-        Collective (WORLD barriers) when resuming a run that is not finished: every rank resolves
-        the checkpoint before global rank 0 moves what an abandoned later timeline left into
-        ``<run>/abandoned-<time>/``, and no rank reads the run directory before it is one timeline
-        again. A finished run moves nothing."""
-        point = resume_point(checkpoint.resume, self.path, max_steps=max_steps)
+        Collective (a broadcast, WORLD barriers): global rank 0 chooses and verifies the checkpoint
+        and moves what an abandoned later timeline left into ``<run>/abandoned-<time>/``; no rank
+        reads the run directory before it is one timeline again. A finished run moves nothing.
+        Raises ``ResumeRefused`` on every rank when the checkpoint cannot be resumed (rank 0's
+        carries the message), before anything moved."""
+        if not checkpoint.resume:
+            return ResumePoint()
+        chosen = torch.zeros(2, dtype=torch.int64, device=ctx.world_device)  # (ok, step)
+        refusal = None
+        if ctx.rank == 0:
+            try:
+                point, notes = resume_point(checkpoint.resume, self.path, max_steps=max_steps, verify=checkpoint.verify,
+                                            identity=identity, allow_changes=checkpoint.allowed_changes())
+            except ValueError as exc:
+                refusal = str(exc)
+            else:
+                for note in notes:
+                    logger.warning("%s", note)
+                chosen[0], chosen[1] = 1, point.step
+        dist.broadcast(chosen, src=0)
+        if not int(chosen[0].item()):
+            raise ResumeRefused(refusal)
+        if ctx.rank != 0:  # rank 0's choice, read again here (files only: nothing verified twice)
+            point, _ = resume_point(str(step_dir(self.path / "checkpoints", int(chosen[1].item()))), self.path,
+                                    max_steps=max_steps, verify="off")
         if point.finished is not None and ctx.rank == 0:
             logger.info("run already finished at step %d (%s); nothing to do", max_steps, self.path / "summary.json")
-        if point.directory is None or point.finished is not None:
+        if point.finished is not None:
             return point
         world_barrier(ctx)
         if ctx.rank == 0:
@@ -91,8 +134,12 @@ class RunDirectory:
         self.path.mkdir(parents=True, exist_ok=True)
         if ctx.rank != 0:
             return
-        (self.path / "config.json").write_text(json.dumps(asdict(config), indent=2))
-        logger.info("run directory %s; stages %s", self.path,
+        # Each segment's configuration is kept: config.json (the first), then config.<k>.json.
+        path, k = self.path / "config.json", 1
+        while path.exists():
+            path, k = self.path / f"config.{k}.json", k + 1
+        path.write_text(json.dumps(asdict(config), indent=2))
+        logger.info("run directory %s (configuration: %s); stages %s", self.path, path.name,
                     ", ".join(f"{name} ranks {ranks}" for name, ranks in ctx.ranks.items()))
         if resume.directory is not None:
             logger.info("resuming from %s (tick %d)", resume.directory, resume.step)

@@ -26,6 +26,7 @@ import torch.distributed as dist
 from llamarl.config import RunConfig
 from llamarl.metrics import MetricsLogger, reduce_metrics
 from llamarl.progress import Progress
+from llamarl.run_directory import current_config
 from llamarl.sample_log import SampleLog
 from llamarl.wandb_log import WandbLog, gather_json
 
@@ -52,7 +53,7 @@ class RunLog:
         self.gathers = run.wandb_project is not None  # the same on every rank: a collective each tick
         self.wandb: WandbLog | None = None
         if self.gathers and ctx.rank == reporter_rank:
-            config_file = run_dir / "config.json"
+            config_file = current_config(run_dir)
             self.wandb = WandbLog.start(project=run.wandb_project, name=run.wandb_run_name, entity=run.wandb_entity,
                                         run_dir=run_dir, config=json.loads(config_file.read_text())
                                         if config_file.is_file() else None, resumed=start_step > 0)

@@ -31,14 +31,17 @@ role in ``executor.metric_sections``) and declare how each is reduced over their
 from __future__ import annotations
 
 import os
+import sys
 import time
 from collections.abc import Callable
+from typing import NoReturn
 
 from llamarl.channels.in_memory import InMemoryWeights
 from llamarl.channels.weights import WeightsChannel
 from llamarl.config import RunSections
 from llamarl.controller import ExecutorController
 from llamarl.data.prompts import Problem
+from llamarl.errors import exception_text
 from llamarl.eval_history import Evaluations
 from llamarl.executor import check_roles
 from llamarl.log import setup_logging
@@ -46,19 +49,34 @@ from llamarl.pipeline import Pipeline
 from llamarl.progress import Progress
 from llamarl.run_checkpoints import RunCheckpoints
 from llamarl.run_directory import RunDirectory
+from llamarl.run_identity import run_identity
 from llamarl.run_log import RunLog
 from llamarl.run_summary import RunSummary
 from llamarl.world import ExecutorContext, world_barrier
 
 
+def stop_before_start(exc: ValueError) -> NoReturn:
+    """End this rank before any executor started: ``llamarl: <exc>`` (one line, no traceback) where
+    the rank has the message (a ``ResumeRefused`` without one was reported by global rank 0), exit
+    code 2. ``os._exit``: peers may already be gone, and nothing of the run needs tearing down."""
+    if str(exc) and str(exc) != "None":
+        print(f"llamarl: {exception_text(exc)}", file=sys.stderr, flush=True)
+    sys.stdout.flush()
+    os._exit(2)
+
+
 def run_pipeline(pipeline: Pipeline, config: RunSections, *, recipe: str, heldout: list[Problem] | None = None,
-                 score: Callable[[str, str], float] | None = None) -> dict | None:
+                 score: Callable[[str, str], float] | None = None,
+                 dataset: Callable[[], str] | None = None) -> dict | None:
     """Run ``pipeline`` on this rank (every rank of the torchrun world calls it), evaluating with
     ``score(completion, answer)`` on ``heldout`` if the pipeline has an evaluator stage.
+    ``dataset``: the fingerprint of the training data, part of the run's identity in each
+    checkpoint (``llamarl/run_identity.py``), computed on global rank 0 when checkpoints are used.
 
     Returns the summary dict on the evaluator's first rank (global rank 0 when there is no
     evaluator), None elsewhere. Any failure on any rank ends the job with one line naming the
-    executor, rank, step and phase (llamarl/controller.py).
+    executor, rank, step and phase (llamarl/controller.py); a run directory or checkpoint that
+    cannot be used ends it before any executor starts, with one ``llamarl:`` line and exit code 2.
     """
     wall_start = time.time()
     run = config.run
@@ -68,8 +86,14 @@ def run_pipeline(pipeline: Pipeline, config: RunSections, *, recipe: str, heldou
     ctx = next(iter(contexts.values()))  # rank-wide facts (rank, device, ranks) are the same in each
     setup_logging(executor="+".join(contexts), rank=ctx.rank)
     reporter_rank = ctx.ranks[pipeline.evaluator][0] if pipeline.evaluator else 0
-    directory = RunDirectory.open(run, recipe=recipe, ctx=ctx)
-    resume = directory.resume(config.checkpoint, max_steps=run.max_steps, ctx=ctx)
+    identity = None
+    try:
+        directory = RunDirectory.open(run, recipe=recipe, ctx=ctx)
+        if ctx.rank == 0 and (config.checkpoint.every or config.checkpoint.resume):
+            identity = run_identity(config, recipe=recipe, dataset=dataset() if dataset is not None else None)
+        resume = directory.resume(config.checkpoint, max_steps=run.max_steps, ctx=ctx, identity=identity)
+    except ValueError as exc:
+        stop_before_start(exc)
     if resume.finished is not None:
         ctx.destroy()
         return resume.finished if ctx.rank == reporter_rank else None
@@ -90,7 +114,7 @@ def run_pipeline(pipeline: Pipeline, config: RunSections, *, recipe: str, heldou
                  run=run, executors=executors, reporter_rank=reporter_rank)
     evaluations.on_evaluation = log.evaluated  # each evaluation's accuracy and rollouts to W&B
     checkpoints = RunCheckpoints(config.checkpoint, config.export, run=run, run_dir=directory.path,
-                                 evaluations=evaluations, ctx=ctx, reporter_rank=reporter_rank)
+                                 evaluations=evaluations, ctx=ctx, reporter_rank=reporter_rank, identity=identity)
     controller = ExecutorController(contexts, executors, channels, max_steps=run.max_steps,
                                     executor_order=pipeline.order, init_channels=init_channels,
                                     resume_dir=resume.directory, start_step=resume.step, upkeep=checkpoints.upkeep,

@@ -53,6 +53,7 @@ from torch.distributed.checkpoint.state_dict import (
 from torch.distributed.tensor import DTensor
 
 from llamarl.boxes import BoxLike, dtensor_box, intersect
+from llamarl.checkpoint_files import written
 
 
 def _flatten(model: torch.nn.Module, optimizer: torch.optim.Optimizer, *,
@@ -131,11 +132,15 @@ def save_sharded_state(directory: Path, *, model: torch.nn.Module, optimizer: to
         tensors[key] = local.detach().to("cpu").contiguous()
         index[key] = {"shape": [int(s) for s in tensor.shape], "box": box}
     save_file(tensors, str(directory / f"rank{rank}.safetensors"))
+    written(directory / f"rank{rank}.safetensors")  # its digest, for COMPLETE.json (llamarl/checkpoint_files.py)
     (directory / f"rank{rank}.json").write_text(json.dumps(index))
+    written(directory / f"rank{rank}.json")
     if rank == 0:
         (directory / "optim_param_groups.json").write_text(json.dumps(groups))
         (directory / "meta.json").write_text(json.dumps({"format": 1, "num_ranks": world_size,
                                                          "optimizer_state": with_optimizer}))
+        written(directory / "optim_param_groups.json")
+        written(directory / "meta.json")
 
 
 def _read_json(path: Path):

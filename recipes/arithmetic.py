@@ -21,6 +21,7 @@ from llamarl.errors import config_errors, parse_flags
 from llamarl.pipeline import Pipeline
 from llamarl.rewards.arithmetic import score
 from llamarl.rl_pipeline import evaluation_score, run_rl
+from llamarl.run_identity import dataset_fingerprint
 from llamarl.runner import run_pipeline
 
 
@@ -65,7 +66,7 @@ def run_variant(config: ArithmeticConfig, *, recipe: str, build_pipeline: Callab
     if edit is not None:
         edit(pipeline)
     return run_pipeline(pipeline, config, recipe=recipe, heldout=task.heldout(config.run.num_eval_problems),
-                        score=evaluation_score(config, score))
+                        score=evaluation_score(config, score), dataset=lambda: dataset_fingerprint(task))
 
 
 def main(config: ArithmeticConfig) -> None:

@@ -41,3 +41,27 @@ def test_max_nonfinite_steps_must_be_positive():
 
     with pytest.raises(ValueError, match="--trainer.max-nonfinite-steps must be >= 1, got 0"):
         TrainerConfig(max_nonfinite_steps=0)
+
+
+def test_non_finite_logits_do_not_crash_the_sampler_and_name_the_weights_version():
+    """Non-finite logits reached the sampler unchecked and died there with `index 192 is out of
+    bounds` (a NaN total searches past the last block); now the token stays in range with a NaN
+    log-prob, and the generator's check stops with one line naming the weights version."""
+    import torch
+
+    from llamarl.engines.base import Completion, NonFiniteLogits, SamplingParams, check_finite_logprobs
+    from llamarl.engines.sampling import sample_tokens
+
+    logits = torch.randn(3, 49152)
+    logits[1, 7] = float("nan")
+    logits[2, :] = float("nan")
+    for sampling in (SamplingParams(temperature=1.0), SamplingParams(temperature=0.7),
+                     SamplingParams(temperature=0.0)):
+        tokens, logprobs = sample_tokens(logits, sampling=sampling, uniforms=torch.rand(3, dtype=torch.float64))
+        assert ((tokens >= 0) & (tokens < 49152)).all()
+        assert torch.isfinite(logprobs[0]) and not torch.isfinite(logprobs[1:]).any()
+    outputs = [Completion(sample_id=i, prompt_ids=[1], completion_ids=[int(t)], logprobs=[float(lp)], versions=[5],
+                          finish_reason="length") for i, (t, lp) in enumerate(zip(tokens, logprobs))]
+    with pytest.raises(NonFiniteLogits, match=r"weights version 5 gave non-finite logits .* for 2 of 3 samples"):
+        check_finite_logprobs(outputs, version=5)
+    check_finite_logprobs(outputs[:1], version=5)

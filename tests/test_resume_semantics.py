@@ -16,6 +16,9 @@ import pytest
 sys.path.insert(0, str(Path(__file__).parent))
 from launch import check, run_torchrun
 
+from llamarl.checkpoint import COMPLETE_MARKER
+from llamarl.checkpoint_files import replace_committed_file
+
 STEPS = 3
 
 
@@ -109,7 +112,8 @@ def test_an_evaluation_the_interrupted_run_did_not_record_is_made_on_resume(tmp_
     state_path = out / "checkpoints" / "step_2" / "runner_state.json"
     state = json.loads(state_path.read_text())
     state["evals"] = [e for e in state["evals"] if e["step"] < 2]
-    state_path.write_text(json.dumps(state))
+    # As the commit wrote it, before the step's evaluation: the marker lists its digest.
+    replace_committed_file(state_path.parent, state_path.name, state, marker_name=COMPLETE_MARKER)
     run(model_dir, out, "--checkpoint.resume", str(out / "checkpoints" / "step_2"))
     got, before = summary(out), summary(resumed_at_one[0])
     assert got["resumed_from_step"] == [1, 2]

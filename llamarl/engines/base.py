@@ -121,6 +121,24 @@ class Completion:
                        versions=list(self.versions), loss_mask=sampled_mask(self), episode=dict(self.episode))
 
 
+class NonFiniteLogits(ValueError):
+    """Logits with a NaN or +inf (or only -inf) in a row: nothing to draw from. The policy's weights
+    or activations are not finite; the generator reports it with its weights version."""
+
+
+def check_finite_logprobs(outputs: list[Completion], *, version: int) -> None:
+    """Raise ``NonFiniteLogits`` (one line: the weights version, how many samples) when a sampled
+    token's behaviour log-prob is not finite: it was drawn from non-finite logits (the samplers keep
+    such a row's token in range and its log-prob NaN, so this check, on the host values every engine
+    returns, catches them all)."""
+    bad = [o.sample_id for o in outputs
+           if any(not math.isfinite(lp) for lp, m in zip(o.logprobs, sampled_mask(o)) if m)]
+    if bad:
+        raise NonFiniteLogits(f"weights version {version} gave non-finite logits (NaN / Inf) for {len(bad)} of "
+                              f"{len(outputs)} samples (ids {bad[:4]}): the policy's weights or activations are not "
+                              "finite; resume from an earlier checkpoint, or lower --trainer.lr")
+
+
 def sampled_mask(sample: Request | Completion) -> list[int]:
     """``sample.loss_mask``, or all ones when it is empty (a sample without observations)."""
     return list(sample.loss_mask) if sample.loss_mask else [1] * len(sample.completion_ids)

@@ -118,13 +118,17 @@ def _draw(probs: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
     u = uniforms.to(torch.float64).view(rows, 1)
     zero = torch.zeros_like(total)
     target = torch.minimum(u * total, torch.nextafter(total, zero))
-    block = torch.searchsorted(block_cdf, target, right=True)
+    # A NaN total (non-finite logits) searches past the end: kept in range, so the step does not
+    # fail with an index error; the row's log-prob is NaN, which the generator reports with its
+    # weights version (base.check_finite_logprobs).
+    block = torch.searchsorted(block_cdf, target, right=True).clamp_(max=block_cdf.shape[1] - 1)
     before = torch.where(block > 0, block_cdf.gather(1, (block - 1).clamp(min=0)), zero)
     inner = blocks.gather(1, block.unsqueeze(-1).expand(rows, 1, _DRAW_BLOCK)).squeeze(1).cumsum(dim=-1,
                                                                                                dtype=torch.float64)
     # The block's own sum and its cumulative sum round differently: stay strictly inside the latter.
     offset = torch.minimum(target - before, torch.nextafter(inner[:, -1:], zero))
-    return (block * _DRAW_BLOCK + torch.searchsorted(inner, offset, right=True)).squeeze(-1)
+    # The clamp is a no-op for a finite row (its offset stays strictly inside); a NaN row is kept in range.
+    return (block * _DRAW_BLOCK + torch.searchsorted(inner, offset, right=True)).squeeze(-1).clamp_(max=vocab - 1)
 
 
 def unfiltered(sampling: SamplingParams, *, vocab: int) -> bool:

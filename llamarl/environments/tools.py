@@ -52,7 +52,7 @@ def _worker_main(conn: Connection, name: str) -> None:
     while True:
         try:
             message = json.loads(conn.recv_bytes())
-        except EOFError:
+        except (EOFError, OSError):  # the parent went away (ended, or failed): end quietly
             return
         try:
             turn = environment.step(message["state"], message["turn"])
@@ -63,7 +63,10 @@ def _worker_main(conn: Connection, name: str) -> None:
                 reply = {"ok": check_turn(name, turn)}
             except EnvironmentContractError as exc:  # a programming error: the runner stops the run
                 reply = {"fatal": str(exc)}
-        conn.send_bytes(json.dumps(reply).encode())
+        try:
+            conn.send_bytes(json.dumps(reply).encode())
+        except OSError:  # the parent went away mid-turn: its own failure line says why
+            return
 
 
 @dataclass

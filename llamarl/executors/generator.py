@@ -53,12 +53,14 @@ from llamarl.data.prompts import Problem
 from llamarl.engines.base import (
     Completion,
     EngineSetup,
+    NonFiniteLogits,
     ReportsCounters,
     Request,
     SamplingParams,
     Sleeps,
     StreamsWeights,
     build_engine,
+    check_finite_logprobs,
     sampled_mask,
 )
 from llamarl.environments.base import build_environment
@@ -409,8 +411,12 @@ class GeneratorExecutor(Executor):
         tools_before = self._tool_counts()  # the env_tool_* metrics are this tick's calls
         self._restart_stale_groups()
         requests = self.carried + self._new_requests()
-        outputs = self.engine.generate(requests, sampling=self.sampling(), version=self.version,
-                                       generator=self.rng, token_budget=self.config.token_budget)
+        try:
+            outputs = self.engine.generate(requests, sampling=self.sampling(), version=self.version,
+                                           generator=self.rng, token_budget=self.config.token_budget)
+        except NonFiniteLogits as exc:  # an engine that checks while drawing: name the weights version
+            raise NonFiniteLogits(f"weights version {self.version}: {exc}") from None
+        check_finite_logprobs(outputs, version=self.version)
         seconds = time.perf_counter() - start
         previous = {r.sample_id: sum(sampled_mask(r)) for r in requests}
         num_new_tokens = sum(sum(sampled_mask(o)) - previous[o.sample_id] for o in outputs)  # observations excluded

@@ -91,7 +91,7 @@ def _worker_main(conn: Connection, scorer_name: str, kind: str = "text") -> None
     while True:
         try:
             task = json.loads(conn.recv_bytes())
-        except EOFError:  # the parent went away
+        except (EOFError, OSError):  # the parent went away (ended, or failed): end quietly
             return
         if task is None:
             return
@@ -100,7 +100,10 @@ def _worker_main(conn: Connection, scorer_name: str, kind: str = "text") -> None
             reply["reward"] = _call_scorer(scorer, kind, task)
         except Exception as exc:  # noqa: BLE001 - any scorer failure is a 0.0 reward, counted by the parent
             reply["error"] = f"{type(exc).__name__}: {exc}"
-        conn.send_bytes(json.dumps(reply).encode())
+        try:
+            conn.send_bytes(json.dumps(reply).encode())
+        except OSError:  # the parent went away mid-sample: its own failure line says why
+            return
 
 
 @dataclasses.dataclass

@@ -3,7 +3,8 @@
 usage: colocated_runs.py --plan RUNS.json
 
 RUNS.json: a list of argument lists for ``recipes.arithmetic`` (each a whole run; ``STRAIGHT`` style
-placeholders must already be resolved). Each run gets a world of its own: RANK 0 of WORLD_SIZE 1 on
+placeholders must already be resolved), or of ``{"args": [...], "env": {...}}`` (environment
+variables set for that run alone, e.g. ``LLAMARL_FAULT``). Each run gets a world of its own: RANK 0 of WORLD_SIZE 1 on
 a fresh ``MASTER_PORT``, made and destroyed by the run itself, as under ``torchrun
 --nproc-per-node 1``. ``LLAMARL_TEST_SCORER`` swaps the scorer as in ``e2e_arithmetic.py``.
 """
@@ -46,4 +47,11 @@ if __name__ == "__main__":
     parser.add_argument("--plan", required=True, help="RUNS.json: a JSON list of argument lists, one per run")
     with open(parser.parse_args().plan) as f:
         for arguments in json.load(f):
-            run(arguments)
+            if isinstance(arguments, dict):  # {"args": [...], "env": {...}}: this run's own environment
+                saved = {k: os.environ.get(k) for k in arguments.get("env", {})}
+                os.environ.update(arguments.get("env", {}))
+                run(arguments["args"])
+                for key, value in saved.items():
+                    os.environ.pop(key, None) if value is None else os.environ.__setitem__(key, value)
+            else:
+                run(arguments)

@@ -60,6 +60,8 @@ from pathlib import Path
 
 import torch
 
+from llamarl.engines.base import NonFiniteLogits
+
 log = logging.getLogger("llamarl.engines.cpu.cpu_kernels")
 
 GEMM_THREADED_ROWS = 2
@@ -500,6 +502,6 @@ def sample(logits: torch.Tensor, uniforms: torch.Tensor) -> tuple[torch.Tensor, 
         return None
     if bool((tokens < 0).any()):  # the kernel's mark for a row without a distribution
         bad = (tokens < 0).nonzero().flatten().tolist()
-        raise ValueError(f"cpu_kernels.sample: logits rows {bad[:8]} hold a NaN or +inf (or only -inf): "
+        raise NonFiniteLogits(f"cpu_kernels.sample: logits rows {bad[:8]} hold a NaN or +inf (or only -inf): "
                          f"nothing to draw from (non-finite weights or activations?)")
     return tokens, logprobs

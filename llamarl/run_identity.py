@@ -1,0 +1,142 @@
+"""A run's identity: what a checkpoint must share with the run that resumes it.
+
+Every checkpoint's ``COMPLETE.json`` holds ``identity``, a flat ``{field: value}`` map:
+
+- ``recipe``: the recipe's name (``arithmetic``, ``gsm8k``, ...);
+- ``model.weights``: a fingerprint of the model's weights (xxh3-128 over every tensor's name, dtype
+  and shape in its safetensors headers, and its ``config.json``), so another architecture, size or
+  vocabulary is caught even under the same path; a Hub id not on disk is recorded as the id;
+- ``dataset``: a fingerprint of the training problems the task serves (the first
+  ``DATASET_SAMPLES`` of its stream, questions and answers: another file, split, seed or task);
+- every configuration flag that changes what is computed, by its dotted name (``trainer.lr``,
+  ``algo.loss``, ``model.name``, ``generator.temperature``, ``trainer.lora.rank``, ...).
+
+Not recorded, so free to change on resume (``SAFE``): how long the run is and where it writes
+(``run.max_steps``, ``run.output_dir``, ``checkpoint.*``, ``export.*``), what it logs and evaluates
+(``run.eval_every``, ``run.log_samples``, ``run.wandb_*``, ``eval.*``), timeouts, and where and how
+the same computation runs: rank counts and tensor parallelism (a trainer checkpoint reshards),
+threads, the generation engine and its settings, micro-batching, activation checkpointing, log-prob
+chunking, shared-prompt packing, the weight channel. A recipe's own fields are recorded unless
+listed here.
+
+``check_identity`` compares a checkpoint's identity with this run's and refuses a difference with
+one line listing the differing fields, unless ``--checkpoint.allow-changes`` names each (a field,
+or a section such as ``trainer`` for all its fields). A checkpoint written before identities
+existed is accepted with a warning.
+"""
+
+from __future__ import annotations
+
+import json
+import struct
+from dataclasses import asdict
+from pathlib import Path
+
+DATASET_SAMPLES = 256
+
+SAFE = (
+    "checkpoint.", "export.", "eval.", "run.max_steps", "run.output_dir", "run.collective_timeout_s",
+    "run.liveness_timeout_s", "run.eval_every", "run.num_eval_problems", "run.device_guard", "run.log_samples",
+    "run.wandb_", "generator.num_ranks", "generator.tp", "generator.num_threads", "generator.engine",
+    "generator.torch.", "generator.vllm.", "generator.max_num_seqs", "reward.num_ranks", "reward.num_workers",
+    "reward.device", "reward.timeout_s", "trainer.num_threads", "trainer.activation_checkpointing",
+    "trainer.logprob_chunk_tokens", "trainer.max_tokens_per_microbatch", "trainer.microbatch_rows",
+    "trainer.share_prompts", "trainer.max_nonfinite_steps", "trainer.lora.export_merged", "weights.",
+    "env.num_tool_workers", "env.tool_timeout_s", "data.test_path", "task.eval_dataset",
+)
+
+
+def _flatten(value: dict, prefix: str = "") -> dict:
+    out = {}
+    for key, item in value.items():
+        if isinstance(item, dict):
+            out.update(_flatten(item, f"{prefix}{key}."))
+        else:
+            out[f"{prefix}{key}"] = item
+    return out
+
+
+def _safe(key: str) -> bool:
+    return any(key == s or (s.endswith((".", "_")) and key.startswith(s)) for s in SAFE)
+
+
+def _safetensors_header(path: Path) -> dict:
+    with open(path, "rb") as f:
+        (length,) = struct.unpack("<Q", f.read(8))
+        return json.loads(f.read(length))
+
+
+def model_fingerprint(name: str) -> str:
+    """The fingerprint of model ``name`` (a directory, the built-in alias, or a Hub id) as the module
+    docstring says; ``hub:<id>`` for a Hub id with no local directory."""
+    import xxhash
+
+    from llamarl.models.loading import resolve_source
+
+    source = Path(resolve_source(name))
+    if not source.is_dir():
+        return f"hub:{name}"
+    digest = xxhash.xxh3_128()
+    for path in sorted(source.glob("*.safetensors")):
+        header = _safetensors_header(path)
+        for key in sorted(k for k in header if k != "__metadata__"):
+            digest.update(f"{key}:{header[key]['dtype']}:{header[key]['shape']};".encode())
+    config = source / "config.json"
+    if config.is_file():
+        digest.update(json.dumps(json.loads(config.read_text()), sort_keys=True).encode())
+    return digest.hexdigest()
+
+
+def dataset_fingerprint(task) -> str:
+    """The fingerprint of the problems ``task`` (``sample(index) -> Problem``) serves first."""
+    import xxhash
+
+    digest = xxhash.xxh3_128()
+    for index in range(DATASET_SAMPLES):
+        problem = task.sample(index)
+        digest.update(json.dumps([problem.question, problem.answer]).encode())
+    return digest.hexdigest()
+
+
+def run_identity(config, *, recipe: str, dataset: str | None) -> dict:
+    """This run's identity (module docstring) from ``config`` (a dataclass with a ``model``
+    section), the recipe's name and the dataset fingerprint (None: the pipeline has no task)."""
+    flat = _flatten(asdict(config))
+    identity: dict = {"recipe": recipe, "model.weights": model_fingerprint(config.model.name)}
+    if dataset is not None:
+        identity["dataset"] = dataset
+    identity.update({key: value for key, value in sorted(flat.items()) if not _safe(key)})
+    return json.loads(json.dumps(identity))  # the JSON form, as a marker holds it (tuples as lists)
+
+
+def allowed(key: str, allow: tuple[str, ...]) -> bool:
+    """Whether ``--checkpoint.allow-changes`` ``allow`` names ``key`` (or a section above it)."""
+    return any(key == a or key.startswith(a.rstrip(".") + ".") for a in allow)
+
+
+def differences(saved: dict, current: dict) -> list[str]:
+    """The fields whose value differs (or that one side lacks), sorted."""
+    missing = object()
+    return sorted(k for k in set(saved) | set(current) if saved.get(k, missing) != current.get(k, missing))
+
+
+def check_identity(saved: dict | None, current: dict, *, allow: tuple[str, ...], where: Path) -> list[str]:
+    """Refuse (ValueError, one line) a checkpoint ``where`` whose identity ``saved`` differs from
+    ``current`` in a field ``allow`` does not name; return the allowed differences (for a log line).
+    ``saved`` None (an older checkpoint) is accepted: returns ``["<no identity>"]``."""
+    if saved is None:
+        return ["<no identity>"]
+    diff = differences(saved, current)
+    refused = [k for k in diff if not allowed(k, allow)]
+    if refused:
+        shown = ", ".join(f"{k}: {_short(saved.get(k))} -> {_short(current.get(k))}" for k in refused[:8])
+        more = f" (and {len(refused) - 8} more)" if len(refused) > 8 else ""
+        raise ValueError(f"checkpoint {where} belongs to another run: {shown}{more}; resume with the run's own "
+                         f"settings, or name the fields in --checkpoint.allow-changes {','.join(refused)} "
+                         "(docs/troubleshooting.md: which changes are safe)")
+    return diff
+
+
+def _short(value) -> str:
+    text = "<absent>" if value is None else json.dumps(value)
+    return text if len(text) <= 60 else text[:57] + "..."
