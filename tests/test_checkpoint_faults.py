@@ -231,7 +231,7 @@ def test_a_marked_checkpoint_whose_files_a_deletion_removed_is_not_resumed(fault
     run = tmp_path / "run"
     shutil.copytree(out["straight_full"] / "checkpoints", run / "checkpoints")
     shutil.rmtree(run / "checkpoints" / "step_3" / "trainer" / "state")
-    directory, step, notes = choose_checkpoint("latest", run / "checkpoints")
+    _, step, notes = choose_checkpoint("latest", run / "checkpoints")
     assert step == 2 and "missing" in notes[0]
     (run / "checkpoints" / "step_1.deleting").mkdir()  # an interrupted deletion
     assert complete_steps(run / "checkpoints") == [1, 2, 3]
