@@ -58,15 +58,17 @@ test-vllm: .venv/.vllm-installed
 test-gpu: .venv/.installed
 	OMP_NUM_THREADS=1 $(PY) -m pytest -q -s tests/gpu
 
-# One GPU, one command, <= 8 minutes: tests/gpu, decode step times (CUDA graphs vs HF's modules vs HF
-# generate, and the weights-read bound), graph capture times, the default recipe colocated (time to
-# 0.70 held-out accuracy) and a GPU-shaped tick (tokens/s, MFU, peak memory), each against its target,
-# into runs/gpu-check-<time>/report.txt and report.json. It uses the machine's own Python and torch
-# (GPU_PY), never .venv, and installs nothing: offline dependencies from wheels, docs/gpu.md.
+# One GPU, two prepared parts of <= 300 s each (docs/gpu.md, "Checking a GPU"): PART=engine (decode at the
+# SmolLM2-135M, Qwen2.5-1.5B and -7B shapes against the bound with the live KV read, kernels a step,
+# prefill, captures) and PART=run (colocated 256 x 256 ticks at 135M and 1.5B); PART=tests (tests/gpu
+# and the default recipe) is optional. Each writes runs/gpu-check-<part>-<time>/report.txt and .json,
+# every target met / MISSED. The machine's own Python and torch (GPU_PY), nothing installed; where it
+# has no torch or no CUDA (then .venv/bin/python is tried) one line says so and it exits 0.
 GPU_PY ?= python3
+PART ?= engine
 GPU_CHECK_ARGS ?=
 gpu-check:
-	$(GPU_PY) benchmarks/gpu_check $(GPU_CHECK_ARGS)
+	$(GPU_PY) benchmarks/gpu_check --part $(PART) $(GPU_CHECK_ARGS)
 
 # GSM8K on SmolLM2-135M-Instruct, 3 CPU ranks, a few ticks (data: ../shared/data/gsm8k); writes
 # runs/gsm8k-*/summary.json with the base and final test accuracy (and pass@1 / pass@4 on 8 problems).

@@ -14,6 +14,17 @@ outputs. What a real capture refuses, the fake refuses too, with the allocator's
 * a host read of a device value during a capture (``.item()``, ``bool()``, ``.tolist()``, and the
   ops whose output size depends on values: ``nonzero``, boolean-mask indexing, ``unique``).
 
+A fake pool also knows which memory it owns: every tensor an op allocates during a capture into it
+(an output whose storage is none of the op's inputs', so not a view, an in-place result or an
+``out=`` write) lives in the pool on a GPU, where a later capture into the same pool may reuse it
+(``FakeCudaGraphs.owned_by_pool``).
+
+A fake graph also lists the kernels a real one would replay (``FakeGraph.kernels``): every aten op
+of its tape but views and bare allocations (no kernel on a GPU), where the ops of one
+``torch.nn.functional.rms_norm`` call count once (on CUDA it is one fused kernel,
+``aten._fused_rms_norm``, which decomposes into six ops on the CPU) plus one copy when its input is
+not contiguous (the CUDA kernel makes it so first).
+
 ``OpCounter`` counts the aten ops dispatched and the host reads (``aten._local_scalar_dense``,
 behind ``.item()`` / ``bool()`` / ``int()``, and ``Tensor.tolist``) by phase (``phase(name)``).
 On a GPU each host read is a device synchronisation; on this CPU they are free, which is why the
@@ -26,6 +37,7 @@ import contextlib
 import weakref
 
 import torch
+from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
@@ -36,6 +48,9 @@ _DATA_DEPENDENT = {torch.ops.aten.nonzero.default, torch.ops.aten.masked_select.
                    torch.ops.aten.unique_consecutive.default}
 
 
+# Ops that launch no kernel on a GPU besides views: allocations without a fill.
+_NO_KERNEL = {torch.ops.aten.empty.memory_format, torch.ops.aten.empty_strided.default,
+              torch.ops.aten.lift_fresh.default}
 _INDEXING = {torch.ops.aten.index.Tensor, torch.ops.aten.index_put_.default, torch.ops.aten.index_put.default}
 
 
@@ -54,11 +69,16 @@ def _storages(tensors) -> set[int]:
 
 
 class _Tape(TorchDispatchMode):
-    """Records (op, args, kwargs, outputs) during a capture; refuses host reads."""
+    """Records (op, args, kwargs, outputs) during a capture and the storages its ops allocate
+    (``allocated``); refuses host reads."""
 
     def __init__(self) -> None:
         super().__init__()
         self.entries: list = []
+        self.allocated: set[int] = set()
+        self.kernels: list[str] = []
+        self.fused: str | None = None  # the CUDA-fused call being recorded (_CudaFusions)
+        self.fused_counted = False
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -67,7 +87,34 @@ class _Tape(TorchDispatchMode):
                                f"(fake: {func} reads a device value on the host during a CUDA graph capture)")
         out = func(*args, **kwargs)
         self.entries.append((func, args, kwargs, out))
+        self.allocated |= _storages(tree_flatten(out)[0]) - _storages(tree_flatten((args, kwargs))[0])
+        if self.fused is not None:
+            if not self.fused_counted:
+                self.kernels.append(self.fused)
+                self.fused_counted = True
+        elif not func.is_view and func not in _NO_KERNEL:
+            self.kernels.append(func.__name__)
         return out
+
+
+class _CudaFusions(TorchFunctionMode):
+    """Marks on ``tape`` the calls CUDA runs as one kernel (module docstring)."""
+
+    def __init__(self, tape: _Tape) -> None:
+        super().__init__()
+        self.tape = tape
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is not torch.nn.functional.rms_norm or self.tape.fused is not None:
+            return func(*args, **kwargs)
+        if not args[0].is_contiguous():
+            self.tape.kernels.append("contiguous (rms_norm's input)")
+        self.tape.fused, self.tape.fused_counted = "rms_norm (fused)", False
+        try:
+            return func(*args, **kwargs)
+        finally:
+            self.tape.fused = None
 
 
 class FakePool:
@@ -76,6 +123,8 @@ class FakePool:
     def __init__(self) -> None:
         self.live_graphs = 0
         self.captured = 0
+        self.storages: set[int] = set()
+        """Storages allocated by the captures into this pool (the tapes keep them alive)."""
 
 
 class FakeGraph:
@@ -85,6 +134,8 @@ class FakeGraph:
         self.harness = harness
         self.tape: list | None = None
         self.replays = 0
+        self.kernels: list[str] = []
+        """The kernels a real graph of this capture replays, in order (module docstring)."""
 
     def replay(self) -> None:
         if self.tape is None:
@@ -123,6 +174,7 @@ class FakeCudaGraphs:
         self.captures = 0
         self.replays = 0
         self.capturing = False
+        self._private: list[FakePool] = []  # the private pools of captures given pool=None
         monkeypatch.setattr(torch.cuda, "CUDAGraph", lambda *a, **k: FakeGraph(self))
         monkeypatch.setattr(torch.cuda, "graph", self._graph)
         monkeypatch.setattr(torch.cuda, "graph_pool_handle", self._pool_handle)
@@ -136,6 +188,11 @@ class FakeCudaGraphs:
     @property
     def live_graphs(self) -> int:
         return len(self.graphs)
+
+    def owned_by_pool(self, tensor: torch.Tensor) -> bool:
+        """Whether ``tensor``'s memory was allocated inside a capture (module docstring): on a GPU,
+        memory of a graph pool that another capture into that pool may hand out again."""
+        return any(tensor.untyped_storage().data_ptr() in pool.storages for pool in (*self.pools, *self._private))
 
     def _pool_handle(self) -> FakePool:
         pool = FakePool()
@@ -160,12 +217,15 @@ class FakeCudaGraphs:
 
         torch.Tensor.tolist = refused
         try:
-            with tape:
+            with _CudaFusions(tape), tape:
                 yield
         finally:
             self.capturing = False
             torch.Tensor.tolist = tolist
-        cuda_graph.tape = tape.entries
+        cuda_graph.tape, cuda_graph.kernels = tape.entries, tape.kernels
+        pool.storages |= tape.allocated
+        if pool not in self.pools:
+            self._private.append(pool)
         pool.captured += 1
         pool.live_graphs += 1
         weakref.finalize(cuda_graph, _graph_died, pool)

@@ -51,15 +51,16 @@ def chat_tokenizer():
     return AutoTokenizer.from_pretrained(str(resolve_model_path(SMOLLM2_ALIAS)))
 
 
-def build_family(family: str, *, seed: int = 0) -> torch.nn.Module:
-    """A random fp32 model of ``family`` (see ``FAMILIES``) sized for the chat tokenizer, eval mode.
+def build_family(family: str, *, seed: int = 0, num_layers: int | None = None) -> torch.nn.Module:
+    """A random fp32 model of ``family`` (see ``FAMILIES``) sized for the chat tokenizer, eval mode;
+    ``num_layers`` decoder layers (None: 2).
 
     Same ``family`` and ``seed``: bitwise the same weights; the caller's RNG is left untouched."""
     config_cls, model_cls, extra = FAMILIES[family]
     tokenizer = chat_tokenizer()
     config = config_cls(vocab_size=len(tokenizer), bos_token_id=tokenizer.bos_token_id,
                         eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
-                        **_SHAPE, **extra)
+                        **{**_SHAPE, "num_hidden_layers": num_layers or _SHAPE["num_hidden_layers"]}, **extra)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         model = model_cls(config)

@@ -15,7 +15,7 @@ from model_families import build_family, chat_tokenizer
 from test_fused_decode import _greedy_with_stale_prefix, requests, staggered
 
 from llamarl.engines.base import SamplingParams
-from llamarl.engines.static_decode import StaticDecoder, bucket
+from llamarl.engines.static_decode import StaticDecoder, bucket, ladder
 from llamarl.engines.torch_engine import TorchEngine
 
 GREEDY = SamplingParams(temperature=0.0, max_new_tokens=12)
@@ -162,8 +162,19 @@ def test_auto_takes_the_static_loop_on_cuda_only_and_other_layouts_fall_back():
         TorchEngine(model, eos_token_ids=[], pad_token_id=0, eos_check_every=0)
 
 
+def test_the_bucket_ladder_pads_at_most_an_eighth_above_64_rows():
+    """Issue 45: a step's cost grows with its bucket; powers of two ran 65 rows as 128 (49 % padding)
+    and 257 as 512. From 65 to 512 live rows the padded rows are at most 12.5 % of the live ones."""
+    waste = {rows: (bucket(rows) - rows) / rows for rows in range(65, 513)}
+    worst = max(waste, key=waste.get)
+    assert waste[worst] <= 0.125, (worst, bucket(worst), waste[worst])
+    assert all(bucket(rows) >= rows and bucket(bucket(rows)) == bucket(rows) for rows in range(1, 1025))
+    assert ladder(512)[:8] == [1, 2, 4, 8, 16, 32, 48, 64] and ladder(512)[-2:] == [496, 512]
+    assert ladder(300)[-1] == bucket(300) == 304 and ladder(3) == [1, 2, 4] and len(ladder(512)) == 40
+
+
 def test_buckets_and_refused_shapes():
-    assert [bucket(n) for n in (1, 2, 3, 4, 5, 16, 17, 512)] == [1, 2, 4, 4, 8, 16, 32, 512]
+    assert [bucket(n) for n in (1, 2, 3, 4, 5, 16, 17, 65, 129, 512)] == [1, 2, 4, 4, 8, 16, 32, 72, 144, 512]
     with pytest.raises(ValueError, match="at least one row"):
         bucket(0)
     decoder = StaticDecoder(build_family("llama-tied"), compiled=False)

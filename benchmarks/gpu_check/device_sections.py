@@ -1,284 +1,233 @@
-"""Sections b (``decode``) and c (``capture``): the native engine on the device, in this process.
+"""The engine part's section, one per shape (``shape:<name>``), in a process of its own on a GPU.
 
-Both build a random-init model of SmolLM2-135M's shape (``--smoke``: a tiny one on the CPU). The
-graph path is ``static_decode="auto"`` on CUDA (the static step captured as CUDA graphs); on the CPU
-(``--smoke``) ``"eager"``, the same static loop without graphs, so its counters are read too.
+Per shape (a random-init model built on the device, ``common.build_model``): the probes
+(probes.py); then, for each state width (512, 1024: the engine's state grown to it by a call of one
+row whose prompt fills it, every bucket captured again), the decode step at 64 and 256 rows, greedy
+and sampled, through ``TorchEngine.generate`` (the engine's contract, whatever its decoder is):
+``(wall(n) - wall(1)) / (n - 1)`` over prompts of ``prompt_tokens`` random ids, so the live lengths
+are the same at both widths; each step over its bound with the live KV read (bounds.py) and over
+its kernel floor; prefill tokens/s (the one-token calls) over the GEMM probe's rate; the seconds the
+ladder's captures took per width; one profiled step (kernels, graph launches, a kernel-time
+histogram: two profiled calls one step apart). On the CPU (``--smoke``) the same code runs on the
+tiny shape with ``static_decode="eager"`` (no graphs) and top-level aten ops in place of kernels.
 """
 
 from __future__ import annotations
 
-import contextlib
-import logging
+import random
 import time
+from collections import Counter
 
-from gpu_check.common import (
-    IdsTokenizer,
-    Sizes,
-    build_model,
-    decoder_counters,
-    device_peaks,
-    num_params,
-    synchronize,
-)
+from gpu_check import bounds
+from gpu_check.common import SHAPES, Sizes, build_model, decoder_counters, head_dim, num_params, synchronize
+from gpu_check.probes import probes
+
+MODES = {"greedy": 0.0, "sampled": 1.0}  # temperature; sampled: the whole softmax, no top-k / top-p
 
 
 def graph_mode(sizes: Sizes) -> str:
     return "auto" if sizes.device.startswith("cuda") else "eager"
 
 
-def copy_bandwidth_gbps(device: str, nbytes: int, repeats: int = 10) -> float:
-    """HBM bandwidth of a ``nbytes`` device-to-device copy, read + write bytes over its median time
-    (CUDA events on a GPU)."""
-    import torch
+class Caller:
+    """``engine.generate`` over prompts, timed, checking every row produced what was asked;
+    ``last_steps``: the decode steps the last call ran (the static decoder's ``num_steps``; None
+    without one). The loop looks for finished rows every few steps, so a call may run more steps
+    than its tokens need: a step's time is divided by the steps run."""
 
-    src = torch.ones(nbytes, dtype=torch.uint8, device=device)
-    dst = torch.empty_like(src)
-    dst.copy_(src)
-    times = []
-    for _ in range(repeats):
-        if device.startswith("cuda"):
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            dst.copy_(src)
-            end.record()
-            end.synchronize()
-            times.append(start.elapsed_time(end) / 1000)
-        else:
-            start_s = time.perf_counter()
-            dst.copy_(src)
-            times.append(time.perf_counter() - start_s)
-    del src, dst
-    seconds = sorted(times)[len(times) // 2]
-    return 2 * nbytes / max(seconds, 1e-9) / 1e9
+    def __init__(self, engine, device: str) -> None:
+        self.engine, self.device = engine, device
+        self.last_steps: int | None = None
 
+    def __call__(self, prompts: list[list[int]], *, new_tokens: int, mode: str, seed: int = 0) -> float:
+        import torch
 
-def hf_generate_step_ms(model, tok, prompts: list[list[int]], *, new_tokens: int, repeats: int, device: str) -> float:
-    """ms per decode step of HF ``model.generate`` over ``prompts`` (left-padded, sampled at T = 1,
-    no early stop), as generation.py times the engine: ``(wall(n) - wall(1)) / (n - 1)``, best of
-    ``repeats`` each."""
-    import generation
-    import torch
+        from llamarl.engines.base import Request, SamplingParams
 
-    ids, mask = generation.left_padded(tok, prompts)
-    ids, mask = ids.to(device), mask.to(device)
-
-    def once(n: int, seed: int) -> float:
-        torch.manual_seed(seed)
-        synchronize(device)
+        reqs = [Request(sample_id=i, prompt_ids=p) for i, p in enumerate(prompts)]
+        sampling = SamplingParams(temperature=MODES[mode], max_new_tokens=new_tokens)
+        before = decoder_counters(self.engine)["num_steps"]
+        synchronize(self.device)
         start = time.perf_counter()
-        with torch.no_grad():
-            out = model.generate(ids, attention_mask=mask, do_sample=True, temperature=1.0, top_k=0, top_p=1.0,
-                                 max_new_tokens=n, min_new_tokens=n, pad_token_id=tok.pad_token_id)
-        synchronize(device)
+        done = self.engine.generate(reqs, sampling=sampling, version=0,
+                                    generator=torch.Generator(device=self.device).manual_seed(seed))
+        synchronize(self.device)
         seconds = time.perf_counter() - start
-        generation._expect_tokens(out[:, ids.shape[1]:].numel(), rows=len(prompts), new_tokens=n, label="HF generate")
+        after = decoder_counters(self.engine)["num_steps"]
+        self.last_steps = None if after is None else after - (before or 0)
+        produced = sum(len(c.completion_ids) for c in done)
+        if produced != len(prompts) * new_tokens:
+            raise RuntimeError(f"{len(prompts)} rows x {new_tokens} new tokens asked, {produced} produced")
         return seconds
 
-    once(2, 0)  # warm-up
-    full = min(once(new_tokens, s) for s in range(repeats))
-    first = min(once(1, s) for s in range(repeats))
-    return 1000 * max(full - first, 0.0) / (new_tokens - 1)
 
-
-def kernels_per_step(model, *, rows: int, device: str, steps: int = 4) -> dict | None:
-    """Device kernels one uncaptured static decode step of ``rows`` rows launches (torch.profiler's
-    CUDA events over ``steps`` steps, divided): what a captured graph replays, and on a small
-    model what a step's time is bound by; ``{"per_step": n, "names": {kernel: per step}}`` (the
-    20 most frequent names). None off CUDA."""
+def profile_step(call: Caller, prompts: list[list[int]], *, mode: str, device: str, new_tokens: int = 9) -> dict:
+    """Kernels of a decode step: two profiled calls, of ``new_tokens`` and of 1 new tokens (the
+    same prefill, ``new_tokens - 1`` steps apart: the loop's steps between two looks, 8), differenced
+    and divided by the steps run: kernels and CUDA-graph launches a step, the kernel-time histogram,
+    the kernels that took most of the step's time. On the CPU: top-level aten ops."""
     import torch
+    from torch.profiler import ProfilerActivity, profile
 
-    from llamarl.engines.static_decode import StaticDecoder
+    cuda = device.startswith("cuda")
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+
+    def run(new_tokens: int):
+        call(prompts, new_tokens=new_tokens, mode=mode)  # warm, outside the profile
+        with profile(activities=activities) as prof:
+            call(prompts, new_tokens=new_tokens, mode=mode)
+        events = prof.events()
+        if cuda:
+            kernels = [e for e in events if e.device_type == torch.autograd.DeviceType.CUDA]
+        else:
+            kernels = [e for e in events if e.cpu_parent is None and e.name.startswith("aten::")]
+        launches = sum(1 for e in events if e.name == "cudaGraphLaunch")
+        return [(e.name, e.time_range.elapsed_us()) for e in kernels], launches, call.last_steps
+
+    with_step, launches_with, steps_with = run(new_tokens)
+    without, launches_without, steps_without = run(1)
+    steps = new_tokens - 1 if steps_with is None or steps_without is None else steps_with - steps_without
+    steps = max(steps, 1)
+    time_by_name, count_by_name = Counter(), Counter()
+    for items, sign in ((with_step, 1), (without, -1)):
+        for name, us in items:
+            time_by_name[name[:100]] += sign * us / steps
+            count_by_name[name[:100]] += sign / steps
+    top = sorted(time_by_name.items(), key=lambda item: -item[1])[:12]
+    return {"rows": len(prompts), "mode": mode, "unit": "CUDA kernels" if cuda else "top-level aten ops (CPU)",
+            "steps": steps, "kernels_per_step": (len(with_step) - len(without)) / steps,
+            "graph_launches_per_step": (launches_with - launches_without) / steps,
+            "kernel_us_per_step": (sum(us for _, us in with_step) - sum(us for _, us in without)) / steps,
+            "histogram": bounds.histogram([us for _, us in with_step], [us for _, us in without], steps=steps),
+            "top": [{"name": name, "us": us, "count": count_by_name[name]} for name, us in top]}
+
+
+def uncaptured_kernels(model, *, rows: int, device: str) -> int | None:
+    """Kernels one uncaptured static step launches (what its graph replays), where the profiler
+    does not see a graph's kernels; None off CUDA or where the decoder's API is not the one read
+    here (``StaticDecoder(model, cuda_graphs=False)``, ``new_state``, ``step``)."""
+    import torch
 
     if not device.startswith("cuda"):
         return None
+    from llamarl.engines.static_decode import StaticDecoder
+
     decoder = StaticDecoder(model, cuda_graphs=False)
     state = decoder.new_state(capacity=rows, positions=128)
-    for _ in range(2):  # lazy init, allocator warm
+    for _ in range(2):
         decoder.step(state, rows)
     torch.cuda.synchronize()
-    activity = torch.profiler.ProfilerActivity.CUDA
-    with torch.profiler.profile(activities=[activity]) as profile:
-        for _ in range(steps):
-            decoder.step(state, rows)
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        decoder.step(state, rows)
         torch.cuda.synchronize()
-    kernels = [e.name for e in profile.events() if e.device_type == torch.autograd.DeviceType.CUDA]
     state.release()
-    names: dict[str, int] = {}
-    for name in kernels:
-        names[name] = names.get(name, 0) + 1
-    top = sorted(names.items(), key=lambda item: -item[1])[:20]
-    return {"per_step": len(kernels) / steps, "names": {name[:120]: count / steps for name, count in top}}
+    return sum(1 for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA)
 
 
-@contextlib.contextmanager
-def engine_warnings():
-    """The engine's warnings while inside (a static path that fell back to HF's modules says so)."""
-    records: list[str] = []
-
-    class Keep(logging.Handler):
-        def emit(self, record):
-            records.append(record.getMessage())
-
-    handler, logger = Keep(level=logging.WARNING), logging.getLogger("llamarl.engines.torch_engine")
-    logger.addHandler(handler)
-    try:
-        yield records
-    finally:
-        logger.removeHandler(handler)
-
-
-def _release(engine) -> None:
+def shape_section(name: str, sizes: Sizes, save) -> dict:
+    """One shape (module docstring): ``{probes, params, weight_bytes, widths, steps, profile, ...}``,
+    saved after every measurement (a timeout keeps what was measured)."""
     import torch
 
-    close = getattr(engine, "close", None)
-    if close is not None:
-        close()
-    if torch.cuda.is_available():
-        torch.cuda.empty_cache()
-
-
-def _time_path(out: dict, *, path: str, mode: str, model, tok, rows: list[int], sizes: Sizes) -> None:
-    """``out[path]``: ``decode_scaling``'s ms per step of a TorchEngine with ``static_decode=mode``, its
-    decoder's counters and the wall time of the whole timing (compiles and captures included)."""
-    import generation
-
-    from llamarl.engines.torch_engine import TorchEngine
-
-    engine = None
-    try:
-        engine = TorchEngine(model, eos_token_ids=[], pad_token_id=tok.pad_token_id, static_decode=mode,
-                             fused_decode=path != "hf_modules")
-        start = time.perf_counter()
-        with engine_warnings() as warnings:
-            timed = generation.decode_scaling(model, tok, batches=rows, new_tokens=sizes.decode_new_tokens,
-                                              repeats=sizes.hf_repeats if path == "hf_modules" else sizes.decode_repeats,
-                                              static_decode=mode, engine=engine, device=sizes.device)
-        counters = decoder_counters(engine)
-        out[path] = {"step_ms": {str(r): ms for r, (ms, _) in timed.items()}, "wall_s": time.perf_counter() - start,
-                     "probe_bound_ms": {str(r): least for r, (_, least) in timed.items()},
-                     "decoder": counters, "warnings": warnings}
-        if path != "hf_modules" and not counters["num_steps"]:
-            out["errors"][path] = ("the static decoder ran no step: the graph path fell back to HF's modules "
-                                   f"({'; '.join(warnings) or 'no warning logged'}); its times are not the graphs'")
-    except Exception as error:  # noqa: BLE001 - recorded; the other paths still run
-        out["errors"][path] = f"{type(error).__name__}: {error}"
-    finally:
-        if engine is not None:
-            _release(engine)
-
-
-def decode(sizes: Sizes, save) -> dict:
-    """Section b (module docstring of gpu_check): step ms per path and row count, the bound, ratios."""
-    import generation
-    import torch
-
-    device, rows, new_tokens = sizes.device, list(sizes.decode_rows), sizes.decode_new_tokens
-    model = build_model(sizes.shape, dtype=sizes.dtype, device=device)
-    tok = IdsTokenizer(sizes.shape["vocab_size"])
-    weight_bytes = sum(p.numel() * p.element_size() for p in {id(p): p for p in model.parameters()}.values())
-    out: dict = {"model": "SmolLM2-135M shape, random init" if not sizes.smoke else "tiny random Llama",
-                 "dtype": sizes.dtype, "params": num_params(model), "weight_bytes": weight_bytes, "rows": rows,
-                 "new_tokens": new_tokens, "prompt_tokens": [len(p) for p in generation._prompts(tok, batch=1)],
-                 "graph_mode": graph_mode(sizes), "errors": {}}
-    copy_gbps = copy_bandwidth_gbps(device, sizes.copy_bytes)
-    _, nominal_tbps = device_peaks(torch.cuda.get_device_name()) if device.startswith("cuda") else (None, None)
-    out["hbm"] = {"copy_bytes": sizes.copy_bytes, "copy_gbps": copy_gbps,
-                  "nominal_gbps": None if nominal_tbps is None else 1000 * nominal_tbps}
-    out["bound_ms"] = 1000 * weight_bytes / (copy_gbps * 1e9)
-    out["bound_nominal_ms"] = None if nominal_tbps is None else 1000 * weight_bytes / (nominal_tbps * 1e12)
-    try:
-        out["kernels_per_step"] = {str(r): kernels_per_step(model, rows=r, device=device) for r in rows}
-    except Exception as error:  # noqa: BLE001 - a count, not a verdict
-        out["errors"]["kernels_per_step"] = f"{type(error).__name__}: {error}"
-    save(out)
-    for path, mode in (("graph", graph_mode(sizes)), ("hf_modules", "off")):
-        _time_path(out, path=path, mode=mode, model=model, tok=tok, rows=rows, sizes=sizes)
-        save(out)
-    out["hf_generate"] = {"step_ms": {}}
-    for r in rows:
-        try:
-            out["hf_generate"]["step_ms"][str(r)] = hf_generate_step_ms(
-                model, tok, generation._prompts(tok, batch=r), new_tokens=new_tokens, repeats=sizes.hf_repeats,
-                device=device)
-        except Exception as error:  # noqa: BLE001
-            out["errors"][f"hf_generate_{r}"] = f"{type(error).__name__}: {error}"
-        save(out)
-    if sizes.decode_compiled:  # last: compiling every bucket may take what is left of the timeout
-        _time_path(out, path="graph_compiled", mode="compiled", model=model, tok=tok, rows=rows[:1], sizes=sizes)
-        save(out)
-    out["ratios"] = {}
-    for r in rows:
-        graph = out.get("graph", {}).get("step_ms", {}).get(str(r))
-        hf = out["hf_generate"]["step_ms"].get(str(r))
-        out["ratios"][str(r)] = {
-            "graph_vs_hf_generate": graph / hf if graph is not None and hf else None,
-            "graph_vs_bound": graph / out["bound_ms"] if graph is not None else None,
-            "hf_modules_vs_hf_generate": (out["hf_modules"]["step_ms"][str(r)] / hf
-                                          if "hf_modules" in out and hf else None)}
-        compiled = out.get("graph_compiled", {}).get("step_ms", {}).get(str(r))
-        if compiled is not None and hf:
-            out["ratios"][str(r)]["compiled_vs_hf_generate"] = compiled / hf
-    save(out)
-    if out["errors"]:
-        raise RuntimeError("; ".join(f"{k}: {v}" for k, v in out["errors"].items()))
-    return out
-
-
-def capture(sizes: Sizes, save) -> dict:
-    """Section c: the static decoder's graph captures: a first call (rows ending at different steps,
-    so the loop compacts into smaller buckets), the same call again, again after an in-place weight
-    update (nothing new to capture either time), then a larger call (a new ladder of buckets)."""
-    import generation
-    import torch
-
-    from llamarl.engines.base import Request, SamplingParams
     from llamarl.engines.torch_engine import TorchEngine
 
     device = sizes.device
-    model = build_model(sizes.shape, dtype=sizes.dtype, device=device)
-    tok = IdsTokenizer(sizes.shape["vocab_size"])
-    stops = list(range(3, sizes.shape["vocab_size"], sizes.capture_eos_every))
-    engine = TorchEngine(model, eos_token_ids=stops, pad_token_id=tok.pad_token_id, static_decode=graph_mode(sizes))
-    out: dict = {"graph_mode": graph_mode(sizes), "stop_ids": f"every {sizes.capture_eos_every}th id", "calls": []}
-
-    def call(name: str, rows: int, new_tokens: int) -> dict:
-        before = decoder_counters(engine)
-        reqs = [Request(sample_id=i, prompt_ids=p) for i, p in enumerate(generation._prompts(tok, batch=rows))]
-        synchronize(device)
-        start = time.perf_counter()
-        with engine_warnings() as warnings:
-            done = engine.generate(reqs, sampling=SamplingParams(temperature=1.0, max_new_tokens=new_tokens), version=0,
-                                   generator=torch.Generator(device=device).manual_seed(0))
-        synchronize(device)
-        wall = time.perf_counter() - start
-        after = decoder_counters(engine)
-
-        def delta(key):
-            return None if after[key] is None else after[key] - (before[key] or 0)
-
-        record = {"call": name, "rows": rows, "new_tokens": new_tokens, "wall_s": wall,
-                  "tokens": sum(len(c.completion_ids) for c in done),
-                  "lengths": [min(len(c.completion_ids) for c in done), max(len(c.completion_ids) for c in done)],
-                  "new_captures": delta("num_captures"), "capture_seconds": delta("capture_seconds"),
-                  "steps": delta("num_steps"), "counters": after, "warnings": warnings}
-        n, seconds = record["new_captures"], record["capture_seconds"]
-        record["seconds_per_graph"] = seconds / n if n and seconds is not None else None
-        out["calls"].append(record)
-        save(out)
-        if after["num_steps"] is None:
-            raise RuntimeError(f"{name}: no static decoder after the call (it fell back to HF's modules: "
-                               f"{'; '.join(warnings) or 'no warning logged'})")
-        return record
-
-    first = call("first", sizes.capture_rows, sizes.capture_new_tokens)
-    out["first_call"] = {"graphs": first["counters"]["num_captures"], "capture_seconds": first["counters"]["capture_seconds"],
-                         "wall_s": first["wall_s"]}
+    family, shape = SHAPES[name]
+    kv = {"layers": shape["num_hidden_layers"], "kv_heads": shape["num_key_value_heads"],
+          "head_dim": head_dim(shape), "dtype_bytes": bounds.DTYPE_BYTES[sizes.dtype]}
+    out: dict = {"shape": name, "family": family, "config": shape, "dtype": sizes.dtype, "graph_mode": graph_mode(sizes),
+                 "rows": list(sizes.rows), "widths_asked": list(sizes.widths), "modes": list(sizes.modes),
+                 "prompt_tokens": sizes.prompt_tokens, "new_tokens": sizes.new_tokens, "kv": kv, "widths": {},
+                 "steps": [], "errors": {}}
+    out["probes"] = probes(device, copy_bytes=sizes.copy_bytes, gemm_size=sizes.gemm_size,
+                           replay_kernels=sizes.replay_kernels)
     save(out)
-    call("second, same requests", sizes.capture_rows, sizes.capture_new_tokens)
-    with torch.no_grad():  # what a weight channel does: in place, same addresses
-        for layer in model.model.layers:
-            layer.mlp.up_proj.weight.mul_(1.01)
-    call("after an in-place weight update", sizes.capture_rows, sizes.capture_new_tokens)
-    call("larger: more rows than the state holds", sizes.capture_grow_rows, 3)
-    _release(engine)
+    start = time.perf_counter()
+    model = build_model(name, dtype=sizes.dtype, device=device)
+    synchronize(device)
+    out.update(build_s=time.perf_counter() - start, params=num_params(model),
+               weight_bytes=bounds.model_weights_read_bytes(model),
+               kv_bytes_per_token=bounds.kv_bytes_per_token(**kv))
+    save(out)
+    rng = random.Random(0)
+    vocab = shape["vocab_size"]
+    prompts = [[rng.randrange(3, vocab) for _ in range(sizes.prompt_tokens)] for _ in range(max(sizes.rows))]
+    engine = TorchEngine(model, eos_token_ids=[], pad_token_id=0, static_decode=graph_mode(sizes))
+    call = Caller(engine, device)
+    live = bounds.mean_live(sizes.prompt_tokens, sizes.new_tokens)
+    probe = out["probes"]
+    try:
+        for width in sizes.widths:
+            before = decoder_counters(engine)
+            begin = time.perf_counter()
+            # Grow the state to this width (one row whose prompt fills it), then capture at the most rows.
+            call([[rng.randrange(3, vocab) for _ in range(width - 1)]], new_tokens=1, mode="greedy")
+            call(prompts, new_tokens=2, mode="greedy")
+            after = decoder_counters(engine)
+            delta = {k: (after[k] - (before[k] or 0)) if after[k] is not None else None
+                     for k in ("num_captures", "capture_seconds")}
+            out["widths"][str(width)] = {"state_width": after["width"], "slots": after["slots"],
+                                         "graphs": delta["num_captures"], "capture_s": delta["capture_seconds"],
+                                         "grow_and_warm_s": time.perf_counter() - begin, "counters": after}
+            save(out)
+            for rows in sorted(sizes.rows, reverse=True):
+                for mode in sizes.modes:
+                    full = min(call(prompts[:rows], new_tokens=sizes.new_tokens, mode=mode, seed=s)
+                               for s in range(sizes.repeats))
+                    steps = call.last_steps
+                    first = min(call(prompts[:rows], new_tokens=1, mode=mode, seed=s) for s in range(sizes.repeats))
+                    steps = sizes.new_tokens - 1 if steps is None or call.last_steps is None else steps - call.last_steps
+                    step_ms = 1000 * max(full - first, 0.0) / max(steps, 1)
+                    need = bounds.step_bytes(weight_bytes=out["weight_bytes"], live=live, rows=rows, **kv)
+                    bound = bounds.bound_ms(need, probe["copy_gbps"])
+                    out["steps"].append({
+                        "rows": rows, "width": width, "mode": mode, "step_ms": step_ms, "steps": steps, "live": live,
+                        "step_bytes": need, "bound_ms": bound, "vs_bound": bounds.ratio(step_ms, bound),
+                        "weights_only_bound_ms": bounds.bound_ms(out["weight_bytes"], probe["copy_gbps"]),
+                        "tokens_per_s": bounds.ratio(1000.0 * rows, step_ms),
+                        "prefill_s": first, "prefill_tokens_per_s": rows * sizes.prompt_tokens / first})
+                    save(out)
+            if width == sizes.widths[0]:
+                rows = min(sizes.profile_rows, max(sizes.rows))
+                try:
+                    out["profile"] = profile_step(call, prompts[:rows], mode="sampled", device=device)
+                    out["profile"]["width"] = width
+                except Exception as error:  # noqa: BLE001 - a count, not a verdict
+                    out["errors"]["profile"] = f"{type(error).__name__}: {error}"
+                save(out)
+        out["counters"] = decoder_counters(engine)
+    finally:
+        close = getattr(engine, "close", None)
+        if close is not None:
+            close()
+    profile = out.get("profile")
+    if profile and device.startswith("cuda") and profile["graph_launches_per_step"] > 0:
+        try:  # the profiler may not see a replayed graph's kernels: count an uncaptured step's
+            profile["uncaptured_kernels_per_step"] = uncaptured_kernels(model, rows=profile["rows"], device=device)
+        except Exception as error:  # noqa: BLE001
+            out["errors"]["uncaptured_kernels"] = f"{type(error).__name__}: {error}"
+    summarize(out)
+    save(out)
+    del model, engine
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
     return out
+
+
+def summarize(out: dict) -> None:
+    """The shape's ratios to this GPU, from its steps and probes: per step its kernel floor
+    (kernels a step x µs per replayed kernel) and the step over it; the prefill over the GEMM probe's
+    rate (2 x parameters FLOPs a token); the longest ladder capture."""
+    probe, profile = out["probes"], out.get("profile") or {}
+    kernels = profile.get("uncaptured_kernels_per_step") or profile.get("kernels_per_step")
+    floor = kernels * probe["us_per_kernel"] / 1000.0 if kernels else None
+    for step in out["steps"]:
+        step["kernel_floor_ms"] = floor
+        step["vs_kernel_floor"] = bounds.ratio(step["step_ms"], floor)
+    prefill = max((s["prefill_tokens_per_s"] for s in out["steps"]), default=None)
+    gemm_rate = probe["gemm_tflops"] * 1e12 / (2 * out["params"]) if out.get("params") else None
+    out["prefill"] = {"tokens_per_s": prefill, "gemm_tokens_per_s": gemm_rate, "vs_gemm": bounds.ratio(prefill, gemm_rate)}
+    captures = [w["capture_s"] for w in out["widths"].values() if w.get("capture_s") is not None]
+    out["capture_s_max"] = max(captures) if captures else None
+    if kernels:
+        out["kernels_per_layer"] = kernels / out["kv"]["layers"]

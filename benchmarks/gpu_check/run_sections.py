@@ -1,5 +1,6 @@
-"""Sections a (``tests``), d (``recipe``) and e (``tick``): each a subprocess of its own (pytest, a
-one-rank ``torchrun`` world), run with a timeout; this process reads what it wrote."""
+"""The sections that run a subprocess of their own with a timeout, this process reading what it
+wrote: the run part's ticks (``tick:<shape>``: a 256 x 256 colocated tick, run_child.py) and the
+optional part's ``tests`` (``pytest tests/gpu``) and ``recipe`` (the default recipe colocated)."""
 
 from __future__ import annotations
 
@@ -15,10 +16,11 @@ import time
 from collections import Counter
 from pathlib import Path
 
-from gpu_check.common import REPO, SectionFailed, Sizes, build_model, device_peaks, num_params
+from gpu_check import bounds
+from gpu_check.common import REPO, SHAPES, SectionFailed, Sizes, device_peaks, head_dim
 
 SCORER = "scorers_for_tests:first_char_even"  # a random model earns reward from it: the trainer trains
-RUN_MODULES = ("tyro", "tensorboard", "matplotlib")  # a recipe's configuration, metrics and timeline.png
+RUN_CHILD = Path(__file__).resolve().parent / "run_child.py"
 
 
 def child_env(**extra: str) -> dict[str, str]:
@@ -120,30 +122,6 @@ def tests(sizes: Sizes, save, *, out_dir: Path, timeout_s: float) -> dict:
     return result
 
 
-# ----- the models the runs load -----
-def random_model_dir(out_dir: Path, shape: dict) -> Path:
-    """A random-init Llama of ``shape`` (bf16 safetensors) with the tests' character tokenizer,
-    saved once under ``out_dir/models``; ``num_params.json`` beside it."""
-    from tiny_model import tiny_tokenizer  # tests/ (on sys.path: gpu_check.cli)
-
-    directory = out_dir / "models" / f"random-{shape['hidden_size']}x{shape['num_hidden_layers']}"
-    if (directory / "num_params.json").exists():
-        return directory
-    import torch
-
-    model = build_model(shape, dtype="float32", device="cpu")
-    tokenizer = tiny_tokenizer()
-    model.config.eos_token_id, model.config.pad_token_id = tokenizer.eos_token_id, tokenizer.pad_token_id
-    model.to(torch.bfloat16).save_pretrained(directory, safe_serialization=True)
-    tokenizer.save_pretrained(directory)
-    (directory / "num_params.json").write_text(json.dumps({"num_params": num_params(model)}))
-    return directory
-
-
-def _torchrun(*target: str) -> list[str]:
-    return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "1", *target]
-
-
 def _metrics_by_step(run_dir: Path) -> dict[int, dict]:
     """Every executor's metrics of each tick, merged (a colocated run writes one file per stage)."""
     steps: dict[int, dict] = {}
@@ -160,18 +138,120 @@ def _first_tick_start(run_dir: Path) -> float | None:
     return min((s["start"] for s in spans if s.get("step") == 0 and s.get("kind", "step") == "step"), default=None)
 
 
-# ----- d. the default recipe -----
+
+
+def model_root(out_dir: Path) -> Path:
+    """Where a run's random-init model is written for its executors to load (and deleted after):
+    /dev/shm (memory, not disk) where it exists, else ``out_dir/models``."""
+    shm = Path("/dev/shm")
+    root = shm / "llamarl-gpu-check" if shm.is_dir() else out_dir / "models"
+    root.mkdir(parents=True, exist_ok=True)
+    return root
+
+
+def _run_child(name: str, spec: dict, *, out_dir: Path, timeout_s: float, **env: str) -> tuple[int, dict, Path]:
+    """run_child.py over ``spec`` (its result file and run directory named by ``name``): (exit code,
+    what it wrote, the log)."""
+    spec_path, log = out_dir / f"{name}.spec.json", out_dir / f"{name}.log"
+    spec = {**spec, "result": str(out_dir / f"{name}.child.json")}
+    spec_path.write_text(json.dumps(spec, indent=2))
+    code, _ = run_logged([sys.executable, str(RUN_CHILD), str(spec_path)], log=log, env=child_env(**env),
+                         timeout_s=timeout_s)
+    result_path = Path(spec["result"])
+    return code, json.loads(result_path.read_text()) if result_path.exists() else {}, log
+
+
+# ----- the run part: a GPU-shaped colocated tick -----
+def tick_overrides(sizes: Sizes, run_dir: Path) -> dict:
+    """The tick's ``ArithmeticConfig`` fields (run_child.apply_overrides): colocated, no evaluation
+    between ticks, no export, the reward in this process, every sample to ``tick_new_tokens``."""
+    return {"run.schedule": "colocated", "run.max_steps": sizes.tick_ticks, "run.eval_every": 0,
+            "run.num_eval_problems": 8, "run.output_dir": str(run_dir), "export.final": False,
+            "reward.num_workers": 0, "generator.num_prompts_per_step": sizes.tick_prompts,
+            "generator.samples_per_prompt": sizes.tick_samples, "generator.max_new_tokens": sizes.tick_new_tokens,
+            "generator.temperature": 1.0, "generator.dtype": sizes.dtype, "trainer.param_dtype": sizes.dtype,
+            "trainer.max_tokens_per_microbatch": 16384, "trainer.logprob_chunk_tokens": 2048}
+
+
+def tick(shape: str, sizes: Sizes, save, *, out_dir: Path, timeout_s: float) -> dict:
+    """``tick:<shape>``: ``tick_prompts x tick_samples`` samples x ``tick_new_tokens`` new tokens a
+    tick, colocated (llamarl's generator, reward and FSDP2 trainer in one process), on a random-init
+    model of ``shape`` (every sample runs to its length): generated tokens/s and its ratio to the
+    tick's memory bound (bounds.tick_bound_s at the copy bandwidth the child measured), trainer
+    tokens/s and MFU, peak memory."""
+    name = shape.replace(".", "_")
+    run_dir = out_dir / f"tick-{name}"
+    overrides = tick_overrides(sizes, run_dir)
+    rows = sizes.tick_prompts * sizes.tick_samples
+    result: dict = {"shape": shape, "samples": rows, "new_tokens": sizes.tick_new_tokens, "ticks": sizes.tick_ticks,
+                    "scorer": SCORER, "overrides": overrides}
+    save(result)
+    code, child, log = _run_child(f"tick-{name}", {"shape": shape, "model_root": str(model_root(out_dir)),
+                                                    "overrides": overrides, "scorer": SCORER},
+                                  out_dir=out_dir, timeout_s=timeout_s)
+    result.update(child)
+    steps = _metrics_by_step(run_dir) if (run_dir / "metrics").is_dir() else {}
+    if steps:
+        # Tick 0 captures the graphs (and the trainer's first step warms up): the later ticks are steady.
+        steady = [r for s, r in sorted(steps.items()) if s >= 1] or list(steps.values())
+
+        def median(key):
+            values = [r[key] for r in steady if key in r]
+            return statistics.median(values) if values else None
+
+        result.update({"steady_ticks": len(steady), "gen_tokens_per_s": median("gen_tokens_per_s"),
+                       "gen_new_tokens": median("gen_new_tokens"), "gen_seconds": median("gen_seconds"),
+                       "train_tokens_per_s": median("train_tokens_per_s"), "train_seconds": median("train_seconds"),
+                       "per_tick": {s: {k: r.get(k) for k in ("gen_tokens_per_s", "gen_seconds", "train_tokens_per_s",
+                                                              "train_seconds")} for s, r in sorted(steps.items())}})
+    result.update(tick_ratios(result, shape=shape, dtype=sizes.dtype))
+    if (run_dir / "summary.json").exists():
+        result["peak_gpu_memory_gib"] = json.loads((run_dir / "summary.json").read_text()).get("peak_gpu_memory_gib")
+    save(result)
+    if code != 0:
+        raise _failed(code, log, "the tick run")
+    return result
+
+
+def tick_ratios(result: dict, *, shape: str, dtype: str) -> dict:
+    """The tick's figures over this GPU's: generated tokens/s over the tick's memory bound (its
+    decode steps' weights + live KV at the measured copy bandwidth), trainer MFU over the data
+    sheet's bf16 peak and over the measured GEMM rate. Missing inputs give None."""
+    _, shape_fields = SHAPES[shape]
+    gen, gbps, params = result.get("gen_tokens_per_s"), result.get("copy_gbps"), result.get("params")
+    out: dict = {"tick_bound_tokens_per_s": None, "gen_vs_bound": None, "mfu": None, "mfu_vs_gemm": None}
+    if gbps and params and result.get("prompt_tokens_mean") is not None:
+        # The step's weights: tied shapes read the embedding as the LM head, untied ones not the input table.
+        embedding = shape_fields["vocab_size"] * shape_fields["hidden_size"]
+        weight_params = params if shape_fields["tie_word_embeddings"] else params - embedding
+        seconds = bounds.tick_bound_s(
+            weight_bytes=weight_params * bounds.DTYPE_BYTES[dtype], rows=result["samples"],
+            prompt_tokens=result["prompt_tokens_mean"], new_tokens=result["new_tokens"],
+            layers=shape_fields["num_hidden_layers"], kv_heads=shape_fields["num_key_value_heads"],
+            head_dim=head_dim(shape_fields), dtype_bytes=bounds.DTYPE_BYTES[dtype], gbps=gbps)
+        out["tick_bound_tokens_per_s"] = result["samples"] * (result["new_tokens"] - 1) / seconds
+        out["gen_vs_bound"] = bounds.ratio(gen, out["tick_bound_tokens_per_s"])
+    train = result.get("train_tokens_per_s")
+    peak, _ = device_peaks(result.get("device") or "")
+    if train and params:
+        flops = 6 * params * train
+        out["mfu"] = bounds.ratio(flops, peak * 1e12 if peak else None)
+        out["mfu_vs_gemm"] = bounds.ratio(flops, result["gemm_tflops"] * 1e12 if result.get("gemm_tflops") else None)
+    return out
+
+
+# ----- the optional part: the default recipe -----
 def recipe(sizes: Sizes, save, *, out_dir: Path, timeout_s: float, smollm2: str | None = None) -> dict:
-    """The default recipe colocated (module docstring of gpu_check); SmolLM2's weights if installed
-    (or ``smollm2``, a directory), else a random-init model of its shape with a scorer it earns
-    reward from (timing only)."""
+    """The default recipe colocated (``make run``'s ticks and evaluations) with the time to 0.70
+    held-out accuracy in training seconds (model load and evaluations left out, as
+    benchmarks/async_speedup.py counts them): SmolLM2's weights if installed (or ``smollm2``, a
+    directory), else a random-init model of its shape with a scorer it earns reward from (timing
+    only: the accuracy of random weights means nothing)."""
     import async_speedup
 
-    require(*RUN_MODULES, why="a recipe run needs them")
-    deadline = time.time() + timeout_s
-    run_dir, log = out_dir / "recipe", out_dir / "recipe.log"
-    flags = ["--run.schedule", "colocated", "--run.max-steps", str(sizes.recipe_ticks), "--run.eval-every",
-             str(sizes.recipe_eval_every), "--run.output-dir", str(run_dir), "--export.no-final"]
+    run_dir = out_dir / "recipe"
+    overrides = {"run.schedule": "colocated", "run.max_steps": sizes.recipe_ticks,
+                 "run.eval_every": sizes.recipe_eval_every, "run.output_dir": str(run_dir), "export.final": False}
     result: dict = {"ticks": sizes.recipe_ticks, "eval_every": sizes.recipe_eval_every}
     model, why_not = smollm2, None
     if model is None and sizes.smoke:
@@ -183,26 +263,21 @@ def recipe(sizes: Sizes, save, *, out_dir: Path, timeout_s: float, smollm2: str 
             model = str(resolve_model_path(SMOLLM2_ALIAS))
         except Exception as error:  # noqa: BLE001 - the package or gguf missing: the fallback below
             why_not = f"SmolLM2's weights are not usable here ({type(error).__name__}: {error})"
-    env = child_env()
+    spec: dict = {"overrides": overrides, "scorer": None}
     if why_not is None:
-        cmd = _torchrun("-m", "recipes.arithmetic", *flags, "--model.name", model)
+        spec["model"] = model
         result.update(model=model, accuracy_meaningful=True)
     else:
-        shape = sizes.shape
-        cmd = _torchrun(str(REPO / "tests" / "worlds" / "e2e_arithmetic.py"), *flags, "--model.name",
-                        str(random_model_dir(out_dir, shape)), "--reward.num-workers", "0")
-        env["LLAMARL_TEST_SCORER"] = SCORER
-        result.update(model=f"random init, {shape['hidden_size']} x {shape['num_hidden_layers']} layers "
-                            f"(SmolLM2-135M's shape{' scaled down' if sizes.smoke else ''}), the tests' character tokenizer",
-                      accuracy_meaningful=False,
-                      note=f"{why_not}: the recipe's pipeline (tests/worlds/e2e_arithmetic.py) with the scorer {SCORER} "
-                           "so the trainer has reward to learn from; its held-out 'accuracy' is that scorer's, "
-                           "so only the timing means anything")
-    result["command"] = shlex.join(cmd)
+        shape = "tiny" if sizes.smoke else "smollm2-135m"
+        overrides["reward.num_workers"] = 0
+        spec.update(shape=shape, model_root=str(model_root(out_dir)), scorer=SCORER)
+        result.update(model=f"random init, {shape} shape, the tests' character tokenizer", accuracy_meaningful=False,
+                      note=f"{why_not}: the recipe's pipeline with the scorer {SCORER} so the trainer has reward to "
+                           "learn from; its held-out 'accuracy' is that scorer's, so only the timing means anything")
     save(result)
     launched = time.time()
-    code, seconds = run_logged(cmd, log=log, env=env, timeout_s=deadline - time.time())
-    result["wall_s"] = seconds
+    code, child, log = _run_child("recipe", spec, out_dir=out_dir, timeout_s=timeout_s)
+    result.update(shims=child.get("shims"), wall_s=time.time() - launched)
     if (run_dir / "summary.json").exists():
         summary = json.loads((run_dir / "summary.json").read_text())
         accuracy = async_speedup.measure_accuracy(run_dir, 0.70)
@@ -223,58 +298,4 @@ def recipe(sizes: Sizes, save, *, out_dir: Path, timeout_s: float, smollm2: str 
     save(result)
     if code != 0:
         raise _failed(code, log, "the recipe run")
-    return result
-
-
-# ----- e. a GPU-shaped tick -----
-def tick(sizes: Sizes, save, *, out_dir: Path, timeout_s: float) -> dict:
-    """256 samples x 256 new tokens a tick, colocated, on a random-init model of SmolLM2's shape
-    (every sample runs to its length): generation and trainer tokens/s, MFU, peak memory."""
-    import torch
-
-    require(*RUN_MODULES, why="a recipe run needs them")
-    deadline = time.time() + timeout_s
-    run_dir, log = out_dir / "tick", out_dir / "tick.log"
-    model_dir = random_model_dir(out_dir, sizes.shape)
-    params = json.loads((model_dir / "num_params.json").read_text())["num_params"]
-    cmd = _torchrun(str(REPO / "tests" / "worlds" / "e2e_arithmetic.py"), "--model.name", str(model_dir),
-                    "--run.schedule", "colocated", "--run.max-steps", str(sizes.tick_ticks), "--run.eval-every", "0",
-                    "--run.num-eval-problems", "8", "--run.output-dir", str(run_dir), "--export.no-final",
-                    "--reward.num-workers", "0", "--generator.num-prompts-per-step", str(sizes.tick_prompts),
-                    "--generator.samples-per-prompt", str(sizes.tick_samples), "--generator.max-new-tokens",
-                    str(sizes.tick_new_tokens), "--generator.temperature", "1.0",
-                    "--trainer.max-tokens-per-microbatch", "16384", "--trainer.logprob-chunk-tokens", "2048")
-    name = torch.cuda.get_device_name() if sizes.device.startswith("cuda") else "cpu"
-    peak_tflops, _ = device_peaks(name)
-    result: dict = {"samples": sizes.tick_prompts * sizes.tick_samples, "new_tokens": sizes.tick_new_tokens,
-                    "ticks": sizes.tick_ticks, "params": params, "device": name, "peak_bf16_tflops": peak_tflops,
-                    "scorer": SCORER, "command": shlex.join(cmd)}
-    save(result)
-    code, seconds = run_logged(cmd, log=log, env=child_env(LLAMARL_TEST_SCORER=SCORER),
-                               timeout_s=deadline - time.time())
-    result["wall_s"] = seconds
-    steps = _metrics_by_step(run_dir) if (run_dir / "metrics").is_dir() else {}
-    if steps:
-        # Tick 0 captures the graphs (and the trainer's first step warms up): the later ticks are steady.
-        steady = [r for s, r in sorted(steps.items()) if s >= 1] or list(steps.values())
-
-        def median(key):
-            values = [r[key] for r in steady if key in r]
-            return statistics.median(values) if values else None
-
-        result.update({"steady_ticks": len(steady), "gen_tokens_per_s": median("gen_tokens_per_s"),
-                       "gen_new_tokens": median("gen_new_tokens"), "gen_seconds": median("gen_seconds"),
-                       "train_tokens_per_s": median("train_tokens_per_s"), "train_seconds": median("train_seconds"),
-                       "per_tick": {s: {k: r.get(k) for k in ("gen_tokens_per_s", "gen_seconds", "gen_new_tokens",
-                                                              "train_tokens_per_s", "train_seconds")}
-                                    for s, r in sorted(steps.items())}})
-        train = result["train_tokens_per_s"]
-        result["mfu"] = 6 * params * train / (peak_tflops * 1e12) if train and peak_tflops else None
-        if peak_tflops is None:
-            result["mfu_note"] = f"no bf16 peak known for {name!r} (gpu_check/common.py DEVICE_PEAKS)"
-    if (run_dir / "summary.json").exists():
-        result["peak_gpu_memory_gib"] = json.loads((run_dir / "summary.json").read_text()).get("peak_gpu_memory_gib")
-    save(result)
-    if code != 0:
-        raise _failed(code, log, "the tick run")
     return result

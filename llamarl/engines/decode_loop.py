@@ -167,19 +167,28 @@ def decode(decoder: Decoder, host: LoopHost, reqs: list[Request], *, contexts: l
 
 
 def _compact(*, books: _Books, state: SlotState, slot_of: list[int | None], live: list[int], drop: bool) -> None:
-    """Move the ``live`` slots (ascending) to slots ``0 .. len(live) - 1``, their books with them;
-    ``drop``: the state lets the other rows go even where nothing moves (a decoder whose rows are
-    exactly the live ones)."""
-    targets = list(range(len(live)))
+    """Bring the ``live`` slots (ascending) into slots ``0 .. len(live) - 1``, their books with them.
+    ``drop`` (a decoder whose rows are exactly the live ones, in order): every live slot moves to
+    its rank, and the state lets the other rows go even where nothing moves. Otherwise (a bucketed
+    state) only the live slots past ``len(live)`` move, into the free slots before it: a finer
+    bucket ladder compacts more often, and a move copies every column of a row."""
     device = books.alive.device
-    if live != targets or drop:
-        state.move(live, targets, num_columns=state.width)
-        src, dst = (torch.tensor(s, dtype=torch.long, device=device) for s in (live, targets))
+    if drop:
+        sources, targets = live, list(range(len(live)))
+    else:
+        sources = [s for s in live if s >= len(live)]
+        targets = sorted(set(range(len(live))) - set(live))
+    if sources != targets or drop:
+        state.move(sources, targets, num_columns=state.width)
+        src, dst = (torch.tensor(s, dtype=torch.long, device=device) for s in (sources, targets))
         books.slot_request[dst] = books.slot_request[src].clone()
         books.alive[dst] = books.alive[src].clone()
-    moved = [slot_of[s] for s in live]
+    held = {s: slot_of[s] for s in live}
+    for source, target in zip(sources, targets):
+        held[target] = held.pop(source)
     slot_of[:] = [None] * len(slot_of)
-    slot_of[: len(moved)] = moved
+    for slot, i in held.items():
+        slot_of[slot] = i
     free_after = torch.arange(len(live), len(books.alive), device=device)
     books.slot_request[free_after] = books.trash
     books.alive[free_after] = False

@@ -11,7 +11,7 @@ compact them, and copies a finished row's cache out when its sample is carried.
 
 Capabilities are declared, not inferred:
 
-* ``bucketed``: steps run power-of-two buckets of slots, which may hold finished or empty slots
+* ``bucketed``: steps run buckets of slots (a ladder of row counts), which may hold finished or empty slots
   (a captured graph per bucket); otherwise a step runs exactly the live rows, which the loop keeps
   at the front and looks at after every step.
 * ``admits_mid_decode``: rows may be loaded while others decode (continuous batching); otherwise

@@ -6,38 +6,40 @@ fraction of that in device work; docs/gpu.md). gpt-fast, nano-vllm and vLLM remo
 way: every tensor a step touches has a fixed shape and address, so the step can be captured once
 and replayed with one launch per step (and, opt-in, compiled first: ``torch.compile``, one graph,
 no graph breaks). A replayed small model is then bound by the number of kernels in the graph, so
-the step is written in few of them (``static_forward``).
+the step is written in few of them (llamarl/engines/static_step.py: 12 kernels a layer).
 
-* **Static state** (``StaticState``): per layer a KV cache ``[slots, kv_heads, width, head_dim]``
-  allocated once per decoder (slots rounded up to a power of two, width to a power of two >= 64;
+* **Static state** (``StaticState``): per layer a KV cache ``[2, slots, kv_heads, width, head_dim]``
+  (keys, then values) allocated once per decoder (slots rounded up to a bucket, width to a power of two >= 64;
   below), each row's positions left-aligned
   (position = column); the token each slot feeds next and its position live in device buffers
   ``tokens`` / ``positions``. What a row sees is computed in the graph from its position
   (``column <= position``): no mask tensor, no per-step concatenation.
-* **Batch buckets**: a step runs the first ``rows`` slots, ``rows`` a power of two (``bucket``);
+* **Batch buckets**: a step runs the first ``rows`` slots, ``rows`` a rung of the ladder 1, 2, 4,
+  8, 16, then steps of 16 (of 8 from 64 to 128 rows: ``bucket``);
   each bucket is one captured graph on CUDA (compiled first, when asked, by a compile that serves
   every bucket: dynamo's automatic dynamic shapes recompile once, with the rows symbolic, at
   the second bucket instead of once per bucket). Slots of
   finished or empty rows inside the bucket compute garbage that nothing reads (their writes go
   to their own slot); the decode loop (llamarl/engines/decode_loop.py) compacts rows into a
   smaller bucket when they fit.
-* **The forward** is HF's eager math for Llama, Qwen2, Mistral and Qwen3 (q/k norms) over the
-  model's own parameters (norm weights, projections, MLP, LM head), so in-place weight updates are
-  read by the next step. The numerics are HF's eager attention's (scores, the dtype's minimum
-  where masked, softmax in fp32, cast back) with two roundings fewer: the RMSNorm's
-  normalisation is one fp32 kernel and the score's scale and mask are applied inside its matmul
-  (``baddbmm``), so fp32 matches HF to fp32 rounding and bf16 to a bf16 rounding. RoPE's cos /
-  sin come from the model's own rotary module, evaluated once per state for every column.
+* **The forward** (``static_step.static_forward``) is HF's math for Llama, Qwen2, Mistral and
+  Qwen3 (q/k norms) over the model's own parameters (norm weights, projections, MLP, LM head),
+  q / k / v and gate / up each one GEMM over a buffer whose slices the model's parameters are
+  (``static_step.fuse_projections``, at the first ``reserve``), so in-place weight updates and
+  LoRA merges are read by the next step. fp32 matches HF to fp32 rounding, bf16 to a bf16
+  rounding per op. RoPE's cos / sin come from the model's own rotary module, evaluated once per
+  state for every column.
 
 Graphs for the engine's life (nano-vllm's and vLLM's scheme): the state (KV cache, fed tokens and
 positions, RoPE tables) is allocated once per decoder, at the capacity and width the calls need
 (``reserve``: grown, and every bucket re-captured, only when a call needs more slots or columns),
-and on CUDA every bucket of its ladder (1, 2, 4, ... up to its capacity) is captured once, when
+and on CUDA every bucket of its ladder (``ladder``: 1, 2, 4, ... up to its capacity) is captured once, when
 the state is made, as a plain CUDA graph of the eager step (no ``torch.compile`` unless asked:
 ``compiled=True``). The graphs are replayed across ``generate`` calls and weight versions: they
 hold the parameters' addresses, so a weight update must write into the same storage (an in-place
 copy, as llamarl/models/weight_copy.py does); a rebound parameter (another tensor at another
-address) is detected at the next ``reserve`` and the state is captured again. The graphs of one
+address) is detected at the next ``reserve``, put back into its fused buffer if it is a
+projection's, and the state is captured again. The graphs of one
 state share one memory pool that lives exactly as long as they do (``StaticState.release``
 drops both): a pool handle is never used to capture after the graphs holding it have died (the
 first GPU runs crashed doing that: ``CUDACachingAllocator`` asserts ``use_count > 0``).
@@ -57,8 +59,11 @@ import types
 import torch
 from torch.distributed.tensor import DTensor
 
+from llamarl.engines.static_step import fusable, fuse_projections, static_forward
+
 _SUPPORTED = ("LlamaForCausalLM", "Qwen2ForCausalLM", "MistralForCausalLM", "Qwen3ForCausalLM")
-# One compiled graph per (bucket, width) pair of one model: 10 buckets up to 512 rows x the widths
+# One compiled graph per (bucket, width) pair of one model at most (dynamo's automatic dynamic shapes
+# make the rows symbolic at the second bucket): 40 buckets up to 512 rows x the widths
 # (powers of two) its calls reach; each decoder has a code object of its own, so other models' and
 # dead engines' graphs do not count against it.
 _RECOMPILE_LIMIT = 256
@@ -83,10 +88,28 @@ def poisons_device(error: BaseException) -> bool:
 
 
 def bucket(rows: int) -> int:
-    """The batch bucket that runs ``rows`` live rows: the smallest power of two >= ``rows``."""
+    """The batch bucket that runs ``rows`` live rows: the smallest rung >= ``rows`` of the ladder
+    1, 2, 4, 8, 16, then multiples of 16, with multiples of 8 between 64 and 128 (72, 80, ... 128).
+
+    Why: a step's cost grows with its bucket, and the padded rows are waste. Powers of two pad up
+    to ~50 % (257 rows run as 512); steps of 16 (nano-vllm's ladder) pad at most 15 rows, at most
+    12.5 % of the live rows from 121 rows up, but 15 of 65 rows (23 %) below that, hence steps of 8
+    there: from 65 rows up the padding is at most 11.6 % of the live rows (129 rows in 144)."""
     if rows < 1:
         raise ValueError(f"a bucket needs at least one row, got {rows}")
-    return 1 << (rows - 1).bit_length()
+    if rows <= 16:
+        return 1 << (rows - 1).bit_length()
+    step = 8 if 64 < rows <= 128 else 16
+    return -(-rows // step) * step
+
+
+def ladder(capacity: int) -> list[int]:
+    """Every bucket up to ``bucket(capacity)``, ascending: the graphs a state of that many slots captures."""
+    top, rungs, rows = bucket(capacity), [], 1
+    while rows <= top:
+        rungs.append(rows)
+        rows = bucket(rows + 1)
+    return rungs
 
 
 def _width(positions: int) -> int:
@@ -94,79 +117,23 @@ def _width(positions: int) -> int:
     return max(64, 1 << (positions - 1).bit_length())
 
 
-def _rms_norm(norm: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
-    """HF's Llama-family RMSNorm (``weight * (x32 * rsqrt(mean(x32^2) + eps)).to(dtype)``) with the
-    normalisation as ``torch.nn.functional.rms_norm``, one fused kernel on CUDA where HF's module
-    launches five (pow, mean, add, rsqrt, mul); the same value up to fp32 rounding."""
-    normed = torch.nn.functional.rms_norm(x.float(), (x.shape[-1],), eps=norm.variance_epsilon)
-    return norm.weight * normed.to(x.dtype)
-
-
-def _rope(x: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor) -> torch.Tensor:
-    """HF's ``x * cos + rotate_half(x) * sin`` in four kernels instead of six:
-    ``rotate_half(x) = cat(-x2, x1) = roll(x, d / 2) * [-1 .. -1, 1 .. 1]``, the sign folded into
-    ``sin_signed`` (``StaticState.sin``): bitwise HF's value (a sign flip is exact)."""
-    return x * cos + torch.roll(x, x.shape[-1] // 2, dims=-1) * sin_signed
-
-
-def static_forward(model: torch.nn.Module, tokens: torch.Tensor, positions: torch.Tensor,
-                   keys: list[torch.Tensor], values: list[torch.Tensor], cos_table: torch.Tensor,
-                   sin_table: torch.Tensor, num_heads: int, num_kv_heads: int, head_dim: int,
-                   scaling: float) -> torch.Tensor:
-    """Logits ``[rows, vocab]`` of the token after ``tokens`` ``[rows]``, each fed at its row's
-    position ``positions`` ``[rows]``; writes its keys and values into row r of ``keys[l]`` /
-    ``values[l]`` (``[rows, kv, width, d]``: views of the state's first ``rows`` slots) at that
-    position and attends over the row's columns ``0 .. position``. ``sin_table`` is RoPE's sine
-    with its first half negated (``_rope``). Shapes depend only on ``rows`` and the width: one
-    graph per pair.
-
-    Every op is a kernel of the captured graph, and a decode step of a small model is bound by
-    their number, not their work: the step is HF's eager math in fewer kernels (fused RMSNorm,
-    RoPE on queries and keys at once, the score's scale and mask folded into one ``baddbmm``)."""
-    rows = tokens.shape[0]
-    inner = model.model
-    hidden = inner.embed_tokens(tokens)  # [rows, hidden]
-    cos, sin = cos_table[positions].unsqueeze(1), sin_table[positions].unsqueeze(1)  # [rows, 1, d]
-    width = keys[0].shape[2]
-    groups = num_heads // num_kv_heads
-    visible = torch.arange(width, device=tokens.device) <= positions.unsqueeze(1)  # [rows, width]
-    # One mask row per (row, KV head), the batch of the score's baddbmm: [rows * kv, 1, width].
-    bias = torch.zeros((rows, num_kv_heads, 1, width), dtype=hidden.dtype, device=hidden.device).masked_fill(
-        ~visible[:, None, None, :], torch.finfo(hidden.dtype).min).view(rows * num_kv_heads, 1, width)
-    row_index = torch.arange(rows, device=tokens.device)
-    for layer, layer_keys, layer_values in zip(inner.layers, keys, values):
-        attn = layer.self_attn
-        x = _rms_norm(layer.input_layernorm, hidden)
-        q = attn.q_proj(x).view(rows, num_heads, head_dim)
-        k = attn.k_proj(x).view(rows, num_kv_heads, head_dim)
-        v = attn.v_proj(x).view(rows, num_kv_heads, head_dim)
-        if hasattr(attn, "q_norm"):  # Qwen3: RMSNorm over each head before RoPE
-            q, k = _rms_norm(attn.q_norm, q), _rms_norm(attn.k_norm, k)
-        rotated = _rope(torch.cat((q, k), dim=1), cos, sin)  # [rows, heads + kv, d]
-        layer_keys[row_index, :, positions] = rotated[:, num_heads:]
-        layer_values[row_index, :, positions] = v
-        # Grouped query heads against their KV head, batched over (row, KV head):
-        # [rows * kv, groups, d] x [rows * kv, d, width], scaled and masked in the same kernel.
-        q = rotated[:, :num_heads].reshape(rows * num_kv_heads, groups, head_dim)
-        scores = torch.baddbmm(bias, q, layer_keys.view(rows * num_kv_heads, width, head_dim).transpose(1, 2),
-                               alpha=scaling)
-        weights = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
-        attended = torch.bmm(weights, layer_values.view(rows * num_kv_heads, width, head_dim))
-        hidden = hidden + attn.o_proj(attended.view(rows, num_heads * head_dim))
-        hidden = hidden + layer.mlp(_rms_norm(layer.post_attention_layernorm, hidden))
-    return model.lm_head(_rms_norm(inner.norm, hidden))
-
-
 class StaticState:
-    """One call's static buffers (module docstring): per-layer ``keys`` / ``values``
-    ``[slots, kv, width, d]``, ``tokens`` / ``positions`` ``[slots]`` (int64: what each slot feeds
-    at the next step, and where), RoPE's ``cos`` / ``sin`` ``[width, d]`` (the sine's first half negated: ``_rope``), and the captured graphs
-    by bucket."""
+    """One call's static buffers (module docstring): per layer one cache ``caches[l]``
+    ``[2, slots, kv, width, d]`` (the step writes a token's keys and values in one indexed write),
+    seen as ``keys[l]`` / ``values[l]`` ``[slots, kv, width, d]`` (its two halves), ``tokens`` / ``positions`` ``[slots]`` (int64: what each slot feeds
+    at the next step, and where), RoPE's ``cos`` / ``sin`` ``[width, d]`` (the sine's first half negated: ``_rope``),
+    the step's output ``logits`` ``[slots, vocab]`` (a bucket of r rows writes its first r rows) and
+    the captured graphs by bucket.
 
-    def __init__(self, *, keys: list[torch.Tensor], values: list[torch.Tensor], cos: torch.Tensor,
-                 sin: torch.Tensor) -> None:
-        self.keys, self.values, self.cos, self.sin = keys, values, cos, sin
-        slots, device = keys[0].shape[0], keys[0].device
+    ``logits`` is allocated here, before any capture, and each graph writes it with its last GEMM
+    (``out=``): it is no memory of the graphs' pool, where another bucket's capture may place its
+    scratch (a graph's own output, allocated inside its capture, would be such memory)."""
+
+    def __init__(self, *, caches: list[torch.Tensor], cos: torch.Tensor, sin: torch.Tensor,
+                 logits: torch.Tensor) -> None:
+        self.caches, self.cos, self.sin, self.logits = caches, cos, sin, logits
+        self.keys, self.values = [c[0] for c in caches], [c[1] for c in caches]
+        slots, device = caches[0].shape[1], caches[0].device
         self.tokens = torch.zeros(slots, dtype=torch.long, device=device)
         self.positions = torch.zeros(slots, dtype=torch.long, device=device)
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
@@ -179,7 +146,7 @@ class StaticState:
         allocator. The state is unusable afterwards."""
         self.graphs.clear()
         self.pool = None
-        self.keys, self.values = [], []
+        self.caches, self.keys, self.values, self.logits = [], [], [], None
 
     @property
     def capacity(self) -> int:
@@ -261,7 +228,7 @@ class StaticDecoder:
         rope = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {}
         if rope.get("rope_type", rope.get("type")) in _LENGTH_DEPENDENT_ROPE:
             return False
-        return not any(isinstance(p, DTensor) for p in model.parameters())
+        return fusable(model) and not any(isinstance(p, DTensor) for p in model.parameters())
 
     def __init__(self, model: torch.nn.Module, *, compiled: bool = False, backend: str = "inductor",
                  cuda_graphs: bool | None = None) -> None:
@@ -287,6 +254,9 @@ class StaticDecoder:
         self.state: StaticState | None = None
         """The engine-life state (``reserve``); None before the first call and after ``release``."""
         self._weights: tuple[int, ...] = ()
+        self._fused: list | None = None
+        """Per layer the fused q / k / v and gate / up buffers (``fuse_projections``), made at the
+        first ``reserve``: from then on the model's projections are slices of them."""
         self.num_steps = 0
         """Steps run (cumulative; a captured graph's replays included)."""
         self.num_captures = 0
@@ -306,6 +276,9 @@ class StaticDecoder:
         row: the current one when it is large enough and its graphs still read the model's
         parameters, else a new one (at least as large as the old; the old one's graphs and memory
         released first), its ladder of buckets captured at once on CUDA."""
+        # The graphs read q / k / v and gate / up through their fused buffers: parameters rebound
+        # since (another storage) are put back into one (static_step.fuse_projections).
+        self._fused = fuse_projections(self.model)
         weights = self._weight_addresses()
         state = self.state
         if state is not None:
@@ -316,10 +289,8 @@ class StaticDecoder:
         state = self.state = self.new_state(capacity=capacity, positions=positions)
         self._weights = weights
         if self.cuda_graphs:
-            rows = 1
-            while rows <= state.capacity:
+            for rows in ladder(state.capacity):
                 self._capture(state, rows)
-                rows *= 2
         return state
 
     def release(self) -> None:
@@ -332,7 +303,7 @@ class StaticDecoder:
     def new_state(self, *, capacity: int, positions: int) -> StaticState:
         """A zeroed state with at least ``capacity`` slots (rounded up to a bucket) and room for
         ``positions`` positions per row (rounded up to a power of two >= 64), in the model's dtype
-        and on its device."""
+        and on its device; its ``logits`` in the LM head's."""
         weight = self.model.get_input_embeddings().weight
         slots, width = bucket(capacity), _width(positions)
         shape = (slots, self.num_kv_heads, width, self.head_dim)
@@ -342,26 +313,29 @@ class StaticDecoder:
             probe = torch.zeros((1, width, 1), dtype=weight.dtype, device=weight.device)
             cos, sin = self.model.model.rotary_emb(probe, column_ids)
             half = self.head_dim // 2
-            sin_signed = torch.cat((-sin[0, :, :half], sin[0, :, half:]), dim=-1)  # static_forward's _rope
-        return StaticState(keys=[weight.new_zeros(shape) for _ in range(num_layers)],
-                           values=[weight.new_zeros(shape) for _ in range(num_layers)],
-                           cos=cos[0].contiguous(), sin=sin_signed.contiguous())
+            sin_signed = torch.cat((-sin[0, :, :half], sin[0, :, half:]), dim=-1)  # static_step.rotations
+        return StaticState(caches=[weight.new_zeros((2, *shape)) for _ in range(num_layers)],
+                           cos=cos[0].contiguous(), sin=sin_signed.contiguous(),
+                           logits=self.model.lm_head.weight.new_empty((slots, self.model.lm_head.out_features)))
 
+    @torch.no_grad()  # the GEMMs' out= buffers refuse autograd
     def _run(self, state: StaticState, rows: int) -> torch.Tensor:
         # Older torch (< 2.7) names the limit cache_size_limit.
         name = "recompile_limit" if hasattr(torch._dynamo.config, "recompile_limit") else "cache_size_limit"
         patch = torch._dynamo.config.patch(**{name: _RECOMPILE_LIMIT}) if self.compiled else contextlib.nullcontext()
         with patch:
-            return self._forward(self.model, state.tokens[:rows], state.positions[:rows],
-                                 [k[:rows] for k in state.keys], [v[:rows] for v in state.values],
-                                 state.cos, state.sin, self.num_heads, self.num_kv_heads, self.head_dim, self.scaling)
+            if self._fused is None:  # a state from new_state (not reserve)
+                self._fused = fuse_projections(self.model)
+            return self._forward(self.model, self._fused, state.tokens[:rows], state.positions[:rows],
+                                 [c[:, :rows] for c in state.caches], state.cos, state.sin, state.logits[:rows], self.num_heads, self.num_kv_heads,
+                                 self.head_dim, self.scaling)
 
     @torch.no_grad()
     def step(self, state: StaticState, rows: int) -> torch.Tensor:
         """Run the first ``rows`` slots (a bucket) one step: each feeds ``state.tokens[slot]`` at
-        ``state.positions[slot]``; return their next-token logits ``[rows, vocab]``. Under CUDA
-        graphs the result is the graph's output buffer, in the pool every bucket's graph shares:
-        read it before the next step of any bucket."""
+        ``state.positions[slot]``; return their next-token logits ``[rows, vocab]``: the first
+        ``rows`` rows of ``state.logits``, which every step writes (read them before the next
+        step), allocated outside the graphs' pool (``StaticState``)."""
         if rows != bucket(rows) or rows > state.capacity:
             raise ValueError(f"a step runs a bucket of at most {state.capacity} rows, got {rows}")
         self.num_steps += 1

@@ -1,0 +1,166 @@
+"""The static decode step's math (llamarl/engines/static_decode.py captures it as CUDA graphs): HF's
+Llama-family decoder layer (Llama, Qwen2, Mistral, Qwen3's q / k norms) in few kernels.
+
+Why few kernels: a replayed graph of a small model is bound by its number of kernels (one H200:
+~3 µs each, ~1,000 a step of SmolLM2's shape at ~33 a layer; docs/gpu.md), not by their work.
+Without Triton, a layer here is 12 kernels on CUDA (Llama, Qwen2, Mistral; 16 with Qwen3's q / k
+norms), counted on the CPU proxy's fake-graph tape (tests/fake_cuda.py):
+
+* RMSNorm with its weight: one ``torch.nn.functional.rms_norm`` (on CUDA the fused
+  ``_fused_rms_norm``, fp32 inside). The residual adds are in the GEMMs that precede them:
+  ``hidden.addmm_(x, W.t())``, cuBLAS's ``C += A B``.
+* q / k / v as one GEMM and gate / up as one GEMM over **fused buffers whose slices are the
+  model's parameters** (``fuse_projections``): each projection's ``weight`` (and bias) is re-pointed
+  (``param.data = view``) into one buffer, so a weight sync's ``copy_`` into the HF model's
+  parameters, a LoRA merge's ``addmm(out=weight)`` (llamarl/models/lora_merge.py) and anything
+  holding the parameter objects write the buffer the graphs read.
+* RoPE as matrix products, two ``bmm``: queries by ``R``, keys and values together by ``[R | I]``
+  (``R[i, j] = cos_j [i = j] + sin_j [i = j + d/2 mod d]`` is HF's ``x cos + rotate_half(x) sin``;
+  the identity half passes the values through), built once per step for every layer; the keys
+  and values of the step then go to the cache in one indexed write (the cache of a layer is one
+  tensor ``[2, slots, kv, width, d]``: keys, then values).
+* Attention as one ``scaled_dot_product_attention`` over (row, KV head) pairs, the query heads of
+  a KV head as its queries (GQA without repeating K / V), masked by position.
+* SiLU and the product: two kernels (one needs a custom kernel, as do residual + norm fused, RoPE
+  fused with the cache write, Qwen3's norms with RoPE: the rest of issue 45's 12 / 14).
+
+Numerics: fp32 matches HF's eager step to fp32 rounding. bf16 differs from HF by at most a bf16
+rounding per op where HF rounds twice and this step once (the norm's weight applied in fp32
+before the cast; a rotated pair and a projection plus its residual summed before rounding).
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def fuse_projections(model: torch.nn.Module) -> list[tuple[torch.Tensor, torch.Tensor | None, torch.Tensor,
+                                                               torch.Tensor | None]]:
+    """Per decoder layer ``(qkv_weight, qkv_bias, gate_up_weight, gate_up_bias)``: the rows of
+    q / k / v (gate / up) stacked in one buffer whose slices are the projections' parameters.
+
+    Idempotent: parameters that are already consecutive slices of one storage, in this order, are
+    left as they are and the buffer is a view over them; otherwise (the first call, or a parameter
+    rebound since) the buffer is made from their current values and each parameter re-pointed into
+    it (``param.data = buffer[rows]``: the same ``Parameter`` object, new storage). A bias is None
+    when none of the projections has one."""
+    fused = []
+    for layer in model.model.layers:
+        attn, mlp = layer.self_attn, layer.mlp
+        qkv, gate_up = (attn.q_proj, attn.k_proj, attn.v_proj), (mlp.gate_proj, mlp.up_proj)
+        fused.append((_one_buffer([m.weight for m in qkv]), _one_bias(qkv),
+                      _one_buffer([m.weight for m in gate_up]), _one_bias(gate_up)))
+    return fused
+
+
+def fusable(model: torch.nn.Module) -> bool:
+    """Whether every layer's q / k / v, and gate / up, all have a bias or all have none."""
+    return all(len({m.bias is None for m in group}) == 1 for layer in model.model.layers
+               for group in ((layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj),
+                             (layer.mlp.gate_proj, layer.mlp.up_proj)))
+
+
+def _one_bias(linears) -> torch.Tensor | None:
+    biases = [m.bias for m in linears]
+    return None if biases[0] is None else _one_buffer(biases)
+
+
+@torch.no_grad()
+def _one_buffer(params: list[torch.Tensor]) -> torch.Tensor:
+    first = params[0]
+    shape = (sum(p.shape[0] for p in params), *first.shape[1:])
+    strides = torch.empty(shape, device="meta").stride()
+    offset, adjacent = first.storage_offset(), True
+    for p in params:
+        adjacent &= (p.is_contiguous() and p.dtype == first.dtype and p.storage_offset() == offset
+                     and p.untyped_storage().data_ptr() == first.untyped_storage().data_ptr())
+        offset += p.numel()
+    if adjacent and offset <= first.untyped_storage().nbytes() // first.element_size():
+        return first.detach().as_strided(shape, strides, first.storage_offset())
+    buffer = torch.cat([p.detach() for p in params])
+    start = 0
+    for p in params:
+        p.data = buffer[start:start + p.shape[0]]
+        start += p.shape[0]
+    return buffer
+
+
+def rotations(cos_table: torch.Tensor, sin_table: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    """``[rows, d, 2d]``: ``[R | I]`` per row, ``R`` RoPE at the row's position as a matrix
+    (module docstring; ``sin_table`` has its first half negated, ``StaticState.sin``): a row
+    vector ``x`` times ``R`` is HF's ``x * cos + rotate_half(x) * sin``."""
+    cos, sin = cos_table[positions].unsqueeze(1), sin_table[positions].unsqueeze(1)  # [rows, 1, d]
+    d = cos.shape[-1]
+    eye = torch.eye(d, dtype=cos.dtype, device=cos.device)
+    rotation = eye * cos + eye.roll(d // 2, dims=1) * sin
+    return torch.cat((rotation, eye.expand_as(rotation)), dim=2)
+
+
+def _rms_norm(norm: torch.nn.Module | None, x: torch.Tensor, eps: float | None = None) -> torch.Tensor:
+    """HF's Llama-family RMSNorm (``weight * normalise(x)``) as one fused kernel on CUDA; ``norm``
+    None: no weight (``eps`` given)."""
+    weight = None if norm is None else norm.weight
+    return torch.nn.functional.rms_norm(x, (x.shape[-1],), weight, norm.variance_epsilon if eps is None else eps)
+
+
+def _linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    return torch.mm(x, weight.t()) if bias is None else torch.addmm(bias, x, weight.t())
+
+
+def _add_linear_(hidden: torch.Tensor, x: torch.Tensor, linear: torch.nn.Linear) -> torch.Tensor:
+    """``hidden += linear(x)``, the residual add inside the GEMM (``C += A B``)."""
+    hidden.addmm_(x, linear.weight.t())
+    return hidden if linear.bias is None else hidden.add_(linear.bias)
+
+
+def static_forward(model: torch.nn.Module, fused: list, tokens: torch.Tensor, positions: torch.Tensor,
+                   caches: list[torch.Tensor], cos_table: torch.Tensor, sin_table: torch.Tensor,
+                   logits: torch.Tensor, num_heads: int, num_kv_heads: int, head_dim: int,
+                   scaling: float) -> torch.Tensor:
+    """Write into ``logits`` ``[rows, vocab]`` (and return it) the logits of the token after
+    ``tokens`` ``[rows]``, each fed at its row's position ``positions`` ``[rows]``; write its keys
+    and values into row r of ``caches[l]`` (``[2, rows, kv, width, d]``: keys then values, views of
+    the state's first ``rows`` slots) at that position and attend over the row's columns
+    ``0 .. position``. ``fused``: ``fuse_projections(model)``. ``sin_table`` is RoPE's sine with
+    its first half negated. Shapes depend only on ``rows`` and the width: one graph per pair.
+    ``logits`` is written by the last GEMM (``out=``): a buffer of the caller's, not the graph's."""
+    rows = tokens.shape[0]
+    inner = model.model
+    hidden = inner.embed_tokens(tokens)  # [rows, hidden]
+    rotation = rotations(cos_table, sin_table, positions)  # [rows, d, 2d]: [R | I]
+    width = caches[0].shape[3]
+    groups, heads = num_heads // num_kv_heads, num_heads + 2 * num_kv_heads
+    visible = torch.arange(width, device=tokens.device) <= positions.unsqueeze(1)  # [rows, width]
+    # One mask row per (row, KV head), the batch of the attention: [rows * kv, 1, 1, width].
+    bias = torch.zeros((rows, num_kv_heads, 1, width), dtype=hidden.dtype, device=hidden.device).masked_fill(
+        ~visible[:, None, None, :], torch.finfo(hidden.dtype).min).view(rows * num_kv_heads, 1, 1, width)
+    row_index = torch.arange(rows, device=tokens.device)
+    for layer, (qkv_weight, qkv_bias, gate_up_weight, gate_up_bias), cache in zip(inner.layers, fused, caches):
+        attn, mlp = layer.self_attn, layer.mlp
+        qkv = _linear(_rms_norm(layer.input_layernorm, hidden), qkv_weight, qkv_bias).view(rows, heads, head_dim)
+        q, kv = qkv[:, :num_heads], qkv[:, num_heads:]
+        if hasattr(attn, "q_norm"):  # Qwen3: RMSNorm over each head before RoPE, q and k normalised at once
+            normed = _rms_norm(None, qkv, attn.q_norm.variance_epsilon)
+            q = normed[:, :num_heads] * attn.q_norm.weight
+            kv = torch.cat((normed[:, num_heads:num_heads + num_kv_heads] * attn.k_norm.weight,
+                            qkv[:, num_heads + num_kv_heads:]), dim=1)
+        q = torch.bmm(q, rotation[:, :, :head_dim])  # [rows, heads, d], contiguous
+        new = torch.bmm(kv, rotation)  # [rows, 2 kv, 2d]: rotated keys in the first half, values in the second
+        # A view [rows, 2, kv, d] of (keys, values): head h's rotated half of the keys, its identity
+        # half of the values, i.e. the diagonal of (keys / values) x (first / second half).
+        new = torch.diagonal(new.view(rows, 2, num_kv_heads, 2, head_dim), dim1=1, dim2=3).permute(0, 3, 1, 2)
+        cache[:, row_index, :, positions] = new  # the indexed dims first: [rows, 2, kv, d]
+        # Grouped query heads against their KV head: batch (row, KV head), the group as the queries.
+        attended = torch.nn.functional.scaled_dot_product_attention(
+            q.view(rows * num_kv_heads, 1, groups, head_dim),
+            cache[0].view(rows * num_kv_heads, 1, width, head_dim),
+            cache[1].view(rows * num_kv_heads, 1, width, head_dim), attn_mask=bias, scale=scaling)
+        _add_linear_(hidden, attended.view(rows, num_heads * head_dim), attn.o_proj)
+        gate_up = _linear(_rms_norm(layer.post_attention_layernorm, hidden), gate_up_weight, gate_up_bias)
+        inter = gate_up.shape[1] // 2
+        _add_linear_(hidden, mlp.act_fn(gate_up[:, :inter]) * gate_up[:, inter:], mlp.down_proj)
+    normed = _rms_norm(inner.norm, hidden)
+    lm_head = model.lm_head
+    if lm_head.bias is None:
+        return torch.mm(normed, lm_head.weight.t(), out=logits)
+    return torch.addmm(lm_head.bias, normed, lm_head.weight.t(), out=logits)
