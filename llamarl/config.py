@@ -163,6 +163,19 @@ class RewardConfig:
         _check(self.timeout_s > 0, "--reward.timeout-s must be > 0")
 
 
+ALGO_PRESETS: dict[str, dict[str, object]] = {
+    # DAPO (arXiv:2503.14476): clip-higher, token-level loss. Its dynamic sampling and overlong
+    # shaping are not part of the preset (recipes/dapo_filter.py has the filter).
+    "dapo": {"loss": "dapo", "eps_low": 0.2, "eps_high": 0.28, "loss_agg": "token-mean"},
+    # Dr. GRPO (arXiv:2503.20783): no std division, no length normalisation.
+    "dr-grpo": {"loss": "decoupled_ppo", "advantage": "dr_grpo", "loss_agg": "seq-mean-token-sum-norm"},
+    # GSPO (arXiv:2507.18071): sequence-level ratio, clip 3e-4 / 4e-4, samples averaged.
+    "gspo": {"loss": "gspo", "eps_low": 3e-4, "eps_high": 4e-4, "loss_agg": "seq-mean-token-mean"},
+    # CISPO (arXiv:2506.13585): clipped importance weight, no lower bound, token-level.
+    "cispo": {"loss": "cispo", "eps_low": 1.0, "eps_high": 0.28, "loss_agg": "token-mean"},
+}
+
+
 @dataclass
 class AlgoConfig:
     """The RL algorithm: the registered policy loss and advantage estimator, their coefficients, the
@@ -200,8 +213,61 @@ class AlgoConfig:
     trainer has (almost) nothing left to drop. Under ``wait`` a completion needing more generator
     steps than eta allows can never finish: size ``--generator.token-budget`` accordingly."""
 
+    preset: Literal["dapo", "dr-grpo", "gspo", "cispo"] | None = None
+    """A published recipe's values in one flag (docs/algorithms.md, "Presets"): it sets each of its
+    fields that is still at its default (a flag you give with a non-default value wins). ``dapo``:
+    loss dapo (clip-higher 0.2 / 0.28), token-mean; ``dr-grpo``: advantage dr_grpo (no std),
+    seq-mean-token-sum-norm; ``gspo``: loss gspo (3e-4 / 4e-4), seq-mean-token-mean; ``cispo``: loss
+    cispo (weight clipped at 1.28, no lower bound), token-mean."""
+    loss_agg: Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"] = "token-mean"
+    """How per-token loss terms become the loss (llamarl/algorithms/aggregation.py): ``token-mean``
+    over the step's loss tokens; ``seq-mean-token-mean`` each sample's token mean, averaged over
+    samples (GRPO as published, GSPO); ``seq-mean-token-sum-norm`` each sample's sum over one
+    constant length, averaged over samples (Dr. GRPO: no length bias). Exact across micro-batches
+    and ranks."""
+    loss_agg_length: int | None = None
+    """``seq-mean-token-sum-norm``'s constant length L; None: ``--generator.max-new-tokens``."""
+    eps_low: float | None = None
+    """Lower clip range of ``dapo`` / ``gspo`` / ``gspo_token`` / ``cispo`` (``1 - eps_low``); None:
+    the loss's published value (0.2 / 3e-4 / 3e-4 / 1.0: CISPO has no lower bound)."""
+    eps_high: float | None = None
+    """Upper clip range of those losses (``1 + eps_high``; DAPO's clip-higher); None: the published
+    value (0.28 / 4e-4 / 4e-4 / 0.28)."""
+    dual_clip: float | None = None
+    """``dapo``: the dual clip c > 1 bounding a negative-advantage token's term at ``c A`` (None: off)."""
+    mismatch: Literal["none", "token-tis", "seq-tis", "token-mis", "seq-mis", "icepop"] = "none"
+    """Correction of the generator / trainer probability mismatch for the losses with a proximal
+    policy (``decoupled_ppo``, ``dapo``, ``gspo``, ``cispo``; llamarl/algorithms/mismatch.py): the
+    behaviour weight ``pi_prox / mu`` truncated at C per token or sample (TIS), masked outside
+    [1/C, C] (MIS), or IcePop's mask. Its metrics (``mismatch_k3``, ratio range, fraction
+    corrected) are reported every tick. Needs ``--algo.prox recompute``."""
+    mismatch_cap: float = 2.0
+    """C of ``--algo.mismatch`` (> 1)."""
+    adv_pos_weight: float = 1.0
+    """Multiplies every positive advantage (positive / negative reweighting; 1: off)."""
+    adv_neg_weight: float = 1.0
+    """Multiplies every negative advantage (1: off)."""
+
     def __post_init__(self) -> None:
+        if self.preset is not None:
+            for name, value in ALGO_PRESETS[self.preset].items():
+                if getattr(self, name) == AlgoConfig.__dataclass_fields__[name].default:
+                    setattr(self, name, value)
         _check(self.loss in POLICY_LOSSES, f"--algo.loss {self.loss!r} is not registered; known: {POLICY_LOSSES.names()}")
+        _check(self.mismatch == "none" or POLICY_LOSSES.get(self.loss).needs_prox,
+               f"--algo.mismatch {self.mismatch} corrects the behaviour weight of a loss with a proximal policy "
+               f"(decoupled_ppo, dapo, gspo, gspo_token, cispo); --algo.loss {self.loss} has none")
+        _check(self.mismatch == "none" or self.prox == "recompute",
+               f"--algo.mismatch {self.mismatch} needs --algo.prox recompute (the log-linear proximal policy "
+               "equals the behaviour policy at staleness 0: it cannot see the mismatch)")
+        _check(self.mismatch_cap > 1, f"--algo.mismatch-cap must be > 1, got {self.mismatch_cap}")
+        _check(self.dual_clip is None or self.dual_clip > 1, f"--algo.dual-clip must be > 1, got {self.dual_clip}")
+        _check(self.eps_low is None or 0 < self.eps_low <= 1, f"--algo.eps-low must be in (0, 1], got {self.eps_low}")
+        _check(self.eps_high is None or self.eps_high > 0, f"--algo.eps-high must be > 0, got {self.eps_high}")
+        _check(self.loss_agg_length is None or self.loss_agg_length >= 1,
+               f"--algo.loss-agg-length must be >= 1, got {self.loss_agg_length}")
+        _check(self.adv_pos_weight >= 0 and self.adv_neg_weight >= 0,
+               "--algo.adv-pos-weight and --algo.adv-neg-weight must be >= 0")
         _check(self.advantage in ADVANTAGES,
                f"--algo.advantage {self.advantage!r} is not registered; known: {ADVANTAGES.names()}")
         _check(self.rho > 0, f"--algo.rho must be > 0, got {self.rho}")
@@ -287,13 +353,15 @@ class TrainerConfig:
     the same log-probs and gradients up to summation order, ~2.4x fewer tokens on the default
     recipe's 45-token prompts x 4 samples x 12 new tokens. The micro-batch budget then counts packed
     tokens. Models whose attention is not ``sdpa`` fall back to per-row forwards."""
-    logprob_chunk_tokens: int = 0
-    """Compute the log-probs this many tokens at a time: the LM head and log-softmax run on one
-    chunk of a micro-batch's tokens at once, each chunk checkpointed (its logits recomputed in the
-    backward), so no full-vocabulary logits of the whole micro-batch are built (16,384 tokens x
-    Qwen's 151,936 ids are ~10 GB per fp32 copy). Same values and gradients up to summation order
-    (``llamarl/models/logprob_chunks.py``); costs one more LM-head matmul per chunk in the backward.
-    0 (default): the whole micro-batch at once. GPU presets with large vocabularies: 2048-4096."""
+    logprob_chunk_tokens: int = 1024
+    """Compute the log-probs from the final hidden states this many tokens at a time, never the
+    whole ``[tokens, vocab]`` logits: a plain LM head goes through a fused custom autograd function
+    whose backward recomputes each chunk's softmax (``llamarl/models/fused_logprobs.py``), other
+    heads through their own forward per checkpointed chunk (``llamarl/models/logprob_chunks.py``).
+    Same values and gradients up to summation order (fp32: ~1e-6 relative), and each token's
+    entropy as the ``entropy`` metric. When a micro-batch's tokens fit one chunk, that chunk's
+    probabilities are kept instead of recomputed (no extra matmul). 0: the whole micro-batch's
+    logits at once (16,384 tokens x Qwen's 151,936 ids are ~10 GB per fp32 copy)."""
     num_threads: int = 1
     """torch intra-op threads on each trainer rank."""
     max_nonfinite_steps: int = 3
@@ -536,5 +604,7 @@ class RLConfig:
         _check(self.generator.top_p == 1.0 and self.generator.top_k == 0,
                f"--generator.top-p {self.generator.top_p} / --generator.top-k {self.generator.top_k}: training "
                "needs the untruncated distribution (top-p 1, top-k 0); the trainer cannot reproduce the filter")
+        if self.algo.loss_agg_length is None:  # Dr. GRPO's constant: the longest a completion can be
+            self.algo.loss_agg_length = self.generator.max_new_tokens
         _check(self.checkpoint.resume != "latest" or self.run.output_dir is not None,
                "--checkpoint.resume latest needs --run.output-dir (the run whose checkpoints to continue)")

@@ -20,7 +20,9 @@ Aggregation contract: every loss returns ``sum_{masked tokens} l_t / num_loss_to
 micro-batches and data-parallel ranks), computed once by the caller. Summing the gradients of
 all micro-batches and all-reducing them with SUM then gives exactly the global token mean. With
 ``num_loss_tokens=None`` the local ``mask.sum()`` is used (clamped to >= 1, so an all-zero mask
-gives loss 0 with zero grad instead of NaN).
+gives loss 0 with zero grad instead of NaN). ``num_loss_tokens`` may instead be an
+``aggregation.Aggregation`` (``--algo.loss-agg``: the per-sample means of GRPO and Dr. GRPO), which
+every loss here honours through ``aggregation.aggregate``.
 
 Metrics are local (this call only) masked means/maxes, 0-d detached tensors, and are 0 when the
 mask is empty. ``approx_kl`` is the k3 estimator of KL(mu || pi_theta) (Schulman, "Approximating
@@ -35,6 +37,9 @@ from __future__ import annotations
 
 import torch
 from torch import Tensor
+
+from llamarl.algorithms.aggregation import Aggregation, aggregate
+from llamarl.algorithms.mismatch import mismatch_weights
 
 __all__ = ["aipo_loss", "decoupled_ppo_loss", "ppo_loss"]
 
@@ -74,18 +79,6 @@ def _prepare(
     return logp.to(dtype), others, adv, mask
 
 
-def _denominator(mask: Tensor, num_loss_tokens: float | Tensor | None, dtype: torch.dtype) -> Tensor:
-    if num_loss_tokens is None:
-        return mask.sum().to(dtype).clamp_min(1.0)
-    if isinstance(num_loss_tokens, Tensor):
-        # No sign check: it would force a device sync every micro-batch.
-        return num_loss_tokens.detach().to(device=mask.device, dtype=dtype).clamp_min(1.0)
-    if num_loss_tokens < 0:
-        raise ValueError(f"num_loss_tokens must be >= 0, got {num_loss_tokens}")
-    # A global count of 0 means every call's sum is 0 too; clamp so the loss is 0, not NaN.
-    return torch.tensor(max(float(num_loss_tokens), 1.0), dtype=dtype, device=mask.device)
-
-
 def _masked_mean(x: Tensor, mask: Tensor) -> Tensor:
     return torch.where(mask, x, 0.0).sum() / mask.sum().clamp_min(1)
 
@@ -114,7 +107,7 @@ def aipo_loss(
     advantages: Tensor,
     mask: Tensor,
     rho: float = 4.0,
-    num_loss_tokens: float | Tensor | None = None,
+    num_loss_tokens: float | Tensor | Aggregation | None = None,
 ) -> tuple[Tensor, Metrics]:
     """AIPO loss, LlamaRL §6 (Wu et al., 2025, arXiv:2505.24034).
 
@@ -134,7 +127,7 @@ def aipo_loss(
     ratio = log_ratio.exp()
     weight = ratio.clamp(max=rho)
     per_token = -weight * adv * torch.where(mask, logp, 0.0)
-    loss = torch.where(mask, per_token, 0.0).sum() / _denominator(mask, num_loss_tokens, logp.dtype)
+    loss = aggregate(per_token, mask, num_loss_tokens)
 
     with torch.no_grad():
         metrics = _behaviour_metrics(log_ratio, mask)
@@ -151,7 +144,9 @@ def decoupled_ppo_loss(
     mask: Tensor,
     eps_clip: float = 0.2,
     behav_weight_cap: float | None = None,
-    num_loss_tokens: float | Tensor | None = None,
+    num_loss_tokens: float | Tensor | Aggregation | None = None,
+    mismatch: str = "none",
+    mismatch_cap: float = 2.0,
 ) -> tuple[Tensor, Metrics]:
     """Decoupled PPO loss, AReaL eq. 3 (Fu et al., 2025, arXiv:2505.24298).
 
@@ -169,7 +164,9 @@ def decoupled_ppo_loss(
     Returns ``(sum_t l_t / num_loss_tokens, metrics)``. ``clip_fraction`` is the fraction of
     masked tokens where the clipped term is strictly smaller than the unclipped one (so the token
     has zero gradient); ``behav_weight_mean``/``behav_capped_fraction`` describe ``w`` before
-    capping. Raises ValueError on shape mismatches, ``eps_clip`` outside (0, 1) or a cap <= 0.
+    capping. ``mismatch`` (``--algo.mismatch``, ``mismatch.py``): ``w_t`` replaced by its
+    truncated / masked form (token or sequence TIS, MIS, IcePop) with ``mismatch_cap`` C, its
+    metrics added. Raises ValueError on shape mismatches, ``eps_clip`` outside (0, 1) or a cap <= 0.
     """
     if not 0.0 < eps_clip < 1.0:
         raise ValueError(f"eps_clip must be in (0, 1), got {eps_clip}")
@@ -182,13 +179,18 @@ def decoupled_ppo_loss(
 
     behav_weight = torch.where(mask, prox - behav, 0.0).exp()
     keep = mask if behav_weight_cap is None else mask & (behav_weight <= behav_weight_cap)
+    weight = torch.where(keep, behav_weight, 0.0)
+    mismatch_metrics: Metrics = {}
+    if mismatch != "none":  # the behaviour weight corrected for the generator / trainer mismatch
+        weight, mismatch_metrics = mismatch_weights(prox, behav, keep, kind=mismatch, cap=mismatch_cap)
+        keep = keep & (weight > 0)
     # Zero the log-ratio on dropped tokens *before* exp: a huge u there would otherwise make
     # 0 * inf = NaN in the backward pass.
     ratio = torch.where(keep, logp - prox, 0.0).exp()
     surr = ratio * adv
     surr_clipped = ratio.clamp(1.0 - eps_clip, 1.0 + eps_clip) * adv
-    per_token = -torch.where(keep, behav_weight, 0.0) * torch.minimum(surr, surr_clipped)
-    loss = torch.where(keep, per_token, 0.0).sum() / _denominator(mask, num_loss_tokens, logp.dtype)
+    per_token = -weight * torch.minimum(surr, surr_clipped)
+    loss = aggregate(torch.where(keep, per_token, 0.0), mask, num_loss_tokens)
 
     with torch.no_grad():
         # Recompute u on every masked token (incl. capped ones) for honest clip statistics.
@@ -198,6 +200,7 @@ def decoupled_ppo_loss(
         metrics["clip_fraction"] = _masked_mean(clipped.to(logp.dtype), mask)
         metrics["behav_weight_mean"] = _masked_mean(behav_weight, mask)
         metrics["behav_capped_fraction"] = _masked_mean((mask & ~keep).to(logp.dtype), mask)
+        metrics.update(mismatch_metrics)
     return loss, metrics
 
 
@@ -208,7 +211,7 @@ def ppo_loss(
     advantages: Tensor,
     mask: Tensor,
     eps_clip: float = 0.2,
-    num_loss_tokens: float | Tensor | None = None,
+    num_loss_tokens: float | Tensor | Aggregation | None = None,
 ) -> tuple[Tensor, Metrics]:
     """Coupled PPO clip loss (Schulman et al., 2017, arXiv:1707.06347).
 

@@ -29,6 +29,7 @@ from typing import Literal
 from torch import Tensor
 
 from llamarl.algorithms.advantages import group_advantages
+from llamarl.algorithms.clip_variants import cispo_loss, dapo_loss, gspo_loss
 from llamarl.algorithms.losses import aipo_loss, decoupled_ppo_loss, ppo_loss
 from llamarl.registry import Registry
 
@@ -89,12 +90,44 @@ def _aipo(*, logp, behav_logp, prox_logp, advantages, mask, algo, num_loss_token
                      num_loss_tokens=num_loss_tokens)
 
 
+_MISMATCH_METRICS: dict[str, Reduction] = {"mismatch_k3": "mean", "mismatch_ratio_max": "max",
+                                            "mismatch_inv_ratio_max": "max", "mismatch_corrected_fraction": "mean"}
+
+
+def _bounds(algo, low: float, high: float) -> dict[str, float]:
+    """``--algo.eps-low`` / ``--algo.eps-high``, or the loss's published values where unset."""
+    return {"eps_low": low if algo.eps_low is None else algo.eps_low,
+            "eps_high": high if algo.eps_high is None else algo.eps_high}
+
+
 @register_policy_loss("decoupled_ppo", needs_prox=True, metrics={
-    **_BEHAVIOUR_METRICS, "behav_weight_mean": "mean", "behav_capped_fraction": "mean"})
+    **_BEHAVIOUR_METRICS, **_MISMATCH_METRICS, "behav_weight_mean": "mean", "behav_capped_fraction": "mean"})
 def _decoupled_ppo(*, logp, behav_logp, prox_logp, advantages, mask, algo, num_loss_tokens):
     return decoupled_ppo_loss(logp=logp, prox_logp=prox_logp, behav_logp=behav_logp, advantages=advantages, mask=mask,
                               eps_clip=algo.eps_clip, behav_weight_cap=algo.behav_weight_cap,
-                              num_loss_tokens=num_loss_tokens)
+                              num_loss_tokens=num_loss_tokens, mismatch=algo.mismatch, mismatch_cap=algo.mismatch_cap)
+
+
+@register_policy_loss("dapo", needs_prox=True, metrics={**_BEHAVIOUR_METRICS, **_MISMATCH_METRICS})
+def _dapo(*, logp, behav_logp, prox_logp, advantages, mask, algo, num_loss_tokens):
+    return dapo_loss(logp=logp, prox_logp=prox_logp, behav_logp=behav_logp, advantages=advantages, mask=mask,
+                     **_bounds(algo, 0.2, 0.28), dual_clip=algo.dual_clip, num_loss_tokens=num_loss_tokens,
+                     mismatch=algo.mismatch, mismatch_cap=algo.mismatch_cap)
+
+
+for _name, _token in (("gspo", False), ("gspo_token", True)):
+    register_policy_loss(_name, needs_prox=True, metrics={**_BEHAVIOUR_METRICS, **_MISMATCH_METRICS})(
+        lambda *, logp, behav_logp, prox_logp, advantages, mask, algo, num_loss_tokens, _token=_token: gspo_loss(
+            logp=logp, prox_logp=prox_logp, behav_logp=behav_logp, advantages=advantages, mask=mask,
+            **_bounds(algo, 3e-4, 4e-4), token_level=_token, num_loss_tokens=num_loss_tokens,
+            mismatch=algo.mismatch, mismatch_cap=algo.mismatch_cap))
+
+
+@register_policy_loss("cispo", needs_prox=True, metrics={**_BEHAVIOUR_METRICS, **_MISMATCH_METRICS})
+def _cispo(*, logp, behav_logp, prox_logp, advantages, mask, algo, num_loss_tokens):
+    return cispo_loss(logp=logp, prox_logp=prox_logp, behav_logp=behav_logp, advantages=advantages, mask=mask,
+                      **_bounds(algo, 1.0, 0.28), num_loss_tokens=num_loss_tokens, mismatch=algo.mismatch,
+                      mismatch_cap=algo.mismatch_cap)
 
 
 @register_policy_loss("ppo", metrics=_BEHAVIOUR_METRICS)
@@ -106,3 +139,6 @@ def _ppo(*, logp, behav_logp, prox_logp, advantages, mask, algo, num_loss_tokens
 for _mode in ("grpo", "rloo", "mean"):
     register_advantage(_mode)(lambda rewards, group_size, *, eps=1e-6, _mode=_mode:
                               group_advantages(rewards, group_size, _mode, eps=eps))
+# Dr. GRPO's name for the plain group-mean baseline (no std division, arXiv:2503.20783).
+register_advantage("dr_grpo")(lambda rewards, group_size, *, eps=1e-6:
+                              group_advantages(rewards, group_size, "mean", eps=eps))

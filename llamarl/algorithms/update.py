@@ -183,7 +183,12 @@ class PolicyUpdate:
         group_size = int(batch.metadata["group_size"])
         batch = batch.select(torch.argsort(batch["group_ids"], stable=True))
         check_groups(batch["group_ids"], group_size, where="trainer input")
-        batch.fields["advantages"] = self._advantage(batch["rewards"].float(), group_size)
+        advantages = self._advantage(batch["rewards"].float(), group_size)
+        if self.algo.adv_pos_weight != 1.0 or self.algo.adv_neg_weight != 1.0:
+            # Positive / negative reweighting (--algo.adv-pos-weight / --algo.adv-neg-weight).
+            advantages = torch.where(advantages > 0, advantages * self.algo.adv_pos_weight,
+                                     advantages * self.algo.adv_neg_weight)
+        batch.fields["advantages"] = advantages
         return batch
 
     def loss_on(self, sub: TensorBatch, logp: Tensor, mask: Tensor, *, num_loss_tokens: float, version: int,
