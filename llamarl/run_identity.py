@@ -37,6 +37,7 @@ DATASET_SAMPLES = 256
 SAFE = (
     "checkpoint.", "export.", "eval.", "run.max_steps", "run.output_dir", "run.collective_timeout_s",
     "run.liveness_timeout_s", "run.eval_every", "run.num_eval_problems", "run.device_guard", "run.log_samples",
+    "run.stop_on_no_signal",
     "run.wandb_", "generator.num_ranks", "generator.tp", "generator.num_threads", "generator.engine",
     "generator.torch.", "generator.vllm.", "generator.max_num_seqs", "reward.num_ranks", "reward.num_workers",
     "reward.device", "reward.timeout_s", "trainer.num_threads", "trainer.activation_checkpointing",
@@ -66,16 +67,14 @@ def _safetensors_header(path: Path) -> dict:
         return json.loads(f.read(length))
 
 
-def model_fingerprint(name: str) -> str:
-    """The fingerprint of model ``name`` (a directory, the built-in alias, or a Hub id) as the module
-    docstring says; ``hub:<id>`` for a Hub id with no local directory."""
+def model_fingerprint(source: str) -> str:
+    """The fingerprint of the model at ``source`` (what ``llamarl.models.loading.resolve_source``
+    gives: a directory, or a Hub id) as the module docstring says; ``hub:<id>`` for a Hub id."""
     import xxhash
 
-    from llamarl.models.loading import resolve_source
-
-    source = Path(resolve_source(name))
-    if not source.is_dir():
-        return f"hub:{name}"
+    if not Path(source).is_dir():
+        return f"hub:{source}"
+    source = Path(source)
     digest = xxhash.xxh3_128()
     for path in sorted(source.glob("*.safetensors")):
         header = _safetensors_header(path)
@@ -98,11 +97,12 @@ def dataset_fingerprint(task) -> str:
     return digest.hexdigest()
 
 
-def run_identity(config, *, recipe: str, dataset: str | None) -> dict:
-    """This run's identity (module docstring) from ``config`` (a dataclass with a ``model``
-    section), the recipe's name and the dataset fingerprint (None: the pipeline has no task)."""
+def run_identity(config, *, recipe: str, dataset: str | None, model_source: str) -> dict:
+    """This run's identity (module docstring) from ``config`` (a dataclass), the recipe's name, the
+    dataset fingerprint (None: the pipeline has no task) and where the model loads from
+    (``model_source``: ``resolve_source(config.model.name)``; this module sits below the models)."""
     flat = _flatten(asdict(config))
-    identity: dict = {"recipe": recipe, "model.weights": model_fingerprint(config.model.name)}
+    identity: dict = {"recipe": recipe, "model.weights": model_fingerprint(model_source)}
     if dataset is not None:
         identity["dataset"] = dataset
     identity.update({key: value for key, value in sorted(flat.items()) if not _safe(key)})

@@ -45,6 +45,7 @@ from llamarl.errors import exception_text
 from llamarl.eval_history import Evaluations
 from llamarl.executor import check_roles
 from llamarl.log import setup_logging
+from llamarl.models.loading import resolve_source
 from llamarl.pipeline import Pipeline
 from llamarl.progress import Progress
 from llamarl.run_checkpoints import RunCheckpoints
@@ -90,7 +91,8 @@ def run_pipeline(pipeline: Pipeline, config: RunSections, *, recipe: str, heldou
     try:
         directory = RunDirectory.open(run, recipe=recipe, ctx=ctx)
         if ctx.rank == 0 and (config.checkpoint.every or config.checkpoint.resume):
-            identity = run_identity(config, recipe=recipe, dataset=dataset() if dataset is not None else None)
+            identity = run_identity(config, recipe=recipe, dataset=dataset() if dataset is not None else None,
+                                    model_source=resolve_source(config.model.name))
         resume = directory.resume(config.checkpoint, max_steps=run.max_steps, ctx=ctx, identity=identity)
     except ValueError as exc:
         stop_before_start(exc)

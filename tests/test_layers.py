@@ -38,7 +38,8 @@ ROOT = Path(__file__).resolve().parents[1]
 
 LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("foundation", ("llamarl", "llamarl.batch", "llamarl.boxes", "llamarl.registry", "llamarl.log",
-                    "llamarl.checkpoint", "llamarl.sharded_state", "llamarl.metrics", "llamarl.progress",
+                    "llamarl.checkpoint", "llamarl.checkpoint_files", "llamarl.run_identity",
+                    "llamarl.sharded_state", "llamarl.metrics", "llamarl.progress",
                     "llamarl.sample_log", "llamarl.wandb_log")),
     ("data", ("llamarl.data",)),
     ("models", ("llamarl.models",)),
