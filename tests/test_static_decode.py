@@ -196,7 +196,7 @@ def test_auto_falls_back_to_the_hf_modules_when_the_first_call_fails(monkeypatch
     model = build_family("llama-tied")
     monkeypatch.setattr(TorchEngine, "_static_wanted", lambda self, device: self.static_decode != "off")
 
-    def broken(self, state, rows):
+    def broken(self, state, rows, **kw):
         raise RuntimeError("no Triton")
 
     monkeypatch.setattr(StaticDecoder, "step", broken)

@@ -42,7 +42,7 @@ def shape_checks(result: dict) -> list[dict]:
         what = f"{shape}: decode step / bound with live KV, {rows} rows" + (
             f" (worst: width {worst['width']}, {worst['mode']})" if worst else "")
         found.append(_at_most(what, None if worst is None else worst["vs_bound"], step_limit(shape, index)))
-    found.append(_at_most(f"{shape}: seconds to capture every bucket (the longest width)", result.get("capture_s_max"),
+    found.append(_at_most(f"{shape}: seconds capturing the graphs of a width's calls (the longest width)", result.get("capture_s_max"),
                           TARGETS["capture_seconds_per_shape"]))
     return found
 

@@ -187,6 +187,14 @@ def shape_section(name: str, sizes: Sizes, save) -> dict:
                         "tokens_per_s": bounds.ratio(1000.0 * rows, step_ms),
                         "prefill_s": first, "prefill_tokens_per_s": rows * sizes.prompt_tokens / first})
                     save(out)
+            # The graphs are captured lazily, one per (bucket, attention span, sampling) at its first
+            # step (llamarl/engines/static_decode.py): count every capture of this width's calls.
+            after = decoder_counters(engine)
+            if after["num_captures"] is not None:
+                out["widths"][str(width)].update(
+                    graphs=after["num_captures"] - (before["num_captures"] or 0),
+                    capture_s=after["capture_seconds"] - (before["capture_seconds"] or 0.0))
+                save(out)
             if width == sizes.widths[0]:
                 rows = min(sizes.profile_rows, max(sizes.rows))
                 try:

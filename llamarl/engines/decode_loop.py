@@ -12,6 +12,12 @@ at its last position: the step rewrites keys and values it already wrote, from t
 its cache stays that of its tokens (what a kept carried cache needs). Nothing here reads a device
 value on the host between two looks.
 
+A decoder that ``samples_in_step`` (the static decoder: static_sampling.py) does all of that inside
+its step (one CUDA graph replay, no eager op between two looks) over per-slot records indexed by
+position; the loop copies a row's uniforms into its slot at admission and, at each look, drains the
+records into the books below (``drain``) before reading them. Its steps also take an attention
+``span`` (the live columns until the next look: static_shapes.span_rung), asked at each look.
+
 At a look (every ``eos_check_every`` steps for a bucketed decoder, every step for the others,
 whose host reads are free or whose rows must be exactly the live ones) the host reads which slots
 are still live: finished rows leave (a carried row's cache is kept when ``carried_cache="keep"``
@@ -35,7 +41,7 @@ import torch
 
 from llamarl.engines.base import Request, SamplingParams
 from llamarl.engines.decoder import Decoder, SlotState
-from llamarl.engines.static_decode import bucket
+from llamarl.engines.static_shapes import bucket
 
 
 @dataclass
@@ -93,6 +99,12 @@ def decode(decoder: Decoder, host: LoopHost, reqs: list[Request], *, contexts: l
     # state's rounding up to a bucket leaves the others empty.
     slot_of: list[int | None] = [None] * capacity
     slot_ids = torch.arange(state.capacity, device=device)
+    # A decoder that samples inside its step (static_decode.py, static_sampling.py) keeps per-slot
+    # records, drained into the books at each look; the slots' liveness is its records' own.
+    in_step = getattr(decoder, "samples_in_step", False)
+    if in_step:
+        state.records.begin(host.stop_ids)
+        books.alive = state.records.alive
 
     def record(slots: torch.Tensor, logits: torch.Tensor, live: torch.Tensor) -> None:
         """Sample every slot of ``slots`` from its ``logits``; book the tokens of the ``live`` ones."""
@@ -100,6 +112,9 @@ def decode(decoder: Decoder, host: LoopHost, reqs: list[Request], *, contexts: l
         column = books.num_new[request]
         tokens, lps = host.sample(logits, sampling=sampling,
                                   uniforms=None if uniforms is None else uniforms[request, column])
+        if in_step:  # the step's own books, eagerly (a look's ops)
+            state.records.book(slots, tokens, lps, None, fed=state.tokens, positions=state.positions)
+            return
         target = torch.where(live, request, books.trash)
         books.ids[target, column] = tokens
         books.lps[target, column] = lps
@@ -133,6 +148,10 @@ def decode(decoder: Decoder, host: LoopHost, reqs: list[Request], *, contexts: l
         books.slot_request[where] = torch.tensor(indices, dtype=torch.long, device=device)
         state.tokens[where] = torch.tensor([contexts[i][-1] for i in indices], dtype=torch.long, device=device)
         state.positions[where] = torch.tensor([len(contexts[i]) - 1 for i in indices], device=device)
+        if in_step:
+            state.records.admit(where, bases=[len(contexts[i]) - 1 for i in indices],
+                                limits=[limits[i] for i in indices],
+                                uniforms=None if uniforms is None else uniforms[books.slot_request[where]])
         if fresh:
             logits, cache, mask = host.prefill([contexts[i] for _, i, _ in fresh])
             targets = [slot for slot, _, _ in fresh]
@@ -146,18 +165,41 @@ def decode(decoder: Decoder, host: LoopHost, reqs: list[Request], *, contexts: l
                            lengths=[len(contexts[i]) - 1], left_padded=False)
             books.alive[torch.tensor([slot for slot, _, _ in kept], dtype=torch.long, device=device)] = True
 
+    def drain() -> None:
+        """Gather the step's per-slot records into the books (a look's few ops, any number of steps
+        since the last); grow the top-p candidates if a row stalled on them (static_sampling.py)."""
+        nonlocal key
+        records, request = state.records, books.slot_request
+        columns = (records.base.unsqueeze(1) + torch.arange(books.ids.shape[1], device=device)).clamp_(
+            max=records.ids.shape[1] - 1)
+        books.ids[request] = records.ids.gather(1, columns)
+        books.lps[request] = records.lps.gather(1, columns)
+        books.num_new[request] = records.counts(state.positions)
+        books.stopped[request] = records.stopped
+        if key[3] and bool(records.overflow.any()):
+            decoder.grow_candidates(key)
+            key = decoder.sampling_key(sampling)
+            records.overflow.zero_()
+
+    key = decoder.sampling_key(sampling) if in_step else None
     pending = list(range(n))
     check_every = host.eos_check_every if decoder.bucketed else 1
     steps_since_check = check_every  # check (and admit) before the first step
     rows = 0
+    spans = getattr(decoder, "attention_span", None)
     while True:
         if steps_since_check >= check_every:
             steps_since_check = 0
             rows = _check(decoder=decoder, books=books, state=state, slot_of=slot_of, pending=pending, admit=admit,
-                          reqs=reqs, contexts=contexts, carries=carries, kept=host.kept)
+                          reqs=reqs, contexts=contexts, carries=carries, kept=host.kept, drain=drain if in_step else None)
             if not rows:
                 break
-        record(slot_ids[:rows], decoder.step(state, rows), books.alive[:rows])
+            # The attention's columns until the next look (static_shapes.span_rung): the live KV, not the width.
+            span = {"span": spans(state, rows, steps=check_every)} if spans is not None else {}
+        if in_step:  # one replay: the draw and the books are in the step
+            decoder.step(state, rows, sampling=key, **span)
+        else:
+            record(slot_ids[:rows], decoder.step(state, rows, **span), books.alive[:rows])
         steps_since_check += 1
     decoder.num_calls += 1
     # One host transfer for the whole batch, then plain slicing.
@@ -195,10 +237,13 @@ def _compact(*, books: _Books, state: SlotState, slot_of: list[int | None], live
 
 
 def _check(*, decoder: Decoder, books: _Books, state: SlotState, slot_of: list[int | None], pending: list[int],
-           admit, reqs, contexts, carries, kept) -> int:
+           admit, reqs, contexts, carries, kept, drain=None) -> int:
     """The host's look at the loop (module docstring): retire finished rows, admit pending ones,
-    compact; return the rows the next steps run (0: nothing left)."""
+    compact; return the rows the next steps run (0: nothing left). ``drain``: brings the books up
+    to date first (a decoder that samples inside its step)."""
     while True:
+        if drain is not None:
+            drain()
         alive = books.alive.tolist()
         finished = [slot for slot, i in enumerate(slot_of) if i is not None and not alive[slot]]
         if finished:

@@ -30,24 +30,38 @@ the step is written in few of them (llamarl/engines/static_step.py: 12 kernels a
   rounding per op. RoPE's cos / sin come from the model's own rotary module, evaluated once per
   state for every column.
 
+* **Attention over live columns** (``span_rung``, issue 45 item 3): a step attends the first
+  ``span`` columns of the cache only, ``span`` the bucket's longest live KV over the next steps
+  rounded up to a rung (multiples of 64 up to 1024, then eight rungs an octave), chosen by the
+  decode loop at its looks (``attention_span``: one host read there, none between). The
+  attention's work is ``rows x span``: it follows the live tokens, not the state's width (doubling
+  the width at the same live lengths changes nothing: tests/test_live_attention.py). Per bucket,
+  not per row: a bucket's rows all read its longest row's span (rows of one call are similar in
+  length; a per-row kernel, e.g. flash attention's ``seqused_k``, needs a GPU to test). Why not
+  FlexAttention: its block mask skips per row, but it needs ``torch.compile`` (Triton) to run
+  fast and to be captured, which the eager path here does not assume.
+
 Graphs for the engine's life (nano-vllm's and vLLM's scheme): the state (KV cache, fed tokens and
 positions, RoPE tables) is allocated once per decoder, at the capacity and width the calls need
-(``reserve``: grown, and every bucket re-captured, only when a call needs more slots or columns),
-and on CUDA every bucket of its ladder (``ladder``: 1, 2, 4, ... up to its capacity) is captured once, when
-the state is made, as a plain CUDA graph of the eager step (no ``torch.compile`` unless asked:
-``compiled=True``). The graphs are replayed across ``generate`` calls and weight versions: they
-hold the parameters' addresses, so a weight update must write into the same storage (an in-place
-copy, as llamarl/models/weight_copy.py does); a rebound parameter (another tensor at another
-address) is detected at the next ``reserve``, put back into its fused buffer if it is a
-projection's, and the state is captured again. The graphs of one
-state share one memory pool that lives exactly as long as they do (``StaticState.release``
-drops both): a pool handle is never used to capture after the graphs holding it have died (the
-first GPU runs crashed doing that: ``CUDACachingAllocator`` asserts ``use_count > 0``).
+(``reserve``: grown, and its graphs dropped, only when a call needs more slots or columns), and on
+CUDA each (bucket, span) pair is captured at its first step, as a plain CUDA graph of the eager
+step (no ``torch.compile`` unless asked: ``compiled=True``): at most 40 buckets up to 512 rows x
+the spans a run reaches (16 up to 1024 columns, 8 an octave past that), the few a call uses
+captured in its first steps. The graphs are replayed across ``generate`` calls and weight
+versions: they hold the parameters' addresses, so a weight update must write into the same
+storage (an in-place copy, as llamarl/models/weight_copy.py does); a rebound parameter (another
+tensor at another address) is detected at the next ``reserve``, put back into its fused buffer if
+it is a projection's, and the state is captured again. The graphs of one state share one memory
+pool that lives exactly as long as they do (``StaticState.release`` drops both): a pool handle is
+never used to capture after the graphs holding it have died (the first GPU runs crashed doing
+that: ``CUDACachingAllocator`` asserts ``use_count > 0``).
 
-Capturing a bucket runs the step twice on a side stream (the allocator warm, any lazy init done),
-then captures it. A step is idempotent for a row (it writes its token's keys and values at its own
-position, from the same inputs), and the ladder is captured before any row is loaded, so the
-warm-up runs change nothing a replay does not write again.
+Capturing a graph runs the step twice on a side stream (the allocator warm, any lazy init done),
+then captures it. The forward is idempotent for a row (it writes its token's keys and values at
+its own position, from the same inputs, and attends columns up to that position); a step that also
+samples (``step(sampling=...)``: the draw and the books in the graph, static_sampling.py) advances
+its rows, so the fed tokens, positions and liveness are saved before the warm-up runs and put back
+after them and after the capture: mid-decode, a capture changes nothing a replay does not write again.
 """
 
 from __future__ import annotations
@@ -59,12 +73,15 @@ import types
 import torch
 from torch.distributed.tensor import DTensor
 
+from llamarl.engines.base import SamplingParams
+from llamarl.engines.static_sampling import FIRST_CANDIDATES, SlotRecords, restore, sample, sampling_key
+from llamarl.engines.static_shapes import bucket, ladder, span_rung, state_width  # noqa: F401 - re-exported
 from llamarl.engines.static_step import fusable, fuse_projections, static_forward
 
 _SUPPORTED = ("LlamaForCausalLM", "Qwen2ForCausalLM", "MistralForCausalLM", "Qwen3ForCausalLM")
-# One compiled graph per (bucket, width) pair of one model at most (dynamo's automatic dynamic shapes
-# make the rows symbolic at the second bucket): 40 buckets up to 512 rows x the widths
-# (powers of two) its calls reach; each decoder has a code object of its own, so other models' and
+# One compiled graph per (bucket, span) pair of one model at most (dynamo's automatic dynamic shapes
+# make the rows symbolic at the second bucket): 40 buckets up to 512 rows x the spans
+# (static_shapes.span_rung) its calls reach; each decoder has a code object of its own, so other models' and
 # dead engines' graphs do not count against it.
 _RECOMPILE_LIMIT = 256
 # Position scalings whose frequencies depend on the longest position seen: a table built once for
@@ -87,43 +104,13 @@ def poisons_device(error: BaseException) -> bool:
     return any(name in str(error).lower() for name in _STICKY_CUDA_ERRORS)
 
 
-def bucket(rows: int) -> int:
-    """The batch bucket that runs ``rows`` live rows: the smallest rung >= ``rows`` of the ladder
-    1, 2, 4, 8, 16, then multiples of 16, with multiples of 8 between 64 and 128 (72, 80, ... 128).
-
-    Why: a step's cost grows with its bucket, and the padded rows are waste. Powers of two pad up
-    to ~50 % (257 rows run as 512); steps of 16 (nano-vllm's ladder) pad at most 15 rows, at most
-    12.5 % of the live rows from 121 rows up, but 15 of 65 rows (23 %) below that, hence steps of 8
-    there: from 65 rows up the padding is at most 11.6 % of the live rows (129 rows in 144)."""
-    if rows < 1:
-        raise ValueError(f"a bucket needs at least one row, got {rows}")
-    if rows <= 16:
-        return 1 << (rows - 1).bit_length()
-    step = 8 if 64 < rows <= 128 else 16
-    return -(-rows // step) * step
-
-
-def ladder(capacity: int) -> list[int]:
-    """Every bucket up to ``bucket(capacity)``, ascending: the graphs a state of that many slots captures."""
-    top, rungs, rows = bucket(capacity), [], 1
-    while rows <= top:
-        rungs.append(rows)
-        rows = bucket(rows + 1)
-    return rungs
-
-
-def _width(positions: int) -> int:
-    """Cache columns for ``positions`` positions: a power of two, at least 64."""
-    return max(64, 1 << (positions - 1).bit_length())
-
-
 class StaticState:
     """One call's static buffers (module docstring): per layer one cache ``caches[l]``
     ``[2, slots, kv, width, d]`` (the step writes a token's keys and values in one indexed write),
     seen as ``keys[l]`` / ``values[l]`` ``[slots, kv, width, d]`` (its two halves), ``tokens`` / ``positions`` ``[slots]`` (int64: what each slot feeds
     at the next step, and where), RoPE's ``cos`` / ``sin`` ``[width, d]`` (the sine's first half negated: ``_rope``),
-    the step's output ``logits`` ``[slots, vocab]`` (a bucket of r rows writes its first r rows) and
-    the captured graphs by bucket.
+    the step's output ``logits`` ``[slots, vocab]`` (a bucket of r rows writes its first r rows), the
+    in-graph sampler's per-slot ``records`` and the captured graphs by (bucket, span, sampling).
 
     ``logits`` is allocated here, before any capture, and each graph writes it with its last GEMM
     (``out=``): it is no memory of the graphs' pool, where another bucket's capture may place its
@@ -136,7 +123,10 @@ class StaticState:
         slots, device = caches[0].shape[1], caches[0].device
         self.tokens = torch.zeros(slots, dtype=torch.long, device=device)
         self.positions = torch.zeros(slots, dtype=torch.long, device=device)
-        self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self.records = SlotRecords(slots=slots, width=caches[0].shape[3], vocab=logits.shape[1], device=device)
+        """The in-graph sampler's per-slot records (llamarl/engines/static_sampling.py)."""
+        self.graphs: dict[tuple, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        """Captured graphs by ``(rows, span, sampling key)`` (``StaticDecoder.step``)."""
         self.pool = None
         """The memory pool of ``graphs`` (a ``graph_pool_handle``): made with the first capture,
         dropped with the graphs (``release``), never captured into once they are gone."""
@@ -146,7 +136,7 @@ class StaticState:
         allocator. The state is unusable afterwards."""
         self.graphs.clear()
         self.pool = None
-        self.caches, self.keys, self.values, self.logits = [], [], [], None
+        self.caches, self.keys, self.values, self.logits, self.records = [], [], [], None, None
 
     @property
     def capacity(self) -> int:
@@ -199,6 +189,7 @@ class StaticState:
             cache[dst, :, :num_columns] = cache[src, :, :num_columns]
         self.tokens[dst] = self.tokens[src]
         self.positions[dst] = self.positions[src]
+        self.records.move(src, dst)
 
     def row_cache(self, slot: int, length: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
         """Copies of slot ``slot``'s first ``length`` cached positions per layer, ``[kv, length, d]``."""
@@ -212,6 +203,8 @@ class StaticDecoder:
     bucketed = True
     admits_mid_decode = True
     keeps_caches = True
+    samples_in_step = True
+    """``step(..., sampling=key)`` samples and keeps the books inside the step (static_sampling.py)."""
 
     @staticmethod
     def supports(model: torch.nn.Module, *, length: int) -> bool:
@@ -266,6 +259,19 @@ class StaticDecoder:
         """Wall seconds spent capturing graphs (cumulative)."""
         self.num_calls = 0
         """Decode loops completed with this decoder (``decode_loop.decode``)."""
+        self.candidates: dict[tuple, int] = {}
+        """Top-p candidates by sampling setting, grown x8 at each overflow (static_sampling.py)."""
+
+    def sampling_key(self, sampling: SamplingParams) -> tuple:
+        """The key of ``sampling`` for ``step`` (``static_sampling.sampling_key``), with the
+        candidates this decoder has grown to for it."""
+        vocab = self.model.lm_head.out_features
+        plain = sampling_key(sampling, vocab=vocab, candidates=0)
+        return sampling_key(sampling, vocab=vocab, candidates=self.candidates.get(plain[:3], FIRST_CANDIDATES))
+
+    def grow_candidates(self, key: tuple) -> None:
+        """A row's top-p candidates held less than ``top_p`` (static_sampling.py): 8x as many from now on."""
+        self.candidates[key[:3]] = key[3] * 8
 
     def _weight_addresses(self) -> tuple[int, ...]:
         # What the graphs read: every parameter's and buffer's storage (an in-place copy keeps it).
@@ -275,22 +281,20 @@ class StaticDecoder:
         """The engine-life state, with at least ``capacity`` slots and ``positions`` positions per
         row: the current one when it is large enough and its graphs still read the model's
         parameters, else a new one (at least as large as the old; the old one's graphs and memory
-        released first), its ladder of buckets captured at once on CUDA."""
+        released first). On CUDA its graphs are captured at the first step of each (bucket,
+        span) pair (``step``), then replayed for the state's life."""
         # The graphs read q / k / v and gate / up through their fused buffers: parameters rebound
         # since (another storage) are put back into one (static_step.fuse_projections).
         self._fused = fuse_projections(self.model)
         weights = self._weight_addresses()
         state = self.state
         if state is not None:
-            if state.capacity >= bucket(capacity) and state.width >= _width(positions) and weights == self._weights:
+            if state.capacity >= bucket(capacity) and state.width >= state_width(positions) and weights == self._weights:
                 return state
             capacity, positions = max(capacity, state.capacity), max(positions, state.width)
             self.release()
         state = self.state = self.new_state(capacity=capacity, positions=positions)
         self._weights = weights
-        if self.cuda_graphs:
-            for rows in ladder(state.capacity):
-                self._capture(state, rows)
         return state
 
     def release(self) -> None:
@@ -305,7 +309,7 @@ class StaticDecoder:
         ``positions`` positions per row (rounded up to a power of two >= 64), in the model's dtype
         and on its device; its ``logits`` in the LM head's."""
         weight = self.model.get_input_embeddings().weight
-        slots, width = bucket(capacity), _width(positions)
+        slots, width = bucket(capacity), state_width(positions)
         shape = (slots, self.num_kv_heads, width, self.head_dim)
         num_layers = len(self.model.model.layers)
         with torch.no_grad():
@@ -318,46 +322,76 @@ class StaticDecoder:
                            cos=cos[0].contiguous(), sin=sin_signed.contiguous(),
                            logits=self.model.lm_head.weight.new_empty((slots, self.model.lm_head.out_features)))
 
+    def attention_span(self, state: StaticState, rows: int, *, steps: int) -> int:
+        """The span (``span_rung``) that covers the next ``steps`` steps of the first ``rows`` slots:
+        their largest position now plus ``steps`` columns. Reads that position on the host (one
+        synchronisation): the decode loop asks at its looks only, never between two."""
+        longest = int(state.positions[:rows].max()) + steps
+        return span_rung(min(longest, state.width), state.width)
+
     @torch.no_grad()  # the GEMMs' out= buffers refuse autograd
-    def _run(self, state: StaticState, rows: int) -> torch.Tensor:
+    def _run(self, state: StaticState, rows: int, columns: int | None = None, key: tuple | None = None) -> torch.Tensor:
         # Older torch (< 2.7) names the limit cache_size_limit.
         name = "recompile_limit" if hasattr(torch._dynamo.config, "recompile_limit") else "cache_size_limit"
         patch = torch._dynamo.config.patch(**{name: _RECOMPILE_LIMIT}) if self.compiled else contextlib.nullcontext()
         with patch:
             if self._fused is None:  # a state from new_state (not reserve)
                 self._fused = fuse_projections(self.model)
-            return self._forward(self.model, self._fused, state.tokens[:rows], state.positions[:rows],
-                                 [c[:, :rows] for c in state.caches], state.cos, state.sin, state.logits[:rows], self.num_heads, self.num_kv_heads,
-                                 self.head_dim, self.scaling)
+            logits = self._forward(self.model, self._fused, state.tokens[:rows], state.positions[:rows],
+                                   [c[:, :rows, :, :columns] for c in state.caches], state.cos, state.sin,
+                                   state.logits[:rows], self.num_heads, self.num_kv_heads, self.head_dim, self.scaling)
+        if key is not None:  # the draw and the books, in the same graph (static_sampling.py)
+            records = state.records
+            uniforms = None if key[0] == 0 else records.uniforms[:rows].gather(
+                1, state.positions[:rows].unsqueeze(1)).squeeze(1)
+            tokens, lps, ok = sample(logits, uniforms, key)
+            records.book(slice(0, rows), tokens, lps, ok, fed=state.tokens, positions=state.positions)
+        return logits
 
     @torch.no_grad()
-    def step(self, state: StaticState, rows: int) -> torch.Tensor:
+    def step(self, state: StaticState, rows: int, *, span: int | None = None,
+             sampling: tuple | None = None) -> torch.Tensor:
         """Run the first ``rows`` slots (a bucket) one step: each feeds ``state.tokens[slot]`` at
         ``state.positions[slot]``; return their next-token logits ``[rows, vocab]``: the first
         ``rows`` rows of ``state.logits``, which every step writes (read them before the next
-        step), allocated outside the graphs' pool (``StaticState``)."""
+        step), allocated outside the graphs' pool (``StaticState``).
+
+        ``span`` (a value of ``span_rung(columns, state.width)``; None: the whole width): the attention
+        reads columns ``0 .. span - 1`` only, so its work is ``rows x span``, not ``rows x width``;
+        every row's position must be < ``span`` (``attention_span``; not checked: a host read).
+        ``sampling`` (a ``sampling_key``; None: logits only): the step also draws every row's next
+        token and keeps its books in ``state.records`` (static_sampling.py), advancing the live
+        rows' fed tokens and positions: nothing is left for the host to do between two looks.
+        Each ``(rows, span, sampling)`` is one graph on CUDA, captured at its first step."""
         if rows != bucket(rows) or rows > state.capacity:
             raise ValueError(f"a step runs a bucket of at most {state.capacity} rows, got {rows}")
+        columns = state.width if span is None else span
+        if not 0 < columns <= state.width or span is not None and span_rung(columns, state.width) != columns:
+            raise ValueError(f"a step's span is a rung of static_shapes.span_rung up to {state.width}, got {span}")
         self.num_steps += 1
         if not self.cuda_graphs:
-            return self._run(state, rows)
-        captured = state.graphs.get(rows)
-        if captured is None:  # a state from new_state (not reserve): captured at its first step
-            captured = self._capture(state, rows)
+            return self._run(state, rows, columns, sampling)
+        captured = state.graphs.get((rows, columns, sampling))
+        if captured is None:  # captured at the first step of its (bucket, span, sampling)
+            captured = self._capture(state, rows, columns, sampling)
         graph, logits = captured
         graph.replay()
         return logits
 
     @torch.no_grad()
-    def _capture(self, state: StaticState, rows: int) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
+    def _capture(self, state: StaticState, rows: int, columns: int,
+                 key: tuple | None) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
         start = time.perf_counter()
+        # The books' step advances rows: the warm-up runs and the (fake) capture must leave them as they were.
+        saved = state.records.snapshot(state.tokens, state.positions) if key is not None else []
         device = state.tokens.device
         side = torch.cuda.Stream(device=device)
         side.wait_stream(torch.cuda.current_stream(device))
         with torch.cuda.stream(side):
             for _ in range(2):  # compiled: compile, then a run with the allocator warm; idempotent (module docstring)
-                self._run(state, rows)
+                self._run(state, rows, columns, key)
         torch.cuda.current_stream(device).wait_stream(side)
+        restore(saved)
         if state.pool is None:  # the state's graphs share one pool, which dies with them (module docstring)
             state.pool = torch.cuda.graph_pool_handle()
         graph = torch.cuda.CUDAGraph()
@@ -365,13 +399,14 @@ class StaticDecoder:
         try:
             # thread_local: a CUDA call of another thread (a tool worker, a data loader) does not void it.
             with torch.cuda.graph(graph, pool=state.pool, capture_error_mode="thread_local"):
-                logits = self._run(state, rows)
+                logits = self._run(state, rows, columns, key)
         except BaseException:
             # torch.cuda.graph ends the capture before restoring the stream: a capture the driver
             # voided would leave its capture stream current for whatever runs next (the fallback).
             torch.cuda.set_stream(current)
             raise
-        state.graphs[rows] = (graph, logits)
+        restore(saved)
+        state.graphs[rows, columns, key] = (graph, logits)
         self.num_captures += 1
         self.capture_seconds += time.perf_counter() - start
         return graph, logits
