@@ -186,7 +186,8 @@ def _candidates(resume: str, checkpoint_dir: Path) -> list[tuple[Path, int]]:
 
 
 def choose_checkpoint(resume: str, checkpoint_dir: Path, *, verify: str = "full", identity: dict | None = None,
-                      allow_changes: tuple[str, ...] = ()) -> tuple[Path, int, list[str]]:
+                      allow_changes: tuple[str, ...] = (), defaults: dict | None = None,
+                      ) -> tuple[Path, int, list[str]]:
     """``(directory, step, notes)``: the checkpoint this run resumes from, verified (``verify``: full /
     size / off, ``llamarl/checkpoint_files.py``) and of this run (``identity``, when given:
     ``llamarl/run_identity.py``; ``allow_changes``: the fields it may differ in). ``notes`` are lines
@@ -205,11 +206,12 @@ def choose_checkpoint(resume: str, checkpoint_dir: Path, *, verify: str = "full"
             failures.append(str(exc))
             continue
         if identity is not None and not failures:
-            changed = check_identity(marker.get("identity"), identity, allow=allow_changes, where=path)
+            changed = check_identity(marker.get("identity"), identity, allow=allow_changes, where=path,
+                                     defaults=defaults)
             if changed == ["<no identity>"]:
                 notes.append(f"{path} records no run identity (written by an older llamarl): not compared")
             elif changed:
-                notes.append(f"resuming {path} with changes allowed by --checkpoint.allow-changes: {', '.join(changed)}")
+                notes.append(f"resuming {path} with changes allowed by --checkpoint.allow-changes: {'; '.join(changed)}")
         try:
             verified = verify_checkpoint(path, marker, mode=verify)
         except CheckpointInvalid as exc:
@@ -222,25 +224,32 @@ def choose_checkpoint(resume: str, checkpoint_dir: Path, *, verify: str = "full"
         return path, step, notes
     if resume != "latest":
         raise ValueError(f"--checkpoint.resume {resume} does not verify: {failures[0]}; resume another step "
-                         "(--checkpoint.resume latest falls back by itself) or pass --checkpoint.verify off")
+                         "(--checkpoint.resume latest falls back to the newest one that verifies)")
     raise ValueError(f"--checkpoint.resume latest: no checkpoint under {checkpoint_dir} verifies "
                      f"({'; '.join(failures)})")
 
 
 def resume_point(resume: str | None, run_dir: Path, *, max_steps: int, verify: str = "full",
-                 identity: dict | None = None, allow_changes: tuple[str, ...] = ()) -> tuple[ResumePoint, list[str]]:
+                 identity: dict | None = None, allow_changes: tuple[str, ...] = (),
+                 defaults: dict | None = None) -> tuple[ResumePoint, list[str]]:
     """Where a run of ``run_dir`` starts with ``--checkpoint.resume`` ``resume`` (None: a fresh
     run), and the lines to log about it: the checkpoint (``choose_checkpoint`` under
     ``run_dir/checkpoints``: verified, of this run), the runner's state saved in it, and the summary
-    of a run that already finished there (``finished_summary``; then no state is read: nothing is
-    run). Reads files only; moves nothing (``archive_after`` does)."""
+    of a run that already finished there (``finished_summary``; then nothing is read or verified:
+    nothing is run, even if its newest checkpoint were damaged). Reads files only; moves nothing
+    (``archive_after`` does)."""
     if not resume:
         return ResumePoint(), []
-    directory, step, notes = choose_checkpoint(resume, run_dir / "checkpoints", verify=verify, identity=identity,
-                                               allow_changes=allow_changes)
-    finished = finished_summary(run_dir, directory, step, max_steps)
-    if finished is not None:
-        return ResumePoint(directory, step, finished=finished), notes
+    checkpoints = run_dir / "checkpoints"
+    newest = complete_steps(checkpoints)[-1:]
+    if newest:
+        directory, step = (step_dir(checkpoints, newest[0]), newest[0]) if resume == "latest" \
+            else _candidates(resume, checkpoints)[0]
+        finished = finished_summary(run_dir, directory, step, max_steps)
+        if finished is not None:
+            return ResumePoint(directory, step, finished=finished), []
+    directory, step, notes = choose_checkpoint(resume, checkpoints, verify=verify, identity=identity,
+                                               allow_changes=allow_changes, defaults=defaults)
     return ResumePoint(directory, step, restored=read_runner_state(directory) or {}), notes
 
 

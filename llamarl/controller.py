@@ -427,5 +427,7 @@ class ExecutorController:
                 print(f"llamarl: rank {rank} (executor {self.heartbeat.executor_of.get(rank, '?')!r}) stopped "
                       f"responding at step {last.get('step', '?')} during {last.get('phase', 'start-up')}; "
                       f"noticed by rank {self.ctx.rank} when its {self.phase} failed", file=sys.stderr, flush=True)
-        # os._exit: never run atexit / destructors that may block on collectives with dead peers.
-        os._exit(1)
+        # os._exit: never run atexit / destructors that may block on collectives with dead peers. An
+        # exception may name its own code (``exit_code``: e.g. 3, a run without learning signal).
+        code = getattr(exc, "exit_code", 1)
+        os._exit(code if isinstance(code, int) and 0 < code < 128 else 1)

@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -42,12 +43,53 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from llamarl.checkpoint import RUNNER_STATE, ResumePoint, archive_after, resume_point, step_dir
+from llamarl.checkpoint import (
+    RUNNER_STATE,
+    ResumePoint,
+    archive_after,
+    complete_steps,
+    resume_point,
+    step_dir,
+)
 from llamarl.config import CheckpointConfig, RunConfig
 from llamarl.shared_dir import check_shared_run_dir
 from llamarl.world import ExecutorContext, world_barrier
 
 logger = logging.getLogger("llamarl.runner")
+
+
+_held_locks: dict[Path, object] = {}  # this process's run-directory locks, until the run ends
+
+
+def _lock(path: Path) -> None:
+    """Hold ``<run>/.lock`` (``flock``) for this process's life: a second job writing the same run
+    directory (a resume started while the first still runs, e.g. its torchrun agent killed but not
+    its workers) stops with one line instead of interleaving checkpoints. The kernel releases the
+    lock when the process ends, however it ends; a run that ends normally releases it
+    (``release_lock``)."""
+    import fcntl
+
+    handle = open(path / ".lock", "a+")  # noqa: SIM115 - held open on purpose
+    try:
+        fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        handle.seek(0)
+        holder = handle.read().strip() or "?"
+        handle.close()
+        raise ValueError(f"run directory {path} is in use by another job (pid {holder}, {path / '.lock'}): "
+                         "wait for it or stop it, or use another --run.output-dir") from None
+    handle.seek(0)
+    handle.truncate()
+    handle.write(str(os.getpid()))
+    handle.flush()
+    _held_locks[path] = handle
+
+
+def release_lock(path: Path) -> None:
+    """Release ``_lock``'s lock of ``path`` (the run ended; a no-op where none is held)."""
+    handle = _held_locks.pop(path, None)
+    if handle is not None:
+        handle.close()
 
 
 class ResumeRefused(ValueError):
@@ -82,10 +124,12 @@ class RunDirectory:
             path = Path("runs") / f"{recipe}-{time.strftime('%Y%m%d-%H%M%S', time.localtime(int(stamp.item())))}"
         path.mkdir(parents=True, exist_ok=True)
         check_shared_run_dir(path, device=ctx.world_device)  # every node must see the same directory
+        if ctx.rank == 0:
+            _lock(path)
         return cls(path)
 
     def resume(self, checkpoint: CheckpointConfig, *, max_steps: int, ctx: ExecutorContext,
-               identity: dict | None = None) -> ResumePoint:
+               identity: dict | None = None, defaults: dict | None = None) -> ResumePoint:
         """Where this segment of the run starts (``--checkpoint.resume``; ``llamarl.checkpoint.resume_point``),
         the run directory made one timeline for it. ``identity``: this run's (global rank 0's; None
         elsewhere), compared with the checkpoint's.
@@ -96,13 +140,19 @@ class RunDirectory:
         Raises ``ResumeRefused`` on every rank when the checkpoint cannot be resumed (rank 0's
         carries the message), before anything moved."""
         if not checkpoint.resume:
+            steps = complete_steps(self.path / "checkpoints")
+            if steps and ctx.rank == 0:
+                logger.warning("%s already holds checkpoints (newest: step_%d) of an earlier run: this run starts "
+                               "from scratch beside them (its checkpoints replace theirs, --checkpoint.keep prunes "
+                               "both); --checkpoint.resume latest would have continued it", self.path, steps[-1])
             return ResumePoint()
         chosen = torch.zeros(2, dtype=torch.int64, device=ctx.world_device)  # (ok, step)
         refusal = None
         if ctx.rank == 0:
             try:
                 point, notes = resume_point(checkpoint.resume, self.path, max_steps=max_steps, verify=checkpoint.verify,
-                                            identity=identity, allow_changes=checkpoint.allowed_changes())
+                                            identity=identity, allow_changes=checkpoint.allowed_changes(),
+                                            defaults=defaults)
             except ValueError as exc:
                 refusal = str(exc)
             else:

@@ -120,23 +120,52 @@ def differences(saved: dict, current: dict) -> list[str]:
     return sorted(k for k in set(saved) | set(current) if saved.get(k, missing) != current.get(k, missing))
 
 
-def check_identity(saved: dict | None, current: dict, *, allow: tuple[str, ...], where: Path) -> list[str]:
+def identity_defaults(config) -> dict:
+    """The recorded fields' default values (``type(config)()``'s), so that a field a newer llamarl
+    added is no difference when this run keeps its default; ``{}`` when the class cannot be built
+    with no arguments."""
+    try:
+        flat = _flatten(asdict(type(config)()))
+    except Exception:  # noqa: BLE001 - a config class with required fields: no defaults known
+        return {}
+    return json.loads(json.dumps({key: value for key, value in flat.items() if not _safe(key)}))
+
+
+def check_allow(allow: tuple[str, ...], known: set[str]) -> None:
+    """Refuse (one line) an ``--checkpoint.allow-changes`` entry that names no identity field or section."""
+    unknown = [a for a in allow if not any(k == a or k.startswith(a.rstrip(".") + ".") for k in known)]
+    if unknown:
+        sections = sorted({k.split(".")[0] for k in known})
+        raise ValueError(f"--checkpoint.allow-changes names no field of the run's identity: {', '.join(unknown)} "
+                         f"(fields are dotted flag names such as trainer.lr, or sections: {', '.join(sections)})")
+
+
+def check_identity(saved: dict | None, current: dict, *, allow: tuple[str, ...], where: Path,
+                   defaults: dict | None = None) -> list[str]:
     """Refuse (ValueError, one line) a checkpoint ``where`` whose identity ``saved`` differs from
-    ``current`` in a field ``allow`` does not name; return the allowed differences (for a log line).
-    ``saved`` None (an older checkpoint) is accepted: returns ``["<no identity>"]``."""
+    ``current`` in a field ``allow`` does not name; return the allowed differences as
+    ``field: old -> new`` (for a log line). ``saved`` None (an older checkpoint) is accepted:
+    returns ``["<no identity>"]``. A field the checkpoint lacks is no difference while this run
+    keeps its default (``defaults``: a field added since); one this run lacks (removed since) is
+    none either. An ``allow`` entry naming no field is refused (a typo)."""
     if saved is None:
         return ["<no identity>"]
-    diff = differences(saved, current)
+    check_allow(allow, set(saved) | set(current))
+    defaults = defaults or {}
+    missing = object()
+    diff = [k for k in differences(saved, current)
+            if k in current and not (k not in saved and defaults.get(k, missing) == current[k])]
     refused = [k for k in diff if not allowed(k, allow)]
     if refused:
-        shown = ", ".join(f"{k}: {_short(saved.get(k))} -> {_short(current.get(k))}" for k in refused[:8])
-        more = f" (and {len(refused) - 8} more)" if len(refused) > 8 else ""
-        raise ValueError(f"checkpoint {where} belongs to another run: {shown}{more}; resume with the run's own "
-                         f"settings, or name the fields in --checkpoint.allow-changes {','.join(refused)} "
-                         "(docs/troubleshooting.md: which changes are safe)")
-    return diff
+        shown = ", ".join(f"{k}: {_short(saved, k)} -> {_short(current, k)}" for k in refused[:6])
+        more = f" (and {len(refused) - 6} more)" if len(refused) > 6 else ""
+        # The flag to paste comes first: a long line is cut at its end.
+        raise ValueError(f"checkpoint {where} belongs to another run (--checkpoint.allow-changes "
+                         f"{','.join(refused)} accepts it; docs/troubleshooting.md says which changes are safe): "
+                         f"{shown}{more}")
+    return [f"{k}: {_short(saved, k)} -> {_short(current, k)}" for k in diff]
 
 
-def _short(value) -> str:
-    text = "<absent>" if value is None else json.dumps(value)
+def _short(identity: dict, key: str) -> str:
+    text = json.dumps(identity[key]) if key in identity else "<absent>"
     return text if len(text) <= 60 else text[:57] + "..."

@@ -34,10 +34,12 @@ import os
 import sys
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import NoReturn
 
 from llamarl.channels.in_memory import InMemoryWeights
 from llamarl.channels.weights import WeightsChannel
+from llamarl.checkpoint import resume_point
 from llamarl.config import RunSections
 from llamarl.controller import ExecutorController
 from llamarl.data.prompts import Problem
@@ -47,10 +49,11 @@ from llamarl.executor import check_roles
 from llamarl.log import setup_logging
 from llamarl.models.loading import resolve_source
 from llamarl.pipeline import Pipeline
+from llamarl.preflight import checking_only
 from llamarl.progress import Progress
 from llamarl.run_checkpoints import RunCheckpoints
-from llamarl.run_directory import RunDirectory
-from llamarl.run_identity import run_identity
+from llamarl.run_directory import RunDirectory, release_lock
+from llamarl.run_identity import identity_defaults, run_identity
 from llamarl.run_log import RunLog
 from llamarl.run_summary import RunSummary
 from llamarl.world import ExecutorContext, world_barrier
@@ -81,6 +84,16 @@ def run_pipeline(pipeline: Pipeline, config: RunSections, *, recipe: str, heldou
     """
     wall_start = time.time()
     run = config.run
+    if checking_only() and config.checkpoint.resume:
+        # The launch scripts' one-process check (llamarl/preflight.py): the checkpoint to resume,
+        # its identity and its files' sizes, before torchrun starts (a refusal is one line, exit 2;
+        # the run itself verifies the digests again, falling back where one fails).
+        run_dir = Path(run.output_dir) if run.output_dir else Path(config.checkpoint.resume).parent.parent
+        identity = run_identity(config, recipe=recipe, dataset=dataset() if dataset is not None else None,
+                                model_source=resolve_source(config.model.name))
+        resume_point(config.checkpoint.resume, run_dir, max_steps=run.max_steps,
+                     verify="off" if config.checkpoint.verify == "off" else "size", identity=identity,
+                     allow_changes=config.checkpoint.allowed_changes(), defaults=identity_defaults(config))
     channels = pipeline.build_channels()
     contexts = ExecutorContext.create_all(pipeline.specs(int(os.environ.get("WORLD_SIZE", "1"))),
                                           timeout_s=run.collective_timeout_s)
@@ -93,10 +106,12 @@ def run_pipeline(pipeline: Pipeline, config: RunSections, *, recipe: str, heldou
         if ctx.rank == 0 and (config.checkpoint.every or config.checkpoint.resume):
             identity = run_identity(config, recipe=recipe, dataset=dataset() if dataset is not None else None,
                                     model_source=resolve_source(config.model.name))
-        resume = directory.resume(config.checkpoint, max_steps=run.max_steps, ctx=ctx, identity=identity)
+        resume = directory.resume(config.checkpoint, max_steps=run.max_steps, ctx=ctx, identity=identity,
+                                  defaults=identity_defaults(config) if identity is not None else None)
     except ValueError as exc:
         stop_before_start(exc)
     if resume.finished is not None:
+        release_lock(directory.path)
         ctx.destroy()
         return resume.finished if ctx.rank == reporter_rank else None
     executors = {name: pipeline.stage(name).build(context) for name, context in contexts.items()}
@@ -143,5 +158,6 @@ def run_pipeline(pipeline: Pipeline, config: RunSections, *, recipe: str, heldou
         summary = RunSummary(directory.path, title=f"{recipe}: {pipeline.title}" if pipeline.title else recipe,
                              entries=pipeline.summary, world_size=ctx.world_size)
         result = summary.write(evaluations.summary, peak_gib=peak_gib)
+    release_lock(directory.path)
     ctx.destroy()
     return result

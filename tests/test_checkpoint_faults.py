@@ -15,16 +15,18 @@ and the identity's fields.
 """
 
 import json
+import os
 import shutil
+import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))
-from launch import run_colocated_runs
+from launch import REPO, run_colocated_runs
 
-from llamarl.checkpoint import COMPLETE_MARKER, choose_checkpoint, complete_steps, prune
+from llamarl.checkpoint import COMPLETE_MARKER, choose_checkpoint, complete_steps, prune, resume_point
 from llamarl.checkpoint_files import disk_full_error, verify_checkpoint
 
 STEPS = 3
@@ -99,6 +101,13 @@ def faults(tmp_path_factory, model_dir):
                                                    str(other / "checkpoints" / "step_1"), "--trainer.lr", "2e-3",
                                                    "--algo.rho", "3", "--checkpoint.allow-changes",
                                                    "trainer.lr,algo"), "env": {}}], root, "pa")
+    # The launch scripts' preflight refuses it in one process, before torchrun (exit 2, one line).
+    (other / "summary.json").unlink()  # as if the allowed run died after its last checkpoint
+    procs["preflight"] = subprocess.run(
+        [sys.executable, "-m", "llamarl.preflight", "--world-size", "1", "--", "-m", "recipes.arithmetic",
+         *flags(model_dir, other, "--checkpoint.resume", "latest", "--trainer.lr", "5e-3")],
+        cwd=REPO, capture_output=True, text=True, timeout=300, check=False,
+        env={**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"})
     nothing = out["nothing"] = root / "nothing"
     (nothing / "checkpoints" / "step_1.partial").mkdir(parents=True)
     procs["nothing"] = run_process([{"args": flags(model_dir, nothing, "--checkpoint.resume", "latest"), "env": {}}],
@@ -153,17 +162,27 @@ def test_another_runs_settings_are_refused_in_one_line_and_nothing_moves(faults)
     assert refused.returncode == 2
     lines = [line for line in refused.stderr.splitlines() if line.startswith("llamarl:")]
     assert len(lines) == 1 and "Traceback" not in refused.stderr, refused.stderr[-3000:]
-    assert "belongs to another run" in lines[0]
+    assert "belongs to another run (--checkpoint.allow-changes algo.rho,trainer.lr accepts it" in lines[0]
     assert "algo.rho: 4.0 -> 3.0" in lines[0] and "trainer.lr: 0.001 -> 0.002" in lines[0]
     # The refused resume moved nothing; the allowed one (run after it) archived steps 2 and 3.
     allowed = procs["allowed"]
     assert allowed.returncode == 0, allowed.stderr[-3000:]
-    assert "changes allowed by --checkpoint.allow-changes: algo.rho, trainer.lr" in allowed.stdout + allowed.stderr
+    assert ("changes allowed by --checkpoint.allow-changes: algo.rho: 4.0 -> 3.0; trainer.lr: 0.001 -> 0.002"
+            in allowed.stdout + allowed.stderr)
     archives = sorted(out["other"].glob("abandoned-*"))
     assert len(archives) == 1 and (archives[0] / "checkpoints" / "step_3").is_dir()
     configs = sorted(p.name for p in out["other"].glob("config*.json"))
     assert configs == ["config.1.json", "config.json"]  # each segment's configuration kept
     assert json.loads((out["other"] / "config.1.json").read_text())["trainer"]["lr"] == 2e-3
+
+
+def test_the_preflight_refuses_another_runs_checkpoint_before_torchrun(faults):
+    _, procs = faults
+    proc = procs["preflight"]
+    assert proc.returncode == 2, proc.stdout[-2000:] + proc.stderr[-2000:]
+    lines = [line for line in (proc.stdout + proc.stderr).splitlines() if line.startswith("llamarl:")]
+    assert len(lines) == 1 and "belongs to another run" in lines[0] and "trainer.lr: 0.002 -> 0.005" in lines[0]
+    assert "Traceback" not in proc.stderr
 
 
 def test_resume_latest_with_nothing_complete_is_one_line(faults):
@@ -250,8 +269,9 @@ def test_identity_names_recipe_dataset_and_model_changes(faults, tmp_path):
     changed = {**saved, "recipe": "gsm8k", "dataset": "0" * 32, "model.weights": "1" * 32}
     with pytest.raises(ValueError, match="dataset: .* model.weights: .* recipe: "):
         check_identity(saved, changed, allow=(), where=tmp_path)
-    assert check_identity(saved, changed, allow=("recipe", "dataset", "model"), where=tmp_path) == \
-        ["dataset", "model.weights", "recipe"]
+    allowed = check_identity(saved, changed, allow=("recipe", "dataset", "model"), where=tmp_path)
+    assert [line.split(":")[0] for line in allowed] == ["dataset", "model.weights", "recipe"]
+    assert allowed[2] == 'recipe: "arithmetic" -> "gsm8k"'
 
 
 def test_disk_full_error_names_what_is_needed(tmp_path):
@@ -259,3 +279,38 @@ def test_disk_full_error_names_what_is_needed(tmp_path):
     error = disk_full_error(directory=tmp_path / "step_4.partial" / "trainer", step=4, previous=previous,
                             prefix="trainer/")
     assert "step_4 into" in str(error) and "about 3.0 MiB" in str(error) and "MiB free there" in str(error)
+
+
+def test_identity_accepts_a_new_field_at_its_default_and_refuses_a_typo(faults, tmp_path):
+    from llamarl.run_identity import check_identity
+
+    out, _ = faults
+    saved = json.loads((out["straight_full"] / "checkpoints" / "step_3" / COMPLETE_MARKER).read_text())["identity"]
+    older = {k: v for k, v in saved.items() if k != "algo.mismatch"}  # written before the field existed
+    assert check_identity(older, saved, allow=(), where=tmp_path, defaults={"algo.mismatch": "none"}) == []
+    with pytest.raises(ValueError, match=r"algo.mismatch: <absent> -> \"icepop\""):
+        check_identity(older, {**saved, "algo.mismatch": "icepop"}, allow=(), where=tmp_path,
+                       defaults={"algo.mismatch": "none"})
+    with pytest.raises(ValueError, match="names no field of the run's identity: trainer.lrr"):
+        check_identity(saved, saved, allow=("trainer.lrr",), where=tmp_path)
+    assert check_identity(saved, saved, allow=("trainer",), where=tmp_path) == []  # a section
+
+
+def test_a_finished_run_is_finished_even_if_its_last_checkpoint_is_damaged(faults, tmp_path):
+    out, _ = faults
+    run = tmp_path / "run"
+    shutil.copytree(out["straight_full"], run)
+    _corrupt(run / "checkpoints" / "step_3" / "trainer" / "state" / "rank0.safetensors", "truncate")
+    point, _ = resume_point("latest", run, max_steps=STEPS)
+    assert point.finished is not None and point.step == STEPS
+
+
+def test_a_run_directory_is_locked_by_the_job_using_it(tmp_path):
+    from llamarl.run_directory import _lock, release_lock
+
+    _lock(tmp_path)
+    with pytest.raises(ValueError, match=f"run directory {tmp_path} is in use by another job \\(pid {os.getpid()}"):
+        _lock(tmp_path)
+    release_lock(tmp_path)
+    _lock(tmp_path)
+    release_lock(tmp_path)
