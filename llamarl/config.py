@@ -456,6 +456,10 @@ class RunConfig:
     accuracy and the generator's weight version (time-to-accuracy is read from it)."""
     num_eval_problems: int = 100
     """Held-out problems for the greedy accuracy evaluated before and after training."""
+    stop_on_no_signal: int | None = None
+    """End the run (its one line, exit code 3) after this many ticks in a row without a learning
+    signal (every group's samples scored alike, so nothing was trained); None: only the warning,
+    logged after 3 such ticks (llamarl/executors/no_signal.py)."""
     device_guard: bool = False
     """Debug: run every executor step, channel and evaluation with torch's default device set to
     ``meta``, so that a tensor created without an explicit device fails loudly when it meets a real
@@ -477,6 +481,8 @@ class RunConfig:
 
     def __post_init__(self) -> None:
         _check(self.log_samples >= 0, f"--run.log-samples must be >= 0, got {self.log_samples}")
+        _check(self.stop_on_no_signal is None or self.stop_on_no_signal >= 1,
+               f"--run.stop-on-no-signal must be >= 1, got {self.stop_on_no_signal}")
         _check(self.wandb_project is None or self.wandb_project.strip() != "",
                "--run.wandb-project must be a non-empty name")
         _check(self.max_steps >= 0, f"--run.max-steps must be >= 0, got {self.max_steps}")

@@ -69,7 +69,7 @@ def _trainer(config: RLConfig, *, input_name: str = "scored"):
     def build(ctx) -> TrainerExecutor:
         return TrainerExecutor(ctx, model_config=config.model, config=config.trainer, algo=config.algo,
                                temperature=config.generator.temperature, input_name=input_name,
-                               seed=config.run.seed)
+                               seed=config.run.seed, stop_on_no_signal=config.run.stop_on_no_signal)
     return build
 
 

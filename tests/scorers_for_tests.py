@@ -50,3 +50,8 @@ def solved_in_few_turns(trajectory, problem) -> float:
         return 0.0
     trained = [s.text for s in trajectory.segments if s.trained]
     return 1.0 / max(trajectory.num_turns, 1) if trained and problem.answer in trained[-1] else 0.0
+
+
+def always_zero(completion: str, reference: str) -> float:
+    """A scorer that never matches: every group ties, so a run has no learning signal."""
+    return 0.0

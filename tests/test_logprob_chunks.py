@@ -1,15 +1,21 @@
-"""Log-probs in token chunks (``--trainer.logprob-chunk-tokens``, llamarl/models/logprob_chunks.py):
-the same values and gradients as the whole micro-batch's logits, per row and with shared prompts,
-on untied and tied (SmolLM2-like) heads, with grad and without; the logits of one chunk at most are
-built; models that soft-cap their logits are refused in one line. The FSDP2 path is checked against
-the single-process reference in tests/test_trainer.py."""
+"""Log-probs in token chunks (``--trainer.logprob-chunk-tokens``, default on; llamarl/models/logprob_chunks.py
+and the fused head of llamarl/models/fused_logprobs.py): the same values and gradients as the whole
+micro-batch's logits, per row and with shared prompts, on untied and tied (SmolLM2-like) heads, with
+grad and without, fp32 and bf16, soft-capped (Gemma 2) heads; no tensor of more than one chunk of
+logits is built; the issue-46 proxy: the log-prob path's peak memory at [8192, 49152] is <= 1/4 of the
+whole logits' (fake tensors, torch's MemTracker). The FSDP2 path is checked against the
+single-process reference in tests/test_trainer.py and tests/test_minibatches.py."""
+
+import types
 
 import pytest
 import torch
 from test_shared_prefix import TEMPERATURE, _batch
 from tiny_model import build_tiny_llama
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from llamarl.config import TrainerConfig
+from llamarl.models.fused_logprobs import HeadLogprobs
 from llamarl.models.logprob_chunks import selected_logprobs
 from llamarl.models.logprobs import completion_logprobs
 from llamarl.models.microbatch import microbatch_inputs
@@ -56,31 +62,166 @@ def test_chunked_log_probs_and_gradients_equal_the_whole_logits(tied, shared, ch
                                    rtol=1e-5, atol=1e-5)
 
 
-def test_no_more_than_one_chunk_of_logits_is_built():
-    """The LM head sees at most ``chunk_tokens`` rows per call, forward and backward (recompute)."""
-    model = build_tiny_llama(seed=0)
-    seen = []
-    hook = model.lm_head.register_forward_hook(lambda module, args, out: seen.append(out.shape))
+class _LargestVocabTensor(TorchDispatchMode):
+    """The most rows of any op output whose last dimension is the vocabulary."""
+
+    def __init__(self, vocab: int) -> None:
+        super().__init__()
+        self.vocab, self.rows = vocab, 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if func.is_view:
+            return out
+        for t in out if isinstance(out, (tuple, list)) else (out,):
+            if isinstance(t, torch.Tensor) and t.dim() >= 1 and t.shape[-1] == self.vocab:
+                self.rows = max(self.rows, t.numel() // self.vocab)
+        return out
+
+
+@pytest.mark.parametrize("shared", [False, True])
+def test_no_more_than_one_chunk_of_logits_is_built(shared):
+    """No op, forward or backward, makes a tensor of more than ``chunk_tokens`` rows of logits."""
+    model = build_tiny_llama(seed=0, intermediate_size=80)  # no other dimension of the model is the vocab (128)
     batch = _batch()
-    logp = _logprobs(model, batch, shared=False, chunk_tokens=4)
-    forward_calls = len(seen)
-    logp.sum().backward()
-    hook.remove()
-    num_tokens = int(microbatch_inputs(batch, list(range(len(batch))), device="cpu")[0].shape[1])
-    assert forward_calls > 1 and len(seen) == 2 * forward_calls  # each chunk recomputed once in backward
-    assert all(shape[0] <= 4 and len(shape) == 2 for shape in seen), seen
+    with _LargestVocabTensor(128) as probe:
+        logp = _logprobs(model, batch, shared=shared, chunk_tokens=4)
+        (logp * torch.linspace(-1, 1, logp.numel()).view(logp.shape)).sum().backward()
+    num_tokens = int(microbatch_inputs(batch, list(range(len(batch))), device="cpu")[2].sum())
     assert num_tokens > 4
+    assert probe.rows <= 4, probe.rows
+    with _LargestVocabTensor(128) as probe:
+        _logprobs(model, batch, shared=shared, chunk_tokens=0).sum().backward()
+    assert probe.rows >= num_tokens  # the whole-logits path, for contrast
 
 
-def test_bad_chunk_sizes_and_soft_capped_models_are_refused():
+def test_the_fused_head_is_the_default_and_equals_the_whole_logits_in_fp32_and_bf16():
+    """``TrainerConfig().logprob_chunk_tokens`` > 0 (default on); fp32: the same log-probs bit for bit
+    at the default (every token in one chunk here; on this CPU's GEMM), within 1e-6 in chunks of 3, and gradients within 1e-5 of the
+    largest; bf16 (weights and compute): log-probs within the stated 0.02 absolute (bf16 rounds each
+    logit to ~0.4 %; measured equal here too)."""
+    chunk = TrainerConfig().logprob_chunk_tokens
+    assert chunk > 0
+    for tied in (False, True):
+        model = build_tiny_llama(seed=1, tie_word_embeddings=tied)
+        batch = _batch(seed=1)
+        whole = _logprobs(model, batch, shared=False, chunk_tokens=0)
+        expected = _grads(model, whole)
+        for chunk_tokens in (chunk, 3):
+            fused = _logprobs(model, batch, shared=False, chunk_tokens=chunk_tokens)
+            exact = chunk_tokens == chunk  # one chunk: the head's GEMM over the same rows (3: 1 ulp here)
+            torch.testing.assert_close(fused, whole, rtol=0 if exact else 1e-6, atol=0 if exact else 1e-6)
+            got = _grads(model, fused)
+            largest = max(g.abs().max().item() for g in expected.values())
+            for name in expected:
+                torch.testing.assert_close(got[name], expected[name], rtol=1e-5, atol=1e-5 * largest, msg=name)
+        model = model.to(torch.bfloat16)
+        whole = _logprobs(model, batch, shared=True, chunk_tokens=0)
+        for chunk_tokens in (chunk, 3):
+            fused = _logprobs(model, batch, shared=True, chunk_tokens=chunk_tokens)
+            assert fused.dtype == torch.float32
+            torch.testing.assert_close(fused, whole, rtol=0, atol=0.02)
+
+
+def test_the_fused_function_matches_autograd_on_its_formula():
+    """``HeadLogprobs`` against the formula by autograd, with a bias, a temperature, several chunks,
+    one chunk (probabilities kept, no recompute) and the entropy ``-sum p log p``."""
+    gen = torch.Generator().manual_seed(0)
+    hidden = torch.randn(11, 8, generator=gen, dtype=torch.float64, requires_grad=True)
+    weight = torch.randn(13, 8, generator=gen, dtype=torch.float64, requires_grad=True)
+    bias = torch.randn(13, generator=gen, dtype=torch.float64, requires_grad=True)
+    targets = torch.randint(0, 13, (11,), generator=gen)
+    upstream = torch.randn(11, generator=gen, dtype=torch.float64)
+    log_probs = torch.log_softmax((hidden @ weight.t() + bias) / 0.7, dim=-1)
+    want = log_probs.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
+    want_entropy = -(log_probs.exp() * log_probs).sum(-1)
+    want_grads = torch.autograd.grad((want * upstream).sum(), (hidden, weight, bias))
+    for chunk in (1, 4, 11, 64):
+        logp, entropy = HeadLogprobs.apply(hidden.float(), weight.float(), bias.float(), targets, 0.7, chunk, True)
+        torch.testing.assert_close(logp.double(), want, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(entropy.double(), want_entropy.detach(), rtol=1e-5, atol=1e-5)
+        h, w, b = (t.detach().float().requires_grad_() for t in (hidden, weight, bias))
+        logp, _ = HeadLogprobs.apply(h, w, b, targets, 0.7, chunk, False)
+        got = torch.autograd.grad((logp * upstream.float()).sum(), (h, w, b))
+        for g, expected in zip(got, want_grads):
+            torch.testing.assert_close(g.double(), expected, rtol=1e-4, atol=1e-5)
+
+
+def test_soft_capped_heads_are_capped_inside_the_chunks():
+    """Gemma 2's ``final_logit_softcapping``: the chunked path applies ``c tanh(z / c)`` itself (the
+    model's own cap off for the call, back after) and gives the whole logits' values and gradients."""
+    from model_families import build_family
+
+    model = build_family("gemma2")
+    model.config.final_logit_softcapping = 0.5  # small, so that the cap changes the values
+    batch = _batch()
+    whole = _logprobs(model, batch, shared=False, chunk_tokens=0)
+    expected = _grads(model, whole)
+    model.config.final_logit_softcapping = None
+    uncapped = _logprobs(model, batch, shared=False, chunk_tokens=0)
+    assert (uncapped - whole).abs().max() > 1e-2
+    model.config.final_logit_softcapping = 0.5
+    chunked = _logprobs(model, batch, shared=False, chunk_tokens=3)
+    assert model.config.final_logit_softcapping == 0.5
+    torch.testing.assert_close(chunked, whole, rtol=1e-5, atol=1e-5)
+    got = _grads(model, chunked)
+    largest = max(g.abs().max().item() for g in expected.values())
+    for name in expected:
+        torch.testing.assert_close(got[name], expected[name], rtol=1e-4, atol=1e-5 * largest, msg=name)
+
+
+class _HeadOnlyLM(torch.nn.Module):
+    """The log-prob path with a body of one embedding: ``hidden = embed(ids)``, ``logits = lm_head``.
+    The vocabulary terms are all that is left, which is what the memory proxy measures."""
+
+    def __init__(self, vocab: int, hidden: int) -> None:
+        super().__init__()
+        self.config = types.SimpleNamespace()
+        self.embed = torch.nn.Embedding(vocab, hidden)
+        self.lm_head = torch.nn.Linear(hidden, vocab, bias=False)
+
+    def get_output_embeddings(self):
+        return self.lm_head
+
+    def forward(self, input_ids, attention_mask=None, use_cache=False, logits_to_keep=0):
+        hidden = self.embed(input_ids)
+        return types.SimpleNamespace(logits=self.lm_head(hidden[:, -logits_to_keep:]))
+
+
+def _logprob_path_peak_bytes(chunk_tokens: int, *, tokens: int = 8192, vocab: int = 49152, hidden: int = 64) -> int:
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.distributed._tools.mem_tracker import MemTracker
+
+    with FakeTensorMode():
+        model = _HeadOnlyLM(vocab, hidden)
+        ids = torch.randint(0, vocab, (1, tokens + 1))
+        tracker = MemTracker()
+        tracker.track_external(model)
+        with tracker:
+            logp = completion_logprobs(model, ids, torch.ones_like(ids), start=1, temperature=0.7,
+                                       chunk_tokens=chunk_tokens)
+            (logp * 0.5).sum().backward()
+        peak = tracker.get_tracker_snapshot("peak")
+    return sum(v for device in peak.values() for k, v in device.items() if "Total" in str(k))
+
+
+def test_log_prob_path_peak_memory_is_a_quarter_of_the_whole_logits():
+    """Issue 46's proxy: forward + backward of the default log-prob path for 8,192 tokens x 49,152 ids
+    (SmolLM2's vocabulary; hidden 64 so that the tokens x vocab term is everything) peaks at <= 1/4
+    of the whole-logits path's (fake tensors: sizes without the memory). Fails with the old default
+    (``--trainer.logprob-chunk-tokens 0``: the whole logits)."""
+    whole = _logprob_path_peak_bytes(0)
+    default = _logprob_path_peak_bytes(TrainerConfig().logprob_chunk_tokens)
+    assert whole > 3 * 8192 * 49152 * 4  # several fp32 copies of the logits
+    assert default <= whole / 4, (default, whole)
+
+
+def test_bad_chunk_sizes_are_refused():
     model = build_tiny_llama(seed=0)
     ids = torch.tensor([[5, 6, 7]])
     select = {"rows": torch.tensor([0]), "positions": torch.tensor([0]), "targets": torch.tensor([7])}
     with pytest.raises(ValueError, match="chunk_tokens must be >= 1"):
         selected_logprobs(model, **select, temperature=1.0, chunk_tokens=0, input_ids=ids)
-    model.config.final_logit_softcapping = 30.0
-    with pytest.raises(ValueError, match="soft-caps its logits.*--trainer.logprob-chunk-tokens 0"):
-        selected_logprobs(model, **select, temperature=1.0, chunk_tokens=2, input_ids=ids)
     assert isinstance(model.lm_head, torch.nn.Linear)
     with pytest.raises(ValueError, match="--trainer.logprob-chunk-tokens must be >= 0"):
         TrainerConfig(logprob_chunk_tokens=-1)

@@ -146,9 +146,9 @@ def test_forwarded_rows_and_minibatch_counts_by_hand():
     assert rows["row"].tolist() == [0, 2]
     # every loss token counts (row 1's included), one zero-advantage sample, two rows with signal
     assert dict(zip(MINIBATCH_COUNTS, counts)) == {"tokens": 6.0, "staleness_sum": 7.0, "zero_advantage": 1.0,
-                                                   "signal": 2.0, "dropped_stale": 1.0}
+                                                   "signal": 2.0, "dropped_stale": 1.0, "sequences": 3.0}
     empty, counts = minibatch_counts(TensorBatch(), {})
-    assert len(empty) == 0 and counts == [0.0] * 5
+    assert len(empty) == 0 and counts == [0.0] * 6
 
 
 # ----- the loss, resolved once -----

@@ -53,6 +53,8 @@ JOBS = {
     **{f"stale_{nproc}": (nproc, ["--budget", "4096", "--loss", "aipo", "--max-staleness", "1"]) for nproc in (1, 2)},
     **{f"norm_{nproc}_{budget}": (nproc, ["--budget", str(budget), "--loss", "aipo", "--max-staleness", "none",
                                           "--normalize-batch"]) for nproc, budget in LOSS_CASES},
+    **{f"agg_{nproc}_{budget}_{agg}": (nproc, ["--budget", str(budget), "--loss", "decoupled_ppo", "--loss-agg", agg])
+       for nproc, budget in LOSS_CASES for agg in ("seq-mean-token-mean", "seq-mean-token-sum-norm")},
 }
 
 
@@ -90,6 +92,22 @@ def test_fsdp_update_matches_single_process_reference(setup, worlds, nproc, budg
     assert metrics["zero_advantage_samples"] == 4  # groups 3 (all 0) and 9 (all 1): skipped, same update
 
 
+@pytest.mark.parametrize("loss_agg", ["seq-mean-token-mean", "seq-mean-token-sum-norm"])
+@pytest.mark.parametrize(("nproc", "budget"), LOSS_CASES)
+def test_loss_aggregations_match_their_formula_on_any_split_and_rank_count(setup, worlds, nproc, budget, loss_agg):
+    """``--algo.loss-agg``: one rank with one micro-batch and two ranks with micro-batches of 12
+    tokens give the gradient of the formula over the whole batch (llamarl/algorithms/aggregation.py)."""
+    _, model_dir, batch = setup
+    metrics, _, got_grads = run_world(worlds, f"agg_{nproc}_{budget}_{loss_agg}")
+    expected_grads, expected_loss = reference_gradients(model_dir, batch, "decoupled_ppo", loss_agg=loss_agg)
+    token_mean_grads, token_mean_loss = reference_gradients(model_dir, batch, "decoupled_ppo")
+    assert expected_loss != pytest.approx(token_mean_loss, rel=1e-3)  # not token-mean's by another name
+    if loss_agg == "seq-mean-token-mean":  # (sum-norm is token-mean times a constant: clipping makes them equal)
+        assert any(not torch.allclose(expected_grads[n], token_mean_grads[n], rtol=1e-3) for n in expected_grads)
+    assert assert_grads_close(got_grads, expected_grads) > 1e-3
+    assert metrics["loss"] == pytest.approx(expected_loss, rel=1e-4, abs=1e-6)
+
+
 @pytest.mark.parametrize(("nproc", "budget"), LOSS_CASES)
 def test_a_loss_registered_by_user_code_is_used_with_its_declared_reductions(setup, worlds, nproc, budget):
     """``aipo_x2`` (registered in the world script) doubles AIPO's loss; its ``rows`` metric is a
@@ -105,9 +123,10 @@ def test_unknown_names_list_the_registered_ones():
     from llamarl.algorithms.registry import get_advantage, get_policy_loss, register_policy_loss
     from llamarl.config import AlgoConfig
 
-    with pytest.raises(ValueError, match=r"unknown policy loss 'nope'; registered: aipo, decoupled_ppo, ppo"):
+    with pytest.raises(ValueError, match=r"unknown policy loss 'nope'; registered: aipo, cispo, dapo, "
+                                         r"decoupled_ppo, gspo, gspo_token, ppo"):
         get_policy_loss("nope")
-    with pytest.raises(ValueError, match=r"unknown advantage estimator 'nope'; registered: grpo, mean, rloo$"):
+    with pytest.raises(ValueError, match=r"unknown advantage estimator 'nope'; registered: dr_grpo, grpo, mean, rloo$"):
         get_advantage("nope")
     with pytest.raises(ValueError, match="--algo.loss 'nope' is not registered; known:"):
         AlgoConfig(loss="nope")

@@ -132,7 +132,19 @@ def token_mean(per_token, mask):
     return (per_token * mask).sum() / mask.sum()
 
 
-def reference_gradients(model_dir, batch, loss_name, *, normalize_batch=False):
+def aggregated(per_token, mask, loss_agg, length=16):
+    """``--algo.loss-agg`` written out over the whole batch: the token mean; each sample's token mean,
+    averaged over the samples with a loss token; each sample's sum over ``length``, averaged so."""
+    if loss_agg == "token-mean":
+        return token_mean(per_token, mask)
+    rows = mask.sum(1) > 0
+    sums = (per_token * mask).sum(1)
+    if loss_agg == "seq-mean-token-mean":
+        return (sums[rows] / mask.sum(1)[rows]).sum() / rows.sum()
+    return sums[rows].sum() / (length * rows.sum())
+
+
+def reference_gradients(model_dir, batch, loss_name, *, normalize_batch=False, loss_agg="token-mean"):
     """Clipped gradients of the paper-formula loss on the whole batch (one optimizer step), and the loss."""
     model, _ = load_causal_lm(str(model_dir))
     model.train()
@@ -151,7 +163,7 @@ def reference_gradients(model_dir, batch, loss_name, *, normalize_batch=False):
         d = (CURRENT_VERSION - batch["versions"]).float()
         prox = torch.where(d >= 1, logp.detach(), behav).detach()
         per_token = decoupled_ppo_per_token(logp, prox, behav, A)
-    loss = token_mean(per_token, mask)
+    loss = aggregated(per_token, mask, loss_agg)
     loss.backward()
     torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)
     return {n: p.grad.detach() for n, p in model.named_parameters()}, float(loss.detach())

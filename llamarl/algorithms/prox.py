@@ -32,6 +32,16 @@ __all__ = ["loglinear_prox_logp"]
 PROMPT_VERSION = -1
 
 
+def host_checks(tensor: torch.Tensor) -> bool:
+    """Whether the data checks on ``tensor`` read it on the host (free on the CPU) or run as device-side
+    asserts (``torch._assert_async``: a read on a GPU would be a host synchronisation)."""
+    return tensor.device.type == "cpu" and HOST_CHECKS_ON_CPU
+
+
+HOST_CHECKS_ON_CPU = True
+"""False: the device branch on the CPU too (the host-read proxy of tests/test_trainer_host_reads.py)."""
+
+
 def loglinear_prox_logp(
     behav_logp: Tensor,
     logp: Tensor,
@@ -56,7 +66,8 @@ def loglinear_prox_logp(
 
     Raises ValueError on shape mismatches, non-integer versions, a negative ``current_version``,
     ``prox_version`` outside ``[0, current_version]``, or an included token whose version is < -1
-    or newer than ``current_version``.
+    or newer than ``current_version`` (on a device, where reading them would be a host
+    synchronisation: a device-side assert instead, ``host_checks``).
     """
     shape = behav_logp.shape
     for name, x in {"logp": logp, "versions": versions, "mask": mask}.items():
@@ -73,10 +84,16 @@ def loglinear_prox_logp(
     include = versions != PROMPT_VERSION
     if mask is not None:
         include = include & mask.to(torch.bool)
-    if bool((include & (versions < 0)).any()):
-        raise ValueError(f"versions must be >= 0 on loss tokens (or {PROMPT_VERSION} for prompt tokens)")
     staleness = current - versions
-    if bool((include & (staleness < 0)).any()):
+    negative, future = include & (versions < 0), include & (staleness < 0)
+    if not host_checks(versions):
+        # On a device: the same checks as device-side asserts, read by nobody (no host sync).
+        torch._assert_async(~negative.any(), f"versions must be >= 0 on loss tokens (or {PROMPT_VERSION} for "
+                                              "prompt tokens)")
+        torch._assert_async(~future.any(), f"a token version is newer than current_version {current}")
+    elif bool(negative.any()):
+        raise ValueError(f"versions must be >= 0 on loss tokens (or {PROMPT_VERSION} for prompt tokens)")
+    elif bool(future.any()):
         newest = int(versions[include].max())
         raise ValueError(f"token version {newest} is newer than current_version {current}")
 

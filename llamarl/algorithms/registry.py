@@ -13,7 +13,10 @@ micro-batches and ranks, and whether it needs the proximal policy; the trainer c
 loss was registered with ``needs_prox=True``), ``advantages`` ``[B]``, ``algo`` the ``AlgoConfig``
 (hyper-parameters), ``num_loss_tokens`` the global loss-token count of the optimizer step: the loss
 must be ``sum over masked tokens / num_loss_tokens`` so micro-batch gradients add up to a global
-token mean. Reductions: ``mean`` (token-weighted over every micro-batch and rank), ``max``, ``sum``.
+token mean. With ``--algo.loss-agg`` other than ``token-mean``, ``num_loss_tokens`` is an
+``aggregation.Aggregation`` instead: a loss written with ``aggregation.aggregate(per_token, mask,
+num_loss_tokens)`` (as every built-in one is) supports every aggregation. Reductions: ``mean``
+(token-weighted over every micro-batch and rank), ``max``, ``sum``.
 Registering from recipe code (at import time, on every rank) is enough to use a new loss by name.
 
 Advantage estimators: ``fn(rewards [N], group_size, *, eps) -> advantages [N]`` with rows grouped by

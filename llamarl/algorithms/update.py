@@ -37,6 +37,7 @@ import torch
 from torch import Tensor
 
 from llamarl.algorithms.advantages import check_groups
+from llamarl.algorithms.aggregation import Aggregation
 from llamarl.algorithms.prox import loglinear_prox_logp
 from llamarl.algorithms.registry import PolicyLoss, get_advantage, get_policy_loss
 from llamarl.batch import TensorBatch
@@ -47,7 +48,7 @@ __all__ = ["MINIBATCH_COUNTS", "NORMALIZE_EPS", "PolicyUpdate", "advantage_momen
 
 NORMALIZE_EPS = 1e-6  # ``--algo.normalize-batch``'s epsilon on the std
 # What ``minibatch_counts`` returns per rank, in order; the trainer sums each over its ranks.
-MINIBATCH_COUNTS = ("tokens", "staleness_sum", "zero_advantage", "signal", "dropped_stale")
+MINIBATCH_COUNTS = ("tokens", "staleness_sum", "zero_advantage", "signal", "dropped_stale", "sequences")
 
 
 # ----- advantages -----
@@ -136,17 +137,18 @@ def minibatch_counts(batch: TensorBatch, stats: dict[str, float]) -> tuple[Tenso
     """This rank's rows to forward (``forwarded_rows``) and its counts, in ``MINIBATCH_COUNTS``
     order: loss tokens (forwarded or not: the global token mean's denominator), ``staleness_sum``,
     zero-advantage samples, rows forwarded, ``dropped_stale_samples`` (``stats`` from
-    ``filter_stale``). A zero-advantage row (its group all scored alike) adds exactly zero loss and
+    ``filter_stale``), samples with a loss token (the ``seq-mean`` aggregations' denominator). A zero-advantage row (its group all scored alike) adds exactly zero loss and
     gradient, so it is not forwarded, but its tokens still count in the token mean: the update is
     bit-for-bit the same. Rows the staleness filter masked have no loss token: not forwarded, and
     not signal (else an AdamW step on a zero gradient could still happen)."""
     tokens = float(batch["loss_mask"].sum()) if len(batch) else 0.0
-    zero_advantage = 0.0
+    zero_advantage = sequences = 0.0
     if len(batch):
         zero_advantage = float((batch["advantages"] == 0).sum())
+        sequences = float(batch["loss_mask"].bool().any(dim=1).sum())
         batch = batch.select(forwarded_rows(batch))
     return batch, [tokens, stats.get("staleness_sum", 0.0), zero_advantage, float(len(batch)),
-                   stats.get("dropped_stale_samples", 0.0)]
+                   stats.get("dropped_stale_samples", 0.0), sequences]
 
 
 # ----- the configured update -----
@@ -191,6 +193,23 @@ class PolicyUpdate:
         batch.fields["advantages"] = advantages
         return batch
 
+    def begin_minibatch(self, counts: dict[str, float]) -> None:
+        """The minibatch's global ``MINIBATCH_COUNTS`` (summed over the trainer's ranks), before its
+        first ``loss_on``: the ``--algo.loss-agg`` denominators."""
+        self._counts = counts
+
+    def aggregation(self, num_loss_tokens: float) -> float | Aggregation:
+        """What the loss gets as ``num_loss_tokens``: the count itself for ``token-mean`` (the
+        registry's contract, unchanged), else the ``Aggregation`` with this minibatch's counts."""
+        mode = getattr(self.algo, "loss_agg", "token-mean")
+        if mode == "token-mean":
+            return num_loss_tokens
+        counts = getattr(self, "_counts", None)
+        if counts is None:
+            raise RuntimeError(f"--algo.loss-agg {mode}: begin_minibatch was not called with the minibatch's counts")
+        return Aggregation(mode, num_tokens=num_loss_tokens, num_seqs=counts["sequences"],
+                           constant=float(self.algo.loss_agg_length or 1))
+
     def loss_on(self, sub: TensorBatch, logp: Tensor, mask: Tensor, *, num_loss_tokens: float, version: int,
                 prox_version: int, timed: Callable[[Callable[[], Tensor]], Tensor] | None = None,
                 ) -> tuple[Tensor, dict]:
@@ -210,7 +229,7 @@ class PolicyUpdate:
                                                prox_version=prox_version, mask=mask)
                 prox = timed(interpolate) if timed is not None else interpolate()
         return self.loss.fn(logp=logp, behav_logp=behav, prox_logp=prox, advantages=sub["advantages"], mask=mask,
-                            algo=self.algo, num_loss_tokens=num_loss_tokens)
+                            algo=self.algo, num_loss_tokens=self.aggregation(num_loss_tokens))
 
     def accumulate(self, sums: dict[str, float], maxes: dict[str, float], metrics: dict, loss: float,
                    num_tokens: float) -> None:

@@ -1,6 +1,7 @@
 """The trainer's metrics: what each one reduces to over ranks (``TRAINER_METRICS``), how the
-minibatches of one batch combine into the batch's record (``combine_minibatch_metrics``), and the
-device-side timer behind ``prox_seconds`` (``device_timer``)."""
+minibatches of one batch combine into the batch's record (``combine_minibatch_metrics``), the
+device-side sums of an optimizer step and its one host read (``accumulate_on_device``,
+``read_step``), and the device-side timer behind ``prox_seconds`` (``device_timer``)."""
 
 from __future__ import annotations
 
@@ -8,11 +9,16 @@ import time
 from collections.abc import Callable
 
 import torch
+import torch.distributed as dist
 
 from llamarl.boxes import local_tensor
 from llamarl.metrics import MetricSpec
 
-__all__ = ["TRAINER_METRICS", "combine_minibatch_metrics", "device_timer", "state_bytes"]
+__all__ = ["ENTROPY_SUM", "TRAINER_METRICS", "accumulate_on_device", "combine_minibatch_metrics", "device_timer",
+           "read_step", "state_bytes"]
+
+ENTROPY_SUM = "_entropy_sum"
+"""The key of the step's entropy sum over its loss tokens in ``accumulate_on_device``'s sums."""
 
 # The step reduces these over the trainer's ranks itself (identical on every rank: "max" keeps them),
 # except this rank's throughput, which the runner sums.
@@ -24,7 +30,13 @@ TRAINER_METRICS = {
                                                   "dropped_stale_samples")},
     "staleness_mean": MetricSpec("staleness", "max"), "staleness_max": MetricSpec("staleness", "max"),
     "loss": MetricSpec("loss", "max"),
+    # The policy's entropy -sum_v p_v log p_v (after the temperature), mean over the loss tokens trained on.
+    "entropy": MetricSpec("loss", "max"),
     "train_seconds": MetricSpec("throughput", "max"), "train_tokens_per_s": MetricSpec("throughput", "sum"),
+    # The micro-batches' matmul FLOPs (llamarl/models/flops.py: each token once, shared prompts once,
+    # the pairs each token attends to) over the step's seconds, and over the device's bf16 peak
+    # where it is known (llamarl/models/flops.py's table; none on a CPU).
+    "train_tflops_per_s": MetricSpec("throughput", "sum"), "trainer_mfu": MetricSpec("throughput", "mean"),
     # Time this rank spent producing proximal log-probs (recompute: the extra forward; loglinear:
     # A-3PO's interpolation inside each micro-batch). Only for losses that use a proximal policy.
     "prox_seconds": MetricSpec("throughput", "max"),
@@ -51,6 +63,58 @@ def state_bytes(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> int
             if isinstance(value, torch.Tensor):
                 total += local_tensor(value).numel() * value.element_size()
     return total
+
+
+def _on(device: torch.device, value) -> torch.Tensor:
+    if isinstance(value, torch.Tensor):
+        return value.detach().to(device=device, dtype=torch.float64)
+    return torch.tensor(float(value), dtype=torch.float64, device=device)
+
+
+def accumulate_on_device(update, sums: dict, maxes: dict, metrics: dict, loss: torch.Tensor,
+                         num_tokens: float) -> None:
+    """``PolicyUpdate.accumulate`` (``update``) without reading anything: one micro-batch with
+    ``num_tokens`` loss tokens (a host count) added to ``sums`` / ``maxes`` as float64 device
+    scalars: ``loss``, ``metric_tokens``, and each declared metric, ``mean`` ones weighted by
+    ``num_tokens``, ``sum`` ones added, ``max`` ones by ``torch.maximum``. Float64 in the same order
+    as the host version, so the values read at the step's end are the same. A metric the loss did
+    not declare is a ValueError."""
+    device = loss.device
+    for key, value in metrics.items():
+        reduction = update.loss.metrics.get(key)
+        if reduction is None:
+            raise ValueError(f"policy loss {update.loss.name!r} reported metric {key!r} it did not declare "
+                             f"(declared: {sorted(update.loss.metrics)})")
+        value = _on(device, value)
+        if reduction == "max":
+            maxes[key] = torch.maximum(maxes[key], value) if key in maxes else value
+        elif reduction == "sum":
+            sums[key] = sums.get(key, 0.0) + value
+        else:  # token-weighted mean
+            sums[key] = sums.get(key, 0.0) + value * num_tokens
+    sums["loss"] = sums.get("loss", 0.0) + _on(device, loss)
+    sums["metric_tokens"] = sums.get("metric_tokens", 0.0) + num_tokens
+
+
+def read_step(update, sums: dict, maxes: dict, grad_norm: torch.Tensor, *, group, ranks: int):
+    """The optimizer step's one host read: ``update.metric_vectors(sums, maxes)`` summed / maxed
+    over the ``ranks`` of ``group`` on the device, the entropy sum (``ENTROPY_SUM``) and the
+    gradient norm, in one ``tolist``. Returns ``(summed, maxed, grad_norm, entropy)``: the first two
+    as ``PolicyUpdate.reduced_metrics`` takes them, floats; ``entropy`` the mean over the loss
+    tokens trained on (None when no rank trained on one)."""
+    summed, maxed = update.metric_vectors(sums, maxes)
+    device = grad_norm.device
+    total = torch.stack([_on(device, v) for v in [*summed, sums.get(ENTROPY_SUM, 0.0)]])
+    top = torch.stack([_on(device, v) for v in maxed]) if maxed else total.new_zeros(0)
+    if ranks > 1:
+        dist.all_reduce(total, op=dist.ReduceOp.SUM, group=group)
+        if maxed:
+            dist.all_reduce(top, op=dist.ReduceOp.MAX, group=group)
+    values = torch.cat([total, top, _on(device, grad_norm).reshape(1)]).tolist()
+    count = len(summed)
+    summed_host, entropy_sum = values[:count], values[count]
+    entropy = entropy_sum / summed_host[1] if summed_host[1] > 0 else None
+    return summed_host, values[count + 1 : count + 1 + len(maxed)], values[-1], entropy
 
 
 def combine_minibatch_metrics(results: list[dict[str, float]], *, loss_metrics: dict[str, str]) -> dict[str, float]:

@@ -15,6 +15,11 @@ proximal log-probs; a reference-policy executor for the log-probs of samples):
 * ``sequence_logprobs`` runs them for a no-grad pass: the per-token completion log-probs of every
   row of a batch.
 
+No device value is read back inside the loops: ``plan_forwards`` turns a host copy of the batch
+(lengths, loss masks, tokens for the shared contexts) into one ``Microbatch`` per forward (rows,
+trimmed length, first loss column, loss-token count, the shared-prompt ``PackedLayout``), and
+``device_inputs`` / ``microbatch_logprobs`` then only index device tensors with host numbers.
+
 With ``share_prompts`` the planner packs whole context groups (a group costs its prompt once plus
 its completions) so that a micro-batch holds a group's rows together.
 
@@ -25,16 +30,35 @@ Batch layout (the trainer's input, see llamarl/executors/trainer.py): right-padd
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.distributed as dist
 
 from llamarl.batch import TensorBatch
 from llamarl.data.packing import check_token_counts, pack_microbatches
 from llamarl.models import shared_prefix
+from llamarl.models.flops import work_of
 from llamarl.models.logprobs import completion_logprobs
 from llamarl.models.sharding import reshard_after_no_grad
 
-__all__ = ["microbatch_inputs", "microbatch_logprobs", "plan_microbatches", "sequence_logprobs"]
+__all__ = ["Microbatch", "device_inputs", "microbatch_inputs", "microbatch_logprobs", "plan_forwards",
+           "plan_microbatches", "sequence_logprobs"]
+
+
+@dataclass
+class Microbatch:
+    """One forward's plan, from host values (``plan_forwards``): ``rows`` of the batch (None: the
+    dummy of a rank with nothing left), the trimmed ``length``, ``start`` (first loss column),
+    ``loss_tokens`` (its loss-mask sum over those columns), with shared prompts the ``layout``, and
+    its ``work``: ``(tokens, pairs, predicted)`` for ``llamarl/models/flops.py`` (zero for a dummy)."""
+
+    rows: list[int] | None
+    length: int
+    start: int
+    loss_tokens: float
+    layout: shared_prefix.PackedLayout | None = None
+    work: tuple[float, float, float] = (0.0, 0.0, 0.0)
 
 
 def microbatch_inputs(batch: TensorBatch, rows: list[int] | None, *, device: torch.device | str):
@@ -63,19 +87,54 @@ def microbatch_inputs(batch: TensorBatch, rows: list[int] | None, *, device: tor
     return ids, attention, sub["loss_mask"][:, :length].float(), start, sub
 
 
+def plan_forwards(host: TensorBatch, microbatches: list[list[int]], count: int, *, share_prompts: bool,
+                  model: torch.nn.Module) -> list[Microbatch]:
+    """``count`` forwards' ``Microbatch`` plans (``plan_microbatches``' output; past the end of
+    ``microbatches``, dummies), each read from ``host``, a host (CPU) copy of the batch: the
+    numbers ``microbatch_inputs`` would read from the device, and the shared-prompt layout when
+    ``share_prompts`` and the model supports it."""
+    shared = share_prompts and shared_prefix.supports(model)
+    plans = []
+    for index in range(count):
+        rows = microbatches[index] if index < len(microbatches) else None
+        ids, attention, mask, start, _ = microbatch_inputs(host, rows, device="cpu")
+        lengths = attention.sum(dim=1).tolist()
+        layout = shared_prefix.packed_layout(ids, lengths, mask) if shared else None
+        work = (0.0, 0.0, 0.0) if rows is None else work_of(lengths, start, None if layout is None else layout.segments)
+        plans.append(Microbatch(rows, ids.shape[1], start, float(mask.sum()), layout, work))
+    return plans
+
+
+def device_inputs(batch: TensorBatch, plan: Microbatch, *, device: torch.device | str):
+    """``microbatch_inputs(batch, plan.rows, device=device)`` with ``plan``'s host numbers instead of
+    reads of ``batch`` (on the device): the same ``(input_ids, attention_mask, loss_mask, start,
+    sub_batch)``."""
+    if plan.rows is None:
+        return microbatch_inputs(batch, None, device=device)
+    sub = batch.select(plan.rows)
+    length = plan.length
+    ids = sub["input_ids"][:, :length].long()
+    attention = (torch.arange(length, device=ids.device).unsqueeze(0) < sub["num_tokens"].unsqueeze(1)).long()
+    return ids, attention, sub["loss_mask"][:, :length].float(), plan.start, sub
+
+
 def microbatch_logprobs(model: torch.nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor,
                         loss_mask: torch.Tensor, *, start: int, temperature: float,
-                        share_prompts: bool, chunk_tokens: int = 0) -> torch.Tensor:
+                        share_prompts: bool, chunk_tokens: int = 0, entropy_out: list | None = None,
+                        layout: shared_prefix.PackedLayout | None = None) -> torch.Tensor:
     """Per-token completion log-probs ``[b, length]`` of one micro-batch (``microbatch_inputs``'s
     first four outputs), differentiable. ``share_prompts`` forwards each distinct context once when
     the model supports it (``shared_prefix.supports``), else the rows as they are; the values agree
     on every loss position up to summation order. ``chunk_tokens > 0``: no more than that many
-    tokens' logits alive at once (``llamarl.models.logprob_chunks``; same values and gradients)."""
+    tokens' logits alive at once (``llamarl.models.logprob_chunks``; same values and gradients).
+    ``entropy_out``: gets the ``[b, length]`` entropies appended (``completion_logprobs``);
+    ``layout``: the rows' host-built ``PackedLayout`` (``plan_forwards``), so nothing is read here."""
     if share_prompts and shared_prefix.supports(model):
         return shared_prefix.shared_prefix_logprobs(model, input_ids, attention_mask, loss_mask,
-                                                    temperature=temperature, chunk_tokens=chunk_tokens)
+                                                    temperature=temperature, chunk_tokens=chunk_tokens,
+                                                    entropy_out=entropy_out, layout=layout)
     return completion_logprobs(model, input_ids, attention_mask, start=start, temperature=temperature,
-                               chunk_tokens=chunk_tokens)
+                               chunk_tokens=chunk_tokens, entropy_out=entropy_out)
 
 
 def plan_microbatches(batch: TensorBatch, *, max_tokens_per_microbatch: int, group: dist.ProcessGroup | None,
@@ -149,17 +208,19 @@ def sequence_logprobs(model: torch.nn.Module, batch: TensorBatch, *, temperature
     ``microbatch_rows``: fixed micro-batches (``plan_microbatches``); ``chunk_tokens``: see
     ``microbatch_logprobs``.
     """
-    microbatches, count = plan_microbatches(batch, max_tokens_per_microbatch=max_tokens_per_microbatch,
+    host = batch.to("cpu")  # the plan's numbers, read on the host (a no-op for a host batch)
+    microbatches, count = plan_microbatches(host, max_tokens_per_microbatch=max_tokens_per_microbatch,
                                             group=group, share_prompts=share_prompts, microbatch_rows=microbatch_rows)
+    plans = plan_forwards(host, microbatches, count, share_prompts=share_prompts, model=model)
+    batch = batch.to(device)
     width = batch["input_ids"].shape[1] if "input_ids" in batch else 0
     out = torch.zeros(len(batch), width, dtype=torch.float32, device=device)
-    for index in range(count):
-        rows = microbatches[index] if index < len(microbatches) else None
-        ids, attention, mask, start, _ = microbatch_inputs(batch, rows, device=device)
+    for plan in plans:
+        ids, attention, mask, start, _ = device_inputs(batch, plan, device=device)
         logp = microbatch_logprobs(model, ids, attention, mask, start=start, temperature=temperature,
-                                   share_prompts=share_prompts, chunk_tokens=chunk_tokens)
-        if rows is not None:
-            index_rows = torch.tensor(rows, dtype=torch.long, device=out.device)
+                                   share_prompts=share_prompts, chunk_tokens=chunk_tokens, layout=plan.layout)
+        if plan.rows is not None:
+            index_rows = torch.tensor(plan.rows, dtype=torch.long, device=out.device)
             out[index_rows, : ids.shape[1]] = torch.where(mask.bool(), logp.float(), 0.0).to(out.device)
     reshard_after_no_grad(model)  # no backward follows these forwards
     return out

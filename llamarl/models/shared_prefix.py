@@ -23,9 +23,11 @@ says whether a model qualifies, and callers fall back to per-row forwards when i
 
 from __future__ import annotations
 
+from dataclasses import dataclass, fields
+
 import torch
 
-__all__ = ["context_groups", "pack_groups", "shared_prefix_logprobs", "supports"]
+__all__ = ["PackedLayout", "context_groups", "pack_groups", "packed_layout", "shared_prefix_logprobs", "supports"]
 
 
 def supports(model: torch.nn.Module) -> bool:
@@ -78,8 +80,79 @@ def pack_groups(groups: list[list[int]], context_lengths: list[int], num_tokens:
     return items
 
 
+@dataclass
+class PackedLayout:
+    """Where every token of a micro-batch goes when each context is forwarded once, built on the
+    host from lengths and tokens known there (``packed_layout``), moved to the device in one go
+    (``to``): nothing on the device is read back to build it.
+
+    ``tokens`` / ``positions`` / ``segments`` ``[G, W]``: the packed rows (one per context group),
+    their position ids, and each token's segment (0: the context, k: the group's k-th completion,
+    -1: padding). ``rows`` / ``columns`` / ``packed_rows`` / ``sources`` ``[K]``, one entry per
+    completion token: its row and column in the ``[B, L]`` input, its packed row, and the position
+    (after ``logits_to_keep``, i.e. minus ``first_kept``) of the logit that predicts it."""
+
+    tokens: torch.Tensor
+    positions: torch.Tensor
+    segments: torch.Tensor
+    rows: torch.Tensor
+    columns: torch.Tensor
+    packed_rows: torch.Tensor
+    sources: torch.Tensor
+    first_kept: int
+
+    def to(self, device: torch.device | str) -> PackedLayout:
+        """The same layout with every tensor on ``device`` (host-to-device copies only)."""
+        return PackedLayout(**{f.name: getattr(self, f.name).to(device) if f.name != "first_kept" else self.first_kept
+                               for f in fields(self)})
+
+
+def packed_layout(input_ids: torch.Tensor, num_tokens: list[int], loss_mask: torch.Tensor) -> PackedLayout:
+    """The ``PackedLayout`` of right-padded rows ``input_ids`` ``[B, L]`` of lengths ``num_tokens``
+    with ``loss_mask`` (``context_groups`` decides the contexts), on the CPU. ``input_ids`` and
+    ``loss_mask`` should be host tensors: they are read (``tolist``)."""
+    groups, context_lengths = context_groups(input_ids, num_tokens, loss_mask)
+    rows_host = input_ids.tolist()
+    packed, positions, segments = [], [], []
+    rows, columns, packed_rows, sources = [], [], [], []
+    # Logits only from the shortest context's last token on (the rest of the prompts is unused).
+    first_kept = min(context_lengths[group[0]] for group in groups) - 1
+    for g, group in enumerate(groups):
+        context = context_lengths[group[0]]
+        tokens, pos, seg = list(rows_host[group[0]][:context]), list(range(context)), [0] * context
+        for member, row in enumerate(group, start=1):
+            start = len(tokens)  # where this row's completion starts in its packed row
+            completion = rows_host[row][context:num_tokens[row]]
+            # Completion token k (input column context + k) is predicted by the context's last
+            # position for k = 0, else by the packed position of token k - 1.
+            for k in range(len(completion)):
+                rows.append(row)
+                columns.append(context + k)
+                packed_rows.append(g)
+                sources.append((context - 1 if k == 0 else start + k - 1) - first_kept)
+            tokens += completion
+            pos += range(context, context + len(completion))
+            seg += [member] * len(completion)
+        packed.append(tokens)
+        positions.append(pos)
+        segments.append(seg)
+    width = max(len(t) for t in packed)
+
+    def padded(lists, fill):
+        return torch.tensor([x + [fill] * (width - len(x)) for x in lists], dtype=torch.long, device="cpu")
+
+    def flat(values):
+        return torch.tensor(values, dtype=torch.long, device="cpu").reshape(len(values))
+
+    # Padding gets a segment of its own (-1): it sees the context and itself, never a completion.
+    return PackedLayout(tokens=padded(packed, 0), positions=padded(positions, 0), segments=padded(segments, -1),
+                        rows=flat(rows), columns=flat(columns), packed_rows=flat(packed_rows), sources=flat(sources),
+                        first_kept=first_kept)
+
+
 def shared_prefix_logprobs(model: torch.nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor,
-                           loss_mask: torch.Tensor, *, temperature: float, chunk_tokens: int = 0) -> torch.Tensor:
+                           loss_mask: torch.Tensor, *, temperature: float, chunk_tokens: int = 0,
+                           entropy_out: list | None = None, layout: PackedLayout | None = None) -> torch.Tensor:
     """Per-token log-probs ``[B, L]`` of each row's completion, each distinct context forwarded once.
 
     Same contract as ``llamarl.models.logprobs.completion_logprobs`` on the same inputs
@@ -88,75 +161,42 @@ def shared_prefix_logprobs(model: torch.nn.Module, input_ids: torch.Tensor, atte
     row ``r``'s first loss token to its last token; 0 elsewhere. Differentiable (the shared
     context's gradient is the sum of its rows'). Needs ``supports(model)``. ``chunk_tokens > 0``:
     the logits of at most that many tokens alive at once (``llamarl.models.logprob_chunks``).
+    ``entropy_out``: a list that gets each predicted distribution's entropy appended, ``[B, L]``
+    fp32 at the same positions (0 elsewhere; no gradient). ``layout``: these rows'
+    ``packed_layout``, built on the host beforehand (then nothing here reads a device value); None:
+    built here from the inputs (each read once on the host).
     """
     batch, width = input_ids.shape
     device = input_ids.device
-    num_tokens = attention_mask.sum(dim=1).tolist()
-    groups, context_lengths = context_groups(input_ids, num_tokens, loss_mask)
-    rows_host = input_ids.tolist()
-    packed, positions, segments = [], [], []
-    # Where each row's completion starts in its packed row.
-    segment_start = [0] * batch
-    for rows in groups:
-        context = context_lengths[rows[0]]
-        tokens, pos, seg = list(rows_host[rows[0]][:context]), list(range(context)), [0] * context
-        for member, row in enumerate(rows, start=1):
-            segment_start[row] = len(tokens)
-            completion = rows_host[row][context:num_tokens[row]]
-            tokens += completion
-            pos += range(context, context + len(completion))
-            seg += [member] * len(completion)
-        packed.append(tokens)
-        positions.append(pos)
-        segments.append(seg)
-    packed_width = max(len(t) for t in packed)
-
-    def padded(lists, fill):
-        # Built on the host from Python lists, one copy to ``device``.
-        return torch.tensor([x + [fill] * (packed_width - len(x)) for x in lists], dtype=torch.long,
-                            device="cpu").to(device)
-    # Padding gets a segment of its own (-1): it sees the context and itself, never a completion.
-    tokens_t, pos_t, seg_t = padded(packed, 0), padded(positions, 0), padded(segments, -1)
+    if layout is None:
+        layout = packed_layout(input_ids.cpu(), attention_mask.sum(dim=1).tolist(), loss_mask.cpu())
+    layout = layout.to(device)
+    packed_width = layout.tokens.shape[1]
     causal = torch.ones(packed_width, packed_width, dtype=torch.bool, device=device).tril()
-    visible = (seg_t.unsqueeze(1) == 0) | (seg_t.unsqueeze(1) == seg_t.unsqueeze(2))
+    seg = layout.segments
+    visible = (seg.unsqueeze(1) == 0) | (seg.unsqueeze(1) == seg.unsqueeze(2))
     mask_4d = (causal.unsqueeze(0) & visible).unsqueeze(1)
-
-    # Logits only from the shortest context's last token on (the rest of the prompts is unused).
-    first_kept = min(context_lengths[rows[0]] for rows in groups) - 1
-    forward = {"input_ids": tokens_t, "attention_mask": mask_4d, "position_ids": pos_t, "use_cache": False,
-               "logits_to_keep": packed_width - first_kept}
-
-    # For completion token k of row r (input column context + k), the logit that predicts it sits at
-    # the context's last position for k = 0, else at the packed position of token k - 1.
-    max_completion = max(max(num_tokens[r] - context_lengths[r] for r in range(batch)), 1)
-    group_of, source, column, valid = ([[0] * max_completion for _ in range(batch)] for _ in range(4))
-    for g, rows in enumerate(groups):
-        for row in rows:
-            context = context_lengths[row]
-            for k in range(num_tokens[row] - context):
-                group_of[row][k] = g
-                source[row][k] = (context - 1 if k == 0 else segment_start[row] + k - 1) - first_kept
-                column[row][k] = context + k
-                valid[row][k] = 1
-    group_of, source, column, valid = (torch.tensor(x, dtype=torch.long, device=device)
-                                       for x in (group_of, source, column, valid))
-    targets = torch.gather(input_ids, 1, column)
+    forward = {"input_ids": layout.tokens, "attention_mask": mask_4d, "position_ids": layout.positions,
+               "use_cache": False, "logits_to_keep": packed_width - layout.first_kept}
+    targets = input_ids[layout.rows, layout.columns]
+    entropy = None
     if chunk_tokens > 0:
         from llamarl.models.logprob_chunks import selected_logprobs
 
-        # Only the real completion tokens are computed; the padding slots stay 0.
-        where = valid.bool()
-        token_logp = torch.zeros(valid.shape, dtype=torch.float32, device=device)
-        token_logp = token_logp.masked_scatter(where, selected_logprobs(
-            model, rows=group_of[where], positions=source[where], targets=targets[where],
-            temperature=temperature, chunk_tokens=chunk_tokens, **forward))
+        picked = selected_logprobs(model, rows=layout.packed_rows, positions=layout.sources, targets=targets,
+                                   temperature=temperature, chunk_tokens=chunk_tokens,
+                                   with_entropy=entropy_out is not None, **forward)
+        token_logp, entropy = picked if entropy_out is not None else (picked, None)
     else:
-        logits = model(**forward).logits
-        picked = logits[group_of, source].float()
+        logits = model(**forward).logits[layout.packed_rows, layout.sources].float()
         if temperature > 0:
-            picked = picked / temperature
-        token_logp = torch.log_softmax(picked, dim=-1).gather(-1, targets.unsqueeze(-1)).squeeze(-1)
-        token_logp = torch.where(valid.bool(), token_logp, 0.0)
-    out = torch.zeros(batch, width + 1, dtype=token_logp.dtype, device=device)
-    # Invalid slots land in the spare last column, cut below.
-    return out.scatter(1, torch.where(valid.bool(), column, width), token_logp)[:, :width]
+            logits = logits / temperature
+        log_probs = torch.log_softmax(logits, dim=-1)
+        token_logp = log_probs.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
+        if entropy_out is not None:
+            with torch.no_grad():
+                entropy = -torch.linalg.vecdot(log_probs.exp(), log_probs)
+    if entropy_out is not None:
+        entropy_out.append(torch.zeros(batch, width, device=device).index_put((layout.rows, layout.columns), entropy))
+    out = torch.zeros(batch, width, dtype=token_logp.dtype, device=device)
+    return out.index_put((layout.rows, layout.columns), token_logp)

@@ -16,7 +16,11 @@ staleness and the log-linear prox) with the hyper-parameters of ``tests/trainer_
 Rank 0 writes the full updated parameters, their gradients (``grad.<name>``, after clipping; of the
 last optimizer step) and the batch's metrics (as a JSON string in metadata). ``--probes`` (with
 ``--loss probe_decoupled_ppo``): every rank also writes ``OUT.rank<r>.json``, per micro-batch
-(minibatch index, max |logp - prox| over its loss tokens).
+(minibatch index, max |logp - prox| over its loss tokens). ``--count-host-reads``: every rank writes
+``OUT.reads<r>.json``, ``{"device": n, "host": m, "optimizer": o, "params": p}``: the host reads
+(``tests/fake_cuda.py``'s ``OpCounter``) of its ``train_on``, those of the trainer's host planning
+(``plan_batch`` / ``plan_minibatch``, which work on the batch's host copy) and of the optimizer's
+step counted apart (``count_host_reads``); ``p`` trainable parameters.
 """
 
 import argparse
@@ -83,13 +87,18 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--loss", default="aipo", help="--algo.loss (aipo_x2, probe_decoupled_ppo: registered here)")
     parser.add_argument("--max-staleness", type=staleness, default=None, help="--algo.max-staleness (none: no limit)")
     parser.add_argument("--normalize-batch", action="store_true", help="--algo.normalize-batch")
+    parser.add_argument("--loss-agg", default="token-mean", help="--algo.loss-agg")
+    parser.add_argument("--loss-agg-length", type=int, default=16, help="--algo.loss-agg-length")
     parser.add_argument("--prox", choices=["recompute", "loglinear"], default="loglinear", help="--algo.prox")
     parser.add_argument("--num-minibatches", type=int, default=1, help="--trainer.num-minibatches")
     parser.add_argument("--lr", type=float, default=LR, help="the optimizer's learning rate")
     parser.add_argument("--optimizer", choices=["adamw", "sgd"], default="adamw",
                         help="sgd: the trainer's AdamW is swapped for plain SGD (the same lr) after init")
-    parser.add_argument("--logprob-chunk-tokens", type=int, default=0, help="--trainer.logprob-chunk-tokens")
+    parser.add_argument("--logprob-chunk-tokens", type=int, default=TrainerConfig().logprob_chunk_tokens,
+                        help="--trainer.logprob-chunk-tokens (default: its default, the fused head)")
     parser.add_argument("--probes", action="store_true", help="every rank writes OUT.rank<r>.json (see above)")
+    parser.add_argument("--count-host-reads", action="store_true",
+                        help="every rank writes OUT.reads<r>.json: the host reads of its train_on (see above)")
     return parser.parse_args(argv)
 
 
@@ -117,6 +126,7 @@ def train(ctx: ExecutorContext, args: argparse.Namespace) -> None:
                                                    logprob_chunk_tokens=args.logprob_chunk_tokens,
                                                    **budget_config(args.budget)),
                               algo=AlgoConfig(loss=args.loss, prox=args.prox, max_staleness=args.max_staleness,
+                                             loss_agg=args.loss_agg, loss_agg_length=args.loss_agg_length,
                                               normalize_batch=args.normalize_batch, rho=RHO, eps_clip=EPS),
                               temperature=TEMPERATURE)
     trainer.init()
@@ -134,7 +144,18 @@ def train(ctx: ExecutorContext, args: argparse.Namespace) -> None:
         trainer.train_minibatch = counted
     full = TensorBatch(load_file(args.batch), {"group_size": 2})
     part = full.select(balanced_group_partition(full, ctx.local_world_size)[ctx.local_rank])
-    metrics = trainer.train_on(part)
+    if args.count_host_reads:
+        import llamarl.algorithms.prox
+
+        llamarl.algorithms.prox.HOST_CHECKS_ON_CPU = False  # the device branch: device-side asserts
+        counter = count_host_reads(trainer)
+        with counter:
+            metrics = trainer.train_on(part)
+        Path(f"{args.out}.reads{ctx.local_rank}.json").write_text(json.dumps(
+            {"device": counter.reads.get("other", 0), "host": counter.reads.get("host", 0),
+             "optimizer": counter.reads.get("optimizer", 0), "params": len(trainer.trainable)}))
+    else:
+        metrics = trainer.train_on(part)
     model = trainer.get_model()
     params = full_named_parameters(model)
     # The optimizer keeps the clipped gradients after its step (zero_grad runs before the next one).
@@ -145,6 +166,27 @@ def train(ctx: ExecutorContext, args: argparse.Namespace) -> None:
                   metadata={"metrics": json.dumps(metrics)})
     if args.probes:
         Path(f"{args.out}.rank{ctx.local_rank}.json").write_text(json.dumps(PROBES))
+
+
+def count_host_reads(trainer: TrainerExecutor):
+    """An ``OpCounter`` for ``trainer``'s step, with its host planning methods, where present,
+    counted as phase ``host``, and the optimizer's step as ``optimizer`` (AdamW reads each
+    parameter's ``step`` count, a host tensor unless ``capturable`` / ``fused``: no sync on a GPU)."""
+    from fake_cuda import OpCounter
+
+    counter = OpCounter()
+
+    def in_phase(phase, method):
+        def counted(*args, **kwargs):
+            with counter.phase(phase):
+                return method(*args, **kwargs)
+        return counted
+
+    for name in ("plan_batch", "plan_minibatch"):
+        if hasattr(trainer, name):
+            setattr(trainer, name, in_phase("host", getattr(trainer, name)))
+    trainer.optimizer.step = in_phase("optimizer", trainer.optimizer.step)
+    return counter
 
 
 if __name__ == "__main__":
