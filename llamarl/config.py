@@ -151,7 +151,21 @@ class RewardConfig:
     reward) or ``module:function``; it replaces the recipe's text scorer, for training and the
     greedy evaluations. None: the recipe's scorer of ``(completion text, reference)``."""
 
+    overlong_buffer: int = 0
+    """DAPO's soft overlong punishment (llamarl/rewards/overlong.py): a completion within this many
+    tokens of ``--generator.max-new-tokens`` loses up to ``--reward.overlong-penalty`` of reward,
+    linearly; 0: off."""
+    overlong_penalty: float = 1.0
+    """The largest overlong punishment (DAPO: 1)."""
+    overlong_filter: bool = False
+    """Mask truncated samples (no end token) out of the loss (DAPO's overlong filtering)."""
+    max_len: int | None = None
+    """The completion limit the shaping measures against; None: ``--generator.max-new-tokens``
+    (set so by the recipe's config)."""
+
     def __post_init__(self) -> None:
+        _check(self.overlong_buffer >= 0, f"--reward.overlong-buffer must be >= 0, got {self.overlong_buffer}")
+        _check(self.overlong_penalty >= 0, f"--reward.overlong-penalty must be >= 0, got {self.overlong_penalty}")
         # The references themselves are resolved before any rank starts, one line each
         # (llamarl/config_checks.py: check_scorers), not here inside tyro's error box.
         _check(self.scorer is None or self.trajectory_scorer is None,
@@ -612,5 +626,10 @@ class RLConfig:
                "needs the untruncated distribution (top-p 1, top-k 0); the trainer cannot reproduce the filter")
         if self.algo.loss_agg_length is None:  # Dr. GRPO's constant: the longest a completion can be
             self.algo.loss_agg_length = self.generator.max_new_tokens
+        if self.reward.max_len is None:  # the overlong shaping's limit
+            self.reward.max_len = self.generator.max_new_tokens
+        _check(self.reward.overlong_buffer <= self.reward.max_len,
+               f"--reward.overlong-buffer {self.reward.overlong_buffer} exceeds the completion limit "
+               f"{self.reward.max_len} (--generator.max-new-tokens)")
         _check(self.checkpoint.resume != "latest" or self.run.output_dir is not None,
                "--checkpoint.resume latest needs --run.output-dir (the run whose checkpoints to continue)")

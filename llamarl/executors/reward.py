@@ -20,6 +20,7 @@ from llamarl.config import RewardConfig
 from llamarl.data.prompts import Problem
 from llamarl.executor import Executor
 from llamarl.metrics import MetricSpec
+from llamarl.rewards.overlong import mask_truncated, overlong_penalty
 from llamarl.rewards.pool import RewardPool
 
 REWARD_METRICS = {
@@ -31,6 +32,8 @@ REWARD_METRICS = {
     "reward_timeouts": MetricSpec("errors", "sum"),
     "reward_worker_start_failures": MetricSpec("errors", "sum"),
     "reward_seconds": MetricSpec("time", "max"),
+    "overlong_penalty_mean": MetricSpec("reward", "mean", weight="reward_samples"),
+    "overlong_filtered": MetricSpec("reward", "mean", weight="reward_samples"),
 }
 """What ``score_rollouts`` reports, and how each is reduced over the scoring ranks (the error
 counters are each rank's running totals, so their sum is the run's)."""
@@ -61,9 +64,13 @@ def build_pool(config: RewardConfig, scorer: str | None) -> RewardPool:
     return RewardPool(scorer, num_workers=config.num_workers, timeout_s=config.timeout_s)
 
 
-def score_rollouts(pool: RewardPool, batch: TensorBatch) -> tuple[TensorBatch, dict[str, float]]:
+def score_rollouts(pool: RewardPool, batch: TensorBatch,
+                   config: RewardConfig | None = None) -> tuple[TensorBatch, dict[str, float]]:
     """Add ``rewards`` (float32 [N], on the batch's device) to a non-empty rollout batch; return it
-    and the reward metrics. Shared by the reward executor and the colocated schedule."""
+    and the reward metrics. With ``config``'s overlong settings, DAPO's soft overlong punishment
+    is added to the rewards and truncated samples are masked out of the loss
+    (llamarl/rewards/overlong.py; ``reward_mean`` is then the shaped mean, ``accuracy`` the
+    scorer's)."""
     start = time.perf_counter()
     if pool.kind == "trajectory":
         if not {"trajectory", "question"} <= set(batch.string_fields):
@@ -76,6 +83,19 @@ def score_rollouts(pool: RewardPool, batch: TensorBatch) -> tuple[TensorBatch, d
     else:
         rewards = pool.score_batch(batch.get_strings("completion"), batch.get_strings("reference"))
     batch.fields["rewards"] = torch.tensor(rewards, dtype=torch.float32, device=batch.device)
+    shaping: dict[str, float] = {}
+    if config is not None and config.overlong_buffer:
+        if config.max_len is None:
+            raise ValueError("--reward.overlong-buffer needs the completion limit (RewardConfig.max_len: the "
+                             "recipe's config sets it from --generator.max-new-tokens)")
+        shaped = overlong_penalty(batch["completion_len"], max_len=config.max_len, buffer=config.overlong_buffer,
+                                  penalty=config.overlong_penalty).to(batch.device)
+        batch.fields["rewards"] = batch["rewards"] + shaped
+        shaping["overlong_penalty_mean"] = float(shaped.mean())
+    if config is not None and config.overlong_filter and "finish_stop" in batch:
+        ended = batch["finish_stop"].bool()
+        batch.fields["loss_mask"] = mask_truncated(batch["loss_mask"], ended)
+        shaping["overlong_filtered"] = float((~ended).float().mean())
     set_balance_tokens(batch)
     stats = pool.stats()
     metrics = {"reward_mean": float(sum(rewards) / len(rewards)),
@@ -83,7 +103,9 @@ def score_rollouts(pool: RewardPool, batch: TensorBatch) -> tuple[TensorBatch, d
                "completion_len_mean": float(batch["completion_len"].float().mean()),
                "reward_errors": float(stats["num_errors"]), "reward_timeouts": float(stats["num_timeouts"]),
                "reward_worker_start_failures": float(stats["num_worker_start_failures"]),
-               "reward_seconds": time.perf_counter() - start, "reward_samples": float(len(rewards))}
+               "reward_seconds": time.perf_counter() - start, "reward_samples": float(len(rewards)), **shaping}
+    if shaping:
+        metrics["reward_mean"] = float(batch["rewards"].float().mean())
     return batch, metrics
 
 
@@ -107,7 +129,7 @@ class RewardExecutor(Executor):
         if not len(batch):
             self.metrics = {}
             return
-        self.outputs[self.output_name], self.metrics = score_rollouts(self.pool, batch)
+        self.outputs[self.output_name], self.metrics = score_rollouts(self.pool, batch, self.config)
 
     def save_checkpoint(self, directory: Path) -> None:
         """Pending outputs (base class) and the pool's cumulative counters (errors, timeouts, ...)."""
