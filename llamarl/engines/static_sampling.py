@@ -32,7 +32,7 @@ from __future__ import annotations
 import torch
 
 from llamarl.engines.base import SamplingParams
-from llamarl.engines.sampling import _DRAW_BLOCK, _greedy, unfiltered
+from llamarl.engines.sampling import _DRAW_BLOCK, _greedy, pick_block, pick_in_block, unfiltered
 
 FIRST_CANDIDATES = 256
 """Top-p candidates a sampling setting starts with (``SamplingKey``); x8 at each overflow."""
@@ -56,18 +56,10 @@ def draw(probs: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
     sums = probs[:, :full].view(rows, -1, _DRAW_BLOCK).sum(dim=-1)
     if full < vocab:
         sums = torch.cat((sums, probs[:, full:].sum(dim=-1, keepdim=True)), dim=1)
-    block_cdf = sums.double().cumsum(dim=-1)
-    total = block_cdf[:, -1:]
-    u = uniforms.to(torch.float64).view(rows, 1)
-    zero = torch.zeros_like(total)
-    target = torch.minimum(u * total, torch.nextafter(total, zero))
-    block = torch.searchsorted(block_cdf, target, right=True).clamp_(max=block_cdf.shape[1] - 1)
-    before = torch.where(block > 0, block_cdf.gather(1, (block - 1).clamp(min=0)), zero)
+    block, target, before = pick_block(sums.double().cumsum(dim=-1), uniforms)
     index = block * _DRAW_BLOCK + torch.arange(_DRAW_BLOCK, device=probs.device)
     inner = probs.gather(1, index.clamp(max=vocab - 1)).masked_fill_(index >= vocab, 0.0)
-    inner = inner.cumsum(dim=-1, dtype=torch.float64)
-    offset = torch.minimum(target - before, torch.nextafter(inner[:, -1:], zero))
-    return (block * _DRAW_BLOCK + torch.searchsorted(inner, offset, right=True)).squeeze(-1).clamp_(max=vocab - 1)
+    return pick_in_block(inner.cumsum(dim=-1, dtype=torch.float64), block, target=target, before=before, vocab=vocab)
 
 
 def sample(logits: torch.Tensor, uniforms: torch.Tensor | None, key: tuple):
