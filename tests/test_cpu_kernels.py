@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 from model_families import build_family, chat_tokenizer
+from slot_steps import load_rows, step_rows
 
 from llamarl.engines.cpu import cpu_kernels
 from llamarl.engines.cpu.fused_decode import FusedDecoder, _rotate_half
@@ -298,11 +299,11 @@ def two_paths_step_logits(model, *, native: bool, rows: int):
         assert not decoder._head.gemm
     state = decoder.new_state(capacity=rows, like=model.model.embed_tokens.weight)
     _, cache, _ = engine._prefill(contexts)
-    state.append(keys=[layer.keys for layer in cache.layers], values=[layer.values for layer in cache.layers],
-                 lengths=[len(c) for c in contexts], left_padded=True)
+    load_rows(state, keys=[layer.keys for layer in cache.layers], values=[layer.values for layer in cache.layers],
+              lengths=[len(c) for c in contexts], left_padded=True)
     tokens = torch.arange(rows) * 101 + 7
-    decoder.step(state, tokens)
-    return decoder.step(state, tokens + 1).float(), state.lengths
+    step_rows(decoder, state, tokens)
+    return step_rows(decoder, state, tokens + 1).float(), state.positions[:rows].tolist()
 
 
 @pytest.mark.parametrize("family", ["llama-tied", "qwen2", "qwen3", "mistral"])
@@ -329,7 +330,7 @@ def test_with_more_threads_the_helpers_run_only_small_batches_unless_threaded(mo
     model = build_family("llama-tied").to(BF16)
     decoder = FusedDecoder(model)
     calls = []
-    monkeypatch.setattr(FusedDecoder, "_step_native", lambda self, state, tokens, **k: calls.append(len(tokens)))
+    monkeypatch.setattr(FusedDecoder, "_step_native", lambda self, state, tokens, *a, **k: calls.append(len(tokens)))
     threads = torch.get_num_threads()
     try:
         # A library without OpenMP runs on one thread: with two, only up to THREADED_ROWS rows; built
@@ -341,10 +342,10 @@ def test_with_more_threads_the_helpers_run_only_small_batches_unless_threaded(mo
             torch.set_num_threads(num_threads)
             calls.clear()
             state = decoder.new_state(capacity=rows, like=model.model.embed_tokens.weight)
-            state.append(keys=[torch.zeros(rows, 2, 1, 16, dtype=BF16)] * 2,
-                         values=[torch.zeros(rows, 2, 1, 16, dtype=BF16)] * 2, lengths=[1] * rows, left_padded=False)
+            load_rows(state, keys=[torch.zeros(rows, 2, 1, 16, dtype=BF16)] * 2,
+                      values=[torch.zeros(rows, 2, 1, 16, dtype=BF16)] * 2, lengths=[1] * rows, left_padded=False)
             with torch.no_grad():
-                decoder.step(state, torch.zeros(rows, dtype=torch.long))
+                step_rows(decoder, state, torch.zeros(rows, dtype=torch.long))
             assert calls == ([rows] if native else []), (num_threads, rows)
     finally:
         torch.set_num_threads(threads)

@@ -13,6 +13,7 @@ from model_families import build_family, chat_tokenizer
 
 from llamarl.engines.base import Request, SamplingParams
 from llamarl.engines.cpu.fused_decode import FusedDecoder
+from llamarl.engines.kv_slots import KVSlots
 from llamarl.engines.torch_engine import TorchEngine
 
 
@@ -101,8 +102,8 @@ def test_continuous_batching_refills_finished_rows_with_the_same_tokens(monkeypa
     pad = chat_tokenizer().pad_token_id
     rows_per_step = []
     step = FusedDecoder.step
-    monkeypatch.setattr(FusedDecoder, "step", lambda self, state, tokens, **k: rows_per_step.append(
-        tokens.shape[0]) or step(self, state, tokens, **k))
+    monkeypatch.setattr(FusedDecoder, "step", lambda self, state, rows, **k: rows_per_step.append(
+        rows) or step(self, state, rows, **k))
     whole = TorchEngine(model, eos_token_ids=[], pad_token_id=pad).generate(staggered(), sampling=greedy, version=1)
     assert max(rows_per_step) == 4
     rows_per_step.clear()
@@ -232,12 +233,11 @@ def test_the_c_step_reserves_the_cache_once_and_gives_the_same_tokens(monkeypatc
     of every layer's cache), with the same tokens and log-probs as when it grows step by step; the
     PyTorch step (fp32), which attends over every allocated column, still grows it as rows need."""
     from llamarl.engines.cpu import cpu_kernels
-    from llamarl.engines.cpu.fused_decode import DecodeState
 
     if not cpu_kernels.available():
         pytest.skip("the C decode kernels could not be built here")
     widths = []
-    reserve = DecodeState.reserve
+    reserve = KVSlots.grow
 
     def spy(self, width):
         before = self.width
@@ -245,7 +245,7 @@ def test_the_c_step_reserves_the_cache_once_and_gives_the_same_tokens(monkeypatc
         if self.width != before:
             widths.append(self.width)
 
-    monkeypatch.setattr(DecodeState, "reserve", spy)
+    monkeypatch.setattr(KVSlots, "grow", spy)
     model = build_family("llama-tied").to(torch.bfloat16)
     sampling = SamplingParams(temperature=1.0, max_new_tokens=80)  # past 64 columns: one widening at least
     pad = chat_tokenizer().pad_token_id
@@ -255,7 +255,7 @@ def test_the_c_step_reserves_the_cache_once_and_gives_the_same_tokens(monkeypatc
         results = {}
         new_state = FusedDecoder.new_state
 
-        def stepwise(self, *, capacity, like, positions=0):  # told nothing of the positions to come
+        def stepwise(self, *, capacity, like=None, positions=0):  # told nothing of the positions to come
             return new_state(self, capacity=capacity, like=like)
 
         for upfront in (True, False):
@@ -275,7 +275,7 @@ def test_the_c_step_reserves_the_cache_once_and_gives_the_same_tokens(monkeypatc
     assert [c.completion_ids for c in results[True]] == [c.completion_ids for c in results[False]]
     assert [c.logprobs for c in results[True]] == [c.logprobs for c in results[False]]
     monkeypatch.undo()
-    monkeypatch.setattr(DecodeState, "reserve", spy)
+    monkeypatch.setattr(KVSlots, "grow", spy)
     widths.clear()
     TorchEngine(build_family("llama-tied"), eos_token_ids=[], pad_token_id=pad).generate(
         requests(), sampling=sampling, version=0, generator=torch.Generator().manual_seed(3))
@@ -300,7 +300,7 @@ def test_the_reservation_stops_at_its_byte_budget(monkeypatch):
         monkeypatch.setattr(fused_decode, "_RESERVED_CACHE", 100 * per_column)  # 100 columns of 4 rows
         state = decoder.new_state(capacity=4, like=like, positions=1000)
         assert state.width == 128  # 100 columns, rounded up to the cache's 64-column steps
-        state.reserve(500)
+        state.grow(500)
         assert state.width >= 500
     finally:
         torch.set_num_threads(threads)

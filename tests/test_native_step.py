@@ -8,6 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 from model_families import build_family, chat_tokenizer
+from slot_steps import load_rows, step_rows
 
 from llamarl.engines.base import Request, SamplingParams
 from llamarl.engines.cpu import cpu_kernels, native_step
@@ -56,14 +57,14 @@ def test_one_call_is_the_kernel_by_kernel_step_bit_for_bit(family, amx, monkeypa
     # The caches sized step by step, not once for the whole decode (FusedDecoder.new_state's
     # `positions`): they widen during it, as when a longer request is admitted mid-decode.
     new_state = FusedDecoder.new_state
-    monkeypatch.setattr(FusedDecoder, "new_state", lambda self, *, capacity, like, positions=0: new_state(
+    monkeypatch.setattr(FusedDecoder, "new_state", lambda self, *, capacity, like=None, positions=0: new_state(
         self, capacity=capacity, like=like))
     threads = torch.get_num_threads()
     try:
         for num_threads, rows in ((2, 3), (3, 17), (1, 16)):  # 3 rows: the GEMM's one-panel stream
             torch.set_num_threads(num_threads)
             widths.clear()
-            # 80 new tokens: the caches widen during the decode (DecodeState.reserve), new tables.
+            # 80 new tokens: the caches widen during the decode (KVSlots.grow), new tables.
             one = generate(model, one_call=True, rows=rows, max_new_tokens=80, calls=calls)
             assert len(calls) == 79, (num_threads, rows, len(calls))  # every decode step, the first is prefill
             assert len(set(widths)) >= 2, widths
@@ -84,14 +85,14 @@ def two_steps_across_a_weight_update(*, one_call: bool) -> tuple[torch.Tensor, b
     contexts = [tuple(tok(f"Tell me about {word}.")["input_ids"]) for word in ("cats", "the moon and tides")]
     state = decoder.new_state(capacity=2, like=model.model.embed_tokens.weight)
     _, cache, _ = engine._prefill(contexts)
-    state.append(keys=[layer.keys for layer in cache.layers], values=[layer.values for layer in cache.layers],
-                 lengths=[len(c) for c in contexts], left_padded=True)
+    load_rows(state, keys=[layer.keys for layer in cache.layers], values=[layer.values for layer in cache.layers],
+              lengths=[len(c) for c in contexts], left_padded=True)
     tokens = torch.tensor([11, 12])
     with torch.no_grad():
-        decoder.step(state, tokens)
+        step_rows(decoder, state, tokens)
         before = state.native_tables
         model.model.layers[0].mlp.down_proj.weight.mul_(-3.0)  # in place: the same tensor, a new version
-        logits = decoder.step(state, tokens + 1).clone()
+        logits = step_rows(decoder, state, tokens + 1).clone()
     return logits, before is not None and state.native_tables[1] is not before[1]
 
 
@@ -108,9 +109,9 @@ def test_bad_inputs_are_refused_before_the_step_runs():
     state = decoder.new_state(capacity=rows, like=model.model.embed_tokens.weight)
     config = model.config
     kv, d = decoder.num_kv_heads, decoder.head_dim
-    state.append(keys=[torch.zeros(rows, kv, 3, d, dtype=BF16)] * config.num_hidden_layers,
-                 values=[torch.zeros(rows, kv, 3, d, dtype=BF16)] * config.num_hidden_layers, lengths=[3, 3],
-                 left_padded=False)
+    load_rows(state, keys=[torch.zeros(rows, kv, 3, d, dtype=BF16)] * config.num_hidden_layers,
+              values=[torch.zeros(rows, kv, 3, d, dtype=BF16)] * config.num_hidden_layers, lengths=[3, 3],
+              left_padded=False)
     fused = decoder._layers()
     tables = decoder._layer_tables(fused, state)
     decoder._buffers(rows, fused[0], like=model.model.embed_tokens.weight)

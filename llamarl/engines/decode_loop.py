@@ -1,6 +1,6 @@
 """The native engine's one decode loop, over any decoder of the slot protocol
 (llamarl/engines/decoder.py): the static CUDA-graph step (static_decode.py), the fused CPU step
-(cpu/fused_slots.py) and HF's modules (hf_decoder.py). Every per-step decision is on the device;
+(cpu/fused_decode.py) and HF's modules (hf_decoder.py). Every per-step decision is on the device;
 the host looks every few steps.
 
 A step of the loop: the first ``rows`` slots of the decoder's state run one decode step, every slot

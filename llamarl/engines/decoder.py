@@ -1,6 +1,6 @@
 """The slot protocol every decoder of the native engine implements, so that one decode loop
 (llamarl/engines/decode_loop.py) drives them all: the static CUDA-graph step
-(llamarl/engines/static_decode.py), the fused CPU step (llamarl/engines/cpu/fused_slots.py) and
+(llamarl/engines/static_decode.py), the fused CPU step (llamarl/engines/cpu/fused_decode.py) and
 HF's modules (llamarl/engines/hf_decoder.py).
 
 A decoder's state is a fixed number of **slots**. Slot s feeds ``tokens[s]`` at position

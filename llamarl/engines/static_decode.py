@@ -74,6 +74,7 @@ import torch
 from torch.distributed.tensor import DTensor
 
 from llamarl.engines.base import SamplingParams
+from llamarl.engines.kv_slots import KVSlots
 from llamarl.engines.static_sampling import FIRST_CANDIDATES, SlotRecords, restore, sample, sampling_key
 from llamarl.engines.static_shapes import bucket, ladder, span_rung, state_width  # noqa: F401 - re-exported
 from llamarl.engines.static_step import fusable, fuse_projections, static_forward
@@ -104,13 +105,13 @@ def poisons_device(error: BaseException) -> bool:
     return any(name in str(error).lower() for name in _STICKY_CUDA_ERRORS)
 
 
-class StaticState:
-    """One call's static buffers (module docstring): per layer one cache ``caches[l]``
-    ``[2, slots, kv, width, d]`` (the step writes a token's keys and values in one indexed write),
-    seen as ``keys[l]`` / ``values[l]`` ``[slots, kv, width, d]`` (its two halves), ``tokens`` / ``positions`` ``[slots]`` (int64: what each slot feeds
-    at the next step, and where), RoPE's ``cos`` / ``sin`` ``[width, d]`` (the sine's first half negated: ``_rope``),
-    the step's output ``logits`` ``[slots, vocab]`` (a bucket of r rows writes its first r rows), the
-    in-graph sampler's per-slot ``records`` and the captured graphs by (bucket, span, sampling).
+class StaticState(KVSlots):
+    """The engine-life state of the static step: the one KV state (llamarl/engines/kv_slots.py:
+    per layer ``caches[l]`` ``[2, slots, kv, width, d]``, ``tokens`` / ``positions``; fixed, never
+    grown: the graphs read its addresses) and what the graphs add: RoPE's ``cos`` / ``sin``
+    ``[width, d]`` (the sine's first half negated: ``static_step.rotations``), the step's output
+    ``logits`` ``[slots, vocab]`` (a bucket of r rows writes its first r rows), the in-graph
+    sampler's per-slot ``records`` and the captured graphs by (bucket, span, sampling).
 
     ``logits`` is allocated here, before any capture, and each graph writes it with its last GEMM
     (``out=``): it is no memory of the graphs' pool, where another bucket's capture may place its
@@ -118,12 +119,10 @@ class StaticState:
 
     def __init__(self, *, caches: list[torch.Tensor], cos: torch.Tensor, sin: torch.Tensor,
                  logits: torch.Tensor) -> None:
-        self.caches, self.cos, self.sin, self.logits = caches, cos, sin, logits
-        self.keys, self.values = [c[0] for c in caches], [c[1] for c in caches]
-        slots, device = caches[0].shape[1], caches[0].device
-        self.tokens = torch.zeros(slots, dtype=torch.long, device=device)
-        self.positions = torch.zeros(slots, dtype=torch.long, device=device)
-        self.records = SlotRecords(slots=slots, width=caches[0].shape[3], vocab=logits.shape[1], device=device)
+        super().__init__(caches=caches)
+        self.cos, self.sin, self.logits = cos, sin, logits
+        self.records = SlotRecords(slots=self.capacity, width=self.width, vocab=logits.shape[1],
+                                   device=self.tokens.device)
         """The in-graph sampler's per-slot records (llamarl/engines/static_sampling.py)."""
         self.graphs: dict[tuple, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         """Captured graphs by ``(rows, span, sampling key)`` (``StaticDecoder.step``)."""
@@ -136,64 +135,16 @@ class StaticState:
         allocator. The state is unusable afterwards."""
         self.graphs.clear()
         self.pool = None
-        self.caches, self.keys, self.values, self.logits, self.records = [], [], [], None, None
-
-    @property
-    def capacity(self) -> int:
-        return self.keys[0].shape[0]
-
-    @property
-    def width(self) -> int:
-        return self.keys[0].shape[2]
-
-    def load(self, slots: list[int], *, keys: list[torch.Tensor], values: list[torch.Tensor],
-             lengths: list[int], left_padded: bool) -> None:
-        """Write rows into ``slots``: per layer ``keys[l]`` / ``values[l]`` ``[n, kv, T, d]`` hold row
-        j's ``lengths[j]`` cached positions, right-aligned in ``T`` (a left-padded prefill) when
-        ``left_padded``, else from column 0; they go to columns ``0 .. lengths[j] - 1``. Two ops
-        per layer and tensor whatever ``n`` (a gather of each row's columns, one indexed write):
-        the columns past a row's length get copies of its last one, which its position masks
-        until its own tokens overwrite them."""
-        longest = max(lengths)
-        if longest > self.width - 1:
-            raise ValueError(f"a row of {longest} cached positions does not fit the state's {self.width} columns")
-        source_width = keys[0].shape[2]
-        if longest > source_width:
-            raise ValueError(f"a row of {longest} cached positions was given {source_width} columns")
-        device = self.tokens.device
-        where = torch.tensor(slots, dtype=torch.long, device=device)
-        if left_padded:  # row j's column c is the source's column T - lengths[j] + c (clamped past its end)
-            start = torch.tensor([source_width - n for n in lengths], dtype=torch.long, device=device)
-            columns = (start.unsqueeze(1) + torch.arange(longest, device=device)).clamp_(max=source_width - 1)
-        for mine, theirs in ((self.keys, keys), (self.values, values)):
-            for layer_cache, source in zip(mine, theirs):
-                if left_padded:
-                    n, kv, _, d = source.shape
-                    rows = source.gather(2, columns.view(n, 1, longest, 1).expand(n, kv, longest, d))
-                else:
-                    rows = source[:, :, :longest]
-                layer_cache[where, :, :longest] = rows.to(layer_cache.dtype)
-
-    def load_prefill(self, slots: list[int], *, cache, mask: torch.Tensor, lengths: list[int]) -> None:
-        """``load`` a left-padded prefill's HF cache (``cache.layers[l].keys`` / ``.values``)."""
-        self.load(slots, keys=[layer.keys for layer in cache.layers], values=[layer.values for layer in cache.layers],
-                  lengths=lengths, left_padded=True)
+        super().release()
+        self.logits, self.records = None, None
 
     def move(self, sources: list[int], targets: list[int], *, num_columns: int) -> None:
-        """Copy slots ``sources`` to ``targets`` (the first ``num_columns`` columns of the cache, the
-        fed token and position): the loop's compaction into a smaller bucket."""
-        device = self.tokens.device
-        src = torch.tensor(sources, dtype=torch.long, device=device)
-        dst = torch.tensor(targets, dtype=torch.long, device=device)
-        for cache in (*self.keys, *self.values):
-            cache[dst, :, :num_columns] = cache[src, :, :num_columns]
-        self.tokens[dst] = self.tokens[src]
-        self.positions[dst] = self.positions[src]
-        self.records.move(src, dst)
-
-    def row_cache(self, slot: int, length: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-        """Copies of slot ``slot``'s first ``length`` cached positions per layer, ``[kv, length, d]``."""
-        return ([k[slot, :, :length].clone() for k in self.keys], [v[slot, :, :length].clone() for v in self.values])
+        """``KVSlots.move``, the slots' sampling records with them."""
+        super().move(sources, targets, num_columns=num_columns)
+        if sources:
+            device = self.tokens.device
+            self.records.move(torch.tensor(sources, dtype=torch.long, device=device),
+                              torch.tensor(targets, dtype=torch.long, device=device))
 
 
 class StaticDecoder:

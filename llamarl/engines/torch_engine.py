@@ -11,7 +11,7 @@ Batching: prompts are left-padded into one batch, with an explicit attention mas
 and prefilled with the HF model into a transformers ``DynamicCache``. The decode steps run in one
 loop (llamarl/engines/decode_loop.py) over a decoder of the slot protocol (decoder.py):
 ``StaticDecoder`` on CUDA (static_decode.py: static shapes, captured once per bucket as CUDA graphs
-for the engine's life), the fused CPU step (cpu/fused_slots.py over cpu/fused_decode.py, the CPU
+for the engine's life), the fused CPU step (cpu/fused_decode.py, the CPU
 plugin, imported only there: fused, pre-packed projections over a preallocated KV cache, C kernels
 in bf16) for the Llama-family layouts they support, else HF's modules (hf_decoder.py). Finished
 rows leave the batch at the loop's looks, so long stragglers do not drag dead rows through every
@@ -293,9 +293,7 @@ class TorchEngine:
             return self._static
         if self.fused_decode and device.type == "cpu" and _fused_decoder().supports(self.model, length=width):
             self._fused = self._fused or _fused_decoder()(self.model)
-            from llamarl.engines.cpu.fused_slots import FusedSlotDecoder  # the CPU plugin: CPU only
-
-            return FusedSlotDecoder(self._fused, like=self.model.get_input_embeddings().weight)
+            return self._fused
         if self._hf is None:
             self._hf = HFDecoder(self._forward, device=device)
         return self._hf

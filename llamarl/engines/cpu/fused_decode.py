@@ -20,10 +20,10 @@ turns it off):
   seen at the next ``generate``: ``refresh``). Memory: the fused q/k/v and gate/up weights are
   copies, and each packed layout in use is one more copy of the projections' weights (the LM head
   included);
-* **a preallocated KV cache** ``[slots, kv_heads, width, head_dim]`` per layer with one row per
-  slot, each row's positions left-aligned (``DecodeState``), so rows of different lengths share a
-  step: each token's keys and values are written in place at its own row's column, and an attention
-  mask preallocated to the same width marks what each row sees (no per-step concatenation). A
+* **a preallocated KV cache**: the native engine's one KV state (llamarl/engines/kv_slots.py, the
+  CUDA-graph step's too), one row per slot, each row's positions left-aligned, so rows of different
+  lengths share a step: each token's keys and values are written in place at its own row's column,
+  and what each row sees follows from its position (no per-step concatenation). A
   finished row leaves by an order-keeping compaction, and a new row (a pending request, prefilled;
   or a carried sample whose cache was kept) can join the batch at any step (continuous batching,
   ``TorchEngine(max_num_seqs=)``); the attention of the single query row is two small matmuls and
@@ -54,6 +54,7 @@ import torch
 from torch.distributed.tensor import DTensor
 
 from llamarl.engines.cpu import cpu_kernels, native_step
+from llamarl.engines.kv_slots import KVSlots
 
 _SUPPORTED = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "MistralForCausalLM")
 _RMS_NORMS = ("LlamaRMSNorm", "Qwen2RMSNorm", "Qwen3RMSNorm", "MistralRMSNorm")
@@ -111,7 +112,15 @@ class _Linear:
 
 
 class FusedDecoder:
-    """Decode steps of one HF Llama-family model (module docstring)."""
+    """Decode steps of one HF Llama-family model (module docstring); a decoder of the slot
+    protocol (llamarl/engines/decoder.py) over the one KV state (llamarl/engines/kv_slots.py): not
+    bucketed (a step runs exactly the live rows, which the loop keeps at the front after every step,
+    where a host read costs nothing), admits rows mid-decode (continuous batching) and keeps
+    carried caches."""
+
+    bucketed = False
+    admits_mid_decode = True
+    keeps_caches = True
 
     @staticmethod
     def supports(model: torch.nn.Module, *, length: int) -> bool:
@@ -142,6 +151,8 @@ class FusedDecoder:
         self.num_heads, self.num_kv_heads = config.num_attention_heads, config.num_key_value_heads
         self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
         self.scaling = self.head_dim ** -0.5
+        self.num_calls = 0
+        """Decode loops completed with this decoder (``decode_loop.decode``)."""
         self._fused: list[tuple[_Linear, _Linear, _Linear, _Linear]] | None = None
         self._head: _Linear | None = None
         self._built_from: tuple[tuple[int, int], ...] = ()
@@ -197,9 +208,10 @@ class FusedDecoder:
             self._head = _Linear([head.weight], [head.bias])
         return self._fused
 
-    def new_state(self, *, capacity: int, like: torch.Tensor, positions: int = 0) -> DecodeState:
-        """An empty decode state with room for ``capacity`` rows, in ``like``'s dtype and on its
-        device; its width grows with the rows' lengths (``DecodeState.reserve``). ``positions``: the
+    def new_state(self, *, capacity: int, like: torch.Tensor | None = None, positions: int = 0) -> KVSlots:
+        """An empty decode state (the one KV state, llamarl/engines/kv_slots.py, growable) with room
+        for ``capacity`` rows, in ``like``'s dtype and on its device (None: the model's embedding's);
+        its width grows with the rows' lengths (``KVSlots.grow``). ``positions``: the
         most positions a row of this decode can reach (prompt + new tokens), reserved at once where
         a step's cost does not depend on the cache's width (``width_free``), so the decode never
         widens the cache mid-way (a widening copies every layer's cache: at 64 rows of SmolLM2 going
@@ -209,15 +221,20 @@ class FusedDecoder:
         the batch's longest row), but rows that stop at EOS never need it: the reservation stops at
         ``_RESERVED_CACHE`` bytes (GSM8K's 16 rows x ~300 positions of SmolLM2 are 110 MB), past
         which the cache grows as before."""
-        shape = (capacity, self.num_kv_heads, 0, self.head_dim)
+        like = self.model.get_input_embeddings().weight if like is None else like
         num_layers = len(self.model.model.layers)
-        state = DecodeState(keys=[like.new_zeros(shape) for _ in range(num_layers)],
-                            values=[like.new_zeros(shape) for _ in range(num_layers)],
-                            mask=torch.zeros((capacity, 0), dtype=torch.bool, device=like.device))
+        state = KVSlots.zeros(layers=num_layers, slots=capacity, kv_heads=self.num_kv_heads, width=0,
+                              head_dim=self.head_dim, like=like, growable=True)
         if positions > 0 and self.width_free(capacity):
             per_column = 2 * num_layers * capacity * self.num_kv_heads * self.head_dim * like.element_size()
-            state.reserve(min(positions, max(_RESERVED_CACHE // per_column, 1)))
+            state.grow(min(positions, max(_RESERVED_CACHE // per_column, 1)))
         return state
+
+    def reserve(self, *, capacity: int, positions: int) -> KVSlots:
+        """The slot protocol's state for one decode loop (llamarl/engines/decoder.py): the weights
+        looked up again (``refresh``), then ``new_state``. A state lives for one call."""
+        self.refresh()
+        return self.new_state(capacity=capacity, positions=positions)
 
     def width_free(self, rows: int) -> bool:
         """True when a step over up to ``rows`` rows costs the same at any cache width: it runs the
@@ -226,20 +243,20 @@ class FusedDecoder:
         return self._native and (most is None or rows <= most)
 
     @torch.no_grad()
-    def step(self, state: DecodeState, tokens: torch.Tensor, *, fresh_logits: bool = False) -> torch.Tensor:
-        """Logits ``[rows, vocab]`` of the next token after ``tokens`` ``[rows]``, one per live row of
-        ``state``; each token sits at its row's next position, where its keys and values are written.
+    def step(self, state: KVSlots, rows: int, *, fresh_logits: bool = False) -> torch.Tensor:
+        """Logits ``[rows, vocab]`` of the next token after ``state.tokens[:rows]``, each fed at its
+        slot's position ``state.positions[:rows]``, where its keys and values are written (the
+        state widened first if a position needs it; the decode loop advances the positions).
         Through the C kernels (bf16 on CPU) the logits may be a buffer the next step overwrites
         (``_LOGITS_KEPT``): read them before stepping again, or pass ``fresh_logits`` for a step
         whose logits must outlive another's (a step of kept caches taken
         while the batch's own logits wait to be sampled) or must not overwrite them."""
-        if self.width_free(tokens.shape[0]):
-            return self._step_native(state, tokens, fresh_logits=fresh_logits)
+        tokens, columns = state.tokens[:rows], state.positions[:rows]  # a position is its column
+        state.grow(int(columns.max()) + 1)  # a CPU tensor: no device synchronisation
+        if self.width_free(rows):
+            return self._step_native(state, tokens, columns, fresh_logits=fresh_logits)
         model = self.model
-        rows = tokens.shape[0]
-        assert rows == state.num_rows, (rows, state.num_rows)
         row_index = torch.arange(rows, device=tokens.device)
-        columns = state.next_positions(tokens.device)  # = the positions
         # Attention reads every allocated column (masked where a row has none): the cache's rows are
         # then contiguous batches for bmm, which on CPU is ~4x faster than over a column slice of them
         # (measured: 16 rows x 3 KV heads, 300 of 420 columns, bf16: 557 us sliced, 159 us whole).
@@ -248,8 +265,10 @@ class FusedDecoder:
         cos, sin = model.model.rotary_emb(hidden, columns.unsqueeze(1))  # [rows, 1, head_dim]
         # The mask as an additive bias, added by the scores' own matmul (baddbmm): 0 where a row
         # sees a column, the dtype's minimum where it does not (HF's eager masking).
+        # A row sees its columns up to its position (KVSlots: no mask is kept).
+        visible = torch.arange(width, device=tokens.device) <= columns.unsqueeze(1)  # [rows, width]
         bias = torch.zeros((rows, 1, width), dtype=hidden.dtype, device=hidden.device).masked_fill_(
-            ~state.mask[:rows, None, :width], torch.finfo(hidden.dtype).min)
+            ~visible[:, None, :], torch.finfo(hidden.dtype).min)
         bias = bias.repeat_interleave(self.num_kv_heads, dim=0)  # [rows * kv, 1, width]
         q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         num_qk_heads, groups = self.num_heads + self.num_kv_heads, self.num_heads // self.num_kv_heads
@@ -279,7 +298,6 @@ class FusedDecoder:
             gate, up = gate_up(x.view(rows, -1)).chunk(2, dim=-1)
             hidden = hidden + down(layer.mlp.act_fn(gate) * up).view(rows, 1, -1)
         hidden = norm(model.model.norm, hidden)
-        state.lengths = [length + 1 for length in state.lengths]
         return self._head(hidden.view(rows, -1))
 
     def _buffers(self, rows: int, layer: tuple[_Linear, _Linear, _Linear, _Linear], *,
@@ -318,7 +336,7 @@ class FusedDecoder:
         return _gemm_takes(rows) and all(linear.gemm for layer in fused for linear in layer)
 
     def _layer_tables(self, fused: list[tuple[_Linear, _Linear, _Linear, _Linear]],
-                      state: DecodeState) -> native_step.LayerTables:
+                      state: KVSlots) -> native_step.LayerTables:
         """``native_step``'s checked address table of the layers' tensors, kept on ``state`` (so it
         holds nothing past the state's own caches and projections) and rebuilt when any of them is
         another object or at another address (new projections after a weight update, widened
@@ -345,7 +363,8 @@ class FusedDecoder:
         return tables
 
     @torch.no_grad()
-    def _step_native(self, state: DecodeState, tokens: torch.Tensor, *, fresh_logits: bool = False) -> torch.Tensor:
+    def _step_native(self, state: KVSlots, tokens: torch.Tensor, positions: torch.Tensor, *,
+                     fresh_logits: bool = False) -> torch.Tensor:
         """``step`` through the C layer helpers (``cpu_kernels``): per layer the q/k/v projection,
         attention (RoPE, the cache write, grouped-query attention over each row's own columns), the
         output projection, the residual add with the next norm, gate/up, SwiGLU, down and again the
@@ -353,8 +372,6 @@ class FusedDecoder:
         call where every projection takes the C GEMM (``native_step``), else kernel by kernel."""
         model = self.model
         rows = tokens.shape[0]
-        assert rows == state.num_rows, (rows, state.num_rows)
-        positions = state.next_positions(tokens.device)  # the mask too, for a later PyTorch step
         hidden = model.model.embed_tokens(tokens)  # [rows, hidden], a new tensor: updated in place below
         cos, sin = model.model.rotary_emb(hidden.unsqueeze(1), positions.unsqueeze(1))
         cos, sin = cos.reshape(rows, -1).contiguous(), sin.reshape(rows, -1).contiguous()
@@ -372,7 +389,7 @@ class FusedDecoder:
             native_step.decode_layers(tables, hidden=hidden, buffers={name: self._workspace[name] for name in work},
                                       cos=cos, sin=sin, positions=positions, final_norm=model.model.norm.weight,
                                       eps=self._eps, scaling=self.scaling, scratch=scratch)
-            return self._logits(work["x"], rows=rows, fresh_logits=fresh_logits, state=state)
+            return self._logits(work["x"], rows=rows, fresh_logits=fresh_logits)
         first, qk_norms = layers[0].input_layernorm, _qk_norms(model)
         x = cpu_kernels.rmsnorm(hidden, first.weight, eps=first.variance_epsilon)
         for index, (layer, (qkv, out, gate_up, down)) in enumerate(zip(layers, fused)):
@@ -389,11 +406,10 @@ class FusedDecoder:
             mlp = down(cpu_kernels.silu_mul(gate_up(x, out=work["gate_up"]), out=work["act"]), out=work["delta"])
             norm = layers[index + 1].input_layernorm if index + 1 < len(layers) else model.model.norm
             x = cpu_kernels.add_rmsnorm(hidden, mlp, norm.weight, eps=norm.variance_epsilon, out=work["x"])
-        return self._logits(x, rows=rows, fresh_logits=fresh_logits, state=state)
+        return self._logits(x, rows=rows, fresh_logits=fresh_logits)
 
-    def _logits(self, x: torch.Tensor, *, rows: int, fresh_logits: bool, state: DecodeState) -> torch.Tensor:
-        """The native step's end: the rows' lengths advanced, the LM head on ``x`` (the final norm)."""
-        state.lengths = [length + 1 for length in state.lengths]
+    def _logits(self, x: torch.Tensor, *, rows: int, fresh_logits: bool) -> torch.Tensor:
+        """The native step's end: the LM head on ``x`` (the final norm)."""
         vocab = self._head.weight.shape[0]
         if fresh_logits or rows * vocab > _LOGITS_KEPT:
             return self._head(x)
@@ -445,90 +461,3 @@ def _qk_norms(model: torch.nn.Module) -> list[tuple[torch.nn.Module, torch.nn.Mo
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
     half = x.shape[-1] // 2
     return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-
-
-class DecodeState:
-    """The KV cache of one decode (``FusedDecoder.new_state``): ``capacity`` row slots, each row's
-    positions left-aligned (row r holds positions ``0 .. lengths[r] - 1`` in columns of the same
-    index, so a row's position is its column and rows of any lengths, admitted at any step, share
-    one batch); the live rows are slots ``0 .. num_rows - 1``, in order."""
-
-    def __init__(self, *, keys: list[torch.Tensor], values: list[torch.Tensor], mask: torch.Tensor) -> None:
-        self.keys, self.values, self.mask = keys, values, mask  # [capacity, kv, width, d], [capacity, width]
-        self.lengths: list[int] = []  # positions cached per live row (host-side: no sync to read)
-        self.native_tables: tuple | None = None  # FusedDecoder._layer_tables' cache for this state
-
-    @property
-    def num_rows(self) -> int:
-        return len(self.lengths)
-
-    @property
-    def capacity(self) -> int:
-        return self.mask.shape[0]
-
-    @property
-    def width(self) -> int:
-        return self.mask.shape[1]
-
-    def reserve(self, width: int) -> None:
-        """Make room for ``width`` positions per row: the cache grows in steps of at least a
-        quarter (rounded to 64 columns), so a long decode reallocates a few times, not every step.
-        New columns are zeros: a masked column's score is dropped, but its value still meets a zero
-        weight, and 0 * NaN would not be 0."""
-        if width <= self.width:
-            return
-        grown = -(-max(width, self.width + self.width // 4) // 64) * 64
-
-        def widen(cache: torch.Tensor) -> torch.Tensor:
-            wider = cache.new_zeros((*cache.shape[:2], grown, *cache.shape[3:]))
-            wider[:, :, : cache.shape[2]] = cache
-            return wider
-
-        self.keys = [widen(k) for k in self.keys]
-        self.values = [widen(v) for v in self.values]
-        mask = self.mask.new_zeros((self.capacity, grown))
-        mask[:, : self.width] = self.mask
-        self.mask = mask
-
-    def next_positions(self, device: torch.device) -> torch.Tensor:
-        """The live rows' next positions (= their columns), int64 on ``device``, with room reserved
-        for them and each marked visible in the mask: where a step writes its tokens' keys."""
-        positions = torch.tensor(self.lengths, dtype=torch.long, device=device)
-        self.reserve(max(self.lengths) + 1)
-        self.mask[torch.arange(self.num_rows, device=device), positions] = True
-        return positions
-
-    def append(self, *, keys: list[torch.Tensor], values: list[torch.Tensor], lengths: list[int],
-               left_padded: bool) -> None:
-        """Add rows after the live ones: per layer ``keys[i]`` / ``values[i]`` ``[n, kv, T, d]`` hold
-        the rows' cached positions, right-aligned in ``T`` (a left-padded prefill) when
-        ``left_padded``, else from column 0; row j has ``lengths[j]`` of them."""
-        first = self.num_rows
-        if first + len(lengths) > self.capacity:
-            raise ValueError(f"{first} + {len(lengths)} rows exceed the decode state's {self.capacity} slots")
-        self.reserve(max(lengths) + 1)
-        for j, length in enumerate(lengths):
-            slot, span = first + j, slice(keys[0].shape[2] - length, None) if left_padded else slice(0, length)
-            for mine, theirs in ((self.keys, keys), (self.values, values)):
-                for layer_cache, source in zip(mine, theirs):
-                    layer_cache[slot, :, :length] = source[j, :, span]
-            self.mask[slot] = False
-            self.mask[slot, :length] = True
-        self.lengths += lengths
-
-    def row_cache(self, row: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-        """Copies of row ``row``'s cached keys and values per layer, ``[kv, lengths[row], d]``."""
-        length = self.lengths[row]
-        return ([k[row, :, :length].clone() for k in self.keys], [v[row, :, :length].clone() for v in self.values])
-
-    def keep(self, rows: torch.Tensor) -> None:
-        """Keep only the live rows ``rows`` (ascending), in order, as slots ``0 .. len(rows) - 1``:
-        finished rows leave the batch, as in the HF loop."""
-        kept = rows.tolist()
-        width = max((self.lengths[r] for r in kept), default=0)
-        if width:
-            for cache in (*self.keys, *self.values):
-                cache[: len(kept), :, :width] = cache[rows, :, :width]
-            self.mask[: len(kept), :width] = self.mask[rows, :width]
-            self.mask[: len(kept), width:] = False
-        self.lengths = [self.lengths[r] for r in kept]
