@@ -13,10 +13,11 @@ from model_families import build_family, chat_tokenizer
 from test_fused_decode import requests
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from llamarl.engines import decode_loop, static_decode
 from llamarl.engines import sampling as sampling_module
+from llamarl.engines import static_decode
 from llamarl.engines.base import SamplingParams
 from llamarl.engines.sampling import _draw, sample_tokens
+from llamarl.engines.scheduler import Scheduler
 from llamarl.engines.static_decode import StaticDecoder
 from llamarl.engines.static_sampling import draw, sample, sampling_key
 from llamarl.engines.torch_engine import TorchEngine
@@ -91,18 +92,18 @@ def test_the_unpadded_draw_is_the_padded_one(vocab):
 
 def _phases(monkeypatch, counter: OpCounter) -> None:
     """Label the ops of the decoder's step ("step") and of the loop's looks ("look")."""
-    step, check = StaticDecoder.step, decode_loop._check
+    step, look = StaticDecoder.step, Scheduler.look
 
     def counted_step(self, state, rows, **kw):
         with counter.phase("step"):
             return step(self, state, rows, **kw)
 
-    def counted_check(**kw):
+    def counted_look(self):
         with counter.phase("look"):
-            return check(**kw)
+            return look(self)
 
     monkeypatch.setattr(StaticDecoder, "step", counted_step)
-    monkeypatch.setattr(decode_loop, "_check", counted_check)
+    monkeypatch.setattr(Scheduler, "look", counted_look)
     span = getattr(StaticDecoder, "attention_span", None)
     if span is not None:
         def counted_span(self, *a, **kw):
@@ -114,7 +115,7 @@ def _phases(monkeypatch, counter: OpCounter) -> None:
 
 @pytest.mark.parametrize("setting", SETTINGS[:5], ids=lambda s: f"T{s.temperature}-p{s.top_p}-k{s.top_k}")
 def test_a_step_runs_no_op_outside_its_graph_but_the_looks(monkeypatch, setting):
-    """Issue 45: ~44 eager ops a step ran outside the graph (the sampler and decode_loop.record's
+    """Issue 45: ~44 eager ops a step ran outside the graph (the sampler and the scheduler's
     books). Now: 0 a step; the looks (every ``eos_check_every`` steps) drain the records."""
     FakeCudaGraphs(monkeypatch)
     monkeypatch.setattr(sampling_module, "host_reads_are_free", lambda device: False)  # as on an accelerator

@@ -6,8 +6,8 @@ import pytest
 import torch
 from tiny_model import build_tiny_llama, tiny_llama_config
 
-from llamarl.engines import decode_loop
 from llamarl.engines.base import Request, SamplingParams
+from llamarl.engines.scheduler import Scheduler
 from llamarl.engines.torch_engine import TorchEngine
 
 DEVICE = "cuda"
@@ -78,10 +78,9 @@ def test_steps_between_eos_checks_do_not_synchronise(monkeypatch):
     """The steady state of the static loop (graph replays, sampling, the device-side bookkeeping of
     ``decode_loop.decode``) under ``torch.cuda.set_sync_debug_mode("error")``: any host
     synchronisation there raises. The mode is on only between the loop's host checks (its
-    ``_check``, which reads the finished rows and admits, prefills, compacts: synchronising is its
+    ``Scheduler.look``, which reads the finished rows and admits, prefills, compacts: synchronising is its
     job), in a second call, whose graphs the first call captured."""
-    if not hasattr(decode_loop, "_check"):
-        pytest.skip("decode_loop._check (the loop's host check, wrapped here) is gone: update this test")
+
     model = build_tiny_llama(seed=0).to(device=DEVICE, dtype=torch.bfloat16)
     engine = TorchEngine(model, eos_token_ids=[], pad_token_id=0, eos_check_every=8)
     sampling = SamplingParams(temperature=1.0, max_new_tokens=33)  # 4 checks with 8 steps after each
@@ -100,17 +99,17 @@ def test_steps_between_eos_checks_do_not_synchronise(monkeypatch):
     finally:
         torch.cuda.set_sync_debug_mode(0)
 
-    checks, original = [], decode_loop._check
+    checks, original = [], Scheduler.look
 
-    def check(**kw):
+    def check(self):
         torch.cuda.set_sync_debug_mode(0)
-        rows = original(**kw)
+        rows = original(self)
         checks.append(rows)
         if rows:  # steps follow: none of them may synchronise
             torch.cuda.set_sync_debug_mode("error")
         return rows
 
-    monkeypatch.setattr(decode_loop, "_check", check)
+    monkeypatch.setattr(Scheduler, "look", check)
     steps = decoder.num_steps
     try:
         out = call()
