@@ -363,10 +363,13 @@ class TrainerConfig:
     ``use_dynamic_bsz``), measured against this in ``benchmarks/async_speedup.py --variants``."""
     share_prompts: bool = True
     """Forward each distinct prompt once per micro-batch, its group's completions packed after it
-    behind a tree attention mask (``llamarl/models/shared_prefix.py``), instead of once per sample:
-    the same log-probs and gradients up to summation order, ~2.4x fewer tokens on the default
-    recipe's 45-token prompts x 4 samples x 12 new tokens. The micro-batch budget then counts packed
-    tokens. Models whose attention is not ``sdpa`` fall back to per-row forwards."""
+    (``llamarl/models/shared_prefix.py``), instead of once per sample: the same log-probs and
+    gradients up to summation order, ~2.4x fewer tokens on the default recipe's 45-token prompts x
+    4 samples x 12 new tokens. Each completion attends to its prompt and its own tokens through one
+    attention call per segment (``llamarl/models/segment_attention.py``: no ``[W, W]`` mask, GQA
+    without repeated K / V); Gemma2 (soft-capped attention) and windows shorter than the packed row
+    keep a tree mask. The micro-batch budget then counts packed tokens. Models whose attention is
+    not ``sdpa`` fall back to per-row forwards."""
     logprob_chunk_tokens: int = 1024
     """Compute the log-probs from the final hidden states this many tokens at a time, never the
     whole ``[tokens, vocab]`` logits: a plain LM head goes through a fused custom autograd function

@@ -17,8 +17,12 @@ log-probs (and their gradients, which sum over the shared prompt) are those of t
 up to floating-point summation order. The batch layout going in and out is unchanged (right-padded
 ``[N, L]`` rows), so losses and callers do not know the difference.
 
-Needs an attention that takes a custom boolean 4D mask (``sdpa`` in transformers); ``supports``
-says whether a model qualifies, and callers fall back to per-row forwards when it does not.
+The attention follows the layout's structure (llamarl/models/segment_attention.py: one kernel call
+per context and per completion, over exactly the keys each sees), not a ``[rows, 1, W, W]`` mask,
+where the model's family allows (``segment_attention.supports``); elsewhere (Gemma2's soft-capped
+attention, a sliding window shorter than the row) the tree mask above, as a boolean 4D mask. Needs
+``sdpa`` in transformers either way; ``supports`` says whether a model qualifies, and callers fall
+back to per-row forwards when it does not.
 """
 
 from __future__ import annotations
@@ -27,13 +31,17 @@ from dataclasses import dataclass, fields
 
 import torch
 
+from llamarl.models import segment_attention
+
 __all__ = ["PackedLayout", "context_groups", "pack_groups", "packed_layout", "shared_prefix_logprobs", "supports"]
 
 
 def supports(model: torch.nn.Module) -> bool:
     """Whether ``model``'s attention takes the boolean 4D mask these forwards need (HF ``sdpa``)."""
+    from llamarl.models.segment_attention import NAME
+
     config = getattr(model, "config", None)
-    return getattr(config, "_attn_implementation", None) == "sdpa"
+    return getattr(config, "_attn_implementation", None) in ("sdpa", NAME)
 
 
 def context_groups(input_ids: torch.Tensor, num_tokens: list[int], loss_mask: torch.Tensor):
@@ -90,7 +98,9 @@ class PackedLayout:
     their position ids, and each token's segment (0: the context, k: the group's k-th completion,
     -1: padding). ``rows`` / ``columns`` / ``packed_rows`` / ``sources`` ``[K]``, one entry per
     completion token: its row and column in the ``[B, L]`` input, its packed row, and the position
-    (after ``logits_to_keep``, i.e. minus ``first_kept``) of the logit that predicts it."""
+    (after ``logits_to_keep``, i.e. minus ``first_kept``) of the logit that predicts it. ``spans``
+    (host integers): per packed row its context length and each completion's ``(start, length)``,
+    what the structured attention follows (llamarl/models/segment_attention.py)."""
 
     tokens: torch.Tensor
     positions: torch.Tensor
@@ -100,11 +110,12 @@ class PackedLayout:
     packed_rows: torch.Tensor
     sources: torch.Tensor
     first_kept: int
+    spans: tuple = ()
 
     def to(self, device: torch.device | str) -> PackedLayout:
         """The same layout with every tensor on ``device`` (host-to-device copies only)."""
-        return PackedLayout(**{f.name: getattr(self, f.name).to(device) if f.name != "first_kept" else self.first_kept
-                               for f in fields(self)})
+        return PackedLayout(**{f.name: getattr(self, f.name).to(device) if f.name not in ("first_kept", "spans")
+                               else getattr(self, f.name) for f in fields(self)})
 
 
 def packed_layout(input_ids: torch.Tensor, num_tokens: list[int], loss_mask: torch.Tensor) -> PackedLayout:
@@ -113,13 +124,14 @@ def packed_layout(input_ids: torch.Tensor, num_tokens: list[int], loss_mask: tor
     ``loss_mask`` should be host tensors: they are read (``tolist``)."""
     groups, context_lengths = context_groups(input_ids, num_tokens, loss_mask)
     rows_host = input_ids.tolist()
-    packed, positions, segments = [], [], []
+    packed, positions, segments, spans = [], [], [], []
     rows, columns, packed_rows, sources = [], [], [], []
     # Logits only from the shortest context's last token on (the rest of the prompts is unused).
     first_kept = min(context_lengths[group[0]] for group in groups) - 1
     for g, group in enumerate(groups):
         context = context_lengths[group[0]]
         tokens, pos, seg = list(rows_host[group[0]][:context]), list(range(context)), [0] * context
+        completions = []
         for member, row in enumerate(group, start=1):
             start = len(tokens)  # where this row's completion starts in its packed row
             completion = rows_host[row][context:num_tokens[row]]
@@ -130,12 +142,15 @@ def packed_layout(input_ids: torch.Tensor, num_tokens: list[int], loss_mask: tor
                 columns.append(context + k)
                 packed_rows.append(g)
                 sources.append((context - 1 if k == 0 else start + k - 1) - first_kept)
+            if completion:
+                completions.append((start, len(completion)))
             tokens += completion
             pos += range(context, context + len(completion))
             seg += [member] * len(completion)
         packed.append(tokens)
         positions.append(pos)
         segments.append(seg)
+        spans.append((context, tuple(completions)))
     width = max(len(t) for t in packed)
 
     def padded(lists, fill):
@@ -147,12 +162,13 @@ def packed_layout(input_ids: torch.Tensor, num_tokens: list[int], loss_mask: tor
     # Padding gets a segment of its own (-1): it sees the context and itself, never a completion.
     return PackedLayout(tokens=padded(packed, 0), positions=padded(positions, 0), segments=padded(segments, -1),
                         rows=flat(rows), columns=flat(columns), packed_rows=flat(packed_rows), sources=flat(sources),
-                        first_kept=first_kept)
+                        first_kept=first_kept, spans=tuple(spans))
 
 
 def shared_prefix_logprobs(model: torch.nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor,
                            loss_mask: torch.Tensor, *, temperature: float, chunk_tokens: int = 0,
-                           entropy_out: list | None = None, layout: PackedLayout | None = None) -> torch.Tensor:
+                           entropy_out: list | None = None, layout: PackedLayout | None = None,
+                           structured: bool = True) -> torch.Tensor:
     """Per-token log-probs ``[B, L]`` of each row's completion, each distinct context forwarded once.
 
     Same contract as ``llamarl.models.logprobs.completion_logprobs`` on the same inputs
@@ -164,7 +180,9 @@ def shared_prefix_logprobs(model: torch.nn.Module, input_ids: torch.Tensor, atte
     ``entropy_out``: a list that gets each predicted distribution's entropy appended, ``[B, L]``
     fp32 at the same positions (0 elsewhere; no gradient). ``layout``: these rows'
     ``packed_layout``, built on the host beforehand (then nothing here reads a device value); None:
-    built here from the inputs (each read once on the host).
+    built here from the inputs (each read once on the host). ``structured`` (default): attend
+    through the segments' structure where the model supports it (llamarl/models/segment_attention.py),
+    not a ``[rows, 1, W, W]`` mask; False: the mask (the reference the tests compare with).
     """
     batch, width = input_ids.shape
     device = input_ids.device
@@ -172,12 +190,19 @@ def shared_prefix_logprobs(model: torch.nn.Module, input_ids: torch.Tensor, atte
         layout = packed_layout(input_ids.cpu(), attention_mask.sum(dim=1).tolist(), loss_mask.cpu())
     layout = layout.to(device)
     packed_width = layout.tokens.shape[1]
-    causal = torch.ones(packed_width, packed_width, dtype=torch.bool, device=device).tril()
-    seg = layout.segments
-    visible = (seg.unsqueeze(1) == 0) | (seg.unsqueeze(1) == seg.unsqueeze(2))
-    mask_4d = (causal.unsqueeze(0) & visible).unsqueeze(1)
-    forward = {"input_ids": layout.tokens, "attention_mask": mask_4d, "position_ids": layout.positions,
-               "use_cache": False, "logits_to_keep": packed_width - layout.first_kept}
+    forward = {"input_ids": layout.tokens, "position_ids": layout.positions, "use_cache": False,
+               "logits_to_keep": packed_width - layout.first_kept}
+    if structured and layout.spans and segment_attention.supports(model, width=packed_width):
+        # Attention over the segments (llamarl/models/segment_attention.py), no [W, W] mask: HF
+        # takes a 4D mask as given, and this one is a placeholder the segments' attention ignores.
+        segment_attention.enable(model)
+        forward |= {"attention_mask": torch.ones((len(layout.spans), 1, 1, 1), dtype=torch.bool, device=device),
+                    "segment_spans": layout.spans}
+    else:
+        causal = torch.ones(packed_width, packed_width, dtype=torch.bool, device=device).tril()
+        seg = layout.segments
+        visible = (seg.unsqueeze(1) == 0) | (seg.unsqueeze(1) == seg.unsqueeze(2))
+        forward["attention_mask"] = (causal.unsqueeze(0) & visible).unsqueeze(1)
     targets = input_ids[layout.rows, layout.columns]
     entropy = None
     if chunk_tokens > 0:
