@@ -104,9 +104,9 @@ def test_continuous_batching_refills_free_slots_with_the_same_tokens(monkeypatch
     model = build_family("llama-tied")
     whole = generate(engine(model, static=False), staggered(), SAMPLED)
     prefilled = []
-    prefill = TorchEngine._prefill
-    monkeypatch.setattr(TorchEngine, "_prefill", lambda self, contexts: prefilled.append(len(contexts)) or
-                        prefill(self, contexts))
+    prefill = TorchEngine._prefill_into  # packed, straight into the state (packed_prefill.py)
+    monkeypatch.setattr(TorchEngine, "_prefill_into", lambda self, state, slots, contexts: prefilled.append(
+        len(contexts)) or prefill(self, state, slots, contexts))
     for every, cap in ((1, 2), (3, 2), (2, 3)):
         prefilled.clear()
         capped = engine(model, static=True, max_num_seqs=cap, eos_check_every=every)

@@ -267,19 +267,21 @@ def test_shared_prompts_are_prefilled_once_and_sample_independently(model, fused
                          versions=[0, 0], finish_reason="carried").to_request()
     reqs = [Request(sample_id=g * 4 + j, prompt_ids=p) for g, p in enumerate(prompts) for j in range(4)]
     reqs.append(carried)  # same prompt as group 0 but a different context: prefilled on its own row
-    forward_batches = []
-    handle = model.register_forward_pre_hook(
-        lambda _module, _args, kwargs: forward_batches.append(kwargs["input_ids"].shape[0]), with_kwargs=True)
+    forward_shapes = []  # the decoder stack's inputs: the packed prefill calls it, not the whole model
+    handle = model.model.register_forward_pre_hook(
+        lambda _module, _args, kwargs: forward_shapes.append(tuple(kwargs["input_ids"].shape)), with_kwargs=True)
     try:
         engine = TorchEngine(model, eos_token_ids=[], pad_token_id=0, fused_decode=fused)
         sampled = engine.generate(reqs, sampling=SamplingParams(temperature=1.0, max_new_tokens=6), version=1,
                                   generator=torch.Generator().manual_seed(0))
     finally:
         handle.remove()
-    # The prefill: the distinct contexts; then 5 decode steps over all rows (the carried row stops
-    # 2 tokens earlier), through the model's forward unless fused.
-    assert forward_batches[0] == len(prompts) + 1
-    assert forward_batches[1:] == ([] if fused else [len(reqs)] * 3 + [len(reqs) - 1] * 2)
+    # The prefill: the distinct contexts, packed into one row without padding on the fused path
+    # (straight into its state: packed_prefill.py), left-padded rows on HF's; then 5 decode steps
+    # over all rows (the carried row stops 2 tokens earlier), through the model's forward unless fused.
+    distinct = [len(p) for p in prompts] + [len(prompts[0]) + 2]
+    assert forward_shapes[0] == ((1, sum(distinct)) if fused else (len(distinct), max(distinct)))
+    assert [rows for rows, _ in forward_shapes[1:]] == ([] if fused else [len(reqs)] * 3 + [len(reqs) - 1] * 2)
     assert [c.sample_id for c in sampled] == [r.sample_id for r in reqs]
     for comp in sampled:
         num_new = len(comp.completion_ids) - (2 if comp.sample_id == 99 else 0)

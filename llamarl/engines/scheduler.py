@@ -8,8 +8,9 @@ What it owns, per ``decode`` call:
   ended it, on the device, plus a trash row that empty and finished slots write to, so every
   write is unconditional.
 * **Admission**: pending requests take free slots, a carried sample with its kept cache (its last
-  token fed at the next step), the others prefilled and their first token drawn from the
-  prefill's logits at once; a decoder that cannot admit rows mid-decode takes the next batch when
+  token fed at the next step), the others prefilled (packed, straight into the decoder's state
+  where it ``prefills_into_state``: llamarl/engines/packed_prefill.py) and their first token drawn
+  from the prefill's logits at once; a decoder that cannot admit rows mid-decode takes the next batch when
   its state is empty.
 * **Retirement**: at a look, the finished slots leave; a row ended by its budget keeps its cache
   for its next call when asked (``carried_cache="keep"``, a decoder that keeps caches).
@@ -55,6 +56,10 @@ class LoopHost:
     """Steps between two looks, for a bucketed decoder."""
     on_kept_rows: Callable[[int], None]
     """Called with the number of rows resumed from kept caches (the engine's counter)."""
+    prefill_into: Callable[[Any, list[int], list[tuple[int, ...]]], torch.Tensor] | None = None
+    """``(state, slots, contexts)`` -> next-token logits ``[n, vocab]``: a packed prefill that writes
+    straight into a decoder's state (llamarl/engines/packed_prefill.py), used for decoders that
+    declare ``prefills_into_state``; None (or another decoder): ``prefill``, then ``load_prefill``."""
 
 
 class _Books:
@@ -213,9 +218,12 @@ class Scheduler:
                                 limits=[self.limits[i] for i in indices],
                                 uniforms=None if self.uniforms is None else self.uniforms[books.slot_request[where]])
         if fresh:
-            logits, cache, mask = host.prefill([contexts[i] for _, i, _ in fresh])
-            targets = [slot for slot, _, _ in fresh]
-            state.load_prefill(targets, cache=cache, mask=mask, lengths=[len(contexts[i]) for _, i, _ in fresh])
+            targets, fresh_contexts = [slot for slot, _, _ in fresh], [contexts[i] for _, i, _ in fresh]
+            if host.prefill_into is not None and getattr(decoder, "prefills_into_state", False):
+                logits = host.prefill_into(state, targets, fresh_contexts)  # packed, into the slots
+            else:
+                logits, cache, mask = host.prefill(fresh_contexts)
+                state.load_prefill(targets, cache=cache, mask=mask, lengths=[len(c) for c in fresh_contexts])
             self._record(torch.tensor(targets, dtype=torch.long, device=device), logits,
                          torch.ones(len(fresh), dtype=torch.bool, device=device))
         if kept:

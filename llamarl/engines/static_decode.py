@@ -155,6 +155,8 @@ class StaticDecoder:
     admits_mid_decode = True
     keeps_caches = True
     samples_in_step = True
+    prefills_into_state = True
+    """A prefill writes straight into its state (llamarl/engines/packed_prefill.py)."""
     """``step(..., sampling=key)`` samples and keeps the books inside the step (static_sampling.py)."""
 
     @staticmethod

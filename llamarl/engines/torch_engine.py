@@ -7,9 +7,11 @@ token budget (LlamaRL §4.2 / AReaL interruptible generation): such a request co
 is later re-submitted, possibly after a weight update, with its partial completion. Every token is
 tagged with the weight ``version`` that produced it, so the trainer can correct for off-policyness.
 
-Batching: prompts are left-padded into one batch, with an explicit attention mask and position ids,
-and prefilled with the HF model into a transformers ``DynamicCache``. The decode steps run in one
-loop (llamarl/engines/decode_loop.py) over a decoder of the slot protocol (decoder.py):
+Batching: the static and fused decoders' rows are prefilled packed, straight into their KV state
+(packed_prefill.py: the distinct contexts back to back, no padding, no ``DynamicCache``); HF's
+modules (and ``packed_prefill=False``) take the contexts left-padded into one batch, with an
+explicit attention mask and position ids, into a transformers ``DynamicCache``. The decode steps
+run in one loop (llamarl/engines/decode_loop.py) over a decoder of the slot protocol (decoder.py):
 ``StaticDecoder`` on CUDA (static_decode.py: static shapes, captured once per bucket as CUDA graphs
 for the engine's life), the fused CPU step (cpu/fused_decode.py, the CPU
 plugin, imported only there: fused, pre-packed projections over a preallocated KV cache, C kernels
@@ -36,6 +38,7 @@ from typing import TYPE_CHECKING, ClassVar, Literal
 import torch
 from transformers import DynamicCache
 
+from llamarl.engines import packed_prefill
 from llamarl.engines.base import (
     FINISH_CARRIED,
     FINISH_LENGTH,
@@ -87,7 +90,8 @@ class TorchEngine:
 
     def __init__(self, model: torch.nn.Module, *, eos_token_ids: list[int], pad_token_id: int,
                  fused_decode: bool = True, max_num_seqs: int | None = None, carried_cache: str = "recompute",
-                 static_decode: str = "auto", eos_check_every: int = 8, tp_group=None, tp_src: int = 0):
+                 static_decode: str = "auto", eos_check_every: int = 8, tp_group=None, tp_src: int = 0,
+                 packed_prefill: bool = True):
         """Wrap ``model`` (any HF causal LM accepting ``past_key_values`` and ``logits_to_keep``).
 
         Contract: the engine keeps only a reference to ``model`` and caches nothing derived from its
@@ -125,6 +129,9 @@ class TorchEngine:
         summation order; a peer that drew another token (a near-tie, a different RNG state) would
         otherwise decide "done" on its own and leave the others waiting in the next collective. One
         small broadcast per step; every rank of the group must call ``generate`` with the same requests.
+        ``packed_prefill``: the fused and static paths prefill packed, straight into their state
+        (llamarl/engines/packed_prefill.py) where the model supports it; False: left-padded into a
+        ``DynamicCache``, then copied.
         """
         if max_num_seqs is not None and max_num_seqs < 1:
             raise ValueError(f"max_num_seqs must be >= 1 (or None), got {max_num_seqs}")
@@ -137,7 +144,7 @@ class TorchEngine:
         self.model = model
         self.eos_token_ids = [int(t) for t in eos_token_ids]
         self.pad_token_id = int(pad_token_id)
-        self.fused_decode = fused_decode
+        self.fused_decode, self.packed_prefill = fused_decode, packed_prefill
         self.max_num_seqs = max_num_seqs
         self.carried_cache = carried_cache
         self._fused: FusedDecoder | None = None
@@ -259,9 +266,11 @@ class TorchEngine:
         device = self.model.get_input_embeddings().weight.device
         uniforms = draw_uniforms(num_requests=len(reqs), num_tokens=max(limits), sampling=sampling,
                                  generator=generator, device=device)
+        packed = self.packed_prefill and packed_prefill.supports(self.model, width=width)
         host = LoopHost(prefill=self._prefill, sample=self._sample, stop_ids=stop_ids(self.eos_token_ids, sampling),
                         kept=self._kept, keep_carried=self.carried_cache == "keep", max_num_seqs=self.max_num_seqs,
-                        eos_check_every=self.eos_check_every, on_kept_rows=self._count_kept_rows)
+                        eos_check_every=self.eos_check_every, on_kept_rows=self._count_kept_rows,
+                        prefill_into=self._prefill_into if packed else None)
         decoder = self._decoder(device, width=width)
         try:
             return decode(decoder, host, reqs, contexts=contexts, limits=limits, sampling=sampling, uniforms=uniforms,
@@ -306,6 +315,11 @@ class TorchEngine:
         if self.static_decode == "auto":
             return device.type == "cuda"
         return self.static_decode in ("compiled", "eager")
+
+    def _prefill_into(self, state, slots: list[int], contexts: list[tuple[int, ...]]) -> torch.Tensor:
+        """``packed_prefill.prefill_into`` with this engine's model, its tokens counted."""
+        self.prefill_tokens += sum(len(c) for c in set(contexts))
+        return packed_prefill.prefill_into(self.model, state, slots, contexts)
 
     def _prefill(self, contexts: list[tuple[int, ...]]):
         """Prefill ``contexts`` with the HF model; return ``(logits [n, vocab], cache, mask [n, width])``
@@ -380,6 +394,11 @@ class TorchEngineConfig(EngineConfig):
     PipelineRL's in-flight updates). Token versions are exact either way; ``keep`` applies on the
     fused and static decode paths (Llama-family models: on CPU, and on CUDA through
     ``static_decode``), elsewhere samples recompute."""
+    packed_prefill: bool = True
+    """Prefill the fused and static decode paths' rows packed, straight into their KV state
+    (llamarl/engines/packed_prefill.py: the distinct contexts back to back, no padding, no
+    ``DynamicCache`` and no copy out of it); False: the left-padded HF prefill, then copied into the
+    slots. Models whose attention is not ``sdpa`` (or is soft-capped) always take the latter."""
 
     tensor_parallel: ClassVar[bool] = True
 
@@ -396,4 +415,5 @@ class TorchEngineConfig(EngineConfig):
         return TorchEngine(setup.model, eos_token_ids=setup.eos_token_ids, pad_token_id=setup.pad_token_id,
                            fused_decode=self.fused_decode, max_num_seqs=setup.max_num_seqs,
                            carried_cache=self.carried_cache, static_decode=self.static_decode,
-                           eos_check_every=self.eos_check_every, tp_group=setup.tp_group, tp_src=setup.tp_src)
+                           eos_check_every=self.eos_check_every, tp_group=setup.tp_group, tp_src=setup.tp_src,
+                           packed_prefill=self.packed_prefill)

@@ -37,13 +37,16 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-__all__ = ["NAME", "enable", "segment_attention", "supports"]
+__all__ = ["NAME", "Sequences", "Spans", "enable", "segment_attention", "supports"]
 
 NAME = "llamarl_segments"
 """The name this attention is registered under (transformers' ``AttentionInterface``)."""
 
 Spans = tuple[tuple[int, tuple[tuple[int, int], ...]], ...]
 """Per packed row ``(context length, ((start, length) per completion, ascending))``."""
+
+Sequences = tuple[tuple[tuple[int, int], ...], ...]
+"""Per packed row the ``(start, length)`` of each independent causal sequence, ascending."""
 
 
 def supports(model: torch.nn.Module, *, width: int) -> bool:
@@ -70,11 +73,15 @@ def enable(model: torch.nn.Module) -> None:
 
 def segment_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                       attention_mask: torch.Tensor | None, *, scaling: float | None = None, dropout: float = 0.0,
-                      segment_spans: Spans | None = None, **kwargs) -> tuple[torch.Tensor, None]:
+                      segment_spans: Spans | None = None, sequence_spans: Sequences | None = None,
+                      **kwargs) -> tuple[torch.Tensor, None]:
     """HF's attention-function contract: ``query`` ``[rows, heads, W, d]``, ``key`` / ``value``
     ``[rows, kv_heads, W, d]`` (after RoPE) -> ``([rows, W, heads, d], None)``. With
-    ``segment_spans`` (one entry per row) the attention follows them and ``attention_mask`` is
-    ignored (a placeholder); without, HF's ``sdpa``."""
+    ``segment_spans`` (one entry per row) the attention follows them, with ``sequence_spans`` each
+    row holds independent causal sequences (a packed prefill: llamarl/engines/packed_prefill.py);
+    ``attention_mask`` is then ignored (a placeholder). Without either, HF's ``sdpa``."""
+    if sequence_spans is not None:
+        return _sequences(query, key, value, sequence_spans, scaling=scaling, dropout=dropout), None
     if segment_spans is None:
         from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
@@ -104,6 +111,30 @@ def segment_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.T
             parts.append(q.new_zeros((1, heads, width - end, head_dim)))
         out.append(torch.cat(parts, dim=2))
     return torch.cat(out).transpose(1, 2).contiguous(), None
+
+
+def _sequences(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, sequence_spans: Sequences, *,
+               scaling: float | None, dropout: float) -> torch.Tensor:
+    """Causal attention within each ``(start, length)`` sequence of each row, ``[rows, W, heads, d]``;
+    zeros where no sequence is."""
+    rows, heads, width, head_dim = query.shape
+    if len(sequence_spans) != rows:
+        raise ValueError(f"segment_attention: {len(sequence_spans)} rows of sequences for {rows} packed rows")
+    gqa, out = key.shape[1] != heads, []
+    for row, sequences in enumerate(sequence_spans):
+        parts, end = [], 0
+        for start, length in sequences:
+            if start != end:
+                raise ValueError(f"segment_attention: row {row}'s sequences must tile it from 0, got {sequences}")
+            own = slice(start, start + length)
+            parts.append(F.scaled_dot_product_attention(
+                query[row : row + 1, :, own], key[row : row + 1, :, own], value[row : row + 1, :, own],
+                is_causal=True, scale=scaling, dropout_p=dropout, enable_gqa=gqa))
+            end = start + length
+        if end < width:
+            parts.append(query.new_zeros((1, heads, width - end, head_dim)))
+        out.append(torch.cat(parts, dim=2))
+    return torch.cat(out).transpose(1, 2).contiguous()
 
 
 def _register() -> None:

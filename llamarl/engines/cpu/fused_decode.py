@@ -121,6 +121,8 @@ class FusedDecoder:
     bucketed = False
     admits_mid_decode = True
     keeps_caches = True
+    prefills_into_state = True
+    """A prefill writes straight into its state (llamarl/engines/packed_prefill.py)."""
 
     @staticmethod
     def supports(model: torch.nn.Module, *, length: int) -> bool:
