@@ -6,6 +6,7 @@ Every field has a docstring (tyro shows it in ``--help``); every config validate
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Literal, Protocol
 
@@ -150,6 +151,15 @@ class RewardConfig:
     (llamarl/rewards/trajectory.py), by registered name (built in: ``env``, the environment's own
     reward) or ``module:function``; it replaces the recipe's text scorer, for training and the
     greedy evaluations. None: the recipe's scorer of ``(completion text, reference)``."""
+    funcs: str | None = None
+    """Reward functions as TRL users write them, ``module:function,module:function`` (or registered
+    scorer names): each called per batch as ``f(completions, **kwargs)`` with ``prompts``,
+    ``completion_ids`` and every dataset column as keyword lists (when it has a ``completions``
+    parameter), else per sample as ``f(completion, reference)`` plus the columns it names. The reward
+    is their ``--reward.weights`` sum; each one's mean is logged as ``reward_fn_<name>``
+    (llamarl/rewards/funcs.py). Replaces the recipe's scorer, for training and the evaluations."""
+    weights: list[float] | None = None
+    """One weight per ``--reward.funcs`` function, in order (``--reward.weights 1.0 0.2``); None: 1 each."""
 
     overlong_buffer: int = 0
     """DAPO's soft overlong punishment (llamarl/rewards/overlong.py): a completion within this many
@@ -168,8 +178,13 @@ class RewardConfig:
         _check(self.overlong_penalty >= 0, f"--reward.overlong-penalty must be >= 0, got {self.overlong_penalty}")
         # The references themselves are resolved before any rank starts, one line each
         # (llamarl/config_checks.py: check_scorers), not here inside tyro's error box.
-        _check(self.scorer is None or self.trajectory_scorer is None,
-               "--reward.scorer and --reward.trajectory-scorer both replace the recipe's scorer: set one")
+        _check(sum(x is not None for x in (self.scorer, self.trajectory_scorer, self.funcs)) <= 1,
+               "--reward.scorer, --reward.trajectory-scorer and --reward.funcs each replace the recipe's scorer: set one")
+        _check(self.weights is None or self.funcs is not None, "--reward.weights needs --reward.funcs")
+        _check(self.weights is None or self.funcs is None or len(self.weights) == len(self.funcs.split(",")),
+               f"--reward.weights: {len(self.weights or [])} weights for the {len((self.funcs or '').split(','))} "
+               "functions of --reward.funcs")
+        _check(all(math.isfinite(w) for w in self.weights or []), f"--reward.weights must be finite, got {self.weights}")
         _check(self.num_ranks >= 0, f"--reward.num-ranks must be >= 0 (0: on the trainer's ranks), got {self.num_ranks}")
         _check(self.device == "auto" or self.num_ranks > 0, "--reward.device cpu needs --reward.num-ranks N > 0 "
                "(on the trainer's ranks the reward uses the trainer's device)")
@@ -178,9 +193,10 @@ class RewardConfig:
 
 
 ALGO_PRESETS: dict[str, dict[str, object]] = {
-    # DAPO (arXiv:2503.14476): clip-higher, token-level loss. Its dynamic sampling and overlong
-    # shaping are not part of the preset (recipes/dapo_filter.py has the filter).
-    "dapo": {"loss": "dapo", "eps_low": 0.2, "eps_high": 0.28, "loss_agg": "token-mean"},
+    # DAPO (arXiv:2503.14476): clip-higher, token-level loss, dynamic sampling with refill (at most
+    # 10 extra rounds a tick: verl's DAPO recipe's max_num_gen_batches). Its overlong shaping is the
+    # reward's (--reward.overlong-buffer), not part of the preset.
+    "dapo": {"loss": "dapo", "eps_low": 0.2, "eps_high": 0.28, "loss_agg": "token-mean", "max_refill": 10},
     # Dr. GRPO (arXiv:2503.20783): no std division, no length normalisation.
     "dr-grpo": {"loss": "decoupled_ppo", "advantage": "dr_grpo", "loss_agg": "seq-mean-token-sum-norm"},
     # GSPO (arXiv:2507.18071): sequence-level ratio, clip 3e-4 / 4e-4, samples averaged.
@@ -230,8 +246,8 @@ class AlgoConfig:
     preset: Literal["dapo", "dr-grpo", "gspo", "cispo"] | None = None
     """A published recipe's values in one flag (docs/algorithms.md, "Presets"): it sets each of its
     fields that is still at its default (a flag you give with a non-default value wins). ``dapo``:
-    loss dapo (clip-higher 0.2 / 0.28), token-mean; ``dr-grpo``: advantage dr_grpo (no std),
-    seq-mean-token-sum-norm; ``gspo``: loss gspo (3e-4 / 4e-4), seq-mean-token-mean; ``cispo``: loss
+    loss dapo (clip-higher 0.2 / 0.28), token-mean, dynamic sampling (``--algo.max-refill`` 10);
+    ``dr-grpo``: advantage dr_grpo (no std), seq-mean-token-sum-norm; ``gspo``: loss gspo (3e-4 / 4e-4), seq-mean-token-mean; ``cispo``: loss
     cispo (weight clipped at 1.28, no lower bound), token-mean."""
     loss_agg: Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"] = "token-mean"
     """How per-token loss terms become the loss (llamarl/algorithms/aggregation.py): ``token-mean``
@@ -261,6 +277,18 @@ class AlgoConfig:
     """Multiplies every positive advantage (positive / negative reweighting; 1: off)."""
     adv_neg_weight: float = 1.0
     """Multiplies every negative advantage (1: off)."""
+    max_refill: int = 0
+    """Dynamic sampling with refill (DAPO §3.2): N > 0 turns it on. The generator scores each finished
+    prompt group with the run's rule-based scorer, drops the groups whose rewards are all equal (no
+    advantage, no gradient) and samples more prompts, at most N extra rounds a tick, until it has
+    ``--generator.num-prompts-per-step`` groups; short after N rounds, the trainer trains on what
+    was kept (``llamarl/executors/dynamic_sampling.py``). Needs a scorer the generator can call
+    (not an LLM judge). 0: off."""
+    entropy_coef: float = 0.0
+    """Entropy bonus: the loss minus this times the policy's token entropy ``-sum_v p_v log p_v``
+    (after the temperature), aggregated over the loss tokens as ``--algo.loss-agg`` aggregates the
+    loss; differentiable through the chunked log-probs, exact across micro-batches and ranks.
+    Every sample with a loss token is then forwarded (a zero-advantage one too). 0: off."""
 
     def __post_init__(self) -> None:
         if self.preset is not None:
@@ -280,6 +308,8 @@ class AlgoConfig:
         _check(self.eps_high is None or self.eps_high > 0, f"--algo.eps-high must be > 0, got {self.eps_high}")
         _check(self.loss_agg_length is None or self.loss_agg_length >= 1,
                f"--algo.loss-agg-length must be >= 1, got {self.loss_agg_length}")
+        _check(self.max_refill >= 0, f"--algo.max-refill must be >= 0 (0: no dynamic sampling), got {self.max_refill}")
+        _check(math.isfinite(self.entropy_coef), f"--algo.entropy-coef must be finite, got {self.entropy_coef}")
         _check(self.adv_pos_weight >= 0 and self.adv_neg_weight >= 0,
                "--algo.adv-pos-weight and --algo.adv-neg-weight must be >= 0")
         _check(self.advantage in ADVANTAGES,
@@ -319,8 +349,13 @@ class LoraConfig:
     export_merged: bool = False
     """Also write the merged model (base + adapters, an HF directory ``from_pretrained`` and vLLM
     load as-is) under ``<export>/merged`` beside the PEFT adapter directory."""
+    lr: float = 8e-4
+    """The learning rate with adapters when ``--trainer.lr`` is unset: 8e-4, the best of the measured
+    sweep on the default recipe at rank 8 (4e-4 slower, 1.2e-3 unstable; docs/benchmarks.md, "LoRA vs
+    full fine-tuning"), about 50x full fine-tuning's. A run that takes it says so in one line."""
 
     def __post_init__(self) -> None:
+        _check(self.lr > 0, f"--trainer.lora.lr must be > 0, got {self.lr}")
         _check(self.rank is None or self.rank >= 1,
                f"--trainer.lora.rank must be >= 1 (leave it unset for full fine-tuning), got {self.rank}")
         _check(self.alpha is None or self.alpha > 0, f"--trainer.lora.alpha must be > 0, got {self.alpha}")
@@ -346,8 +381,12 @@ class LoraConfig:
 class TrainerConfig:
     """The trainer executor: optimizer, precision, micro-batching, minibatches, threads and the non-finite guard."""
 
-    lr: float = 1e-5
-    """AdamW learning rate."""
+    lr: float | None = None
+    """AdamW learning rate. Unset: ``--trainer.full-lr`` for full fine-tuning, ``--trainer.lora.lr``
+    with LoRA adapters (``--trainer.lora.rank``); the run records the rate it took (``config.json``,
+    a checkpoint's identity), so a resume that gives the same rate explicitly is the same run."""
+    full_lr: float = 1e-5
+    """The learning rate of full fine-tuning when ``--trainer.lr`` is unset (each recipe sets its own)."""
     weight_decay: float = 0.0
     """AdamW weight decay."""
     grad_clip: float = 1.0
@@ -400,9 +439,24 @@ class TrainerConfig:
     (``torch.utils.checkpoint`` per layer, under FSDP2): about one more forward of compute for
     activation memory of one layer's inputs per layer. ``auto``: on where the memory model
     (``llamarl/models/memory.py``) says a micro-batch's activations would not fit the device."""
+    lr_schedule: Literal["constant", "linear", "cosine"] = "constant"
+    """The learning rate over optimizer steps, after ``--trainer.warmup-steps`` of linear warm-up:
+    ``constant`` (``--trainer.lr``), ``linear`` or ``cosine`` decay to 0 at
+    ``--trainer.lr-decay-steps`` (llamarl/algorithms/lr_schedule.py). A pure function of the
+    trainer's version, so a resumed run continues it exactly; logged as ``lr``."""
+    warmup_steps: int = 0
+    """Optimizer steps of linear warm-up: step k (1-based) of the first this many runs at
+    ``k / warmup_steps`` of ``--trainer.lr`` (any ``--trainer.lr-schedule``); 0: none."""
+    lr_decay_steps: int | None = None
+    """The optimizer step at which ``linear`` / ``cosine`` reach 0; None: ``--run.max-steps`` x
+    ``--trainer.num-minibatches`` (every tick's batch trained), settled when the run starts."""
 
     def __post_init__(self) -> None:
-        _check(self.lr > 0, f"--trainer.lr must be > 0, got {self.lr}")
+        _check(self.warmup_steps >= 0, f"--trainer.warmup-steps must be >= 0, got {self.warmup_steps}")
+        _check(self.lr_decay_steps is None or self.lr_decay_steps > self.warmup_steps,
+               f"--trainer.lr-decay-steps {self.lr_decay_steps} must exceed --trainer.warmup-steps {self.warmup_steps}")
+        _check(self.lr is None or self.lr > 0, f"--trainer.lr must be > 0, got {self.lr}")
+        _check(self.full_lr > 0, f"--trainer.full-lr must be > 0, got {self.full_lr}")
         _check(self.grad_clip >= 0, "--trainer.grad-clip must be >= 0")
         _check(self.weight_decay >= 0, f"--trainer.weight-decay must be >= 0, got {self.weight_decay}")
         _check(self.num_threads >= 1, f"--trainer.num-threads must be >= 1, got {self.num_threads}")
@@ -412,6 +466,34 @@ class TrainerConfig:
         _check(self.microbatch_rows >= 0, f"--trainer.microbatch-rows must be >= 0 (0: dynamic), got {self.microbatch_rows}")
         _check(self.max_nonfinite_steps >= 1, f"--trainer.max-nonfinite-steps must be >= 1, got {self.max_nonfinite_steps}")
         _check(self.num_minibatches >= 1, f"--trainer.num-minibatches must be >= 1, got {self.num_minibatches}")
+
+    def learning_rate(self) -> float:
+        """``--trainer.lr`` if given, else the default for what trains (``full_lr`` / ``lora.lr``)."""
+        if self.lr is not None:
+            return self.lr
+        return self.lora.lr if self.lora.enabled else self.full_lr
+
+    def settle_lr(self) -> str | None:
+        """Set an unset ``lr`` to ``learning_rate()``, so that ``config.json`` and a checkpoint's
+        identity record the rate taken (a resume giving it explicitly is the same run). Called once
+        the flags are parsed (``run_pipeline``), never in ``__post_init__``: a recipe's preset is an
+        instance whose values are the flags' defaults, and a rate settled there would read as given.
+        Returns the line to log when adapters train at LoRA's default rate, else None."""
+        if self.lr is not None:
+            return None
+        self.lr = self.learning_rate()
+        if not self.lora.enabled:
+            return None
+        return (f"LoRA (--trainer.lora.rank {self.lora.rank}) without --trainer.lr: lr {self.lr:g} "
+                f"(--trainer.lora.lr, the measured default; full fine-tuning's is {self.full_lr:g})")
+
+    def settle_schedule(self, *, max_steps: int) -> None:
+        """Set an unset ``lr_decay_steps`` to ``max_steps`` x ``num_minibatches`` (every tick's batch
+        trained), once the flags are parsed (``run_pipeline``), as ``settle_lr``: not in
+        ``__post_init__``, where a recipe's preset instance would fix it for any ``--run.max-steps``."""
+        if self.lr_decay_steps is None and self.lr_schedule != "constant":  # constant: no horizon (a resume
+            # that runs longer is the same run)
+            self.lr_decay_steps = max(max_steps * self.num_minibatches, self.warmup_steps + 1)
 
 
 @dataclass

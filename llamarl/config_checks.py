@@ -64,24 +64,26 @@ def check_model(name: str, flag: str = "--model.name") -> None:
                          f"in the local Hugging Face cache (HF_HUB_OFFLINE is set)")
 
 
-def check_call(flag: str, value: str, item: Callable, parameters: tuple[str, ...]) -> None:
+def check_call(flag: str, value: str, item: Callable, parameters: tuple[str, ...], *, partial: bool = False) -> None:
     """ValueError naming ``flag`` when ``item`` cannot be called with ``parameters`` positional
-    arguments (its signature, where Python can read one)."""
+    arguments (its signature, where Python can read one); ``partial``: more parameters, given as
+    keywords, may follow."""
     try:
         signature = inspect.signature(item)
     except (TypeError, ValueError):  # a builtin or C function: nothing to read
         return
     try:
-        signature.bind(*parameters)
+        (signature.bind_partial if partial else signature.bind)(*parameters)
     except TypeError:
         raise ValueError(f"{flag} {value}: {getattr(item, '__name__', value)}{signature} cannot be called as "
                          f"f({', '.join(parameters)})") from None
 
 
 def check_scorers(reward: RewardConfig) -> None:
-    """``--reward.scorer`` and ``--reward.trajectory-scorer``, each a registered name or
-    ``module:function`` that imports and takes the scorer's two arguments; ValueError (one line
-    naming the flag) otherwise."""
+    """``--reward.scorer``, ``--reward.trajectory-scorer`` and each of ``--reward.funcs``, a
+    registered name or ``module:function`` that imports and takes the scorer's two arguments (a
+    TRL-style batch function: ``completions`` and keywords); ValueError (one line naming the flag)
+    otherwise."""
     from llamarl.rewards import SCORERS
     from llamarl.rewards.trajectory import TRAJECTORY_SCORERS
 
@@ -94,6 +96,13 @@ def check_scorers(reward: RewardConfig) -> None:
             known = ", ".join(sorted(registry) if isinstance(registry, dict) else registry.names())
             raise ValueError(f"{flag} {value}: not a registered scorer ({known}) nor module:function")
         check_call(flag, value, import_path(value, kind="function", flag=flag), parameters)
+    if reward.funcs is not None:  # each function imports; a per-sample one takes (completion, reference)
+        from llamarl.rewards.funcs import is_batched, resolve_func, split_funcs
+
+        for ref in split_funcs(reward.funcs):
+            fn = resolve_func(ref)
+            if not is_batched(fn):  # (completion, reference), then the columns it names
+                check_call("--reward.funcs", ref, fn, ("completion", "reference"), partial=True)
 
 
 def check_environment(env: EnvConfig) -> None:
@@ -112,6 +121,47 @@ def check_environment(env: EnvConfig) -> None:
             raise ValueError(f"--env.name {env.name}: {error}") from None
     if env.tools is not None:
         resolve_tools(env.tools)
+
+
+def _local_source(name: str) -> Path | None:
+    """The directory ``--model.name`` loads from when it is on this machine (an alias converted if
+    need be, as the run would); None for a hub id, whose files the executors fetch and check."""
+    source = Path(name).expanduser()
+    if name in KNOWN_ALIASES:
+        source = Path(resolve_source(name))
+    return source if (source / "config.json").is_file() else None
+
+
+def check_environment_tokens(config: RLConfig) -> None:
+    """What the generator checks of the environment against the policy's tokenizer, with the
+    tokenizer alone, before any model loads: each stop and end text one token, the tool schemas, a
+    chat template that frames tool answers. ValueError, one line naming ``--env.tools`` /
+    ``--env.name`` and ``--model.name``. A hub id not on disk is checked by the generator instead."""
+    env = config.env
+    reference, source = env.reference(), _local_source(config.model.name)
+    if reference is None or source is None:
+        return
+    from transformers import AutoTokenizer
+
+    from llamarl.environments.base import (
+        EnvironmentContractError,
+        build_environment,
+        check_tool_schemas,
+        stop_token_ids,
+    )
+    from llamarl.environments.function_tools import tool_observation_format
+
+    flag = f"--env.tools {env.tools}" if env.tools is not None else f"--env.name {env.name}"
+    tokenizer = AutoTokenizer.from_pretrained(str(source))
+    try:
+        environment = build_environment(reference)
+        stop_token_ids(environment, tokenizer)
+        stop_token_ids(environment, tokenizer, ending=True)
+        schemas = check_tool_schemas(reference, environment)
+        if schemas is not None:
+            tool_observation_format(tokenizer, schemas)
+    except (ValueError, EnvironmentContractError) as error:
+        raise ValueError(f"{flag} with --model.name {config.model.name}: {error}") from None
 
 
 def check_lora(config: RLConfig) -> None:
@@ -144,6 +194,7 @@ def validate_config(config: RLConfig) -> None:
     name = config.model.name
     check_model(name)
     check_lora(config)
+    check_environment_tokens(config)
     output = Path(config.run.output_dir or "runs")
     if not _writable(output):
         raise ValueError(f"--run.output-dir {output}: not writable")

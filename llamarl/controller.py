@@ -245,6 +245,8 @@ class ExecutorController:
         that names the dead rank."""
         if self._aborting:
             return
+        if self.heartbeat is not None and self.heartbeat.failure_reporter() not in (None, self.ctx.rank):
+            os._exit(128 + signum)  # a peer failed and reported it: one line for the job (liveness.py)
         owners = ", ".join(f"{name} {ranks}" for name, ranks in self.ctx.ranks.items())
         print(f"llamarl: executor {self._active or self.ctx.executor!r} (rank {self.ctx.rank}, local rank {self.ctx.local_rank}) "
               f"stopped at step {self.step_index} during {self.phase}: terminated by torchrun after another rank "
@@ -412,10 +414,18 @@ class ExecutorController:
         trainer's FSDP collective inside ``step``), so every failure asks; this costs a failing
         rank 2.5 heartbeat intervals (at most 5 s) before it exits, and a rank that failed on its
         own (a user error) finds no silent peer and prints nothing more. torchrun's SIGTERM does
-        not cut this report short (``_on_sigterm``)."""
+        not cut this report short (``_on_sigterm``). Only the job's first failing rank reports
+        (``Heartbeat.claim_failure``): a rank failing after a peer reported exits quietly, its
+        traceback in its file."""
         self._aborting = True
         message = self.failure_line(exc)
+        code = getattr(exc, "exit_code", 1)
+        code = code if isinstance(code, int) and 0 < code < 128 else 1
+        first = self.heartbeat is None or self.heartbeat.claim_failure()
         saved = self._save_traceback(exc)
+        if not first:  # a peer failed first and reported it; this failure follows from it (liveness.py)
+            sys.stdout.flush()
+            os._exit(code)
         if saved is None:
             traceback.print_exc(file=sys.stderr)
         else:
@@ -429,5 +439,4 @@ class ExecutorController:
                       f"noticed by rank {self.ctx.rank} when its {self.phase} failed", file=sys.stderr, flush=True)
         # os._exit: never run atexit / destructors that may block on collectives with dead peers. An
         # exception may name its own code (``exit_code``: e.g. 3, a run without learning signal).
-        code = getattr(exc, "exit_code", 1)
-        os._exit(code if isinstance(code, int) and 0 < code < 128 else 1)
+        os._exit(code)

@@ -24,11 +24,14 @@ from safetensors.torch import load_file
 from llamarl.data.prompts import Problem
 from llamarl.engines.base import EngineSetup, Request, SamplingParams, build_engine
 from llamarl.models.loading import load_causal_lm, stop_token_ids
+from llamarl.progress import eval_bar
+from llamarl.rewards.funcs import FuncsScore
 from llamarl.rewards.trajectory import TrajectoryScore, trajectory_of
 
-Score = Callable[[str, str], float] | TrajectoryScore
-"""A text scorer ``(completion text, answer)``, or a trajectory scorer ``(Trajectory, Problem)``
-wrapped in ``TrajectoryScore`` (``--reward.trajectory-scorer``)."""
+Score = Callable[[str, str], float] | TrajectoryScore | FuncsScore
+"""A text scorer ``(completion text, answer)``, a trajectory scorer ``(Trajectory, Problem)``
+wrapped in ``TrajectoryScore`` (``--reward.trajectory-scorer``), or ``--reward.funcs``' weighted sum
+(``FuncsScore``: the completion, its problem, the dataset row's columns)."""
 
 
 def pass_at_k(n: int, c: int, k: int) -> float:
@@ -61,48 +64,68 @@ def load_policy(base: str, *, weights_dir: str | Path | None = None, dtype: torc
 @torch.no_grad()
 def score_samples(engine, tokenizer, *, problems: list[Problem], prompts: list[list[int]], score: Score,
                   sampling: SamplingParams, copies: int = 1, chunk: int = 64, version: int = 0,
-                  generator: torch.Generator | None = None,
-                  segments: list | None = None) -> tuple[list[list[float]], list[str]]:
+                  generator: torch.Generator | None = None, segments: list | None = None,
+                  progress: str | None = None) -> tuple[list[list[float]], list[str]]:
     """Generate ``copies`` completions of each prompt (``prompts[i]`` is ``problems[i]``'s) with
     ``engine`` (any engine with ``generate(requests, sampling=, version=, generator=)``), at most
     ``chunk`` sequences a batch, and score each against its problem's answer (a ``TrajectoryScore``:
     its ``Trajectory`` against the problem). Returns the scores
     (``[problem][copy]``) and the decoded texts (sample id ``i * copies + j``); ``segments``, a
     list, is filled likewise with each completion's ``Trajectory.segments`` (the policy's text and
-    the environment's observations apart)."""
+    the environment's observations apart). ``progress``: the description of a tqdm bar over the
+    samples (``llamarl.progress.eval_bar``), for the rank that reports; None: no bar."""
     requests = [Request(sample_id=i * copies + j, prompt_ids=list(prompts[i]))
                 for i in range(len(problems)) for j in range(copies)]
     scores = [[0.0] * copies for _ in problems]
     texts: list[str] = [""] * len(requests)
     if segments is not None:
         segments[:] = [[] for _ in requests]
-    for lo in range(0, len(requests), chunk):
-        kwargs = {"generator": generator} if generator is not None else {}
-        outs = engine.generate(requests[lo : lo + chunk], sampling=sampling, version=version, **kwargs)
-        decoded = tokenizer.batch_decode([o.completion_ids for o in outs], skip_special_tokens=True)
-        for out, text in zip(outs, decoded):
-            i, j = divmod(out.sample_id, copies)
-            texts[out.sample_id] = text
-            trajectory = trajectory_of(out, tokenizer) if segments is not None or isinstance(score, TrajectoryScore) \
-                else None
-            if segments is not None:
-                segments[out.sample_id] = trajectory.segments
-            if isinstance(score, TrajectoryScore):
-                scores[i][j] = float(score(trajectory, problems[i]))
-            else:
-                scores[i][j] = float(score(text, problems[i].answer))
+    bar = eval_bar(len(requests), desc=progress) if progress is not None else None
+    try:
+        for lo in range(0, len(requests), chunk):
+            _score_chunk(engine, tokenizer, requests[lo : lo + chunk], problems=problems, score=score,
+                         sampling=sampling, copies=copies, version=version, generator=generator,
+                         scores=scores, texts=texts, segments=segments)
+            if bar is not None:
+                bar.update(min(chunk, len(requests) - lo))
+    finally:
+        if bar is not None:
+            bar.close()
     return scores, texts
+
+
+def _score_chunk(engine, tokenizer, requests: list[Request], *, problems: list[Problem], score: Score,
+                 sampling: SamplingParams, copies: int, version: int, generator: torch.Generator | None,
+                 scores: list[list[float]], texts: list[str], segments: list | None) -> None:
+    """One batch of ``score_samples``: generate ``requests``, fill their ``scores`` / ``texts`` / ``segments``."""
+    kwargs = {"generator": generator} if generator is not None else {}
+    outs = engine.generate(requests, sampling=sampling, version=version, **kwargs)
+    decoded = tokenizer.batch_decode([o.completion_ids for o in outs], skip_special_tokens=True)
+    for out, text in zip(outs, decoded):
+        i, j = divmod(out.sample_id, copies)
+        texts[out.sample_id] = text
+        trajectory = trajectory_of(out, tokenizer) if segments is not None or isinstance(score, TrajectoryScore) \
+            else None
+        if segments is not None:
+            segments[out.sample_id] = trajectory.segments
+        if isinstance(score, TrajectoryScore):
+            scores[i][j] = float(score(trajectory, problems[i]))
+        elif isinstance(score, FuncsScore):
+            scores[i][j] = float(score(text, problems[i], out.completion_ids))
+        else:
+            scores[i][j] = float(score(text, problems[i].answer))
 
 
 @torch.no_grad()
 def evaluate_policy(model, tokenizer, *, problems: list[Problem], prompt_fn, score: Score, ks: list[int],
                     temperature: float, max_new_tokens: int, seed: int = 0, chunk: int = 64,
-                    samples_path: Path | None = None) -> dict[str, float]:
+                    samples_path: Path | None = None, progress: str | None = None) -> dict[str, float]:
     """Greedy accuracy and pass@k (for each k in ``ks``) of ``model`` on ``problems``.
 
     ``n = max(ks)`` samples per problem at ``temperature`` (seeded), at most ``chunk`` sequences a
     batch. Returns ``{"greedy_accuracy": ..., "pass@k": ...}``; ``samples_path`` gets one JSON line per
-    problem (greedy completion, sampled scores).
+    problem (greedy completion, sampled scores). ``progress``: a label for the tqdm bars of its two
+    passes (greedy, then ``n`` samples each); None: no bars.
     """
     if not ks or min(ks) < 1:
         raise ValueError(f"ks must be non-empty positive integers, got {ks}")
@@ -119,8 +142,10 @@ def evaluate_policy(model, tokenizer, *, problems: list[Problem], prompt_fn, sco
     prompts = [list(prompt_fn(tokenizer, p.question)) for p in problems]
 
     def run(sampling: SamplingParams, copies: int) -> tuple[list[list[float]], list[str]]:
+        what = "greedy" if sampling.temperature == 0 else f"{copies} samples each"
         return score_samples(engine, tokenizer, problems=problems, prompts=prompts, score=score, sampling=sampling,
-                             copies=copies, chunk=chunk, generator=None if sampling.temperature == 0 else rng)
+                             copies=copies, chunk=chunk, generator=None if sampling.temperature == 0 else rng,
+                             progress=f"{progress}, {what}" if progress is not None else None)
 
     try:
         greedy, greedy_texts = run(SamplingParams(temperature=0.0, max_new_tokens=max_new_tokens), 1)

@@ -15,6 +15,13 @@ A rank whose exchange with a peer failed (gloo's "Connection closed by peer", a 
 rank) asks ``silent_peers``, before it exits, which ranks stopped publishing: its failure line then
 names the dead rank and its executor, not only the exchange it was in.
 
+One line for one failure: a rank that fails claims the job's failure in the store
+(``claim_failure``, first come first served) before it reports. A rank whose exchange failed
+because a peer had already failed and reported (claimed) stays quiet: its own line would only say
+"Connection closed by peer" after the real one. So does a rank torchrun stops (SIGTERM) or a
+watcher that finds the failed peer silent. A peer killed without a word claims nothing, and the
+rank that notices it reports as before.
+
 A peer last seen loading, checkpointing or exporting gets ten times the timeout (those phases can
 hold the GIL for long stretches on a healthy rank). A rank that finishes normally marks itself finished (``finish``), so its watcher does not mistake
 its exit for a death.
@@ -34,6 +41,7 @@ import torch.distributed as dist
 
 logger = logging.getLogger(__name__)
 _PREFIX = "llamarl/heartbeat/"
+_FAILURE_KEY = "llamarl/failure"
 _SLOW_PHASES = ("init", "load_checkpoint", "checkpoint", "export")
 _SLOW_PHASE_FACTOR = 10
 
@@ -73,6 +81,33 @@ class Heartbeat:
         self._stop.set()
         if self._store is not None:
             self._store.set(f"{_PREFIX}{self.rank}", json.dumps({"finished": True}))
+
+    def _client(self, timeout_s: float = 5.0):
+        """A store client of its own (the heartbeat thread keeps using ``_store`` meanwhile)."""
+        return dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
+                             timeout=timedelta(seconds=timeout_s))
+
+    def claim_failure(self) -> bool:
+        """Whether this rank is the job's first to report a failure (module docstring); True also
+        when the heartbeat is not running or the store cannot be reached (then every rank reports)."""
+        if self._store is None:
+            return True
+        try:
+            return self._client().compare_set(_FAILURE_KEY, "", str(self.rank)) == str(self.rank).encode()
+        except Exception as exc:  # noqa: BLE001 - the agent is tearing the job down
+            logger.debug("heartbeat store unreachable: %s", exc)
+            return True
+
+    def failure_reporter(self) -> int | None:
+        """The rank that claimed the job's failure, if one did (None also when the store cannot be read)."""
+        if self._store is None:
+            return None
+        try:
+            store = self._client()
+            return int(store.get(_FAILURE_KEY)) if store.check([_FAILURE_KEY]) else None
+        except Exception as exc:  # noqa: BLE001
+            logger.debug("heartbeat store unreachable: %s", exc)
+            return None
 
     def silent_peers(self, *, wait_s: float | None = None) -> list[tuple[int, dict]]:
         """The other ranks whose heartbeat did not change over ``wait_s`` (default: two and a half
@@ -125,6 +160,8 @@ class Heartbeat:
             # copies in native code), starving the heartbeat thread of a healthy rank: more grace.
             slow = str(last.get("phase", "init")).startswith(_SLOW_PHASES)
             if now - last_change > self.timeout_s * (_SLOW_PHASE_FACTOR if slow else 1):
+                if self.failure_reporter() is not None:  # it failed and said so: torchrun ends the job
+                    os._exit(1)
                 print(f"llamarl: rank {peer} (executor {self.executor_of.get(peer, '?')!r}) stopped responding "
                       f"at step {last.get('step', '?')} during {last.get('phase', 'start-up')} (no heartbeat for "
                       f"{now - last_change:.0f} s); ending the job (noticed by rank {self.rank})",

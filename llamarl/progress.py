@@ -7,9 +7,16 @@ own slots, every other rank contributes zeros). Every rank runs it at the end of
 after its executor's step. It adds no wait that the channels do not already impose: the next
 tick's channels pair every executor with its producer and consumer anyway.
 
-On a terminal, rank 0 draws a tqdm bar (ETA, rate) with the headline numbers as its postfix;
-elsewhere (a log file, CI) it logs one line per tick instead. Other ranks print nothing per tick:
-their full metrics are in ``<run>/metrics/<executor>.jsonl`` and TensorBoard.
+On a terminal, rank 0 draws a tqdm bar (seconds a tick, time left) with the tick and the headline
+numbers as its postfix; elsewhere (a log file, CI) it logs one line per tick instead,
+``tick <t> (<done>/<max> done, <s> s/tick, ~<left> left) <numbers>``, where a tick's seconds are
+the mean of the ticks after the first (which also pays for start-up) once there are any. Ticks are
+counted as the files count them: tick ``t`` is the record ``"step": t`` of ``metrics/*.jsonl``
+(from 0), after which ``t + 1`` ticks are done. Other ranks print nothing per tick: their full
+metrics are in ``<run>/metrics/<executor>.jsonl`` and TensorBoard.
+
+``eval_bar`` is the tqdm bar of an evaluation (``llamarl/evaluation.py``), drawn by the rank that
+reports it, on a terminal or not (in a log file it redraws at most every ``LOG_BAR_SECONDS``).
 
 Every number shown is the tick's own. Some have a short name (``SHORT_NAMES``); a stage reporting
 ``env_tool_errors`` and ``env_tool_calls`` shows them together as ``tool_err=<failed>/<calls>``
@@ -22,6 +29,7 @@ from __future__ import annotations
 
 import logging
 import sys
+import time
 
 import torch
 import torch.distributed as dist
@@ -30,6 +38,29 @@ logger = logging.getLogger("llamarl.progress")
 
 SHORT_NAMES = {"env_tool_errors": "tool_err", "env_tool_calls": "tool_calls", "env_turns_mean": "turns"}
 """Metric -> the name the progress line shows it under."""
+
+LOG_BAR_SECONDS = 10.0
+"""Outside a terminal, an evaluation's bar redraws at most this often (each redraw lands in the log)."""
+
+
+def eval_bar(total: int, *, desc: str, unit: str = "sample"):
+    """A tqdm bar of ``total`` ``unit`` on stderr for an evaluation (module docstring); the caller
+    updates and closes it (it is a context manager)."""
+    from tqdm import tqdm
+
+    tty = sys.stderr.isatty()
+    return tqdm(total=total, desc=desc, unit=unit, file=sys.stderr, disable=False, dynamic_ncols=tty,
+                mininterval=0.1 if tty else LOG_BAR_SECONDS, leave=True)
+
+
+def duration_text(seconds: float) -> str:
+    """``seconds`` as the line shows time left: ``42 s``, ``3 min 5 s``, ``2 h 07 min``."""
+    seconds = max(0, round(seconds))
+    if seconds < 60:
+        return f"{seconds} s"
+    if seconds < 3600:
+        return f"{seconds // 60} min {seconds % 60} s"
+    return f"{seconds // 3600} h {seconds % 3600 // 60:02d} min"
 
 
 def progress_text(shown: dict[str, float]) -> str:
@@ -59,6 +90,8 @@ class Progress:
         self.latest: dict[str, float] = {}
         self.warned_tools = False
         self.bar = None
+        self.last_time = time.monotonic()
+        self.tick_seconds: list[float] = []  # each tick's wall time on this rank, the first included
         if rank == 0 and (sys.stderr.isatty() if use_bar is None else use_bar):
             from tqdm import tqdm
 
@@ -84,12 +117,26 @@ class Progress:
         self.latest.update(shown)
         text = progress_text(shown)
         self._warn_tools(step, shown)
+        now = time.monotonic()
+        self.tick_seconds.append(now - self.last_time)
+        self.last_time = now
         if self.bar is not None:
-            self.bar.set_postfix_str(text, refresh=False)
+            self.bar.set_postfix_str(f"tick={step} {text}", refresh=False)
             self.bar.update(1)
         else:
-            logger.info("[%3d/%d] %s", step + 1, self.max_steps, text)
+            logger.info("%s", self.tick_line(step, text))
         return shown
+
+    def seconds_per_tick(self) -> float:
+        """The mean wall time of this segment's ticks after the first, or the first's while alone."""
+        later = self.tick_seconds[1:] or self.tick_seconds
+        return sum(later) / len(later) if later else 0.0
+
+    def tick_line(self, step: int, text: str) -> str:
+        """The line logged for tick ``step`` outside a terminal (module docstring)."""
+        per_tick = self.seconds_per_tick()
+        left = duration_text(per_tick * (self.max_steps - step - 1))
+        return f"tick {step} ({step + 1}/{self.max_steps} done, {per_tick:.2f} s/tick, ~{left} left) {text}".rstrip()
 
     def _warn_tools(self, step: int, shown: dict[str, float]) -> None:
         """Once per run: a warning the first tick where every tool call of a stage failed."""

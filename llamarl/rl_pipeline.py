@@ -32,11 +32,13 @@ from collections.abc import Callable
 from llamarl.config import RLConfig
 from llamarl.config_checks import validate_config
 from llamarl.data.prompts import Problem
+from llamarl.executors.dynamic_sampling import DynamicSampling
 from llamarl.executors.generator import GeneratorExecutor, PromptFn, Task
 from llamarl.executors.reward import RewardExecutor
 from llamarl.executors.trainer import TrainerExecutor
 from llamarl.pipeline import ChannelSpec, Pipeline, Stage
 from llamarl.rewards import resolve_scorer
+from llamarl.rewards.funcs import FuncsScore, RewardFuncs, split_funcs
 from llamarl.rewards.trajectory import TrajectoryScore, resolve_trajectory_scorer
 from llamarl.run_identity import dataset_fingerprint
 from llamarl.run_plan import plan_run
@@ -49,9 +51,33 @@ REWARD_HEADLINE = ("reward_mean", "accuracy")
 TRAINER_HEADLINE = ("loss", "staleness_mean", "train_tokens_per_s")
 
 
-def _generator(config: RLConfig, *, task: Task, prompt_fn: PromptFn, output: str = "rollouts"):
+def dynamic_sampling(config: RLConfig, *, scorer: str | None, rewards_from: str | None = None) -> DynamicSampling | None:
+    """What the generator's dynamic sampling (``--algo.max-refill`` N > 0;
+    ``llamarl/executors/dynamic_sampling.py``) scores with: the run's rule-based scorer, the recipe's
+    ``scorer`` unless a ``--reward`` flag replaces it; None when off. ValueError (before any process
+    group) when the generator cannot call the run's reward: none it can resolve, or the rewards are
+    replaced downstream by a stage of the recipe's (``rewards_from``, e.g. an LLM judge)."""
+    refill = config.algo.max_refill
+    if not refill:
+        return None
+    if rewards_from is not None:
+        raise ValueError(f"--algo.max-refill {refill}: dynamic sampling scores groups in the generator with the "
+                         f"run's rule-based scorer, but this recipe's rewards come from its stage {rewards_from!r}, "
+                         "which the generator cannot call; set --algo.max-refill 0 (also after --algo.preset dapo)")
+    reward = config.reward
+    if scorer is None and all(name is None for name in (reward.scorer, reward.trajectory_scorer,
+                                                        getattr(reward, "funcs", None))):
+        raise ValueError(f"--algo.max-refill {refill}: dynamic sampling needs a scorer the generator can call "
+                         "(the recipe's, --reward.scorer, --reward.trajectory-scorer or --reward.funcs)")
+    return DynamicSampling(reward=reward, scorer=scorer, target=config.generator.num_prompts_per_step,
+                           max_refill=refill)
+
+
+def _generator(config: RLConfig, *, task: Task, prompt_fn: PromptFn, output: str = "rollouts",
+               scorer: str | None = None, rewards_from: str | None = None):
     plan = plan_run(config)  # once per pipeline, before the world: what every generator rank runs with
     generator_config = dataclasses.replace(config.generator, token_budget=plan.token_budget)
+    dynamic_sampling(config, scorer=scorer, rewards_from=rewards_from)  # refused here, before the world
 
     def build(ctx) -> GeneratorExecutor:
         if plan.token_budget != config.generator.token_budget and ctx.local_rank == 0:
@@ -61,7 +87,8 @@ def _generator(config: RLConfig, *, task: Task, prompt_fn: PromptFn, output: str
         return GeneratorExecutor(ctx, model_config=config.model, config=generator_config, task=task,
                                  prompt_fn=prompt_fn, output_name=output, seed=config.run.seed,
                                  max_sequence_tokens=plan.max_sequence_tokens, algo=config.algo, env=config.env,
-                                 expected_lag=plan.expected_lag, lora=config.trainer.lora.spec())
+                                 expected_lag=plan.expected_lag, lora=config.trainer.lora.spec(),
+                                 dynamic=dynamic_sampling(config, scorer=scorer, rewards_from=rewards_from))
     return build
 
 
@@ -74,10 +101,12 @@ def _trainer(config: RLConfig, *, input_name: str = "scored"):
 
 
 def generator_stage(config: RLConfig, *, task: Task, prompt_fn: PromptFn, name: str = "generator",
-                    output: str = "rollouts") -> Stage:
+                    output: str = "rollouts", scorer: str | None = None, rewards_from: str | None = None) -> Stage:
     """The policy's sampler on ``--generator.num-ranks`` ranks (``--generator.tp`` per replica),
-    emitting whole prompt groups on channel ``output``; it evaluates greedy accuracy."""
-    return Stage(name, build=_generator(config, task=task, prompt_fn=prompt_fn, output=output),
+    emitting whole prompt groups on channel ``output``; it evaluates greedy accuracy. ``scorer`` /
+    ``rewards_from``: what its dynamic sampling scores with (``dynamic_sampling``)."""
+    return Stage(name, build=_generator(config, task=task, prompt_fn=prompt_fn, output=output, scorer=scorer,
+                                        rewards_from=rewards_from),
                  num_ranks=config.generator.num_ranks, ranks_flag="--generator.num-ranks", tp=config.generator.tp,
                  headline=GENERATOR_HEADLINE)
 
@@ -145,27 +174,32 @@ def rl_pipeline(config: RLConfig, *, task: Task, scorer: str | None, prompt_fn: 
 
 
 def stage_before_trainer(config: RLConfig, stage: Stage, *, task: Task, scorer: str, prompt_fn: PromptFn,
-                         reward_output: str, output: str, title: str, summary: dict) -> Pipeline:
+                         reward_output: str, output: str, title: str, summary: dict,
+                         replaces_rewards: bool = False) -> Pipeline:
     """generator -> reward (``reward_output``) -> ``stage`` (``output``) -> trainer, weights trainer ->
     generator: the standard pipeline with a recipe's own stage between the reward and the trainer
     (a reference policy, an LLM judge, a filter), placed for ``--run.schedule``.
 
     Delivery as in ``rl_pipeline``, plus: the reward -> stage hop is always same-tick, so the stage
     adds no lag; stage -> trainer is same-tick under sync and colocated. ``title`` is appended to the
-    schedule's on the timeline; ``summary`` adds entries to ``summary.json``."""
+    schedule's on the timeline; ``summary`` adds entries to ``summary.json``. ``replaces_rewards``:
+    the stage sets the rewards itself (an LLM judge), so the generator's dynamic sampling, which
+    scores with ``scorer``, is refused (``dynamic_sampling``)."""
     return _standard_pipeline(config, task=task, scorer=scorer, prompt_fn=prompt_fn,
                               between=stage, reward_output=reward_output, output=output, title=title,
-                              summary=summary)
+                              summary=summary, rewards_from=stage.name if replaces_rewards else None)
 
 
 def _standard_pipeline(config: RLConfig, *, task: Task, scorer: str | None, prompt_fn: PromptFn,
                        between: Stage | None = None, reward_output: str = "scored", output: str = "scored",
-                       title: str | None = None, summary: dict | None = None) -> Pipeline:
+                       title: str | None = None, summary: dict | None = None,
+                       rewards_from: str | None = None) -> Pipeline:
     """generator -> reward -> [``between``] -> trainer, weights trainer -> generator, the generator
     evaluating: ``rl_pipeline``, or with a stage ``between`` that of ``stage_before_trainer``."""
     config = schedule_config(config)
     sync = config.run.schedule in ("sync", "colocated")
-    generator, trainer = generator_stage(config, task=task, prompt_fn=prompt_fn), trainer_stage(config, input_name=output)
+    generator = generator_stage(config, task=task, prompt_fn=prompt_fn, scorer=scorer, rewards_from=rewards_from)
+    trainer = trainer_stage(config, input_name=output)
     reward = reward_stage(config, scorer=scorer, output=reward_output)
     channels = [ChannelSpec("rollouts", "generator", "reward", "scatter", same_tick=sync or config.run.async_lag == 1)]
     if between is None:
@@ -191,7 +225,8 @@ def run_rl(config: RLConfig, *, recipe: str, task: Task, heldout: list[Problem],
     only by the user's (``--reward.scorer`` or ``--reward.trajectory-scorer``, which replace the
     recipe's) passes None for both, and then needs one of those flags."""
     validate_config(config)
-    if (scorer is None or score is None) and config.reward.trajectory_scorer is None and config.reward.scorer is None:
+    replaced = (config.reward.trajectory_scorer, config.reward.scorer, config.reward.funcs)
+    if (scorer is None or score is None) and all(name is None for name in replaced):
         raise ValueError(f"recipe {recipe} has no scorer of its own: set --reward.scorer module:function "
                          "(completion, reference) -> float, or --reward.trajectory-scorer")
     return run_pipeline(rl_pipeline(config, task=task, scorer=scorer, prompt_fn=prompt_fn), config,
@@ -201,7 +236,11 @@ def run_rl(config: RLConfig, *, recipe: str, task: Task, heldout: list[Problem],
 
 def evaluation_score(config: RLConfig, score: Callable[[str, str], float] | None) -> Callable[[str, str], float] | None:
     """What the evaluations score with: the recipe's text scorer ``score``, or the one that replaces
-    it in evaluations as in training: ``--reward.trajectory-scorer``, else ``--reward.scorer``."""
+    it in evaluations as in training: ``--reward.funcs`` (their weighted sum), ``--reward.trajectory-scorer``,
+    else ``--reward.scorer``."""
+    if config.reward.funcs is not None:
+        weights = config.reward.weights or [1.0] * len(split_funcs(config.reward.funcs))
+        return FuncsScore(RewardFuncs(config.reward.funcs), tuple(weights))
     name = config.reward.trajectory_scorer
     if name is not None:
         return TrajectoryScore(resolve_trajectory_scorer(name))

@@ -16,8 +16,10 @@ Not recorded, so free to change on resume (``SAFE``): how long the run is and wh
 (``run.eval_every``, ``run.log_samples``, ``run.wandb_*``, ``eval.*``), timeouts, and where and how
 the same computation runs: rank counts and tensor parallelism (a trainer checkpoint reshards),
 threads, the generation engine and its settings, micro-batching, activation checkpointing, log-prob
-chunking, shared-prompt packing, the weight channel. A recipe's own fields are recorded unless
-listed here.
+chunking, shared-prompt packing, the weight channel; the learning rate's defaults
+(``trainer.full_lr``, ``trainer.lora.lr``), since ``trainer.lr`` records the rate taken (settled
+before the identity is made: a resume giving that rate explicitly is the same run). A recipe's own
+fields are recorded unless listed here.
 
 ``check_identity`` compares a checkpoint's identity with this run's and refuses a difference with
 one line listing the differing fields, unless ``--checkpoint.allow-changes`` names each (a field,
@@ -43,6 +45,7 @@ SAFE = (
     "reward.device", "reward.timeout_s", "trainer.num_threads", "trainer.activation_checkpointing",
     "trainer.logprob_chunk_tokens", "trainer.max_tokens_per_microbatch", "trainer.microbatch_rows",
     "trainer.share_prompts", "trainer.max_nonfinite_steps", "trainer.lora.export_merged", "weights.",
+    "trainer.full_lr", "trainer.lora.lr",  # defaults of trainer.lr, which records the rate taken
     "env.num_tool_workers", "env.tool_timeout_s", "data.test_path", "task.eval_dataset",
 )
 

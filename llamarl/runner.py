@@ -30,6 +30,7 @@ role in ``executor.metric_sections``) and declare how each is reduced over their
 
 from __future__ import annotations
 
+import logging
 import os
 import sys
 import time
@@ -40,7 +41,7 @@ from typing import NoReturn
 from llamarl.channels.in_memory import InMemoryWeights
 from llamarl.channels.weights import WeightsChannel
 from llamarl.checkpoint import resume_point
-from llamarl.config import RunSections
+from llamarl.config import RunSections, TrainerConfig
 from llamarl.controller import ExecutorController
 from llamarl.data.prompts import Problem
 from llamarl.errors import exception_text
@@ -57,6 +58,8 @@ from llamarl.run_identity import identity_defaults, run_identity
 from llamarl.run_log import RunLog
 from llamarl.run_summary import RunSummary
 from llamarl.world import ExecutorContext, world_barrier
+
+logger = logging.getLogger("llamarl.runner")
 
 
 def stop_before_start(exc: ValueError) -> NoReturn:
@@ -84,6 +87,10 @@ def run_pipeline(pipeline: Pipeline, config: RunSections, *, recipe: str, heldou
     """
     wall_start = time.time()
     run = config.run
+    trainer_config = getattr(config, "trainer", None)  # an unset --trainer.lr takes what trains' default
+    lr_note = trainer_config.settle_lr() if isinstance(trainer_config, TrainerConfig) else None
+    if isinstance(trainer_config, TrainerConfig):
+        trainer_config.settle_schedule(max_steps=run.max_steps)
     if checking_only() and config.checkpoint.resume:
         # The launch scripts' one-process check (llamarl/preflight.py): the checkpoint to resume,
         # its identity and its files' sizes, before torchrun starts (a refusal is one line, exit 2;
@@ -99,6 +106,8 @@ def run_pipeline(pipeline: Pipeline, config: RunSections, *, recipe: str, heldou
                                           timeout_s=run.collective_timeout_s)
     ctx = next(iter(contexts.values()))  # rank-wide facts (rank, device, ranks) are the same in each
     setup_logging(executor="+".join(contexts), rank=ctx.rank)
+    if lr_note is not None and ctx.rank == 0:
+        logger.info("%s", lr_note)
     reporter_rank = ctx.ranks[pipeline.evaluator][0] if pipeline.evaluator else 0
     identity = None
     try:

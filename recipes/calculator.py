@@ -61,7 +61,7 @@ class CalculatorConfig(RLConfig):
     generator: GeneratorConfig = field(default_factory=lambda: GeneratorConfig(
         num_prompts_per_step=16, samples_per_prompt=4, max_new_tokens=24, temperature=0.8, dtype="bfloat16",
         num_threads=1))
-    trainer: TrainerConfig = field(default_factory=lambda: TrainerConfig(lr=1.5e-5, param_dtype="bfloat16",
+    trainer: TrainerConfig = field(default_factory=lambda: TrainerConfig(full_lr=1.5e-5, param_dtype="bfloat16",
                                                                           num_threads=2))
     run: RunConfig = field(default_factory=lambda: RunConfig(max_steps=30, num_eval_problems=64))
 

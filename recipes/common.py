@@ -151,7 +151,7 @@ def run_pass_k(config: RLConfig, eval_config: EvalConfig, *, summary: dict | Non
                                  prompt_fn=prompt_fn, score=score, ks=eval_config.pass_k,
                                  temperature=eval_config.temperature, max_new_tokens=config.generator.max_new_tokens,
                                  seed=config.run.seed, chunk=eval_config.chunk,
-                                 samples_path=run_dir / f"passk_{label}.jsonl")
+                                 samples_path=run_dir / f"passk_{label}.jsonl", progress=f"pass@k of the {label} policy")
         for key, value in result.items():
             summary[f"{label}_{key}" if key != "greedy_accuracy" else f"{label}_greedy_reload"] = value
         del model
@@ -189,7 +189,7 @@ def qwen_1gpu(config_class: type[RLConfig], *, max_new_tokens: int, lr: float, m
                                   samples_per_prompt=8, max_new_tokens=max_new_tokens, temperature=1.0,
                                   dtype="bfloat16"),
         reward=RewardConfig(num_workers=8),
-        trainer=TrainerConfig(lr=lr, param_dtype="bfloat16", max_tokens_per_microbatch=16384,
+        trainer=TrainerConfig(full_lr=lr, param_dtype="bfloat16", max_tokens_per_microbatch=16384,
                               logprob_chunk_tokens=4096),
         run=RunConfig(schedule="colocated", max_steps=max_steps, num_eval_problems=num_test_problems),
         checkpoint=CheckpointConfig(every=50),

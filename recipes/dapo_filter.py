@@ -15,7 +15,8 @@ adds no gradient but counts in that mean's denominator, so removing it scales th
 gradient of the remaining tokens up by (all tokens) / (kept tokens), as DAPO intends (the kept
 groups are what the step learns from); the logged ``loss`` on the same data changes by that
 factor. The filter does not top the batch up with new prompts (DAPO oversamples until the batch is
-full): ``filter_groups_kept`` reports how many groups each tick trains on.
+full): ``filter_groups_kept`` reports how many groups each tick trains on. ``--algo.max-refill N``
+does, in any recipe whose reward the generator can compute (llamarl/executors/dynamic_sampling.py).
 """
 
 from __future__ import annotations

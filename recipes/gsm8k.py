@@ -99,7 +99,7 @@ PRESETS: dict[str, tuple[str, GSM8KConfig]] = {
                       generator=GeneratorConfig(num_prompts_per_step=4, samples_per_prompt=4, max_new_tokens=128,
                                                 temperature=0.8, dtype="bfloat16", num_threads=1),
                       reward=RewardConfig(num_workers=1),
-                      trainer=TrainerConfig(lr=1e-5, param_dtype="bfloat16", num_threads=1),
+                      trainer=TrainerConfig(full_lr=1e-5, param_dtype="bfloat16", num_threads=1),
                       run=RunConfig(max_steps=4, num_eval_problems=24),
                       data=GSM8KDataConfig(path=SHARED_GSM8K),
                       eval=EvalConfig(pass_k=[1, 4], pass_k_problems=8, chunk=64))),
@@ -108,7 +108,7 @@ PRESETS: dict[str, tuple[str, GSM8KConfig]] = {
     "qwen2.5-1.5b-8gpu": ("Qwen2.5-1.5B-Instruct, one 8-GPU node: 4 vLLM generators, 4 FSDP trainers (the reward on their ranks).",
                           qwen_8gpu(GSM8KConfig, samples_per_prompt=4, max_new_tokens=1024,
                                     reward=RewardConfig(num_workers=4),  # on each trainer rank: 16 scorers
-                                    trainer=TrainerConfig(lr=1.7e-5, weight_decay=0.017),
+                                    trainer=TrainerConfig(full_lr=1.7e-5, weight_decay=0.017),
                                     # AReaL caps the behaviour importance weight at 5 (behav_imp_weight_cap: 5.0).
                                     algo=AlgoConfig(loss="decoupled_ppo", prox="recompute", max_staleness=2,
                                                     behav_weight_cap=5.0),

@@ -377,7 +377,7 @@ def llm_judge_pipeline(config: LLMJudgeConfig, *, task: Task, scorer: str, promp
     """
     return stage_before_trainer(config, judge_stage(config, task=task, input_name="ruled", output="scored"), task=task,
                                 scorer=scorer, prompt_fn=prompt_fn, reward_output="ruled", output="scored",
-                                title="LLM judge",
+                                title="LLM judge", replaces_rewards=True,
                                 summary={"judge": config.judge.model or config.model.name,
                                          "judge_hard": config.judge.hard})
 

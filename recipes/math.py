@@ -80,7 +80,7 @@ PRESETS: dict[str, tuple[str, MathConfig]] = {
     "qwen2.5-1.5b-8gpu": ("Qwen2.5-1.5B-Instruct, one 8-GPU node: 4 vLLM generators, 4 FSDP trainers (the reward on their ranks), AIPO.",
                           qwen_8gpu(MathConfig, samples_per_prompt=8, max_new_tokens=2048,
                                     reward=RewardConfig(num_workers=4, timeout_s=10.0),  # on each trainer rank
-                                    trainer=TrainerConfig(lr=1e-6), algo=AlgoConfig(loss="aipo", rho=4.0),
+                                    trainer=TrainerConfig(full_lr=1e-6), algo=AlgoConfig(loss="aipo", rho=4.0),
                                     num_test_problems=500)),
 }
 

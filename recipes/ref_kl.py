@@ -92,7 +92,8 @@ class RefConfig:
 
     num_ranks: int = 1
     """Ranks given to the reference policy (after the reward's); its frozen copy of the initial
-    policy is sharded with FSDP2 over them."""
+    policy is sharded with FSDP2 over them. 0: on the trainer's ranks, its frozen copy sharded over
+    them beside the trainer's model (what ``recipes.task`` does)."""
     kl_coef: float = 0.05
     """beta: each sample's reward becomes ``reward - beta * sum over its completion tokens of kl_t``
     (0 reports the KL without shaping)."""
@@ -111,8 +112,8 @@ class RefConfig:
     """torch intra-op threads on each reference rank."""
 
     def __post_init__(self) -> None:
-        if self.num_ranks < 1:
-            raise ValueError(f"--ref.num-ranks must be >= 1, got {self.num_ranks}")
+        if self.num_ranks < 0:
+            raise ValueError(f"--ref.num-ranks must be >= 0 (0: on the trainer's ranks), got {self.num_ranks}")
         if not self.kl_coef >= 0:  # also refuses NaN
             raise ValueError(f"--ref.kl-coef must be >= 0, got {self.kl_coef}")
         if self.kl_estimator not in KL_KINDS:
@@ -246,15 +247,17 @@ class RefPolicyExecutor(Executor):
 def ref_stage(config: RefKLConfig, *, name: str = "ref", input_name: str = "scored", output: str = "shaped",
               policy: Callable[[], torch.nn.Module] | None = None) -> Stage:
     """The reference policy on ``--ref.num-ranks`` ranks: reads ``input_name``, sends ``output``.
-    With ``policy`` (LoRA: the trainer's model on this rank) it runs on the trainer's ranks."""
+    With ``policy`` (LoRA: the trainer's model on this rank), or ``--ref.num-ranks 0``, it runs on
+    the trainer's ranks."""
     budget = config.ref.max_tokens_per_microbatch or config.trainer.max_tokens_per_microbatch
 
     def build(ctx) -> RefPolicyExecutor:
         return RefPolicyExecutor(ctx, model_config=config.model, config=config.ref,
                                  temperature=config.generator.temperature, max_tokens_per_microbatch=budget,
                                  input_name=input_name, output_name=output, policy=policy)
-    return Stage(name, build=build, num_ranks=config.ref.num_ranks, ranks_flag="--ref.num-ranks", headline=REF_HEADLINE,
-                 colocate_with="trainer" if policy is not None else None)
+    on_trainer = policy is not None or config.ref.num_ranks == 0
+    return Stage(name, build=build, num_ranks=None if on_trainer else config.ref.num_ranks, ranks_flag="--ref.num-ranks",
+                 headline=REF_HEADLINE, colocate_with="trainer" if on_trainer else None)
 
 
 def ref_kl_pipeline(config: RefKLConfig, *, task: Task, scorer: str, prompt_fn: PromptFn) -> Pipeline:

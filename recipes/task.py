@@ -14,10 +14,19 @@
   ``--task.eval-fraction`` of the rows held out by a seeded shuffle; the greedy evaluations before
   and after training (and every ``--run.eval-every``) use the first ``--run.num-eval-problems``.
 - The prompt: the row's text as the user turn of the model's chat template, after
-  ``--task.system-prompt`` if given (with ``--env.tools``, the tools' schemas in that template).
-- The reward: ``--reward.scorer module:function``, ``(completion: str, reference: str) -> float``,
-  or ``--reward.trajectory-scorer module:function``, ``(trajectory, problem) -> float``
-  (llamarl/rewards/trajectory.py: the turns, the tool answers, the environment's reward).
+  ``--task.system-prompt`` (or the row's ``--task.system-field``) if given (with ``--env.tools``,
+  the tools' schemas in that template). A prompt field holding a list of messages
+  (``[{"role": "system" | "user" | "assistant", "content": ...}, ...]``, TRL's conversational
+  format) is rendered whole through the chat template.
+- The reward: ``--reward.funcs module:f,module:g`` with ``--reward.weights`` (TRL's reward
+  functions, ``f(completions, **kwargs)`` with every dataset column, or per sample:
+  llamarl/rewards/funcs.py), ``--reward.scorer module:function``, ``(completion: str, reference:
+  str) -> float``, or ``--reward.trajectory-scorer module:function``, ``(trajectory, problem) ->
+  float`` (llamarl/rewards/trajectory.py: the turns, the tool answers, the environment's reward).
+  The row's other fields reach each of them, and the environment, as ``problem.columns``.
+- A KL penalty to the initial policy: ``--ref.kl-coef beta`` (> 0) adds the reference stage of
+  recipes/ref_kl.py on the trainer's ranks (a frozen copy of the initial weights; under LoRA the
+  trainer's model with its adapters disabled): each reward becomes ``reward - beta * sum_t kl_t``.
 - Episodes: ``--env.name module:Class`` or ``--env.tools module:fn,...``, as in every recipe.
 
 Every reference is resolved before any rank starts: an unknown module or function, a missing
@@ -32,12 +41,15 @@ from dataclasses import dataclass, field
 import tyro
 
 from llamarl.config import GeneratorConfig, RLConfig, RunConfig, TrainerConfig
-from llamarl.config_checks import check_scorers
+from llamarl.config_checks import check_scorers, validate_config
 from llamarl.data.problem_list import ListTask
-from llamarl.data.prompts import Problem, build_chat_prompt
+from llamarl.data.prompts import Problem, build_chat_prompt, build_conversation_prompt, conversation_of
 from llamarl.data.task_dataset import load_rows, rows_to_problems, split_heldout, template_fields
 from llamarl.errors import config_errors, parse_flags
-from llamarl.rl_pipeline import run_rl
+from llamarl.rl_pipeline import evaluation_score, run_rl
+from llamarl.run_identity import dataset_fingerprint
+from llamarl.runner import run_pipeline
+from recipes.ref_kl import RefConfig, check_ref_kl, ref_kl_pipeline
 
 FLAGS = {"dataset": "--task.dataset", "prompt_field": "--task.prompt-field", "answer_field": "--task.answer-field",
          "prompt_template": "--task.prompt-template"}
@@ -45,7 +57,8 @@ FLAGS = {"dataset": "--task.dataset", "prompt_field": "--task.prompt-field", "an
 
 @dataclass
 class TaskSection:
-    """Your task's data and prompt (see the module docstring of ``recipes/task.py``)."""
+    """Your task's data and prompt: the rows (``--task.dataset``), which field is the prompt (text,
+    or a list of chat messages) and which the reference answer, the evaluation rows."""
 
     dataset: str | None = None
     """The training rows: a local ``.jsonl`` / ``.json`` / ``.parquet`` / ``.arrow`` / ``.csv`` file, a
@@ -61,6 +74,8 @@ class TaskSection:
     to {to_unit}."``; None: the prompt field's text as it is."""
     system_prompt: str | None = None
     """A system turn before the user turn (chat templates; without one it is prepended as plain text)."""
+    system_field: str | None = None
+    """The row field holding the row's own system turn (a row without it gets ``--task.system-prompt``)."""
     eval_dataset: str | None = None
     """The evaluation rows, in any form ``--task.dataset`` takes (a Hub name's split defaults to
     ``test``); None: ``--task.eval-fraction`` of the training rows are held out instead."""
@@ -79,23 +94,38 @@ class TaskSection:
 
 @dataclass
 class TaskConfig(RLConfig):
-    """RL on your own task: a dataset, a scorer and optionally tools, each given by reference."""
+    """RL on your own task, each piece given by reference: the rows (``--task.dataset`` data.jsonl,
+    a Parquet / Arrow / CSV file or a Hugging Face dataset ``name[:config][@split]``), the reward
+    (``--reward.funcs my_task:f,my_task:g`` TRL-style functions ``f(completions, **columns)``,
+    weighted by ``--reward.weights``; or ``--reward.scorer my_task:score``, ``(completion,
+    reference) -> float``; or ``--reward.trajectory-scorer my_task:fn``, ``(trajectory, problem)
+    -> float``), optionally tools (``--env.tools my_task:fn``) or an environment (``--env.name
+    my_task:Class``), and a KL penalty to the initial policy (``--ref.kl-coef``). Run it from the
+    directory holding my_task.py: ``torchrun --standalone --nproc-per-node 1 -m recipes.task
+    --run.schedule colocated --task.dataset data.jsonl --reward.scorer my_task:score``."""
 
     task: TaskSection = field(default_factory=TaskSection)
+    ref: RefConfig = field(default_factory=lambda: RefConfig(kl_coef=0.0, num_ranks=0))
+    """The KL penalty to the initial policy: off while ``--ref.kl-coef`` is 0 (here, unlike
+    recipes.ref_kl, 0 means no reference stage); on the trainer's ranks unless ``--ref.num-ranks N``."""
     generator: GeneratorConfig = field(default_factory=lambda: GeneratorConfig(
         num_prompts_per_step=16, samples_per_prompt=4, max_new_tokens=64, temperature=0.8, dtype="bfloat16",
         num_threads=1))
-    trainer: TrainerConfig = field(default_factory=lambda: TrainerConfig(lr=1.5e-5, param_dtype="bfloat16",
+    trainer: TrainerConfig = field(default_factory=lambda: TrainerConfig(full_lr=1.5e-5, param_dtype="bfloat16",
                                                                           num_threads=2))
     run: RunConfig = field(default_factory=lambda: RunConfig(max_steps=30, num_eval_problems=64))
 
 
 def make_prompt_fn(system: str | None):
     """``prompt_fn(tokenizer, question)``: the question as the user turn of the chat template, after
-    ``system`` (``build_chat_prompt``; with ``--env.tools`` the generator adds the tools' schemas to
-    that template call: llamarl/environments/function_tools.py)."""
+    ``system`` (``build_chat_prompt``), or a conversation's messages (``conversation_of``) through
+    the template, after ``system`` unless they open with their own (with ``--env.tools`` the
+    generator adds the tools' schemas to that template call: llamarl/environments/function_tools.py)."""
 
     def prompt_fn(tokenizer, question: str) -> list[int]:
+        messages = conversation_of(question)
+        if messages is not None:
+            return build_conversation_prompt(tokenizer, messages, system=system)
         return build_chat_prompt(tokenizer, question, system=system)
     return prompt_fn
 
@@ -105,16 +135,18 @@ def load_task(config: TaskConfig) -> tuple[ListTask, list[Problem]]:
     (the scorers, the tools' functions, the dataset and its fields); ValueError (one line naming the
     flag) otherwise. Sets ``--run.num-eval-problems`` to the held-out count when there are fewer."""
     task, run = config.task, config.run
-    if config.reward.scorer is None and config.reward.trajectory_scorer is None:
-        raise ValueError("recipes.task needs a reward: --reward.scorer module:function, (completion, reference) "
-                         "-> float, or --reward.trajectory-scorer module:function, (trajectory, problem) -> float")
+    if config.reward.scorer is None and config.reward.trajectory_scorer is None and config.reward.funcs is None:
+        raise ValueError("recipes.task needs a reward: --reward.funcs module:f,module:g (TRL's f(completions, "
+                         "**kwargs)), --reward.scorer module:function, (completion, reference) -> float, or "
+                         "--reward.trajectory-scorer module:function, (trajectory, problem) -> float")
     check_scorers(config.reward)
     if task.dataset is None:
         raise ValueError("recipes.task needs --task.dataset: a JSONL / Parquet / Arrow file or a Hugging Face "
                          "dataset name[:config][@split]")
     if task.prompt_template is not None:
         template_fields(task.prompt_template, FLAGS["prompt_template"])
-    fields = {"prompt_field": task.prompt_field, "answer_field": task.answer_field, "prompt_template": task.prompt_template}
+    fields = {"prompt_field": task.prompt_field, "answer_field": task.answer_field, "prompt_template": task.prompt_template,
+              "system_field": task.system_field}
     problems = rows_to_problems(load_rows(task.dataset, flag=FLAGS["dataset"]), flags=FLAGS, **fields)
     if task.eval_dataset is not None:
         train = problems
@@ -137,8 +169,13 @@ def load_task(config: TaskConfig) -> tuple[ListTask, list[Problem]]:
 def main(config: TaskConfig) -> dict | None:
     task, heldout = load_task(config)
     prompt_fn = make_prompt_fn(config.task.system_prompt)
-    # No scorer of the recipe's own: --reward.scorer or --reward.trajectory-scorer replaces it.
-    return run_rl(config, recipe="task", task=task, heldout=heldout, score=None, scorer=None, prompt_fn=prompt_fn)
+    if config.ref.kl_coef == 0:
+        # No scorer of the recipe's own: --reward.funcs, --reward.scorer or --reward.trajectory-scorer replaces it.
+        return run_rl(config, recipe="task", task=task, heldout=heldout, score=None, scorer=None, prompt_fn=prompt_fn)
+    validate_config(config)
+    check_ref_kl(config)
+    return run_pipeline(ref_kl_pipeline(config, task=task, scorer=None, prompt_fn=prompt_fn), config, recipe="task",
+                        heldout=heldout, score=evaluation_score(config, None), dataset=lambda: dataset_fingerprint(task))
 
 
 if __name__ == "__main__":

@@ -123,7 +123,8 @@ def test_torchruns_sigterm_during_a_failure_report_waits_for_the_silent_peer_to_
     ctx = SimpleNamespace(ranks={"a": [0], "b": [1]}, executor="a", rank=0, local_rank=0)
     controller = ExecutorController(ctx, object(), [], max_steps=1, executor_order=["a", "b"])
     controller.step_index, controller.phase = 3, "metrics all-reduce (on_tick)"
-    controller.heartbeat = SimpleNamespace(executor_of={0: "a", 1: "b"}, silent_peers=silent_peers)
+    controller.heartbeat = SimpleNamespace(executor_of={0: "a", 1: "b"}, silent_peers=silent_peers,
+                                           claim_failure=lambda: True)  # the job's first failure
     monkeypatch.setattr(os, "_exit", fake_exit)
     previous = signal.signal(signal.SIGTERM, controller._on_sigterm)
     try:

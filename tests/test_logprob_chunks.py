@@ -147,6 +147,81 @@ def test_the_fused_function_matches_autograd_on_its_formula():
             torch.testing.assert_close(g.double(), expected, rtol=1e-4, atol=1e-5)
 
 
+def test_the_entropy_bonus_gradient_matches_autograd_on_its_formula():
+    """``entropy_grad`` (``--algo.entropy-coef``): the gradient of ``sum_n g_n logp_n + k_n H_n`` through
+    ``HeadLogprobs`` (chunks of 1, 4 and all 11 rows: the kept log-probabilities) equals autograd's on
+    ``H = -sum_v p_v log p_v`` written out; without ``entropy_grad`` the entropy has no gradient."""
+    gen = torch.Generator().manual_seed(1)
+    hidden = torch.randn(11, 8, generator=gen, dtype=torch.float64, requires_grad=True)
+    weight = torch.randn(13, 8, generator=gen, dtype=torch.float64, requires_grad=True)
+    bias = torch.randn(13, generator=gen, dtype=torch.float64, requires_grad=True)
+    targets = torch.randint(0, 13, (11,), generator=gen)
+    g, k = torch.randn(11, generator=gen, dtype=torch.float64), torch.randn(11, generator=gen, dtype=torch.float64)
+    log_probs = torch.log_softmax((hidden @ weight.t() + bias) / 0.7, dim=-1)
+    logp = log_probs.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
+    entropy = -(log_probs.exp() * log_probs).sum(-1)
+    want = torch.autograd.grad((logp * g + entropy * k).sum(), (hidden, weight, bias), retain_graph=True)
+    without_bonus = torch.autograd.grad((logp * g).sum(), (hidden, weight, bias))
+    assert max((a - b).abs().max().item() for a, b in zip(want, without_bonus)) > 1e-2  # the bonus matters
+    for chunk in (1, 4, 11):
+        h, w, b = (t.detach().float().requires_grad_() for t in (hidden, weight, bias))
+        got_logp, got_entropy = HeadLogprobs.apply(h, w, b, targets, 0.7, chunk, True, True)
+        assert got_entropy.requires_grad
+        got = torch.autograd.grad((got_logp * g.float() + got_entropy * k.float()).sum(), (h, w, b))
+        for name, value, expected in zip("hwb", got, want):
+            torch.testing.assert_close(value.double(), expected, rtol=1e-4, atol=1e-5, msg=f"{name}, chunk {chunk}")
+    _, plain = HeadLogprobs.apply(h, w, b, targets, 0.7, 4, True, False)
+    assert not plain.requires_grad
+
+
+@pytest.mark.parametrize(("shared", "chunk_tokens", "family"),
+                         [(False, 0, "llama"), (False, 3, "llama"), (True, 10_000, "llama"), (True, 0, "llama"),
+                          (False, 3, "gemma2")])
+def test_a_differentiable_entropy_has_the_whole_logits_gradient_on_every_path(shared, chunk_tokens, family):
+    """The entropy each log-prob path appends to ``entropy_out`` with ``entropy_grad``: the whole
+    logits' (by autograd) through the fused head, the soft-capped chunks (Gemma 2) and shared prompts."""
+    if family == "gemma2":
+        from model_families import build_family
+
+        model = build_family("gemma2")
+        model.config.final_logit_softcapping = 0.5
+    else:
+        model = build_tiny_llama(seed=0)
+    batch = _batch()
+    ids, attention, mask, start, _ = microbatch_inputs(batch, list(range(len(batch))), device="cpu")
+
+    def entropy_grads(chunk: int, grad: bool):
+        out: list = []
+        if shared:
+            shared_prefix_logprobs(model, ids, attention, mask, temperature=TEMPERATURE, chunk_tokens=chunk,
+                                   entropy_out=out, entropy_grad=grad)
+        else:
+            completion_logprobs(model, ids, attention, start=start, temperature=TEMPERATURE, chunk_tokens=chunk,
+                                entropy_out=out, entropy_grad=grad)
+        entropy = out[0] * mask
+        if not grad:
+            return entropy, None
+        model.zero_grad()
+        (entropy * torch.linspace(-1.0, 1.0, entropy.numel()).reshape(entropy.shape)).sum().backward()
+        return entropy, {name: p.grad.clone() for name, p in model.named_parameters() if p.grad is not None}
+
+    # The reference: the whole logits' entropy, written out (no chunking, no sharing).
+    out: list = []
+    completion_logprobs(model, ids, attention, start=start, temperature=TEMPERATURE, chunk_tokens=0,
+                        entropy_out=out, entropy_grad=True)
+    reference = out[0] * mask
+    model.zero_grad()
+    (reference * torch.linspace(-1.0, 1.0, reference.numel()).reshape(reference.shape)).sum().backward()
+    expected = {name: p.grad.clone() for name, p in model.named_parameters() if p.grad is not None}
+    values, got = entropy_grads(chunk_tokens, True)
+    torch.testing.assert_close(values, reference, rtol=1e-5, atol=1e-5)
+    largest = max(g.abs().max().item() for g in expected.values())
+    assert largest > 1e-3 and sorted(got) == sorted(expected)
+    for name, value in expected.items():
+        torch.testing.assert_close(got[name], value, rtol=1e-4, atol=1e-5 * largest, msg=name)
+    assert not entropy_grads(chunk_tokens, False)[0].requires_grad
+
+
 def test_soft_capped_heads_are_capped_inside_the_chunks():
     """Gemma 2's ``final_logit_softcapping``: the chunked path applies ``c tanh(z / c)`` itself (the
     model's own cap off for the call, back after) and gives the whole logits' values and gradients."""

@@ -67,7 +67,9 @@ def test_four_stage_toy_pipeline_runs_through_the_library_entry_point(tmp_path):
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["pipeline"] == "toy" and summary["base_accuracy"] == summary["final_accuracy"] == 0.5
     # Rank 0's one progress line per tick carries every stage's headline numbers.
-    lines = [line for line in proc.stdout.splitlines() if "[  3/3]" in line]
+    # Tick 2 is the files' "step": 2, after which 3 of 3 ticks are done.
+    assert [r["step"] for r in audit] == [0, 1, 2]
+    lines = [line for line in proc.stdout.splitlines() if "tick 2 (3/3 done, " in line and " s/tick, ~0 s left)" in line]
     assert lines and "source/emitted=4" in lines[0] and "audit/audited_total=276" in lines[0] \
         and "sink/received=4" in lines[0], proc.stdout[-2000:]
     assert (run_dir / "timeline.png").is_file()

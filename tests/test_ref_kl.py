@@ -138,7 +138,7 @@ def test_kl_falls_as_its_coefficient_rises(tmp_path, model_dir):
 
 
 def test_config_and_schedule_are_checked():
-    for kwargs, message in [({"num_ranks": 0}, "--ref.num-ranks"), ({"kl_coef": -0.1}, "--ref.kl-coef"),
+    for kwargs, message in [({"num_ranks": -1}, "--ref.num-ranks"), ({"kl_coef": -0.1}, "--ref.kl-coef"),
                             ({"kl_coef": float("nan")}, "--ref.kl-coef"), ({"kl_estimator": "k4"}, "--ref.kl-estimator"),
                             ({"max_tokens_per_microbatch": 0}, "--ref.max-tokens-per-microbatch"),
                             ({"num_threads": 0}, "--ref.num-threads")]:

@@ -29,7 +29,10 @@ def run(model_dir, out, *extra, expect_ok=True):
         "--run.num-eval-problems", "4", "--run.output-dir", str(out), "--generator.num-prompts-per-step", "2",
         "--reward.num-workers", "0", "--generator.token-budget", "5", "--trainer.lr", "1e-3",
         "--checkpoint.every", "1", "--checkpoint.keep", "0", "--run.eval-every", "1", "--export.every", "1",
-        "--run.device-guard", "--trainer.num-threads", "1", *extra])  # one thread, as every test process
+        "--run.device-guard", "--trainer.num-threads", "1",  # one thread, as every test process
+        # A schedule the resume must continue (1e-3 x 0.5, 1, 1 at versions 0, 1, 2; a restart would
+        # warm up again): test_a_resumed_run_continues_the_lr_schedule.
+        "--trainer.lr-schedule", "linear", "--trainer.warmup-steps", "2", "--trainer.lr-decay-steps", "4", *extra])
     if expect_ok:
         check(proc)
     return proc
@@ -81,6 +84,19 @@ def test_resume_from_an_older_checkpoint_archives_the_abandoned_timeline(finishe
     latest = json.loads((out / "checkpoints" / "step_3" / "runner_state.json").read_text())
     assert latest["resumed_from_step"] == [1]
     assert sorted(p.name for p in (out / "hf").iterdir()) == ["final", "step_1", "step_2", "step_3"]
+
+
+def test_a_resumed_run_continues_the_lr_schedule(finished, resumed_at_one):
+    """The learning rate is a pure function of the trainer's version, which the checkpoint holds:
+    the resumed ticks run at the uninterrupted run's rates (warm-up 2, linear decay to 0 at 4)."""
+    def rates(out):
+        records = [json.loads(line) for line in (out / "metrics" / "trainer.jsonl").read_text().splitlines()]
+        return {r["step"]: (r["version"], r["lr"]) for r in records if "lr" in r}
+
+    straight, got = rates(finished), rates(resumed_at_one[0])
+    hand = {1: 0.5e-3, 2: 1e-3, 3: 1e-3}  # by the version after the step: warm-up (1/2, 2/2), then p = 0
+    assert straight and all(lr == pytest.approx(hand[v]) for v, lr in straight.values()), straight
+    assert got == straight
 
 
 def test_summary_after_a_resume_describes_the_whole_run(finished, resumed_at_one):

@@ -80,9 +80,12 @@ def test_broken_tools_samples_and_no_evaluation(tmp_path, model_dir):
     assert sum(calls) > 0 and [r["env_tool_errors"] for r in generator] == calls, generator
     assert [r["env_tool_calls_total"] for r in generator] == [sum(calls[: i + 1]) for i in range(len(calls))]
     assert [r["env_tool_errors_total"] for r in generator] == [r["env_tool_calls_total"] for r in generator]
-    ticked = [line for line in output.splitlines() if "[  2/2]" in line and "tool_err=" in line]
+    ticked = [line for line in output.splitlines() if "tick 1 (2/2 done" in line and "tool_err=" in line]
     assert ticked and f"generator/tool_err={calls[1]:.4g}/{calls[1]:.4g}" in ticked[0], output[-3000:]
     assert output.count("every tool call failed") == 1, output[-3000:]
+    # Each evaluation draws its tqdm bar (rank 0, stderr), finished: the base and the final policy's.
+    bars = [part for part in proc.stderr.replace("\r", "\n").splitlines() if part.startswith("eval of weights")]
+    assert any(b.startswith("eval of weights version 0: 100%") and "2/2 [" in b for b in bars), proc.stderr[-3000:]
 
     samples = read_jsonl(broken / "samples.jsonl")
     assert [s["step"] for s in samples] == [0, 0, 0, 1, 1, 1], samples

@@ -173,7 +173,7 @@ def test_good_references_pass_and_both_at_once_is_refused(user_module):
     check_scorers(RewardConfig(scorer="gsm8k"))
     check_scorers(RewardConfig(trajectory_scorer="user_scorers:by_trajectory"))
     check_scorers(RewardConfig(trajectory_scorer="env"))
-    with pytest.raises(ValueError, match="both replace the recipe's scorer: set one"):
+    with pytest.raises(ValueError, match="each replace the recipe's scorer: set one"):
         RewardConfig(scorer="gsm8k", trajectory_scorer="env")
 
 
@@ -296,7 +296,8 @@ def test_a_task_in_one_file_outside_the_repository_trains(tmp_path, model_dir):
     (("my_task:score", "my_tsk:score"), ("--reward.scorer my_tsk:score: no module named 'my_tsk' (run from the "
                                         "directory that holds it, or put that directory on PYTHONPATH)")),
     (("my_task:score", "my_task:scor"), ("--reward.scorer my_task:scor: {dir}/my_task.py has no 'scor' (it "
-                                        "defines: answered_after_the_tool, convert, score, write_dataset)")),
+                                        "defines: ConvertEnv, answered_after_the_tool, brief, convert, correct, score, write_chat_dataset, "
+                                        "write_dataset)")),
     (("data.jsonl", "dta.jsonl"), "--task.dataset dta.jsonl: no such file"),
     (("{value}", "{amount}"), ("--task.prompt-template 'How many {{to_unit}} is {{amount}} {{from_unit}}?': no row "
                               "of data.jsonl has a field 'amount' (its fields: answer, from_unit, question, to_unit, value)")),
@@ -341,3 +342,68 @@ def test_the_docs_tool_task_runs_as_written(units, qwen_dir):
     config = json.loads((out / "config.json").read_text())
     assert config["env"]["tools"] == "my_task:convert"
     assert config["reward"]["trajectory_scorer"] == "my_task:answered_after_the_tool"
+
+
+def test_the_docs_trl_reward_functions_and_conversational_rows_run_as_written(units, model_dir):
+    """The doc's conversational command (``--reward.funcs`` weighted, ``--ref.kl-coef``, a cosine
+    schedule) from the task's directory on the tiny model: the rows go through as messages, each
+    function is called with the rows' columns and logged, the KL stage shapes the rewards."""
+    ok(run_user_command(doc_command("write_chat_dataset"), units, timeout=60))
+    out = units / "chat-run"
+    ok(run_user_command(doc_command("--reward.funcs"), units, "--model.name", str(model_dir), "--run.output-dir",
+                        str(out), *TINY))
+    reward = read_jsonl(out / "metrics" / "reward.jsonl")
+    assert len(reward) == 2 and all(r["reward_errors"] == 0 and r["reward_samples"] == 8 for r in reward), reward
+    for r in reward:  # the weighted sum of the two functions' means (every sample gets a value from each)
+        assert r["reward_fn_correct"] + 0.2 * r["reward_fn_brief"] == pytest.approx(r["reward_mean"])
+    ref = read_jsonl(out / "metrics" / "ref.jsonl")
+    assert len(ref) == 2 and all("kl_mean" in r and r["ref_samples"] == 8 for r in ref), ref
+    trainer = [r for r in read_jsonl(out / "metrics" / "trainer.jsonl") if "lr" in r]
+    assert trainer and all(r["lr"] == pytest.approx(1.5e-5 * r["version"] / 2) for r in trainer), trainer  # the 2 warm-up steps
+    evaluated = read_jsonl(out / "eval_final.jsonl")
+    assert json.loads(evaluated[0]["question"])[0]["role"] == "system", evaluated[0]
+
+
+def test_the_docs_environment_class_for_the_default_model(units, monkeypatch):
+    """``ConvertEnv`` as the doc writes it: each stop text one token of SmolLM2's tokenizer, the
+    turns the doc shows ending on one of them, ``step`` answering a call and ending a non-call."""
+    from llamarl.models.loading import resolve_source
+
+    monkeypatch.syspath_prepend(str(units))
+    sys.modules.pop("my_task", None)
+    import my_task
+    from transformers import AutoTokenizer
+
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(resolve_source("smollm2-135m-instruct"))
+    except (OSError, ValueError) as exc:  # the default model is not converted on this machine
+        pytest.skip(f"SmolLM2's tokenizer is not available here: {exc}")
+    env = my_task.ConvertEnv()
+    stops = [tokenizer(text, add_special_tokens=False)["input_ids"] for text in env.stop_texts()]
+    assert all(len(ids) == 1 for ids in stops), stops
+    for turn in ("convert(3.5, m, cm)=", "convert(3.5, m, cm) ="):
+        assert tokenizer(turn, add_special_tokens=False)["input_ids"][-1] in {ids[0] for ids in stops}
+        answer = env.step(env.reset(None), turn)
+        assert (answer.observation, answer.done, answer.state) == (" 350.0", False, {"calls": 1})
+    no_call = env.step({"calls": 0}, "so 3 + 4 =")
+    assert (no_call.observation, no_call.done) == ("", True)
+    sys.modules.pop("my_task", None)
+
+
+def test_the_docs_trajectory_scorer_needs_an_answer_not_a_turn(units, monkeypatch):
+    """``num_turns`` counts a turn whose ``=`` was no call: the doc's scorer reads the observations."""
+    from llamarl.data.prompts import Problem
+    from llamarl.rewards.trajectory import Segment, Trajectory
+
+    monkeypatch.syspath_prepend(str(units))
+    sys.modules.pop("my_task", None)
+    import my_task
+
+    problem = Problem(question="How many cm is 3.5 m?", answer="350.0")
+    no_call = Trajectory([Segment("350.0 =", True), Segment("350.0", True)], num_turns=1)
+    failed = Trajectory([Segment("convert(3.5, m, xx) =", True), Segment("[tool error: KeyError]", False),
+                         Segment(" 350.0", True)], num_turns=1)
+    answered = Trajectory([Segment("convert(3.5, m, cm) =", True), Segment(" 350.0", False),
+                           Segment(" so 350.0 cm", True)], num_turns=1)
+    assert [my_task.answered_after_the_tool(t, problem) for t in (no_call, failed, answered)] == [0.0, 0.0, 1.0]
+    sys.modules.pop("my_task", None)

@@ -45,6 +45,7 @@ def setup(tmp_path_factory):
 # Every trainer world of this module, {name: (nproc, flags)}: one world per rank count runs them all
 # (``TrainerWorlds``), each job a fresh trainer on the same batch.
 FSDP_CASES = [(1, 4096), (2, 4096), (2, 12), (1, "rows3")]
+ENTROPY_COEF = 0.5
 LOSS_CASES = [(1, 4096), (2, 12)]
 JOBS = {
     **{f"out_{nproc}_{budget}_{loss}": (nproc, ["--budget", str(budget), "--loss", loss])
@@ -55,6 +56,9 @@ JOBS = {
                                           "--normalize-batch"]) for nproc, budget in LOSS_CASES},
     **{f"agg_{nproc}_{budget}_{agg}": (nproc, ["--budget", str(budget), "--loss", "decoupled_ppo", "--loss-agg", agg])
        for nproc, budget in LOSS_CASES for agg in ("seq-mean-token-mean", "seq-mean-token-sum-norm")},
+    **{f"ent_{nproc}_{budget}_{agg}": (nproc, ["--budget", str(budget), "--loss", "aipo", "--loss-agg", agg,
+                                               "--entropy-coef", str(ENTROPY_COEF)])
+       for nproc, budget in LOSS_CASES for agg in ("token-mean", "seq-mean-token-mean")},
 }
 
 
@@ -106,6 +110,24 @@ def test_loss_aggregations_match_their_formula_on_any_split_and_rank_count(setup
         assert any(not torch.allclose(expected_grads[n], token_mean_grads[n], rtol=1e-3) for n in expected_grads)
     assert assert_grads_close(got_grads, expected_grads) > 1e-3
     assert metrics["loss"] == pytest.approx(expected_loss, rel=1e-4, abs=1e-6)
+
+
+@pytest.mark.parametrize("loss_agg", ["token-mean", "seq-mean-token-mean"])
+@pytest.mark.parametrize(("nproc", "budget"), LOSS_CASES)
+def test_entropy_bonus_matches_its_formula_on_any_split_and_rank_count(setup, worlds, nproc, budget, loss_agg):
+    """``--algo.entropy-coef`` c: the gradient of ``loss - c * agg(H)`` over the whole batch, H the
+    entropy of every loss token (the zero-advantage groups' too: they are forwarded), aggregated as
+    ``--algo.loss-agg``; on one rank with one micro-batch and on two with micro-batches of 12 tokens."""
+    _, model_dir, batch = setup
+    metrics, _, got_grads = run_world(worlds, f"ent_{nproc}_{budget}_{loss_agg}")
+    expected_grads, expected_loss = reference_gradients(model_dir, batch, "aipo", loss_agg=loss_agg,
+                                                        entropy_coef=ENTROPY_COEF)
+    plain_grads, plain_loss = reference_gradients(model_dir, batch, "aipo", loss_agg=loss_agg)
+    assert expected_loss < plain_loss - 0.1  # the bonus is there, and large enough to matter
+    assert any(not torch.allclose(expected_grads[n], plain_grads[n], rtol=1e-2) for n in expected_grads)
+    assert assert_grads_close(got_grads, expected_grads) > 1e-3
+    assert metrics["loss"] == pytest.approx(expected_loss, rel=1e-4, abs=1e-6)
+    assert metrics["zero_advantage_samples"] == 4  # counted as before, but forwarded for their entropy
 
 
 @pytest.mark.parametrize(("nproc", "budget"), LOSS_CASES)

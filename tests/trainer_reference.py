@@ -104,6 +104,14 @@ def reference_logp(model, input_ids, lengths):
     return torch.nn.functional.pad(logp, (1, 0))
 
 
+def reference_entropy(model, input_ids, lengths):
+    """Full forward: the entropy -sum_v p_v log p_v of the distribution predicting x_t, at every t >= 1."""
+    attention = (torch.arange(input_ids.shape[1]) < lengths.unsqueeze(1)).long()
+    logits = model(input_ids=input_ids, attention_mask=attention).logits.float() / TEMPERATURE
+    log_probs = torch.log_softmax(logits[:, :-1], dim=-1)
+    return torch.nn.functional.pad(-(log_probs.exp() * log_probs).sum(-1), (1, 0))
+
+
 def grpo_advantages(batch) -> torch.Tensor:
     """GRPO over each group of samples (population std): one advantage per row."""
     adv = torch.zeros(len(batch["rewards"]))
@@ -144,8 +152,10 @@ def aggregated(per_token, mask, loss_agg, length=16):
     return sums[rows].sum() / (length * rows.sum())
 
 
-def reference_gradients(model_dir, batch, loss_name, *, normalize_batch=False, loss_agg="token-mean"):
-    """Clipped gradients of the paper-formula loss on the whole batch (one optimizer step), and the loss."""
+def reference_gradients(model_dir, batch, loss_name, *, normalize_batch=False, loss_agg="token-mean",
+                        entropy_coef=0.0):
+    """Clipped gradients of the paper-formula loss on the whole batch (one optimizer step), and the loss;
+    ``entropy_coef`` c: minus c times the entropy aggregated over every loss token as the loss is."""
     model, _ = load_causal_lm(str(model_dir))
     model.train()
     mask = batch["loss_mask"].float()
@@ -164,6 +174,9 @@ def reference_gradients(model_dir, batch, loss_name, *, normalize_batch=False, l
         prox = torch.where(d >= 1, logp.detach(), behav).detach()
         per_token = decoupled_ppo_per_token(logp, prox, behav, A)
     loss = aggregated(per_token, mask, loss_agg)
+    if entropy_coef:
+        loss = loss - entropy_coef * aggregated(reference_entropy(model, batch["input_ids"], batch["num_tokens"]),
+                                                mask, loss_agg)
     loss.backward()
     torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)
     return {n: p.grad.detach() for n, p in model.named_parameters()}, float(loss.detach())

@@ -37,7 +37,7 @@ import torch
 from torch import Tensor
 
 from llamarl.algorithms.advantages import check_groups
-from llamarl.algorithms.aggregation import Aggregation
+from llamarl.algorithms.aggregation import Aggregation, aggregate
 from llamarl.algorithms.prox import loglinear_prox_logp
 from llamarl.algorithms.registry import PolicyLoss, get_advantage, get_policy_loss
 from llamarl.batch import TensorBatch
@@ -127,26 +127,32 @@ def split_minibatches(batch: TensorBatch, group_ids: Sequence[int], k: int) -> l
 
 
 # ----- rows with signal -----
-def forwarded_rows(batch: TensorBatch) -> Tensor:
+def forwarded_rows(batch: TensorBatch, *, every_loss_row: bool = False) -> Tensor:
     """Indices of the rows the loss needs a forward for: some loss token and a non-zero advantage
-    (every built-in loss is proportional to A, so the others add exactly zero loss and gradient)."""
-    return ((batch["advantages"] != 0) & batch["loss_mask"].bool().any(dim=1)).nonzero().squeeze(1)
+    (every built-in loss is proportional to A, so the others add exactly zero loss and gradient).
+    ``every_loss_row`` (an entropy bonus, ``--algo.entropy-coef``: every loss token has a gradient):
+    every row with a loss token."""
+    has_tokens = batch["loss_mask"].bool().any(dim=1)
+    return (has_tokens if every_loss_row else (batch["advantages"] != 0) & has_tokens).nonzero().squeeze(1)
 
 
-def minibatch_counts(batch: TensorBatch, stats: dict[str, float]) -> tuple[TensorBatch, list[float]]:
+def minibatch_counts(batch: TensorBatch, stats: dict[str, float], *,
+                     every_loss_row: bool = False) -> tuple[TensorBatch, list[float]]:
     """This rank's rows to forward (``forwarded_rows``) and its counts, in ``MINIBATCH_COUNTS``
     order: loss tokens (forwarded or not: the global token mean's denominator), ``staleness_sum``,
     zero-advantage samples, rows forwarded, ``dropped_stale_samples`` (``stats`` from
     ``filter_stale``), samples with a loss token (the ``seq-mean`` aggregations' denominator). A zero-advantage row (its group all scored alike) adds exactly zero loss and
     gradient, so it is not forwarded, but its tokens still count in the token mean: the update is
     bit-for-bit the same. Rows the staleness filter masked have no loss token: not forwarded, and
-    not signal (else an AdamW step on a zero gradient could still happen)."""
+    not signal (else an AdamW step on a zero gradient could still happen). ``every_loss_row``
+    (``forwarded_rows``): every row with a loss token is forwarded and counts as signal, since the
+    entropy bonus gives each a gradient."""
     tokens = float(batch["loss_mask"].sum()) if len(batch) else 0.0
     zero_advantage = sequences = 0.0
     if len(batch):
         zero_advantage = float((batch["advantages"] == 0).sum())
         sequences = float(batch["loss_mask"].bool().any(dim=1).sum())
-        batch = batch.select(forwarded_rows(batch))
+        batch = batch.select(forwarded_rows(batch, every_loss_row=every_loss_row))
     return batch, [tokens, stats.get("staleness_sum", 0.0), zero_advantage, float(len(batch)),
                    stats.get("dropped_stale_samples", 0.0), sequences]
 
@@ -210,13 +216,24 @@ class PolicyUpdate:
         return Aggregation(mode, num_tokens=num_loss_tokens, num_seqs=counts["sequences"],
                            constant=float(self.algo.loss_agg_length or 1))
 
+    @property
+    def every_loss_row(self) -> bool:
+        """Whether every row with a loss token is forwarded: with an entropy bonus each has a gradient."""
+        return float(getattr(self.algo, "entropy_coef", 0.0)) != 0.0
+
     def loss_on(self, sub: TensorBatch, logp: Tensor, mask: Tensor, *, num_loss_tokens: float, version: int,
                 prox_version: int, timed: Callable[[Callable[[], Tensor]], Tensor] | None = None,
-                ) -> tuple[Tensor, dict]:
+                entropy: Tensor | None = None) -> tuple[Tensor, dict]:
         """The registered loss on one micro-batch: ``logp`` / ``mask`` ``[b, length]`` of the rows
         ``sub``, the weights at ``version``. A loss that needs the proximal policy gets
         ``sub['prox_logp']`` when the trainer recomputed it, else A-3PO's log-linear approximation
-        anchored at ``prox_version`` (run through ``timed``, the trainer's device timer, if given)."""
+        anchored at ``prox_version`` (run through ``timed``, the trainer's device timer, if given).
+
+        Entropy bonus (``--algo.entropy-coef`` c, verl's ``entropy_coeff``): with ``entropy``
+        ``[b, length]``, each token's ``H_t = -sum_v p_v log p_v`` (differentiable), the loss is
+        ``loss - c * agg(H)``, ``agg`` the ``--algo.loss-agg`` aggregation of the policy loss over the
+        same global counts (``token-mean``: ``sum_t H_t / N``), so it too is exact however the step
+        is split into micro-batches and ranks."""
         length = mask.shape[1]
         behav = sub["behav_logp"][:, :length].float()
         prox = None
@@ -228,8 +245,14 @@ class PolicyUpdate:
                     return loglinear_prox_logp(behav, logp, sub["versions"][:, :length], version,
                                                prox_version=prox_version, mask=mask)
                 prox = timed(interpolate) if timed is not None else interpolate()
-        return self.loss.fn(logp=logp, behav_logp=behav, prox_logp=prox, advantages=sub["advantages"], mask=mask,
-                            algo=self.algo, num_loss_tokens=self.aggregation(num_loss_tokens))
+        agg = self.aggregation(num_loss_tokens)
+        loss, metrics = self.loss.fn(logp=logp, behav_logp=behav, prox_logp=prox, advantages=sub["advantages"],
+                                     mask=mask, algo=self.algo, num_loss_tokens=agg)
+        if self.every_loss_row:
+            if entropy is None:
+                raise ValueError("--algo.entropy-coef: loss_on needs the micro-batch's entropy [b, length]")
+            loss = loss - float(self.algo.entropy_coef) * aggregate(entropy[:, :length].float(), mask.bool(), agg)
+        return loss, metrics
 
     def accumulate(self, sums: dict[str, float], maxes: dict[str, float], metrics: dict, loss: float,
                    num_tokens: float) -> None:

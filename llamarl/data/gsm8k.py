@@ -7,6 +7,7 @@ import logging
 from pathlib import Path
 
 from llamarl.data.prompts import Problem
+from llamarl.data.row_problems import RowProblems
 
 logger = logging.getLogger("llamarl.data")
 
@@ -21,14 +22,14 @@ def load_gsm8k_jsonl(path: str | Path) -> Problems:
     """Load GSM8K problems; ``Problem.answer`` is the full answer field (reasoning + ``#### N``).
 
     A missing file raises ValueError. Blank lines are ignored. A broken row (invalid UTF-8, not a
-    JSON object, a missing / non-string / empty ``question`` or ``answer``) is skipped with a warning
-    naming the file and 1-based line, and counted in ``num_skipped_rows`` of the result (the
+    JSON object, a missing / non-string / empty ``question`` or ``answer``) is skipped, warned about
+    once per kind of problem naming the file and its first 1-based lines (``RowProblems``), and counted in ``num_skipped_rows`` of the result (the
     generator reports it as ``data_skipped_rows``): one bad line never costs a run.
     """
     path = Path(path)
     if not path.is_file():
         raise ValueError(f"GSM8K file not found: {path}")
-    problems = Problems()
+    problems, skipped = Problems(), RowProblems(path)
     with path.open("rb") as lines:
         for number, raw in enumerate(lines, start=1):
             problem, reason = _parse(raw)
@@ -36,9 +37,10 @@ def load_gsm8k_jsonl(path: str | Path) -> Problems:
                 continue
             if problem is None:
                 problems.num_skipped_rows += 1
-                logger.warning("%s:%d: row skipped (%s)", path, number, reason)
+                skipped.add(number, reason.split(":")[0].split(" at byte")[0], reason)
                 continue
             problems.append(problem)
+    skipped.report()
     return problems
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import json
 from collections.abc import Mapping
 from typing import Any
 
@@ -20,6 +21,10 @@ class Problem:
 
     question: str
     answer: str
+    columns: dict = dataclasses.field(default_factory=dict, hash=False)
+    """The dataset row's other fields (``recipes/task.py``: every field but the prompt's), what TRL-style
+    reward functions get as keyword lists, per-sample scorers as keywords they name, trajectory
+    scorers and environments as ``problem.columns``; empty for the built-in tasks."""
 
 
 def _user_content(question: str, instruction_suffix: str) -> str:
@@ -38,6 +43,51 @@ def _as_token_ids(encoded: Any) -> list[int]:
     if len(encoded) == 1 and isinstance(encoded[0], (list, tuple)):
         encoded = list(encoded[0])
     return [int(token) for token in encoded]
+
+
+ROLES = ("system", "user", "assistant", "tool")
+
+
+def check_messages(messages, where: str) -> list[dict]:
+    """``messages`` as a conversation (a non-empty list of ``{"role", "content"}`` dicts, roles among
+    ``ROLES``, contents strings); ValueError of one line naming ``where`` otherwise."""
+    if not isinstance(messages, list) or not messages:
+        raise ValueError(f"{where}: a conversation is a non-empty list of {{'role', 'content'}} messages")
+    for i, message in enumerate(messages):
+        if not (isinstance(message, Mapping) and message.get("role") in ROLES
+                and isinstance(message.get("content"), str)):
+            raise ValueError(f"{where}: message {i} must be {{'role': one of {', '.join(ROLES)}, 'content': str}}, "
+                             f"got {message!r}"[:300])
+    return [{"role": m["role"], "content": m["content"]} for m in messages]
+
+
+def conversation_text(messages: list[dict]) -> str:
+    """A conversation as the ``Problem.question`` text that carries it (its JSON), read back by
+    ``conversation_of``."""
+    return json.dumps(messages, ensure_ascii=False)
+
+
+def conversation_of(question: str) -> list[dict] | None:
+    """The conversation a ``Problem.question`` carries (``conversation_text``), None for a plain
+    question."""
+    if not question.startswith('[{"role"'):
+        return None
+    try:
+        return check_messages(json.loads(question), "question")
+    except ValueError:  # also json.JSONDecodeError: a plain question that happens to start so
+        return None
+
+
+def build_conversation_prompt(tokenizer: Any, messages: list[dict], *, system: str | None = None) -> list[int]:
+    """Token ids of a conversation's prompt: ``messages`` (after a ``system`` turn, unless they open
+    with their own) through the chat template with ``add_generation_prompt=True``; without a
+    template, each message as ``"{role}: {content}"`` on its own line, then ``"assistant:"``."""
+    if system and messages[0]["role"] != "system":
+        messages = [{"role": "system", "content": system}, *messages]
+    if getattr(tokenizer, "chat_template", None):
+        return _as_token_ids(tokenizer.apply_chat_template(messages, tokenize=True, add_generation_prompt=True))
+    text = "".join(f"{m['role']}: {m['content']}\n" for m in messages) + "assistant:"
+    return _as_token_ids(tokenizer(text)["input_ids"])
 
 
 def build_chat_prompt(

@@ -3,12 +3,16 @@ Parquet / Arrow file (or a ``save_to_disk`` directory), or a Hugging Face datase
 
 ``load_rows(ref, flag=...)`` reads the rows; ``rows_to_problems`` turns each row into a ``Problem``
 whose ``question`` is the row's prompt text (its prompt field, or the prompt template formatted
-with the row's fields) and whose ``answer`` is the row's answer field as text (what the scorer gets
-as ``reference``). Every failure a user can cause is a ``ValueError`` of one line naming the flag:
+with the row's fields), or, for a prompt field holding chat messages (TRL's conversational format)
+or a row with its own system turn, the conversation as JSON (``conversation_of`` reads it back);
+whose ``answer`` is the row's answer field as text (what the scorer gets as ``reference``); and
+whose ``columns`` are the row's other fields (what reward functions, trajectory scorers and
+environments get of the row). Every failure a user can cause is a ``ValueError`` of one line naming the flag:
 a missing file, a Hub dataset that cannot be loaded, a field that no row has, a template naming a
 field the rows lack. A row that lacks a field other rows have, or a JSONL line that is not a JSON
-object, is skipped with a warning and counted (``num_skipped_rows``, reported by the generator as
-``data_skipped_rows``), as the GSM8K loader does.
+object, is skipped and counted (``num_skipped_rows``, reported by the generator as
+``data_skipped_rows``), as the GSM8K loader does, with one warning line per kind of problem
+(``llamarl/data/row_problems.py``: the count and the first three row numbers).
 
 A Hub reference is ``name[:config][@split]`` (``openai/gsm8k:main@test``); the split defaults to
 the caller's (``train`` for training, ``test`` for evaluation). JSONL needs nothing beyond the
@@ -24,7 +28,8 @@ import string
 from pathlib import Path
 
 from llamarl.data.gsm8k import Problems
-from llamarl.data.prompts import Problem
+from llamarl.data.prompts import Problem, check_messages, conversation_text
+from llamarl.data.row_problems import RowProblems
 
 logger = logging.getLogger("llamarl.data")
 
@@ -64,27 +69,28 @@ def _import_datasets(flag: str, ref: str):
 
 
 def _read_jsonl(path: Path, flag: str) -> Rows:
-    rows = Rows()
+    rows, skipped = Rows(), RowProblems(path)
     with path.open("rb") as lines:
         for number, raw in enumerate(lines, start=1):
             try:
                 line = raw.decode("utf-8")
             except UnicodeDecodeError as exc:
-                reason = f"invalid UTF-8 at byte {exc.start}"
+                kind, reason = "invalid UTF-8", f"invalid UTF-8 at byte {exc.start}"
             else:
                 if not line.strip():
                     continue
                 try:
                     row = json.loads(line)
                 except json.JSONDecodeError as exc:
-                    reason = f"invalid JSON: {exc.msg}"
+                    kind, reason = "invalid JSON", f"invalid JSON: {exc.msg}"
                 else:
                     if isinstance(row, dict):
                         rows.append(row)
                         continue
-                    reason = "not a JSON object"
+                    kind = reason = "not a JSON object"
             rows.num_skipped_rows += 1
-            logger.warning("%s:%d: row skipped (%s)", path, number, reason)
+            skipped.add(number, kind, reason)
+    skipped.report()
     if not rows and rows.num_skipped_rows:
         raise ValueError(f"{flag} {path}: no line is a JSON object (one object a line, JSONL)")
     return rows
@@ -177,11 +183,40 @@ def as_text(value) -> str:
     return value if isinstance(value, str) else json.dumps(value, ensure_ascii=False)
 
 
+def row_columns(row: dict, *, prompt_field: str) -> dict:
+    """The row's fields but the prompt's, as JSON values (what crosses the channels to the scorers;
+    a value JSON cannot hold, e.g. a date, as its text)."""
+    return json.loads(json.dumps({k: v for k, v in row.items() if k != prompt_field}, default=str))
+
+
+def row_prompt(row: dict, *, prompt_field: str, system_field: str | None, where: str) -> str | None:
+    """The row's prompt field as a ``Problem.question``: text as it is, a list of messages as the
+    conversation's text (``conversation_text``), after the row's ``system_field`` turn if it has one;
+    None when the row needs the prompt template instead (``prompt_field`` None)."""
+    system = row.get(system_field) if system_field else None
+    if system is not None and not isinstance(system, str):
+        raise ValueError(f"{where}: the system field {system_field!r} must be text, got {type(system).__name__}")
+    prompt = row[prompt_field]
+    if isinstance(prompt, list):
+        messages = check_messages(prompt, where)
+    elif system:
+        messages = [{"role": "user", "content": as_text(prompt)}]
+    else:
+        return as_text(prompt)
+    if system and messages[0]["role"] != "system":
+        messages = [{"role": "system", "content": system}, *messages]
+    return conversation_text(messages)
+
+
 def rows_to_problems(rows: Rows, *, prompt_field: str, answer_field: str, prompt_template: str | None,
-                     flags: dict[str, str]) -> Problems:
-    """``Problem(question=prompt text, answer=answer text)`` per row (module docstring). ``flags``
-    maps ``prompt_field`` / ``answer_field`` / ``prompt_template`` / ``dataset`` to the flag names
-    used in messages. ValueError (one line) when no row has a needed field."""
+                     flags: dict[str, str], system_field: str | None = None) -> Problems:
+    """``Problem(question=prompt text, answer=answer text, columns=the row's other fields)`` per row
+    (module docstring). A prompt field holding a list of messages (``{"role", "content"}``) is a
+    conversation, carried as its JSON (``llamarl.data.prompts.conversation_of`` reads it back); a
+    row with a ``system_field`` text becomes a conversation opening with that system turn.
+    ``flags`` maps ``prompt_field`` / ``answer_field`` / ``prompt_template`` / ``dataset`` to the
+    flag names used in messages. ValueError (one line) when no row has a needed field, or for a
+    malformed conversation."""
     needed = {answer_field: f"{flags['answer_field']} {answer_field}"}
     if prompt_template is None:
         needed[prompt_field] = f"{flags['prompt_field']} {prompt_field}"
@@ -194,21 +229,28 @@ def rows_to_problems(rows: Rows, *, prompt_field: str, answer_field: str, prompt
             raise ValueError(f"{where}: no row of {rows.source} has a field {name!r} (its fields: {', '.join(fields)})")
     problems = Problems()
     problems.num_skipped_rows = rows.num_skipped_rows
+    skipped = RowProblems(rows.source)
     for index, row in enumerate(rows):
         missing = [name for name in needed if row.get(name) is None]
         if missing:
             problems.num_skipped_rows += 1
-            logger.warning("%s: row %d skipped (no %s)", rows.source, index + 1, ", ".join(map(repr, missing)))
+            skipped.add(index + 1, "no " + ", ".join(map(repr, missing)))
             continue
         if prompt_template is None:
-            question = as_text(row[prompt_field])
+            question = row_prompt(row, prompt_field=prompt_field, system_field=system_field,
+                                  where=f"{flags['prompt_field']} {prompt_field}: row {index + 1} of {rows.source}")
         else:
             try:
                 question = prompt_template.format_map({key: _Formatted(value) for key, value in row.items()})
             except (KeyError, IndexError, AttributeError, ValueError, TypeError) as exc:
                 raise ValueError(f"{flags['prompt_template']} {prompt_template!r}: row {index + 1} of {rows.source}: "
                                  f"{type(exc).__name__}: {exc}") from None
-        problems.append(Problem(question=question, answer=as_text(row[answer_field])))
+            system = row.get(system_field) if system_field else None
+            if isinstance(system, str) and system:
+                question = conversation_text([{"role": "system", "content": system}, {"role": "user", "content": question}])
+        problems.append(Problem(question=question, answer=as_text(row[answer_field]),
+                                columns=row_columns(row, prompt_field=prompt_field if prompt_template is None else "")))
+    skipped.report()
     if not problems:
         raise ValueError(f"{flags['dataset']}: every row of {rows.source} was skipped (see the warnings)")
     return problems

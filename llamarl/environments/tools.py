@@ -48,7 +48,10 @@ def _alarm(signum, frame) -> None:
 
 def _worker_main(conn: Connection, name: str) -> None:
     environment = build_environment(name)
-    conn.send_bytes(b"ready")
+    try:
+        conn.send_bytes(b"ready")
+    except OSError:  # the parent ended (failed) while this worker started: its own line says why
+        return
     while True:
         try:
             message = json.loads(conn.recv_bytes())

@@ -69,6 +69,7 @@ from llamarl.environments.function_tools import presenting_tools
 from llamarl.environments.tools import ToolRunner, TurnShare
 from llamarl.evaluation import score_samples
 from llamarl.executor import Executor
+from llamarl.executors.dynamic_sampling import DYNAMIC_SAMPLING_METRICS, DynamicSampling, Group, agree_counts
 from llamarl.metrics import MetricSpec
 from llamarl.models.loading import load_causal_lm, load_causal_lm_layout, stop_token_ids
 from llamarl.models.lora import LoraSpec
@@ -90,10 +91,11 @@ PromptFn = Callable[[object, str], list[int]]
 
 def completions_to_batch(completions: list[Completion], *, group_ids: list[int], references: list[str],
                          texts: list[str], pad_token_id: int, group_size: int, questions: list[str] | None = None,
-                         trajectories: list[str] | None = None) -> TensorBatch:
+                         trajectories: list[str] | None = None, columns: list[str] | None = None) -> TensorBatch:
     """Pack finished completions into the rollout TensorBatch described in the module docstring
     (``questions`` and ``trajectories``, ``Trajectory.to_json`` texts, are the optional strings a
-    trajectory scorer reads).
+    trajectory scorer reads; ``columns``, each problem's ``Problem.columns`` as JSON, what
+    ``--reward.funcs`` and trajectory scorers get of the dataset row).
 
     Built on the host (from Python lists, explicitly): channels stage it on their backend's device and
     consumers move it to their own ``ctx.device``.
@@ -128,6 +130,8 @@ def completions_to_batch(completions: list[Completion], *, group_ids: list[int],
         batch.set_strings("question", questions)
     if trajectories is not None:
         batch.set_strings("trajectory", trajectories)
+    if columns is not None:
+        batch.set_strings("columns", columns)
     return batch
 
 
@@ -151,6 +155,7 @@ GENERATOR_METRICS = {
     "gen_data_position": MetricSpec("data", "max"),
     "gen_skipped_prompts": MetricSpec("data", "sum"),
     "data_skipped_rows": MetricSpec("data", "max"),
+    **DYNAMIC_SAMPLING_METRICS,
 }
 """The generator's metrics and their reduction over its ranks: work and counters add up over the
 data-parallel replicas (TP peers do not report them, see ``_PER_REPLICA``); the data position and
@@ -159,7 +164,8 @@ timeouts, emitted episodes with an observation, turns per emitted episode) excep
 ``env_tool_*_total`` counters, cumulative over the run (a resumed run continues them)."""
 _PER_REPLICA = ("gen_new_tokens", "gen_tokens_per_s", "gen_carried", "gen_restarted_stale", "gen_skipped_prompts",
                 "env_tool_calls", "env_tool_errors", "env_tool_timeouts",
-                "env_tool_calls_total", "env_tool_errors_total", "env_tool_timeouts_total")
+                "env_tool_calls_total", "env_tool_errors_total", "env_tool_timeouts_total",
+                "dynamic_sampling_kept", "dynamic_sampling_dropped")
 
 
 class GeneratorExecutor(Executor):
@@ -176,7 +182,8 @@ class GeneratorExecutor(Executor):
     def __init__(self, ctx, *, model_config: ModelConfig, config: GeneratorConfig, task: Task,
                  prompt_fn: PromptFn, output_name: str = "rollouts", seed: int = 0,
                  max_sequence_tokens: int | None = None, algo: AlgoConfig | None = None,
-                 expected_lag: int = 1, env: EnvConfig | None = None, lora: LoraSpec | None = None) -> None:
+                 expected_lag: int = 1, env: EnvConfig | None = None, lora: LoraSpec | None = None,
+                 dynamic: DynamicSampling | None = None) -> None:
         """``algo``: its ``max_staleness`` / ``stale_policy`` (None: no staleness control here).
         ``env``: with a ``name``, every sample is an episode of that environment
         (llamarl/environments/episodes.py); None or no name: one completion per sample.
@@ -186,7 +193,9 @@ class GeneratorExecutor(Executor):
         optimizer step that trains it, at most: the schedule's lag in ticks (async 2 or 1, sync and
         colocated 0) with ``--trainer.num-minibatches`` 1; with k minibatches, lag * k + k - 1
         (the last minibatch of the batch). An under-estimate leaves the trainer stale samples to
-        drop (counted there); ValueError when ``wait``'s eta is below it (no sample could be kept)."""
+        drop (counted there); ValueError when ``wait``'s eta is below it (no sample could be kept).
+        ``dynamic``: dynamic sampling with refill (``--algo.max-refill``,
+        ``llamarl/executors/dynamic_sampling.py``): groups whose rewards tie are dropped and refilled."""
         super().__init__(ctx)
         if expected_lag < 0:
             raise ValueError(f"expected_lag must be >= 0, got {expected_lag}")
@@ -215,6 +224,8 @@ class GeneratorExecutor(Executor):
         self.skipped_prompts = 0
         self.lora = lora
         self.merger: AdapterMerger | None = None
+        self.dynamic = dynamic
+        self._new_tokens = 0  # this tick's sampled tokens, over its rounds (``_sample``)
 
     def _tp_first_rank(self):
         """(this rank's TP group, its first rank's global rank); (None, 0) without TP."""
@@ -286,6 +297,8 @@ class GeneratorExecutor(Executor):
         # Seeded by the DP replica, not the rank: TP peers must draw the same samples.
         # On ctx.device: the sampler draws its uniforms on the logits' device.
         self.rng = torch.Generator(device=self.ctx.device).manual_seed(self.seed * 1000 + self.ctx.dp_rank)
+        if self.dynamic is not None:  # the scorer's pool, on the rank that emits (a TP group's first)
+            self.dynamic.init(scores=self.ctx.tp_rank == 0)
 
     def save_checkpoint(self, directory: Path) -> None:
         """Data position, weight version, carried-over samples, unfinished groups, RNG, pending output."""
@@ -356,17 +369,26 @@ class GeneratorExecutor(Executor):
         """Shut the engine down (vLLM holds threads and memory)."""
         if getattr(self, "engine", None) is not None:
             self.engine.close()
+        if self.dynamic is not None:
+            self.dynamic.close()
 
     def sampling(self) -> SamplingParams:
         c = self.config
         return SamplingParams(temperature=c.temperature, top_p=c.top_p, top_k=c.top_k, max_new_tokens=c.max_new_tokens)
 
     def _new_requests(self) -> list[Request]:
+        """This replica's ``--generator.num-prompts-per-step`` prompts of the tick (module docstring)."""
         c = self.config
         first = self.data_position + self.ctx.dp_rank * c.num_prompts_per_step
         self.data_position += c.num_prompts_per_step * self.ctx.dp_size
+        return self._requests(first, c.num_prompts_per_step)
+
+    def _requests(self, first: int, count: int) -> list[Request]:
+        """``samples_per_prompt`` requests for each prompt ``first .. first + count - 1``; a prompt too
+        long for the trainer's budget is skipped, counted and warned about."""
+        c = self.config
         requests = []
-        for index in range(first, first + c.num_prompts_per_step):
+        for index in range(first, first + count):
             problem = self.task.sample(index)
             self.problems[index] = problem
             prompt_ids = self.prompt_fn(self.tokenizer, problem.question)
@@ -406,44 +428,84 @@ class GeneratorExecutor(Executor):
                     "--algo.max-staleness %d versions behind when trained", len(stale), oldest_allowed,
                     self.algo.max_staleness)
 
-    def step(self) -> None:
+    def _sample(self, requests: list[Request], *, partial: bool = True) -> float:
+        """Generate ``requests`` with this tick's weights and, when ``partial``, its token budget
+        (``--generator.token-budget``): unfinished samples are carried, finished ones join their group
+        (``finished``), new sampled tokens are added to ``_new_tokens`` (observations excluded).
+        Returns the generation's seconds."""
+        if not requests:
+            return 0.0
         start = time.perf_counter()
-        tools_before = self._tool_counts()  # the env_tool_* metrics are this tick's calls
-        self._restart_stale_groups()
-        requests = self.carried + self._new_requests()
         try:
             outputs = self.engine.generate(requests, sampling=self.sampling(), version=self.version,
-                                           generator=self.rng, token_budget=self.config.token_budget)
+                                           generator=self.rng,
+                                           token_budget=self.config.token_budget if partial else None)
         except NonFiniteLogits as exc:  # an engine that checks while drawing: name the weights version
             raise NonFiniteLogits(f"weights version {self.version}: {exc}") from None
         check_finite_logprobs(outputs, version=self.version)
         seconds = time.perf_counter() - start
         previous = {r.sample_id: sum(sampled_mask(r)) for r in requests}
-        num_new_tokens = sum(sum(sampled_mask(o)) - previous[o.sample_id] for o in outputs)  # observations excluded
-        self.carried = []
+        self._new_tokens += sum(sum(sampled_mask(o)) - previous[o.sample_id] for o in outputs)
         n = self.config.samples_per_prompt
         for out in outputs:
             if out.finish_reason == "carried":
                 self.carried.append(out.to_request())
             else:
                 self.finished.setdefault(out.sample_id // n, []).append(out)
+        return seconds
+
+    def _take_done(self) -> list[Group]:
+        """Every group whose samples have all finished, by group id: ``(id, completions, problem)``,
+        removed from ``finished`` / ``problems``."""
+        n = self.config.samples_per_prompt
         done = sorted(g for g, outs in self.finished.items() if len(outs) == n)
-        completions, group_ids, problems = [], [], []
-        for g in done:
-            for out in sorted(self.finished.pop(g), key=lambda o: o.sample_id):
-                completions.append(out)
-                group_ids.append(g)
-                problems.append(self.problems[g])
-            del self.problems[g]
+        return [(g, sorted(self.finished.pop(g), key=lambda o: o.sample_id), self.problems.pop(g)) for g in done]
+
+    def _refill(self, counts: list[int]) -> list[Group]:
+        """One refill round (``dynamic_sampling.py``): ``counts`` new prompts per replica, this replica's
+        run of them after the lower replicas', the data position past all of them, sampled to the end
+        (no token budget: a group that replaces a dropped one is scored within the tick); the groups
+        that finished."""
+        first = self.data_position + sum(counts[: self.ctx.dp_rank])
+        self.data_position += sum(counts)
+        self._refill_seconds += self._sample(self._requests(first, counts[self.ctx.dp_rank]), partial=False)
+        return self._take_done()
+
+    def _rollout_batch(self, groups: list[Group]) -> TensorBatch:
+        """The rollout batch (module docstring) of finished ``groups``."""
+        completions = [c for _, outs, _ in groups for c in outs]
+        group_ids = [g for g, outs, _ in groups for _ in outs]
+        problems = [p for _, outs, p in groups for _ in outs]
+        texts = self.tokenizer.batch_decode([c.completion_ids for c in completions], skip_special_tokens=True)
+        return completions_to_batch(
+            completions, group_ids=group_ids, references=[p.answer for p in problems], texts=texts,
+            pad_token_id=self.engine.pad_token_id, group_size=self.config.samples_per_prompt,
+            questions=[p.question for p in problems],
+            trajectories=[trajectory_of(c, self.tokenizer).to_json() for c in completions],
+            columns=[json.dumps(p.columns) for p in problems] if any(p.columns for p in problems) else None)
+
+    def step(self) -> None:
+        start = time.perf_counter()
+        tools_before = self._tool_counts()  # the env_tool_* metrics are this tick's calls
+        self._restart_stale_groups()
+        requests = self.carried + self._new_requests()
+        self.carried, self._new_tokens, self._refill_seconds = [], 0, 0.0
+        self._sample(requests)
+        seconds = time.perf_counter() - start
+        groups = self._take_done()
+        dynamic_metrics: dict[str, float] = {}
+        if self.dynamic is not None:  # drop the groups whose rewards tie, refill (dynamic_sampling.py)
+            groups, dynamic_metrics = self.dynamic.fill(
+                groups, sample=self._refill, to_batch=self._rollout_batch,
+                agree=lambda missing: agree_counts(missing, ctx=self.ctx))
+            seconds += self._refill_seconds
+        num_new_tokens = self._new_tokens
+        completions = [c for _, outs, _ in groups for c in outs]
         # TP peers hold the same samples: only the TP group's first rank emits them.
         emits = self.ctx.tp_rank == 0
         if completions and emits:
-            texts = self.tokenizer.batch_decode([c.completion_ids for c in completions], skip_special_tokens=True)
-            self.outputs[self.output_name] = completions_to_batch(
-                completions, group_ids=group_ids, references=[p.answer for p in problems], texts=texts,
-                pad_token_id=self.engine.pad_token_id, group_size=n, questions=[p.question for p in problems],
-                trajectories=[trajectory_of(c, self.tokenizer).to_json() for c in completions])
-        self.metrics = {"gen_seconds": seconds, "gen_new_tokens": float(num_new_tokens),
+            self.outputs[self.output_name] = self._rollout_batch(groups)
+        self.metrics = {**dynamic_metrics, "gen_seconds": seconds, "gen_new_tokens": float(num_new_tokens),
                         "gen_tokens_per_s": num_new_tokens / max(seconds, 1e-9),
                         "gen_carried": float(len(self.carried)), "gen_version": float(self.version),
                         "gen_emitted_samples": float(len(completions) if emits else 0),
@@ -478,6 +540,7 @@ class GeneratorExecutor(Executor):
         call it with the same problems (each returns the same accuracy). ``samples_path`` gets one
         JSON line per problem (question, reference, completion, score, and ``turns``: the completion
         split into the policy's text and the environment's observations, ``llamarl.sample_log``).
+        The generator's first rank draws its progress bar (``llamarl.progress.eval_bar``).
         """
         greedy = SamplingParams(temperature=0.0, max_new_tokens=self.config.max_new_tokens)
         prompts = [list(self.prompt_fn(self.tokenizer, p.question)) for p in problems]
@@ -490,7 +553,9 @@ class GeneratorExecutor(Executor):
         try:
             scores, texts = score_samples(self.engine, self.tokenizer, problems=problems, prompts=prompts,
                                           score=score, sampling=greedy, chunk=chunk, version=self.version,
-                                          segments=segments if samples_path is not None else None)
+                                          segments=segments if samples_path is not None else None,
+                                          progress=f"eval of weights version {self.version}"
+                                          if self.ctx.local_rank == 0 else None)
         finally:
             if episodes is not None:
                 episodes.problem_of = training_problems

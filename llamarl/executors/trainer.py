@@ -61,6 +61,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from llamarl.algorithms.lr_schedule import lr_at
 from llamarl.algorithms.update import (
     MINIBATCH_COUNTS,
     PolicyUpdate,
@@ -155,7 +156,19 @@ class TrainerExecutor(Executor):
         self.flops = ModelFlops.from_config(self.model.config)
         self.peak_tflops = peak_tflops(torch.cuda.get_device_name(self.ctx.device)) \
             if self.ctx.device.type == "cuda" else None
-        self.optimizer = torch.optim.AdamW(self.trainable, lr=self.config.lr, weight_decay=self.config.weight_decay)
+        self.optimizer = torch.optim.AdamW(self.trainable, lr=self.config.learning_rate(),
+                                           weight_decay=self.config.weight_decay)
+
+    def set_lr(self) -> float:
+        """Set every parameter group's learning rate to the schedule's for the next optimizer step
+        (``--trainer.lr-schedule``: a pure function of ``version``, llamarl/algorithms/lr_schedule.py)
+        and return it."""
+        c = self.config
+        lr = lr_at(self.version, lr=c.learning_rate(), schedule=c.lr_schedule, warmup_steps=c.warmup_steps,
+                   decay_steps=c.lr_decay_steps)
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+        return lr
 
     def get_model(self) -> torch.nn.Module:
         """What the weights channel moves: the policy, or under LoRA its adapters alone (the
@@ -311,7 +324,8 @@ class TrainerExecutor(Executor):
             # those with signal that the staleness filter keeps at this version (later minibatches,
             # at later versions, keep a subset).
             fresh, _ = self.filter_stale(batch)
-            rows = forwarded_rows(fresh) if len(batch) else torch.zeros(0, dtype=torch.long, device="cpu")
+            rows = forwarded_rows(fresh, every_loss_row=self.update.every_loss_row) if len(batch) \
+                else torch.zeros(0, dtype=torch.long, device="cpu")
             logp = sequence_logprobs(self.model, fresh.select(rows) if len(batch) else batch,
                                      temperature=self.temperature, group=self.ctx.group, device=self.ctx.device,
                                      max_tokens_per_microbatch=self.config.max_tokens_per_microbatch,
@@ -348,7 +362,7 @@ class TrainerExecutor(Executor):
         # This rank's rows with signal; the counts over every trainer rank (``MINIBATCH_COUNTS``:
         # loss tokens, the global token mean's denominator, staleness sum, zero-advantage samples,
         # rows forwarded, dropped samples).
-        batch, local_counts = minibatch_counts(batch, stats)
+        batch, local_counts = minibatch_counts(batch, stats, every_loss_row=self.update.every_loss_row)
         counts = dict(zip(MINIBATCH_COUNTS, self._all_reduce(local_counts)))
         self.update.begin_minibatch(counts)  # the --algo.loss-agg denominators
         microbatches, max_mbs = plan_microbatches(batch, max_tokens_per_microbatch=self.config.max_tokens_per_microbatch,
@@ -390,12 +404,13 @@ class TrainerExecutor(Executor):
         if not (math.isfinite(loss) and math.isfinite(grad_norm)):
             return self._skip_nonfinite(loss=loss, grad_norm=grad_norm)
         self.nonfinite_streak = 0
+        lr = self.set_lr()
         self.optimizer.step()
         self.version += 1
         out = {"loss": loss, "grad_norm": grad_norm, "num_loss_tokens": total_tokens,
                "nonfinite_steps": float(self.nonfinite_total),
                "staleness_mean": counts["staleness_sum"] / total_tokens, "version": float(self.version),
-               "zero_advantage_samples": zero_adv, "dropped_stale_samples": dropped_stale, **loss_metrics}
+               "zero_advantage_samples": zero_adv, "dropped_stale_samples": dropped_stale, "lr": lr, **loss_metrics}
         out["staleness_max"] = counts["staleness_max"]
         if entropy is not None:
             out["entropy"] = entropy
@@ -449,12 +464,13 @@ class TrainerExecutor(Executor):
         logp = microbatch_logprobs(self.model, ids, attention, mask, start=start, temperature=self.temperature,
                                    share_prompts=self.config.share_prompts,
                                    chunk_tokens=self.config.logprob_chunk_tokens, entropy_out=entropies,
-                                   layout=plan.layout)
+                                   layout=plan.layout, entropy_grad=self.update.every_loss_row)
         if sub is None:
             return logp.sum() * 0.0, {}, None
         loss, metrics = self.update.loss_on(sub, logp, mask, num_loss_tokens=total_tokens, version=self.version,
-                                            prox_version=self._prox_version, timed=self._timed_prox)
-        return loss, metrics, (entropies[0] * mask).sum().double()
+                                            prox_version=self._prox_version, timed=self._timed_prox,
+                                            entropy=entropies[0])
+        return loss, metrics, (entropies[0].detach() * mask).sum().double()
 
     def _timed_prox(self, compute):
         """``compute()``, its device time added to this batch's ``prox_seconds``."""

@@ -30,6 +30,8 @@ TRAINER_METRICS = {
                                                   "dropped_stale_samples")},
     "staleness_mean": MetricSpec("staleness", "max"), "staleness_max": MetricSpec("staleness", "max"),
     "loss": MetricSpec("loss", "max"),
+    # The learning rate of the step's (last) optimizer step (--trainer.lr-schedule).
+    "lr": MetricSpec("optim", "max"),
     # The policy's entropy -sum_v p_v log p_v (after the temperature), mean over the loss tokens trained on.
     "entropy": MetricSpec("loss", "max"),
     "train_seconds": MetricSpec("throughput", "max"), "train_tokens_per_s": MetricSpec("throughput", "sum"),
@@ -47,7 +49,7 @@ TRAINER_METRICS = {
 
 _SUMMED = frozenset({"num_loss_tokens", "dropped_stale_samples", "zero_advantage_samples", "skipped",
                      "skipped_no_signal", "skipped_nonfinite"})
-_LAST = frozenset({"version", "nonfinite_steps"})
+_LAST = frozenset({"version", "nonfinite_steps", "lr"})
 
 
 def state_bytes(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> int:
@@ -123,8 +125,8 @@ def combine_minibatch_metrics(results: list[dict[str, float]], *, loss_metrics: 
 
     Counts (tokens, dropped, zero-advantage and skipped samples or steps, ``sum`` metrics) are
     summed; ``max`` metrics and ``staleness_max`` are maxima; ``staleness_mean`` is over every
-    trained token (weighted by each minibatch's ``num_loss_tokens``); ``version`` and
-    ``nonfinite_steps`` are the last; the rest (loss, grad norm, ``mean`` metrics) are means over
+    trained token (weighted by each minibatch's ``num_loss_tokens``); ``version``,
+    ``nonfinite_steps`` and ``lr`` are the last; the rest (loss, grad norm, ``mean`` metrics) are means over
     the minibatches that report them (those with an optimizer step).
     """
     summed = _SUMMED | {k for k, v in loss_metrics.items() if v == "sum"}

@@ -6,11 +6,13 @@ For hidden states ``h`` ``[N, H]``, the head's weight ``W`` ``[V, H]`` (and bias
 
     z_n      = (h_n W^T + b) / T          (the head in its own dtype, then cast to fp32, as HF's path)
     logp_n   = log_softmax(z_n)[y_n]
-    H_n      = -sum_v p_nv log p_nv       with p_n = softmax(z_n)   (the entropy; no gradient)
+    H_n      = -sum_v p_nv log p_nv       with p_n = softmax(z_n)   (the entropy)
 
-and for an upstream gradient ``g_n = dL / d logp_n``, with ``e_n`` the one-hot row of ``y_n``::
+and for upstream gradients ``g_n = dL / d logp_n`` and ``k_n = dL / d H_n`` (the entropy bonus,
+``--algo.entropy-coef``; only with ``entropy_grad``, else the entropy has no gradient and ``k = 0``),
+with ``e_n`` the one-hot row of ``y_n``::
 
-    dL/dz_n = g_n (e_n - p_n)
+    dL/dz_n = g_n (e_n - p_n) - k_n p_n (log p_n + H_n)
     dL/dh_n = (dL/dz_n / T) W        dL/dW = sum_n (dL/dz_n / T)^T h_n        dL/db = sum_n dL/dz_n / T
 
 ``HeadLogprobs`` computes these ``chunk_tokens`` rows at a time. The forward keeps nothing of size
@@ -18,7 +20,7 @@ vocab (only ``h``, which the head's own backward keeps too); the backward recomp
 softmax from ``h`` and ``W`` (one more head matmul per chunk) and writes that chunk's gradients, so
 at most one chunk of logits (a few ``[chunk, V]`` fp32 temporaries) is alive at a time. When every
 token fits one chunk, the forward keeps that chunk's probabilities instead (the memory of one chunk
-and no extra matmul: ``make run``'s micro-batches).
+and no extra matmul: ``make run``'s micro-batches; with ``entropy_grad`` its log-probabilities too).
 
 The values are the whole-logits path's (``log_softmax(logits.float() / T)`` gathered) row for row;
 a head matmul over fewer rows may round differently on some BLAS kernels, so fp32 agrees to ~1e-6
@@ -45,16 +47,18 @@ def _chunk_logits(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor
 class HeadLogprobs(torch.autograd.Function):
     """``(logp [N], entropy [N])`` of ``targets`` under ``hidden [N, H] @ weight^T + bias``, both fp32
     (module docstring for the formulas); differentiable in ``hidden``, ``weight`` and ``bias``, the
-    entropy not (``[0]`` unless ``with_entropy``)."""
+    entropy only with ``entropy_grad`` (``[0]`` unless ``with_entropy``)."""
 
     @staticmethod
     def forward(ctx, hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-                targets: torch.Tensor, temperature: float, chunk_tokens: int, with_entropy: bool):
+                targets: torch.Tensor, temperature: float, chunk_tokens: int, with_entropy: bool,
+                entropy_grad: bool = False):
         count = hidden.shape[0]
         logp = hidden.new_empty(count, dtype=torch.float32)
         entropy = hidden.new_empty(count if with_entropy else 0, dtype=torch.float32)
         single = count <= chunk_tokens
-        kept = None
+        entropy_grad = bool(entropy_grad and with_entropy)
+        kept = kept_log = None
         for lo in range(0, count, chunk_tokens):
             hi = min(lo + chunk_tokens, count)
             log_probs = torch.log_softmax(_chunk_logits(hidden[lo:hi], weight, bias, temperature), dim=-1)
@@ -65,17 +69,19 @@ class HeadLogprobs(torch.autograd.Function):
                     entropy[lo:hi] = -torch.linalg.vecdot(probs, log_probs)
                 if single and any(ctx.needs_input_grad[:3]):
                     kept = probs
+                    kept_log = log_probs if entropy_grad else None
             del log_probs
         if any(ctx.needs_input_grad[:3]):
-            ctx.save_for_backward(hidden, weight, bias, targets, kept)
-        ctx.temperature, ctx.chunk_tokens = temperature, chunk_tokens
-        ctx.mark_non_differentiable(entropy)
+            ctx.save_for_backward(hidden, weight, bias, targets, kept, kept_log, entropy if entropy_grad else None)
+        ctx.temperature, ctx.chunk_tokens, ctx.entropy_grad = temperature, chunk_tokens, entropy_grad
+        if not entropy_grad:
+            ctx.mark_non_differentiable(entropy)
         return logp, entropy
 
     @staticmethod
-    def backward(ctx, grad_logp: torch.Tensor, _grad_entropy):
-        hidden, weight, bias, targets, kept = ctx.saved_tensors
-        temperature, chunk_tokens = ctx.temperature, ctx.chunk_tokens
+    def backward(ctx, grad_logp: torch.Tensor, grad_entropy: torch.Tensor):
+        hidden, weight, bias, targets, kept, kept_log, entropy = ctx.saved_tensors
+        temperature, chunk_tokens, entropy_grad = ctx.temperature, ctx.chunk_tokens, ctx.entropy_grad
         need_h, need_w, need_b = ctx.needs_input_grad[:3]
         grad_h = torch.empty_like(hidden) if need_h else None
         grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if need_w else None
@@ -83,11 +89,21 @@ class HeadLogprobs(torch.autograd.Function):
         count = hidden.shape[0]
         for lo in range(0, count, chunk_tokens):
             hi = min(lo + chunk_tokens, count)
-            probs = kept if kept is not None else \
-                torch.softmax(_chunk_logits(hidden[lo:hi], weight, bias, temperature), dim=-1)
-            # dL/dz = g (e_y - p), in place on p, then / T: the gradient of the head's own logits.
             g = grad_logp[lo:hi].float().unsqueeze(-1)
-            grad_z = probs.mul_(-g).scatter_add_(-1, targets[lo:hi].unsqueeze(-1), g)
+            if entropy_grad:
+                log_probs = kept_log if kept_log is not None else \
+                    torch.log_softmax(_chunk_logits(hidden[lo:hi], weight, bias, temperature), dim=-1)
+                probs = kept if kept is not None else log_probs.exp()
+                # -g p - k p (log p + H), in place on log p (module docstring), then + g e_y below.
+                k = grad_entropy[lo:hi].float().unsqueeze(-1)
+                grad_z = log_probs.add_(entropy[lo:hi].unsqueeze(-1)).mul_(k).add_(g).mul_(probs).neg_()
+                del log_probs, probs
+            else:
+                probs = kept if kept is not None else \
+                    torch.softmax(_chunk_logits(hidden[lo:hi], weight, bias, temperature), dim=-1)
+                grad_z = probs.mul_(-g)  # in place on p
+            # dL/dz = g (e_y - p) [- k p (log p + H)], then / T: the gradient of the head's own logits.
+            grad_z = grad_z.scatter_add_(-1, targets[lo:hi].unsqueeze(-1), g)
             if temperature > 0:
                 grad_z.div_(temperature)
             grad_z = grad_z.to(hidden.dtype)  # as autograd casts it back through ``.float()``
@@ -100,10 +116,10 @@ class HeadLogprobs(torch.autograd.Function):
                     grad_w += grad_z.t() @ hidden[lo:hi]
             if need_b:
                 grad_b += grad_z.float().sum(dim=0)
-            del probs, grad_z
-        kept = None
+            del grad_z
+        kept = kept_log = None
         return (grad_h, grad_w.to(weight.dtype) if need_w else None, grad_b.to(bias.dtype) if need_b else None,
-                None, None, None, None)
+                None, None, None, None, None)
 
 
 def fusable(head: torch.nn.Module) -> bool:
@@ -117,9 +133,12 @@ def fusable(head: torch.nn.Module) -> bool:
 
 
 def head_logprobs(head: torch.nn.Linear, hidden: torch.Tensor, targets: torch.Tensor, *, temperature: float,
-                  chunk_tokens: int, with_entropy: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+                  chunk_tokens: int, with_entropy: bool = False,
+                  entropy_grad: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """``HeadLogprobs`` of ``hidden [N, H]`` through ``head`` (``fusable(head)``): ``(logp, entropy)``,
-    fp32 ``[N]`` each (entropy ``[0]`` unless ``with_entropy``). ``chunk_tokens >= 1``."""
+    fp32 ``[N]`` each (entropy ``[0]`` unless ``with_entropy``; differentiable with ``entropy_grad``).
+    ``chunk_tokens >= 1``."""
     if chunk_tokens < 1:
         raise ValueError(f"chunk_tokens must be >= 1, got {chunk_tokens}")
-    return HeadLogprobs.apply(hidden, head.weight, head.bias, targets, temperature, chunk_tokens, with_entropy)
+    return HeadLogprobs.apply(hidden, head.weight, head.bias, targets, temperature, chunk_tokens, with_entropy,
+                              entropy_grad)

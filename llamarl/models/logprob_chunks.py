@@ -40,9 +40,10 @@ __all__ = ["selected_logprobs"]
 
 
 def _chunk_logprobs(head: torch.nn.Module, hidden: torch.Tensor, targets: torch.Tensor, temperature: float,
-                    softcap: float | None, with_entropy: bool) -> tuple[torch.Tensor, torch.Tensor]:
+                    softcap: float | None, with_entropy: bool,
+                    entropy_grad: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """``(log_softmax(z)[targets], entropy)`` of one chunk, ``z = softcap(head(hidden)).float() / T``
-    (``entropy`` ``[0]`` unless ``with_entropy``)."""
+    (``entropy`` ``[0]`` unless ``with_entropy``; differentiable only with ``entropy_grad``)."""
     logits = head(hidden)
     if softcap:
         logits = torch.tanh(logits / softcap) * softcap
@@ -50,7 +51,7 @@ def _chunk_logprobs(head: torch.nn.Module, hidden: torch.Tensor, targets: torch.
     if temperature > 0:
         logits = logits / temperature
     log_probs = torch.log_softmax(logits, dim=-1)
-    with torch.no_grad():
+    with torch.set_grad_enabled(entropy_grad and torch.is_grad_enabled()):
         entropy = -torch.linalg.vecdot(log_probs.exp(), log_probs) if with_entropy else log_probs.new_zeros(0)
     return log_probs.gather(-1, targets.unsqueeze(-1)).squeeze(-1), entropy
 
@@ -58,29 +59,30 @@ def _chunk_logprobs(head: torch.nn.Module, hidden: torch.Tensor, targets: torch.
 class _SelectedLogprobHead(torch.nn.Module):
     """Stands in for the LM head during one forward: hidden states ``[B, K, H]`` in, the log-probs
     ``[N]`` of ``targets`` at ``(rows, positions)`` out, ``chunk_tokens`` rows of logits at a time;
-    ``entropy`` ``[N]`` (no gradient) is left on the module."""
+    ``entropy`` ``[N]`` (differentiable only with ``entropy_grad``) is left on the module."""
 
     def __init__(self, head: torch.nn.Module, *, rows: torch.Tensor, positions: torch.Tensor,
                  targets: torch.Tensor, temperature: float, chunk_tokens: int, softcap: float | None,
-                 with_entropy: bool) -> None:
+                 with_entropy: bool, entropy_grad: bool = False) -> None:
         super().__init__()
         # A plain attribute, not a submodule: the head stays registered where it was.
         object.__setattr__(self, "head", head)
         self.rows, self.positions, self.targets = rows, positions, targets
         self.temperature, self.chunk_tokens, self.softcap = temperature, chunk_tokens, softcap
-        self.with_entropy = with_entropy
+        self.with_entropy, self.entropy_grad = with_entropy, entropy_grad
         self.entropy: torch.Tensor | None = None
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         picked = hidden[self.rows, self.positions]
         if fusable(self.head) and not self.softcap:
             logp, self.entropy = head_logprobs(self.head, picked, self.targets, temperature=self.temperature,
-                                               chunk_tokens=self.chunk_tokens, with_entropy=self.with_entropy)
+                                               chunk_tokens=self.chunk_tokens, with_entropy=self.with_entropy,
+                                               entropy_grad=self.entropy_grad)
             return logp
         parts, entropies = [], []
         for lo in range(0, picked.shape[0], self.chunk_tokens):
             args = (self.head, picked[lo : lo + self.chunk_tokens], self.targets[lo : lo + self.chunk_tokens],
-                    self.temperature, self.softcap, self.with_entropy)
+                    self.temperature, self.softcap, self.with_entropy, self.entropy_grad)
             if torch.is_grad_enabled():
                 logp, entropy = checkpoint(_chunk_logprobs, *args, use_reentrant=False)
             else:
@@ -116,21 +118,21 @@ def _head_replaced(model: torch.nn.Module, replacement_for):
 
 def selected_logprobs(model: torch.nn.Module, *, rows: torch.Tensor, positions: torch.Tensor,
                       targets: torch.Tensor, temperature: float, chunk_tokens: int,
-                      with_entropy: bool = False, **forward_kwargs):
+                      with_entropy: bool = False, entropy_grad: bool = False, **forward_kwargs):
     """``out[n] = log_softmax(logits[rows[n], positions[n]] / T)[targets[n]]`` (fp32, ``[N]``), where
     ``logits = model(**forward_kwargs).logits`` (so ``positions`` index the positions the forward
     keeps, after ``logits_to_keep``), computed ``chunk_tokens`` selected tokens at a time without
     building the whole logits tensor (module docstring). ``temperature <= 0`` means no division
     (greedy's log-probs). Differentiable when grad is enabled. ``chunk_tokens`` must be >= 1.
     ``with_entropy``: ``(out, entropy)``, ``entropy[n] = -sum_v p_v log p_v`` of the same softmax
-    (fp32 ``[N]``, no gradient)."""
+    (fp32 ``[N]``; differentiable only with ``entropy_grad``: the entropy bonus)."""
     if chunk_tokens < 1:
         raise ValueError(f"chunk_tokens must be >= 1, got {chunk_tokens}")
 
     def replacement(head, softcap):
         return _SelectedLogprobHead(head, rows=rows, positions=positions, targets=targets,
                                     temperature=temperature, chunk_tokens=chunk_tokens, softcap=softcap,
-                                    with_entropy=with_entropy)
+                                    with_entropy=with_entropy, entropy_grad=entropy_grad)
 
     with _head_replaced(model, replacement) as stand_in:
         logp = model(**forward_kwargs).logits

@@ -121,20 +121,22 @@ def device_inputs(batch: TensorBatch, plan: Microbatch, *, device: torch.device 
 def microbatch_logprobs(model: torch.nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor,
                         loss_mask: torch.Tensor, *, start: int, temperature: float,
                         share_prompts: bool, chunk_tokens: int = 0, entropy_out: list | None = None,
-                        layout: shared_prefix.PackedLayout | None = None) -> torch.Tensor:
+                        layout: shared_prefix.PackedLayout | None = None, entropy_grad: bool = False) -> torch.Tensor:
     """Per-token completion log-probs ``[b, length]`` of one micro-batch (``microbatch_inputs``'s
     first four outputs), differentiable. ``share_prompts`` forwards each distinct context once when
     the model supports it (``shared_prefix.supports``), else the rows as they are; the values agree
     on every loss position up to summation order. ``chunk_tokens > 0``: no more than that many
     tokens' logits alive at once (``llamarl.models.logprob_chunks``; same values and gradients).
-    ``entropy_out``: gets the ``[b, length]`` entropies appended (``completion_logprobs``);
+    ``entropy_out``: gets the ``[b, length]`` entropies appended (``completion_logprobs``; differentiable
+    with ``entropy_grad``);
     ``layout``: the rows' host-built ``PackedLayout`` (``plan_forwards``), so nothing is read here."""
     if share_prompts and shared_prefix.supports(model):
         return shared_prefix.shared_prefix_logprobs(model, input_ids, attention_mask, loss_mask,
                                                     temperature=temperature, chunk_tokens=chunk_tokens,
-                                                    entropy_out=entropy_out, layout=layout)
+                                                    entropy_out=entropy_out, layout=layout,
+                                                    entropy_grad=entropy_grad)
     return completion_logprobs(model, input_ids, attention_mask, start=start, temperature=temperature,
-                               chunk_tokens=chunk_tokens, entropy_out=entropy_out)
+                               chunk_tokens=chunk_tokens, entropy_out=entropy_out, entropy_grad=entropy_grad)
 
 
 def plan_microbatches(batch: TensorBatch, *, max_tokens_per_microbatch: int, group: dist.ProcessGroup | None,

@@ -168,7 +168,7 @@ def packed_layout(input_ids: torch.Tensor, num_tokens: list[int], loss_mask: tor
 def shared_prefix_logprobs(model: torch.nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor,
                            loss_mask: torch.Tensor, *, temperature: float, chunk_tokens: int = 0,
                            entropy_out: list | None = None, layout: PackedLayout | None = None,
-                           structured: bool = True) -> torch.Tensor:
+                           entropy_grad: bool = False, structured: bool = True) -> torch.Tensor:
     """Per-token log-probs ``[B, L]`` of each row's completion, each distinct context forwarded once.
 
     Same contract as ``llamarl.models.logprobs.completion_logprobs`` on the same inputs
@@ -178,7 +178,7 @@ def shared_prefix_logprobs(model: torch.nn.Module, input_ids: torch.Tensor, atte
     context's gradient is the sum of its rows'). Needs ``supports(model)``. ``chunk_tokens > 0``:
     the logits of at most that many tokens alive at once (``llamarl.models.logprob_chunks``).
     ``entropy_out``: a list that gets each predicted distribution's entropy appended, ``[B, L]``
-    fp32 at the same positions (0 elsewhere; no gradient). ``layout``: these rows'
+    fp32 at the same positions (0 elsewhere; differentiable only with ``entropy_grad``). ``layout``: these rows'
     ``packed_layout``, built on the host beforehand (then nothing here reads a device value); None:
     built here from the inputs (each read once on the host). ``structured`` (default): attend
     through the segments' structure where the model supports it (llamarl/models/segment_attention.py),
@@ -210,7 +210,7 @@ def shared_prefix_logprobs(model: torch.nn.Module, input_ids: torch.Tensor, atte
 
         picked = selected_logprobs(model, rows=layout.packed_rows, positions=layout.sources, targets=targets,
                                    temperature=temperature, chunk_tokens=chunk_tokens,
-                                   with_entropy=entropy_out is not None, **forward)
+                                   with_entropy=entropy_out is not None, entropy_grad=entropy_grad, **forward)
         token_logp, entropy = picked if entropy_out is not None else (picked, None)
     else:
         logits = model(**forward).logits[layout.packed_rows, layout.sources].float()
@@ -219,7 +219,7 @@ def shared_prefix_logprobs(model: torch.nn.Module, input_ids: torch.Tensor, atte
         log_probs = torch.log_softmax(logits, dim=-1)
         token_logp = log_probs.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
         if entropy_out is not None:
-            with torch.no_grad():
+            with torch.set_grad_enabled(entropy_grad and torch.is_grad_enabled()):
                 entropy = -torch.linalg.vecdot(log_probs.exp(), log_probs)
     if entropy_out is not None:
         entropy_out.append(torch.zeros(batch, width, device=device).index_put((layout.rows, layout.columns), entropy))

@@ -43,12 +43,13 @@ from typing import Self
 
 from llamarl.data.prompts import Problem
 from llamarl.rewards import resolve_scorer
+from llamarl.rewards.funcs import RewardFuncs
 from llamarl.rewards.trajectory import Trajectory, resolve_trajectory_scorer
 
 logger = logging.getLogger(__name__)
 
 _START_METHODS = ("spawn", "forkserver")
-KINDS = ("text", "trajectory")
+KINDS = ("text", "trajectory", "funcs")
 
 
 MAX_START_RETRIES = 3
@@ -63,12 +64,16 @@ def _raise_timeout(signum, frame) -> None:
 
 
 def _resolve(kind: str, name: str):
+    if kind == "funcs":
+        return RewardFuncs(name)
     return resolve_trajectory_scorer(name) if kind == "trajectory" else resolve_scorer(name)
 
 
-def _call_scorer(scorer, kind: str, task: dict) -> float:
+def _call_scorer(scorer, kind: str, task: dict) -> float | dict:
     """Run one scorer call on a task (``completion`` / ``reference``, or ``trajectory`` JSON /
     ``problem``) and check that it gave a finite number (NaN would poison the loss)."""
+    if kind == "funcs":
+        return scorer(task["samples"])  # every function's values and failures (llamarl/rewards/funcs.py)
     if kind == "trajectory":
         value = float(scorer(Trajectory.from_json(task["trajectory"]), Problem(**task["problem"])))
     else:
@@ -83,11 +88,14 @@ def _worker_main(conn: Connection, scorer_name: str, kind: str = "text") -> None
     # Ctrl-C reaches the whole process group; only the parent should react to it.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     try:
-        scorer = _resolve(kind, scorer_name)
-    except Exception as exc:  # noqa: BLE001 - reported to the parent, which raises it
-        conn.send_bytes(json.dumps({"init_error": f"{type(exc).__name__}: {exc}"}).encode())
+        try:
+            scorer = _resolve(kind, scorer_name)
+        except Exception as exc:  # noqa: BLE001 - reported to the parent, which raises it
+            conn.send_bytes(json.dumps({"init_error": f"{type(exc).__name__}: {exc}"}).encode())
+            return
+        conn.send_bytes(b'{"ready": true}')
+    except OSError:  # the parent ended (failed) while this worker started: its own line says why
         return
-    conn.send_bytes(b'{"ready": true}')
     while True:
         try:
             task = json.loads(conn.recv_bytes())
@@ -159,6 +167,16 @@ class RewardPool:
         self._closed = False
         self._workers = [self._start_worker() for _ in range(num_workers)]
 
+    @property
+    def scorer(self):
+        """The scorer, resolved in this process (for ``funcs``: the ``RewardFuncs``, its names)."""
+        return self._scorer
+
+    @property
+    def num_workers(self) -> int:
+        """Worker processes (0: scoring inline)."""
+        return len(self._workers)
+
     def _start_worker(self) -> _Worker:
         """Spawn one worker process connected by a duplex pipe."""
         parent_conn, child_conn = self._ctx.Pipe(duplex=True)
@@ -220,8 +238,22 @@ class RewardPool:
             raise ValueError(f"got {len(trajectories)} trajectories but {len(problems)} problems")
         if self.kind != "trajectory":
             raise ValueError(f"score_trajectories needs a trajectory scorer; {self._scorer_name!r} is a text scorer")
-        return self._score([{"trajectory": t, "problem": {"question": p.question, "answer": p.answer}}
+        return self._score([{"trajectory": t, "problem": {"question": p.question, "answer": p.answer,
+                                                           "columns": p.columns}}
                             for t, p in zip(trajectories, problems)])
+
+    def score_funcs(self, samples: list[dict], *, chunks: list[slice]) -> list[dict | float]:
+        """``--reward.funcs`` on ``samples`` (llamarl/rewards/funcs.py), each of ``chunks`` one task
+        (one worker, a timeout of ``timeout_s`` per sample in it): per chunk, the functions' values
+        and failures (each failure counted as an error), or 0.0 when the chunk failed as a whole
+        (timed out, crashed its worker)."""
+        if self.kind != "funcs":
+            raise ValueError(f"score_funcs needs --reward.funcs; {self._scorer_name!r} is a {self.kind} scorer")
+        results = self._score([{"samples": samples[chunk]} for chunk in chunks])
+        for result in results:
+            for error in result["errors"] if isinstance(result, dict) else []:
+                self._record_error(error)
+        return results
 
     def _score(self, tasks: list[dict]) -> list[float]:
         if self._closed:
@@ -239,7 +271,7 @@ class RewardPool:
         previous = signal.signal(signal.SIGALRM, _raise_timeout) if timed else None
         try:
             if timed:
-                signal.setitimer(signal.ITIMER_REAL, self._timeout_s)
+                signal.setitimer(signal.ITIMER_REAL, self._timeout_s * len(task.get("samples", [None])))
             return _call_scorer(self._scorer, self.kind, task)
         except _InlineTimeout:
             self._counts["num_timeouts"] += 1
@@ -293,7 +325,8 @@ class RewardPool:
             self._replace_worker(position)
             return
         worker.state, worker.task = "busy", index
-        worker.deadline = time.monotonic() + self._timeout_s
+        # A chunk of samples (``score_funcs``) has the timeout of each of them.
+        worker.deadline = time.monotonic() + self._timeout_s * len(tasks[index].get("samples", [None]))
 
     def _receive(self, position: int, rewards: list[float], pending: deque[int]) -> int:
         """Handle one message from the worker at ``position``; return how many samples it finished."""
@@ -323,7 +356,8 @@ class RewardPool:
             self._record_error(message["error"])
             rewards[worker.task] = 0.0
         else:
-            rewards[worker.task] = float(message["reward"])
+            reward = message["reward"]
+            rewards[worker.task] = reward if isinstance(reward, dict) else float(reward)
         worker.state, worker.task, worker.deadline = "idle", -1, math.inf
         return 1
 

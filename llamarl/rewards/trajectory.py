@@ -5,8 +5,8 @@ for a single answer, not for an agent: it cannot tell the policy's turns from th
 count the turns, read the environment's reward or the question. A trajectory scorer gets:
 
 * ``Trajectory``: the completion as ``segments`` (text runs, each ``trained`` = sampled by the
-  policy, or not = an environment's observation), ``finish_reason``, ``num_turns`` (tool calls
-  answered), ``env_reward`` (the last reward the environment's ``step`` gave, None if none) and
+  policy, or not = an environment's observation), ``finish_reason``, ``num_turns`` (the
+  environment's ``step`` calls, answered or not), ``env_reward`` (the last reward the environment's ``step`` gave, None if none) and
   ``env_state`` (its final JSON state);
 * ``Problem``: the question and the reference answer.
 
@@ -49,7 +49,9 @@ class Trajectory:
     finish_reason: str = "stop"
     """``stop`` (EOS, an end id or the environment's ``done``) or ``length`` (a budget ran out)."""
     num_turns: int = 0
-    """Policy turns the environment answered (tool calls)."""
+    """Times the environment's ``step`` ran: the policy's turns that ended on a stop text, one whose
+    ``step`` found no call or failed included (what ``env_tool_calls`` counts). Whether a tool
+    answered is in ``observations`` (an error's is ``[tool error: ...]``)."""
     env_reward: float | None = None
     """The environment's last reward (``Turn.reward``), None when it gave none."""
     env_state: dict = field(default_factory=dict)

@@ -88,6 +88,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--max-staleness", type=staleness, default=None, help="--algo.max-staleness (none: no limit)")
     parser.add_argument("--normalize-batch", action="store_true", help="--algo.normalize-batch")
     parser.add_argument("--loss-agg", default="token-mean", help="--algo.loss-agg")
+    parser.add_argument("--entropy-coef", type=float, default=0.0, help="--algo.entropy-coef")
     parser.add_argument("--loss-agg-length", type=int, default=16, help="--algo.loss-agg-length")
     parser.add_argument("--prox", choices=["recompute", "loglinear"], default="loglinear", help="--algo.prox")
     parser.add_argument("--num-minibatches", type=int, default=1, help="--trainer.num-minibatches")
@@ -127,7 +128,8 @@ def train(ctx: ExecutorContext, args: argparse.Namespace) -> None:
                                                    **budget_config(args.budget)),
                               algo=AlgoConfig(loss=args.loss, prox=args.prox, max_staleness=args.max_staleness,
                                              loss_agg=args.loss_agg, loss_agg_length=args.loss_agg_length,
-                                              normalize_batch=args.normalize_batch, rho=RHO, eps_clip=EPS),
+                                              normalize_batch=args.normalize_batch, rho=RHO, eps_clip=EPS,
+                                              entropy_coef=args.entropy_coef),
                               temperature=TEMPERATURE)
     trainer.init()
     if args.optimizer == "sgd":
