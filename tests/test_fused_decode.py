@@ -35,16 +35,22 @@ def run(model, *, fused: bool, sampling: SamplingParams, seed: int = 0):
 def test_fused_steps_give_the_hf_loops_tokens(family, monkeypatch):
     model = build_family(family)
     assert FusedDecoder.supports(model, length=100)
-    steps = []
+    steps, shared = [], []
     step = FusedDecoder.step
     monkeypatch.setattr(FusedDecoder, "step", lambda self, *a, **k: steps.append(1) or step(self, *a, **k))
+    # fp32: the CPU step is the CUDA graphs' own step (static_step.static_forward), run eagerly.
+    from llamarl.engines.cpu import fused_decode
+
+    forward = fused_decode.static_forward
+    monkeypatch.setattr(fused_decode, "static_forward", lambda *a: shared.append(1) or forward(*a))
     for sampling in (SamplingParams(temperature=0.0, max_new_tokens=12),
                      SamplingParams(temperature=1.0, max_new_tokens=12)):
         steps.clear()
         hf = run(model, fused=False, sampling=sampling)
         assert not steps
         fused = run(model, fused=True, sampling=sampling)
-        assert len(steps) == 11  # every decode step after the prefill's token ran fused
+        assert len(steps) == 11 == len(shared)  # every decode step after the prefill's token: fused, shared
+        shared.clear()
         assert [c.completion_ids for c in fused] == [c.completion_ids for c in hf], sampling
         assert [len(c.completion_ids) for c in fused] == [12, 12, 12, 12]
         for f, h in zip(fused, hf):

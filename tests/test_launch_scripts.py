@@ -161,3 +161,20 @@ def test_preflight_outcomes():
     assert unknown.returncode == 2 and unknown.stderr.count("--no-such-flag") == 1, unknown.stderr
     own_world = preflight(str(WORLD))
     assert own_world.returncode == 3 and own_world.stdout == "", own_world.stdout
+
+
+def test_a_failed_job_ends_on_the_failing_ranks_line_without_torchruns_report(tmp_path):
+    """Issue 50: the launcher's torchrun (llamarl/launch.py) exits with the failing rank's code and
+    adds nothing after its line: no ChildFailedError traceback, no failure report, no agent log. The
+    same job under torchrun itself prints all three (what the launcher removes)."""
+    program = tmp_path / "fails.py"
+    program.write_text("import os, sys\n"
+                       "if os.environ['RANK'] == '1':\n"
+                       "    print('llamarl: trainer rank 1 failed at step 0 (stand-in)', file=sys.stderr)\n"
+                       "    sys.exit(2)\n")
+    env = {"NPROC_PER_NODE": "2", "LLAMARL_PREFLIGHT": "0"}
+    ours = script("local.sh", str(program), env={**env, "TORCHRUN": ""})  # the scripts' default launcher
+    assert ours.returncode == 2
+    assert (ours.stdout + ours.stderr).strip() == "llamarl: trainer rank 1 failed at step 0 (stand-in)"
+    theirs = script("local.sh", str(program), env=env)  # TORCHRUN: python -m torch.distributed.run
+    assert theirs.returncode != 0 and "Traceback" in theirs.stderr and "ChildFailedError" in theirs.stderr

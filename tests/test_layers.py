@@ -47,7 +47,7 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("engines", ("llamarl.engines",)),
     ("rewards and environments", ("llamarl.rewards", "llamarl.environments")),
     ("configuration and evaluation", ("llamarl.config", "llamarl.evaluation", "llamarl.eval_history")),
-    ("world", ("llamarl.world", "llamarl.placement", "llamarl.preflight", "llamarl.liveness",
+    ("world", ("llamarl.world", "llamarl.placement", "llamarl.preflight", "llamarl.launch", "llamarl.liveness",
                "llamarl.shared_dir", "llamarl.errors", "llamarl.executor", "llamarl.run_plan",
                "llamarl.config_checks")),
     ("channels", ("llamarl.channels",)),

@@ -40,6 +40,9 @@ parse_common_args() {
   here="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
   if [[ -n "${TORCHRUN:-}" ]]; then
     read -r -a TORCHRUN_CMD <<< "$TORCHRUN"
+  elif [[ -x "$here/.venv/bin/python" ]]; then
+    # torchrun itself, ending a failed job on the failing rank's own line (llamarl/launch.py).
+    TORCHRUN_CMD=("$here/.venv/bin/python" -m llamarl.launch)
   elif [[ -x "$here/.venv/bin/torchrun" ]]; then
     TORCHRUN_CMD=("$here/.venv/bin/torchrun")
   else

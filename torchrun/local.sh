@@ -11,7 +11,8 @@ RECIPE is a module (recipes.gsm8k) or a Python file (path/to/script.py); the res
 
 Variables:
   NPROC_PER_NODE   processes on this node (default: the number of GPUs, else 3)
-  TORCHRUN         the torchrun to use (default: .venv/bin/torchrun if present, else torchrun on PATH)
+  TORCHRUN         the torchrun to use (default: `.venv/bin/python -m llamarl.launch`, torchrun with a
+                   failed job's output ending on the failing rank's own line; else torchrun on PATH)
   OMP_NUM_THREADS  threads per process (default 1; the recipes set their own per executor)
   EXTRA_TORCHRUN_ARGS  more torchrun flags, e.g. "--max-restarts 1"
 

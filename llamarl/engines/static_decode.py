@@ -77,7 +77,7 @@ from llamarl.engines.base import SamplingParams
 from llamarl.engines.kv_slots import KVSlots
 from llamarl.engines.static_sampling import FIRST_CANDIDATES, SlotRecords, restore, sample, sampling_key
 from llamarl.engines.static_shapes import bucket, ladder, span_rung, state_width  # noqa: F401 - re-exported
-from llamarl.engines.static_step import fusable, fuse_projections, static_forward
+from llamarl.engines.static_step import fuse_projections, reproduces, rope_tables, static_forward
 
 _SUPPORTED = ("LlamaForCausalLM", "Qwen2ForCausalLM", "MistralForCausalLM", "Qwen3ForCausalLM")
 # One compiled graph per (bucket, span) pair of one model at most (dynamo's automatic dynamic shapes
@@ -85,9 +85,6 @@ _SUPPORTED = ("LlamaForCausalLM", "Qwen2ForCausalLM", "MistralForCausalLM", "Qwe
 # (static_shapes.span_rung) its calls reach; each decoder has a code object of its own, so other models' and
 # dead engines' graphs do not count against it.
 _RECOMPILE_LIMIT = 256
-# Position scalings whose frequencies depend on the longest position seen: a table built once for
-# the state's width would differ from HF's per-step frequencies.
-_LENGTH_DEPENDENT_ROPE = ("dynamic", "longrope")
 
 
 # CUDA errors that are sticky: the context is unusable afterwards (every later call fails), so no
@@ -169,12 +166,7 @@ class StaticDecoder:
         window = getattr(config, "sliding_window", None) if getattr(config, "use_sliding_window", True) else None
         if type(model).__name__ not in _SUPPORTED or (window is not None and window < length):
             return False
-        if getattr(config, "layer_types", None) and any(t != "full_attention" for t in config.layer_types):
-            return False
-        rope = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {}
-        if rope.get("rope_type", rope.get("type")) in _LENGTH_DEPENDENT_ROPE:
-            return False
-        return fusable(model) and not any(isinstance(p, DTensor) for p in model.parameters())
+        return reproduces(model) and not any(isinstance(p, DTensor) for p in model.parameters())
 
     def __init__(self, model: torch.nn.Module, *, compiled: bool = False, backend: str = "inductor",
                  cuda_graphs: bool | None = None) -> None:
@@ -265,14 +257,8 @@ class StaticDecoder:
         slots, width = bucket(capacity), state_width(positions)
         shape = (slots, self.num_kv_heads, width, self.head_dim)
         num_layers = len(self.model.model.layers)
-        with torch.no_grad():
-            column_ids = torch.arange(width, device=weight.device).unsqueeze(0)
-            probe = torch.zeros((1, width, 1), dtype=weight.dtype, device=weight.device)
-            cos, sin = self.model.model.rotary_emb(probe, column_ids)
-            half = self.head_dim // 2
-            sin_signed = torch.cat((-sin[0, :, :half], sin[0, :, half:]), dim=-1)  # static_step.rotations
-        return StaticState(caches=[weight.new_zeros((2, *shape)) for _ in range(num_layers)],
-                           cos=cos[0].contiguous(), sin=sin_signed.contiguous(),
+        cos, sin = rope_tables(self.model, width=width, head_dim=self.head_dim)
+        return StaticState(caches=[weight.new_zeros((2, *shape)) for _ in range(num_layers)], cos=cos, sin=sin,
                            logits=self.model.lm_head.weight.new_empty((slots, self.model.lm_head.out_features)))
 
     def attention_span(self, state: StaticState, rows: int, *, steps: int) -> int:

@@ -53,6 +53,34 @@ def fuse_projections(model: torch.nn.Module) -> list[tuple[torch.Tensor, torch.T
     return fused
 
 
+# Position scalings whose frequencies depend on the longest position seen: a table built once for
+# the state's width would differ from HF's per-step frequencies.
+_LENGTH_DEPENDENT_ROPE = ("dynamic", "longrope")
+
+
+def reproduces(model: torch.nn.Module) -> bool:
+    """Whether ``static_forward`` reproduces ``model``'s layers (the architecture and the window are
+    its callers' checks): every layer full attention, RoPE whose frequencies do not depend on the
+    sequence length (``rope_tables`` serves every step), q / k / v and gate / up ``fusable``."""
+    config = model.config
+    if getattr(config, "layer_types", None) and any(t != "full_attention" for t in config.layer_types):
+        return False
+    rope = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {}
+    return rope.get("rope_type", rope.get("type")) not in _LENGTH_DEPENDENT_ROPE and fusable(model)
+
+
+@torch.no_grad()
+def rope_tables(model: torch.nn.Module, *, width: int, head_dim: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """RoPE's ``cos`` / ``sin`` ``[width, d]`` for columns ``0 .. width - 1``, from the model's own
+    rotary module, in its dtype and on its device; the sine's first half negated (``rotations``)."""
+    weight = model.get_input_embeddings().weight
+    column_ids = torch.arange(width, device=weight.device).unsqueeze(0)
+    probe = torch.zeros((1, width, 1), dtype=weight.dtype, device=weight.device)
+    cos, sin = model.model.rotary_emb(probe, column_ids)
+    half = head_dim // 2
+    return cos[0].contiguous(), torch.cat((-sin[0, :, :half], sin[0, :, half:]), dim=-1).contiguous()
+
+
 def fusable(model: torch.nn.Module) -> bool:
     """Whether every layer's q / k / v, and gate / up, all have a bias or all have none."""
     return all(len({m.bias is None for m in group}) == 1 for layer in model.model.layers

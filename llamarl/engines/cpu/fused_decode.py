@@ -37,13 +37,16 @@ turns it off):
   projections through an AMX or AVX512-BF16 GEMM where the CPU has it (``gemm_max_rows``); where
   every projection takes the GEMM, all the layers of a step are one C call (``native_step``; the
   step's time: docs/benchmarks.md, "The native engine on CPU"). They round where HF's bf16
-  modules round, so their outputs are HF's up to the order of fp32 sums; fp32 models keep the
-  PyTorch ops below.
+  modules round, so their outputs are HF's up to the order of fp32 sums.
 
-Otherwise norms, rotary embeddings, the activation and the LM head are the model's own modules, so
-the numerics are HF's eager path: greedy tokens equal the HF loop's (tests) and log-probs agree to
-rounding. A finished row is dropped from the batch exactly as in the HF loop (same live rows at
-every step, so a seeded sampler draws the same numbers).
+* **Elsewhere** (fp32 models, rows the C kernels do not take, ``LLAMARL_CPU_KERNELS=0``): the
+  step the CUDA graphs capture (llamarl/engines/static_step.py ``static_forward``, run eagerly over
+  the same state), so the Llama-family step is written once in Python for both devices and the C
+  kernels are the CPU's backend of it. Its numerics are HF's to fp32 rounding (bf16: to a bf16
+  rounding per op): greedy tokens equal the HF loop's (tests) and log-probs agree to rounding.
+
+A finished row is dropped from the batch exactly as in the HF loop (same live rows at every step,
+so a seeded sampler draws the same numbers).
 """
 
 from __future__ import annotations
@@ -55,6 +58,7 @@ from torch.distributed.tensor import DTensor
 
 from llamarl.engines.cpu import cpu_kernels, native_step
 from llamarl.engines.kv_slots import KVSlots
+from llamarl.engines.static_step import fuse_projections, reproduces, rope_tables, static_forward
 
 _SUPPORTED = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "MistralForCausalLM")
 _RMS_NORMS = ("LlamaRMSNorm", "Qwen2RMSNorm", "Qwen3RMSNorm", "MistralRMSNorm")
@@ -140,6 +144,8 @@ class FusedDecoder:
             return False
         # q / k norms (Qwen3): RMSNorms over each head, which the step applies before RoPE, a layer's
         # two with one epsilon (the C attention takes one).
+        if not reproduces(model):  # the shared step's conditions (static_step.static_forward)
+            return False
         pairs = _qk_norms(model)
         if pairs is None:
             return all(getattr(layer.self_attn, name, None) is None for layer in model.model.layers
@@ -160,6 +166,9 @@ class FusedDecoder:
         self._built_from: tuple[tuple[int, int], ...] = ()
         self._source_tensors: list[torch.Tensor] | None = None
         self._workspace: dict[str, torch.Tensor] = {}
+        self._shared: list | None = None
+        """The shared step's fused q / k / v and gate / up buffers (``static_step.fuse_projections``)."""
+        self._rope_tables: tuple[torch.Tensor, torch.Tensor] | None = None
         self._packed_for: list | None = None  # the build whose projections _pack_together packed
         layers = model.model.layers
         norms = [m for layer in layers for m in (layer.input_layernorm, layer.post_attention_layernorm)]
@@ -182,6 +191,7 @@ class FusedDecoder:
         every ``generate``): a parameter *replaced* by another tensor is then seen, as an in-place
         write always is (its version counter)."""
         self._source_tensors = None
+        self._shared = None  # the shared step's fused buffers: re-checked (static_step.fuse_projections)
 
     def _sources(self) -> list[torch.Tensor]:
         # Walking the modules costs ~1.5 ms (SmolLM2): once per generate call, not once per step.
@@ -257,50 +267,26 @@ class FusedDecoder:
         state.grow(int(columns.max()) + 1)  # a CPU tensor: no device synchronisation
         if self.width_free(rows):
             return self._step_native(state, tokens, columns, fresh_logits=fresh_logits)
-        model = self.model
-        row_index = torch.arange(rows, device=tokens.device)
-        # Attention reads every allocated column (masked where a row has none): the cache's rows are
-        # then contiguous batches for bmm, which on CPU is ~4x faster than over a column slice of them
-        # (measured: 16 rows x 3 KV heads, 300 of 420 columns, bf16: 557 us sliced, 159 us whole).
-        width = state.width
-        hidden = model.model.embed_tokens(tokens.unsqueeze(1))  # [rows, 1, hidden]
-        cos, sin = model.model.rotary_emb(hidden, columns.unsqueeze(1))  # [rows, 1, head_dim]
-        # The mask as an additive bias, added by the scores' own matmul (baddbmm): 0 where a row
-        # sees a column, the dtype's minimum where it does not (HF's eager masking).
-        # A row sees its columns up to its position (KVSlots: no mask is kept).
-        visible = torch.arange(width, device=tokens.device) <= columns.unsqueeze(1)  # [rows, width]
-        bias = torch.zeros((rows, 1, width), dtype=hidden.dtype, device=hidden.device).masked_fill_(
-            ~visible[:, None, :], torch.finfo(hidden.dtype).min)
-        bias = bias.repeat_interleave(self.num_kv_heads, dim=0)  # [rows * kv, 1, width]
-        q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
-        num_qk_heads, groups = self.num_heads + self.num_kv_heads, self.num_heads // self.num_kv_heads
-        norm, qk_norms = _norm, _qk_norms(model)
-        for index, (layer, (qkv, out, gate_up, down)) in enumerate(zip(model.model.layers, self._layers())):
-            x = norm(layer.input_layernorm, hidden)
-            projected = qkv(x.view(rows, -1))
-            # RoPE on q's and k's heads at once (the same elementwise math as HF's, half the ops).
-            qk = projected[:, : q_size + kv_size].view(rows, num_qk_heads, self.head_dim)
-            if qk_norms is not None:  # Qwen3: each head RMS-normalized before RoPE
-                q_norm, k_norm = qk_norms[index]
-                qk = torch.cat((norm(q_norm, qk[:, : self.num_heads]), norm(k_norm, qk[:, self.num_heads :])), dim=1)
-            qk = qk * cos + _rotate_half(qk) * sin
-            q, k = qk[:, : self.num_heads], qk[:, self.num_heads :]  # [rows, heads, d], [rows, kv, d]
-            state.keys[index][row_index, :, columns] = k
-            state.values[index][row_index, :, columns] = projected[:, q_size + kv_size :].view(
-                rows, self.num_kv_heads, self.head_dim)
-            keys = state.keys[index][:rows].flatten(0, 1)  # [rows * kv, width, d]
-            values = state.values[index][:rows].flatten(0, 1)
-            # Grouped query heads against their KV head: [rows * kv, groups, d] x [rows * kv, d, T].
-            scores = torch.baddbmm(bias, q.reshape(rows * self.num_kv_heads, groups, self.head_dim),
-                                   keys.transpose(-1, -2), alpha=self.scaling)
-            weights = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
-            attended = torch.bmm(weights, values)  # [rows * kv, groups, d]
-            hidden = hidden + out(attended.view(rows, q_size)).view(rows, 1, -1)
-            x = norm(layer.post_attention_layernorm, hidden)
-            gate, up = gate_up(x.view(rows, -1)).chunk(2, dim=-1)
-            hidden = hidden + down(layer.mlp.act_fn(gate) * up).view(rows, 1, -1)
-        hidden = norm(model.model.norm, hidden)
-        return self._head(hidden.view(rows, -1))
+        # Elsewhere (fp32, or rows the C kernels do not take): the CUDA graphs' own step
+        # (static_step.static_forward), run eagerly over the same state: one Llama-family step in
+        # Python for both devices, the C kernels above the CPU's backend where they apply. It
+        # attends over every allocated column (masked past a row's position): the cache's rows are
+        # then contiguous batches (a column slice was ~4x slower on CPU: 16 rows x 3 KV heads, 300 of
+        # 420 columns, bf16: 557 us sliced, 159 us whole).
+        cos, sin = self._rope(state)
+        if self._shared is None:
+            self._shared = fuse_projections(self.model)  # per generate call (refresh drops it)
+        logits = self.model.lm_head.weight.new_empty((rows, self.model.lm_head.out_features))
+        return static_forward(self.model, self._shared, tokens, columns, [c[:, :rows] for c in state.caches], cos, sin,
+                              logits, self.num_heads, self.num_kv_heads, self.head_dim, self.scaling)
+
+    def _rope(self, state: KVSlots) -> tuple[torch.Tensor, torch.Tensor]:
+        """RoPE's tables for the state's width (``static_step.rope_tables``), kept on the decoder
+        until the state widens past them."""
+        if self._rope_tables is None or self._rope_tables[0].shape[0] < state.width:
+            self._rope_tables = rope_tables(self.model, width=state.width, head_dim=self.head_dim)
+        cos, sin = self._rope_tables
+        return cos[: state.width], sin[: state.width]
 
     def _buffers(self, rows: int, layer: tuple[_Linear, _Linear, _Linear, _Linear], *,
                  like: torch.Tensor) -> dict[str, torch.Tensor]:
@@ -439,15 +425,6 @@ def _buffers_for(workspace: dict[str, torch.Tensor], *, rows: int, widths: dict[
         if buffer is None or buffer.shape[0] < rows or buffer.shape[1] != width or buffer.device != like.device:
             workspace[name] = torch.empty((rows, width), dtype=torch.bfloat16, device=like.device)
     return {name: workspace[name][:rows] for name in widths}
-
-
-def _norm(module: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
-    """``module(x)`` for the RMSNorms of these families in one fused op (the same values: HF's
-    ``weight * (x_fp32 * rsqrt(mean(x_fp32^2) + eps)).to(dtype)``); any other norm runs itself."""
-    eps = getattr(module, "variance_epsilon", None)
-    if eps is None or type(module).__name__ not in _RMS_NORMS:
-        return module(x)
-    return module.weight * torch.nn.functional.rms_norm(x.float(), (x.shape[-1],), eps=eps).to(x.dtype)
 
 
 def _qk_norms(model: torch.nn.Module) -> list[tuple[torch.nn.Module, torch.nn.Module]] | None:
