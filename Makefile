@@ -58,11 +58,12 @@ test-vllm: .venv/.vllm-installed
 test-gpu: .venv/.installed
 	OMP_NUM_THREADS=1 $(PY) -m pytest -q -s tests/gpu
 
-# One GPU, two prepared parts of <= 300 s each (docs/gpu.md, "Checking a GPU"): PART=engine (decode at the
+# One GPU, three prepared parts of <= 300 s each (docs/gpu.md, "Checking a GPU"): PART=engine (decode at the
 # SmolLM2-135M, Qwen2.5-1.5B and -7B shapes against the bound with the live KV read, kernels a step,
-# prefill, captures) and PART=run (colocated 256 x 256 ticks at 135M and 1.5B); PART=tests (tests/gpu
-# and the default recipe) is optional. Each writes runs/gpu-check-<part>-<time>/report.txt and .json,
-# every target met / MISSED. The machine's own Python and torch (GPU_PY), nothing installed; where it
+# prefill, captures), PART=run (colocated 256 x 256 ticks at 135M and 1.5B) and PART=trainer (training
+# steps, 16k-token micro-batches: 135M and 1.5B full fine-tuning, 7B LoRA; MFU, peak memory);
+# PART=tests (tests/gpu and the default recipe) is optional. Each writes
+# runs/gpu-check-<part>-<time>/report.txt and .json, every target met / MISSED. The machine's own Python and torch (GPU_PY), nothing installed; where it
 # has no torch or no CUDA (then .venv/bin/python is tried) one line says so and it exits 0.
 GPU_PY ?= python3
 PART ?= engine

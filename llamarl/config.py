@@ -439,6 +439,17 @@ class TrainerConfig:
     (``torch.utils.checkpoint`` per layer, under FSDP2): about one more forward of compute for
     activation memory of one layer's inputs per layer. ``auto``: on where the memory model
     (``llamarl/models/memory.py``) says a micro-batch's activations would not fit the device."""
+    compile: Literal["off", "layers"] = "off"
+    """``layers``: ``torch.compile`` each decoder layer's forward (torchtitan's per-layer compile:
+    after activation checkpointing, before FSDP2's ``fully_shard``, whose hooks stay outside the
+    compiled region; ``llamarl/models/sharding.py``), fusing its norms, RoPE and SwiGLU. The compile
+    runs at the first micro-batches (and again when shapes or grad mode change), its seconds logged
+    as ``compile_seconds``. Shared-prompt segment attention is a graph break (its host loop over
+    segments runs eagerly between two compiled graphs). ``off`` (default): eager; opt-in until
+    measured on a GPU (docs/gpu.md)."""
+    compile_backend: Literal["inductor", "aot_eager", "eager"] = "inductor"
+    """The backend of ``--trainer.compile layers``: ``inductor`` (generated kernels: the one that
+    speeds up), ``aot_eager`` / ``eager`` (trace only, no code generated: tests, debugging)."""
     lr_schedule: Literal["constant", "linear", "cosine"] = "constant"
     """The learning rate over optimizer steps, after ``--trainer.warmup-steps`` of linear warm-up:
     ``constant`` (``--trainer.lr``), ``linear`` or ``cosine`` decay to 0 at
@@ -466,6 +477,9 @@ class TrainerConfig:
         _check(self.microbatch_rows >= 0, f"--trainer.microbatch-rows must be >= 0 (0: dynamic), got {self.microbatch_rows}")
         _check(self.max_nonfinite_steps >= 1, f"--trainer.max-nonfinite-steps must be >= 1, got {self.max_nonfinite_steps}")
         _check(self.num_minibatches >= 1, f"--trainer.num-minibatches must be >= 1, got {self.num_minibatches}")
+        _check(self.compile in ("off", "layers"), f"--trainer.compile must be off or layers, got {self.compile!r}")
+        _check(self.compile_backend in ("inductor", "aot_eager", "eager"),
+               f"--trainer.compile-backend must be inductor, aot_eager or eager, got {self.compile_backend!r}")
 
     def learning_rate(self) -> float:
         """``--trainer.lr`` if given, else the default for what trains (``full_lr`` / ``lora.lr``)."""
@@ -651,6 +665,15 @@ class EnvConfig:
     """Plain Python functions as the tools, ``module:function[,module:function...]``, presented and
     called through the chat template as TRL's ``tools=`` (llamarl/environments/function_tools.py):
     each needs type hints and a docstring with ``Args:``; checked at flag parsing. Instead of ``name``."""
+    tool_format: str | None = None
+    """With ``tools``: the tool-call format the policy writes, a registered one (``hermes``: Qwen /
+    Hermes ``<tool_call>`` JSON; ``llama3``: Llama-3.1 / 3.2 JSON; ``mistral``: ``[TOOL_CALLS]``;
+    llamarl/environments/tool_formats.py); None: the one the chat template speaks (``hermes``, the
+    default format, for a template with none)."""
+    mask_truncated: bool = False
+    """Mask from the loss a policy turn the token budget (``--generator.max-new-tokens``) cut: neither
+    a tool call nor an answer (the episode is marked truncated either way, counted per tick as
+    ``env_truncated``); its tokens stay in the transcript, never trained."""
     max_turns: int = 4
     """Policy turns per episode at most (a turn ends at one of the environment's stop tokens or EOS)."""
     tool_timeout_s: float = 5.0
@@ -662,7 +685,9 @@ class EnvConfig:
     def reference(self) -> str | None:
         """What ``build_environment`` and the tool workers build: ``name``, or ``tools:<tools>``; None
         without an environment."""
-        return f"tools:{self.tools}" if self.tools is not None else self.name
+        if self.tools is None:
+            return self.name
+        return f"tools:{self.tools}" if self.tool_format is None else f"tools@{self.tool_format}:{self.tools}"
 
     def __post_init__(self) -> None:
         # The references themselves (a module:Class, each module:function's schema) are resolved by
@@ -671,6 +696,8 @@ class EnvConfig:
         if self.tools is not None:
             _check(self.name is None, f"--env.tools and --env.name are two environments: pass one (got --env.name "
                    f"{self.name} and --env.tools {self.tools}; --env.name None drops a recipe's default)")
+        _check(self.tool_format is None or self.tools is not None,
+               f"--env.tool-format {self.tool_format} applies to --env.tools, which is not set")
         _check(self.max_turns >= 1, f"--env.max-turns must be >= 1, got {self.max_turns}")
         _check(self.tool_timeout_s > 0, f"--env.tool-timeout-s must be > 0, got {self.tool_timeout_s}")
         _check(self.num_tool_workers >= 0, f"--env.num-tool-workers must be >= 0, got {self.num_tool_workers}")

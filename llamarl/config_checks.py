@@ -121,6 +121,13 @@ def check_environment(env: EnvConfig) -> None:
             raise ValueError(f"--env.name {env.name}: {error}") from None
     if env.tools is not None:
         resolve_tools(env.tools)
+    if env.tool_format is not None:
+        from llamarl.environments.tool_formats import TOOL_FORMATS
+
+        try:
+            TOOL_FORMATS.get(env.tool_format)
+        except ValueError as error:
+            raise ValueError(f"--env.tool-format: {error}") from None
 
 
 def _local_source(name: str) -> Path | None:
@@ -134,8 +141,8 @@ def _local_source(name: str) -> Path | None:
 
 def check_environment_tokens(config: RLConfig) -> None:
     """What the generator checks of the environment against the policy's tokenizer, with the
-    tokenizer alone, before any model loads: each stop and end text one token, the tool schemas, a
-    chat template that frames tool answers. ValueError, one line naming ``--env.tools`` /
+    tokenizer alone, before any model loads: each stop and end text a non-empty string, the tool
+    schemas, a chat template that frames tool answers (in the format it speaks). ValueError, one line naming ``--env.tools`` /
     ``--env.name`` and ``--model.name``. A hub id not on disk is checked by the generator instead."""
     env = config.env
     reference, source = env.reference(), _local_source(config.model.name)
@@ -147,16 +154,19 @@ def check_environment_tokens(config: RLConfig) -> None:
         EnvironmentContractError,
         build_environment,
         check_tool_schemas,
-        stop_token_ids,
+        stop_tokens,
     )
-    from llamarl.environments.function_tools import tool_observation_format
+    from llamarl.environments.function_tools import tool_observation_format, tools_reference
+    from llamarl.environments.tool_formats import choose_tool_format
 
     flag = f"--env.tools {env.tools}" if env.tools is not None else f"--env.name {env.name}"
     tokenizer = AutoTokenizer.from_pretrained(str(source))
+    if env.tools is not None and env.tool_format is None:  # the format the chat template speaks
+        reference = tools_reference(env.tools, tool_format=choose_tool_format(tokenizer).name)
     try:
         environment = build_environment(reference)
-        stop_token_ids(environment, tokenizer)
-        stop_token_ids(environment, tokenizer, ending=True)
+        stop_tokens(environment, tokenizer)
+        stop_tokens(environment, tokenizer, ending=True)
         schemas = check_tool_schemas(reference, environment)
         if schemas is not None:
             tool_observation_format(tokenizer, schemas)

@@ -29,6 +29,8 @@ import dataclasses
 import logging
 from collections.abc import Callable
 
+import torch
+
 from llamarl.config import RLConfig
 from llamarl.config_checks import validate_config
 from llamarl.data.prompts import Problem
@@ -36,6 +38,7 @@ from llamarl.executors.dynamic_sampling import DynamicSampling
 from llamarl.executors.generator import GeneratorExecutor, PromptFn, Task
 from llamarl.executors.reward import RewardExecutor
 from llamarl.executors.trainer import TrainerExecutor
+from llamarl.models.colocated_memory import EngineFootprint
 from llamarl.pipeline import ChannelSpec, Pipeline, Stage
 from llamarl.rewards import resolve_scorer
 from llamarl.rewards.funcs import FuncsScore, RewardFuncs, split_funcs
@@ -96,8 +99,24 @@ def _trainer(config: RLConfig, *, input_name: str = "scored"):
     def build(ctx) -> TrainerExecutor:
         return TrainerExecutor(ctx, model_config=config.model, config=config.trainer, algo=config.algo,
                                temperature=config.generator.temperature, input_name=input_name,
-                               seed=config.run.seed, stop_on_no_signal=config.run.stop_on_no_signal)
+                               seed=config.run.seed, stop_on_no_signal=config.run.stop_on_no_signal,
+                               engine_state=kept_engine_state(config))
     return build
+
+
+def kept_engine_state(config: RLConfig) -> EngineFootprint | None:
+    """What a colocated native engine keeps on the trainer's device while the trainer runs
+    (``--generator.torch.no-sleep``; None when released or not colocated), as an upper bound:
+    ``--generator.max-num-seqs`` slots (else every sample of a step), each as wide as a micro-batch
+    (``--trainer.max-tokens-per-microbatch`` caps a sample's prompt + completion)."""
+    generator = config.generator
+    if config.run.schedule != "colocated" or generator.engine != "torch" or generator.torch.sleep:
+        return None
+    from llamarl.engines.static_shapes import bucket, state_width
+
+    rows = generator.max_num_seqs or generator.num_prompts_per_step * generator.samples_per_prompt
+    return EngineFootprint(slots=bucket(rows), width=state_width(config.trainer.max_tokens_per_microbatch),
+                           dtype=getattr(torch, generator.dtype))
 
 
 def generator_stage(config: RLConfig, *, task: Task, prompt_fn: PromptFn, name: str = "generator",

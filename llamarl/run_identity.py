@@ -43,6 +43,7 @@ SAFE = (
     "run.wandb_", "generator.num_ranks", "generator.tp", "generator.num_threads", "generator.engine",
     "generator.torch.", "generator.vllm.", "generator.max_num_seqs", "reward.num_ranks", "reward.num_workers",
     "reward.device", "reward.timeout_s", "trainer.num_threads", "trainer.activation_checkpointing",
+    "trainer.compile",
     "trainer.logprob_chunk_tokens", "trainer.max_tokens_per_microbatch", "trainer.microbatch_rows",
     "trainer.share_prompts", "trainer.max_nonfinite_steps", "trainer.lora.export_merged", "weights.",
     "trainer.full_lr", "trainer.lora.lr",  # defaults of trainer.lr, which records the rate taken

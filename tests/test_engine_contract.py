@@ -59,8 +59,10 @@ def test_the_built_in_engines_are_registered_and_unknown_names_list_them():
     assert (engine.fused_decode, engine.carried_cache, engine.eos_check_every) == (False, "keep", 3)
     with pytest.raises(TypeError, match="engine 'torch' takes a TorchEngineConfig, got a VLLMEngineConfig"):
         build_engine("torch", setup_for(build_tiny_llama()), VLLMEngineConfig())
-    # The native engine has none of the optional capabilities: the generator samples from its model.
-    assert not isinstance(engine, (StreamsWeights, Sleeps, ReportsCounters))
+    # The native engine samples from the generator's model (no weight stream, no counters); it
+    # sleeps (releases its decode state) only when built sharing its device (tests/test_colocated_memory.py).
+    assert not isinstance(engine, (StreamsWeights, ReportsCounters))
+    assert isinstance(engine, Sleeps) and not engine.sleep_mode
     assert not TorchEngineConfig.streams_weights and TorchEngineConfig.tensor_parallel
     assert VLLMEngineConfig.streams_weights and VLLMEngineConfig.tensor_parallel
 

@@ -120,7 +120,8 @@ def test_the_prompt_presents_the_tools_through_the_template():
 
 def test_the_observation_is_the_templates_tool_message():
     schemas = FunctionToolsEnvironment.from_reference(TOOLS).chat_tools()
-    expected = ("<|im_end|>\n<|im_start|>user\n<tool_response>\n", "\n</tool_response><|im_end|>\n<|im_start|>assistant\n")
+    # From the end of the call message (its EOS, the last token the policy samples) to the next header.
+    expected = ("\n<|im_start|>user\n<tool_response>\n", "\n</tool_response><|im_end|>\n<|im_start|>assistant\n")
     assert tool_observation_format(qwen_tokenizer(), schemas) == expected
     assert tool_observation_format(plain_chat_tokenizer(), schemas) == expected  # the default format
 
@@ -157,8 +158,8 @@ def test_a_tool_call_trains_the_sampled_ids_and_never_the_observation(num_worker
     reference = "tools:" + TOOLS
     environment = build_environment(reference)
     prompt = presenting_tools(build_chat_prompt, environment.chat_tools())(tokenizer, "How many cm in 2 m?")
-    call_ids = tokenizer("I will convert.\n" + CALL, add_special_tokens=False)["input_ids"]
-    assert call_ids[-1] == tokenizer.convert_tokens_to_ids("</tool_call>")  # one special token: the stop id
+    call_ids = tokenizer("I will convert.\n" + CALL + "<|im_end|>", add_special_tokens=False)["input_ids"]
+    assert call_ids[-1] == tokenizer.eos_token_id  # the call message ends as any message: at EOS
     tools = ToolRunner(reference, timeout_s=30.0, num_workers=num_workers)
     runner = EpisodeRunner(ForcedToolCall(engine, call_ids), environment=environment, tools=tools,
                            tokenizer=tokenizer, max_turns=3,
@@ -168,7 +169,7 @@ def test_a_tool_call_trains_the_sampled_ids_and_never_the_observation(num_worker
                               sampling=SamplingParams(temperature=0.0, max_new_tokens=160), version=4)[0]
     finally:
         runner.close()
-    obs_text = "<|im_end|>\n<|im_start|>user\n<tool_response>\n200.0\n</tool_response><|im_end|>\n<|im_start|>assistant\n"
+    obs_text = "\n<|im_start|>user\n<tool_response>\n200.0\n</tool_response><|im_end|>\n<|im_start|>assistant\n"
     obs = tokenizer(obs_text, add_special_tokens=False)["input_ids"]
     # The answer turn: what the bare engine samples (greedy) after the call and the observation.
     answer = engine.generate([Request(sample_id=0, prompt_ids=prompt + call_ids + obs)], version=4, sampling=SamplingParams(

@@ -132,18 +132,19 @@ def test_the_tick_line_counts_ticks_as_the_files_do():
     assert [duration_text(s) for s in (0.4, 59, 61, 7325)] == ["0 s", "59 s", "1 min 1 s", "2 h 02 min"]
 
 
-def test_tools_on_a_tokenizer_splitting_the_stop_text_fail_before_any_model_loads(model_dir):
-    """``--env.tools`` ends a turn on ``</tool_call>``, which the tiny model's character tokenizer
-    splits: the whole-config check (every rank, before the world) says so in one line from the
-    tokenizer alone, where the generator found it after loading the model."""
+def test_tools_on_a_tokenizer_without_a_chat_template_fail_before_any_model_loads(model_dir):
+    """``--env.tools`` presents and answers the tools through the chat template, which the tiny
+    model's character tokenizer lacks (that it splits ``</tool_call>`` into 12 tokens is fine: a call
+    turn ends at EOS): the whole-config check (every rank, before the world) says so in one line
+    from the tokenizer alone, where the generator found it after loading the model."""
     from llamarl.config_checks import validate_config
 
     config = _parsed(["--model.name", str(model_dir), "--env.tools", "tools_for_tests:shout"])
     with pytest.raises(ValueError) as info:
         validate_config(config)
     message = str(info.value)
-    assert message.startswith(f"--env.tools tools_for_tests:shout with --model.name {model_dir}: environment stop "
-                              "text '</tool_call>' is 12 tokens of this tokenizer"), message
+    assert message.startswith(f"--env.tools tools_for_tests:shout with --model.name {model_dir}: the tokenizer has "
+                              "no chat template, through which --env.tools presents the tools"), message
     assert "\n" not in message
     validate_config(_parsed(["--model.name", str(model_dir), "--env.name", "envs_for_tests:DigitsEnv"]))  # "a": one
 

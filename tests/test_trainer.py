@@ -51,6 +51,7 @@ JOBS = {
     **{f"out_{nproc}_{budget}_{loss}": (nproc, ["--budget", str(budget), "--loss", loss])
        for nproc, budget in FSDP_CASES for loss in ("aipo", "decoupled_ppo")},
     **{f"x2_{nproc}_{budget}": (nproc, ["--budget", str(budget), "--loss", "aipo_x2"]) for nproc, budget in LOSS_CASES},
+    "compiled_1": (1, ["--budget", "4096", "--loss", "aipo", "--compile"]),
     **{f"stale_{nproc}": (nproc, ["--budget", "4096", "--loss", "aipo", "--max-staleness", "1"]) for nproc in (1, 2)},
     **{f"norm_{nproc}_{budget}": (nproc, ["--budget", str(budget), "--loss", "aipo", "--max-staleness", "none",
                                           "--normalize-batch"]) for nproc, budget in LOSS_CASES},
@@ -94,6 +95,23 @@ def test_fsdp_update_matches_single_process_reference(setup, worlds, nproc, budg
     assert metrics["num_loss_tokens"] == float(batch["loss_mask"].sum())
     assert metrics["staleness_max"] == 2.0
     assert metrics["zero_advantage_samples"] == 4  # groups 3 (all 0) and 9 (all 1): skipped, same update
+
+
+def test_compiled_layers_train_as_eager(setup, worlds):
+    """``--trainer.compile layers`` (aot_eager): the FSDP2 trainer's gradients, update and loss those
+    of the eager trainer on the same batch, the compile's seconds reported once."""
+    _, model_dir, _ = setup
+    compiled, compiled_weights, compiled_grads = run_world(worlds, "compiled_1")
+    eager, _, eager_grads = run_world(worlds, "out_1_4096_aipo")
+    assert sorted(compiled_grads) == sorted(eager_grads)
+    for name, grad in eager_grads.items():
+        torch.testing.assert_close(compiled_grads[name], grad, rtol=1e-4, atol=1e-6, msg=name)
+    # The update is AdamW's of those gradients (elementwise, so the same on any CPU; near-zero
+    # gradients' AdamW steps amplify summation-order differences, so not compared with eager's).
+    for name, weight in adamw_step(model_dir, compiled_grads).items():
+        torch.testing.assert_close(compiled_weights[name], weight, rtol=1e-6, atol=1e-7, msg=name)
+    assert compiled["loss"] == pytest.approx(eager["loss"], rel=1e-5, abs=1e-7)
+    assert compiled["compile_seconds"] > 0 and "compile_seconds" not in eager
 
 
 @pytest.mark.parametrize("loss_agg", ["seq-mean-token-mean", "seq-mean-token-sum-norm"])

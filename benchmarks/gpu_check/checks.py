@@ -1,4 +1,4 @@
-"""Each section's targets (issue 45's Targets; ``common.TARGETS``) against its numbers: a pure
+"""Each section's targets (issues 45's and 46's Targets; ``common.TARGETS``) against its numbers: a pure
 function of the section's result, so the met / MISSED logic is tested on CPU with made-up results.
 
 A check is ``{"what", "value", "target", "met"}``: ``met`` True (met), False (MISSED) or None (not
@@ -56,8 +56,38 @@ def tick_checks(result: dict) -> list[dict]:
                           TARGETS["tick_gen_tokens_per_s_135m"], ",.0f")]
     if shape == "qwen2.5-1.5b":
         return [_at_least(f"{shape}: tick generated tokens/s over its bound", result.get("gen_vs_bound"),
-                          TARGETS["tick_fraction_of_bound_1.5b"])]
+                          TARGETS["tick_fraction_of_bound_1.5b"]), tick_memory_check(result)]
     return []
+
+
+def tick_memory_check(result: dict) -> dict:
+    """Issue 46: the colocated tick (generator resident beside the trainer) fits the device: its
+    peak allocated memory over the device's, MISSED on an out-of-memory error."""
+    limit = TARGETS["tick_memory_fraction_1.5b"]
+    what = f"{result.get('shape', '?')}: colocated tick's peak memory / the device's (generator's weights resident)"
+    if result.get("out_of_memory"):
+        return _check(what, "out of memory", f"<= {limit:g}", False)
+    peak, total = result.get("peak_gpu_memory_gib"), result.get("device_memory_gib")
+    return _at_most(what, peak / total if peak and total else None, limit)
+
+
+def train_checks(result: dict) -> list[dict]:
+    """``train:<name>``: each case's MFU (forward + backward + AdamW step over the data sheet's peak)
+    against the shape's target (the smoke's tiny takes 135M's); one not measured where no case ran."""
+    shape = result.get("shape", "?")
+    per_shape = TARGETS["train_mfu"]
+    limit = per_shape.get(shape, per_shape["smollm2-135m"])
+    found = []
+    for entry in result.get("methods", {}).values():
+        for case in entry.get("cases", []):
+            what = (f"{shape}: trainer MFU, {method_name(entry)}, shared prompts "
+                    f"{'on' if case['share_prompts'] else 'off'}" + (", layers compiled" if case.get("compiled") else ""))
+            found.append(_at_least(what, case.get("mfu"), limit))
+    return found or [_at_least(f"{shape}: trainer MFU", None, limit)]
+
+
+def method_name(entry: dict) -> str:
+    return f"LoRA rank {entry['lora_rank']}" if entry.get("method") == "lora" else "full fine-tuning"
 
 
 def tests_checks(result: dict) -> list[dict]:
@@ -77,9 +107,10 @@ def recipe_checks(result: dict) -> list[dict]:
 
 
 def checks(name: str, result: dict) -> list[dict]:
-    """The checks of section ``name`` (``shape:<x>``, ``tick:<x>``, ``tests``, ``recipe``)."""
+    """The checks of section ``name`` (``shape:<x>``, ``tick:<x>``, ``train:<x>``, ``tests``, ``recipe``)."""
     kind = name.split(":", 1)[0]
-    return {"shape": shape_checks, "tick": tick_checks, "tests": tests_checks, "recipe": recipe_checks}[kind](result)
+    return {"shape": shape_checks, "tick": tick_checks, "train": train_checks, "tests": tests_checks,
+            "recipe": recipe_checks}[kind](result)
 
 
 def tally(report_checks: list[dict]) -> dict[str, int]:

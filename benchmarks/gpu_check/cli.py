@@ -28,8 +28,9 @@ PROBE = "import torch; print(torch.__version__, torch.cuda.is_available())"
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="benchmarks/gpu_check", description="llamarl's one-GPU check (make gpu-check)")
-    parser.add_argument("--part", choices=("engine", "run", "tests"), default="engine",
+    parser.add_argument("--part", choices=("engine", "run", "trainer", "tests"), default="engine",
                         help="engine: decode at three shapes (<= 300 s); run: colocated ticks (<= 300 s); "
+                             "trainer: training steps at 135M, 1.5B and 7B LoRA (<= 300 s); "
                              "tests: tests/gpu and the default recipe (optional)")
     parser.add_argument("--out", default=None, help="report directory (default runs/gpu-check-<part>-<timestamp>)")
     parser.add_argument("--only", default="", help="comma-separated sections of the part to run (the others skipped)")
@@ -39,6 +40,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--smollm2", default=None, help="the recipe: a directory of SmolLM2-135M-Instruct's HF weights")
     parser.add_argument("--recipe-ticks", type=int, default=25, help="the recipe's ticks (make run's 25)")
     parser.add_argument("--recipe-eval-every", type=int, default=5, help="the recipe's evaluation period (make run's 5)")
+    parser.add_argument("--train-compile", action="store_true",
+                        help="trainer: also a case with --trainer.compile layers (shared prompts on; outside the "
+                             "300 s plan: give the sections more with --timeouts)")
     parser.add_argument("--isolated", action="store_true",
                         help="--smoke: run each shape in a child process with its timeout, as on a GPU")
     parser.add_argument("--venv", default=str(VENV_PYTHON),
@@ -92,15 +96,14 @@ def _write_json(path: Path, data) -> None:
 
 
 def _sizes(args, device: str):
-    return sizes(smoke=args.smoke, device=device, recipe_ticks=args.recipe_ticks, recipe_eval_every=args.recipe_eval_every)
+    return sizes(smoke=args.smoke, device=device, recipe_ticks=args.recipe_ticks, recipe_eval_every=args.recipe_eval_every,
+                 train_compile=args.train_compile)
 
 
 def run_child(args) -> int:
-    """``--child shape:<name>``: one shape in this process, its result written to ``--child-out``
-    after every measurement (so a timeout keeps what was measured)."""
+    """``--child shape:<name>`` or ``train:<name>``: one shape's section in this process, its result
+    written to ``--child-out`` after every measurement (so a timeout keeps what was measured)."""
     import torch
-
-    from gpu_check.device_sections import shape_section
 
     out = Path(args.child_out)
     device = "cuda" if torch.cuda.is_available() and not args.smoke else "cpu"
@@ -110,8 +113,16 @@ def run_child(args) -> int:
         holder["result"] = result
         _write_json(out, holder)
 
+    kind, _, shape = args.child.partition(":")
     try:
-        save(shape_section(args.child.split(":", 1)[1], _sizes(args, device), save))
+        if kind == "train":
+            from gpu_check.trainer_sections import train_section
+
+            save(train_section(shape, _sizes(args, device), save, out_dir=out.parent))
+        else:
+            from gpu_check.device_sections import shape_section
+
+            save(shape_section(shape, _sizes(args, device), save))
         return 0
     except Exception as error:  # noqa: BLE001 - the parent records it
         traceback.print_exc()
@@ -159,9 +170,12 @@ def run_section(name: str, args, sz, out_dir: Path, timeout_s: float) -> dict:
     entry: dict = {"status": "ok", "timeout_s": round(timeout_s), "log": log.name}
     start = time.time()
     try:
-        if kind == "shape" and (args.isolated or not args.smoke):
+        # A training section always in a process of its own: its world (a process group) must not
+        # outlive it in this one.
+        if kind == "train" or (kind == "shape" and (args.isolated or not args.smoke)):
             child_out = out_dir / f"{name.replace(':', '-')}.partial.json"
             cmd = [sys.executable, str(PACKAGE), "--part", args.part, *(["--smoke"] if args.smoke else []),
+                   *(["--train-compile"] if args.train_compile else []),
                    "--child", name, "--child-out", str(child_out)]
             code, _ = run_sections.run_logged(cmd, log=log, env=run_sections.child_env(), timeout_s=timeout_s)
             data = json.loads(child_out.read_text()) if child_out.exists() else {}

@@ -15,20 +15,21 @@ for _path in (REPO, BENCH):  # llamarl, recipes; generation.py, async_speedup.py
         sys.path.insert(0, str(_path))
 
 PART_BUDGET_S = 300.0
-"""Each prepared part (``engine``, ``run``) decides within this many seconds of a GPU."""
+"""Each prepared part (``engine``, ``run``, ``trainer``) decides within this many seconds of a GPU."""
 STARTUP_S = 20.0
 """What a part spends outside its sections' timeouts (this process's start and imports, the report)."""
 
 # A part: its sections in order, each with its timeout (s); a section is ``kind:shape`` or a name.
-# engine and run: the timeouts plus STARTUP_S add up to <= PART_BUDGET_S (plan_seconds; tested).
+# engine, run and trainer: the timeouts plus STARTUP_S add up to <= PART_BUDGET_S (plan_seconds; tested).
 PARTS = {
     "engine": (("shape:smollm2-135m", 65.0), ("shape:qwen2.5-1.5b", 80.0), ("shape:qwen2.5-7b", 135.0)),
     "run": (("tick:smollm2-135m", 110.0), ("tick:qwen2.5-1.5b", 170.0)),
     "tests": (("tests", 300.0), ("recipe", 200.0)),  # optional, not in the 15 minutes: tests/gpu, the recipe
+    "trainer": (("train:smollm2-135m", 45.0), ("train:qwen2.5-1.5b", 75.0), ("train:qwen2.5-7b", 130.0)),
 }
 SMOKE_PARTS = {"engine": (("shape:tiny", 120.0),), "run": (("tick:tiny", 240.0),),
-               "tests": (("tests", 300.0), ("recipe", 240.0))}
-BUDGETED = ("engine", "run")
+               "tests": (("tests", 300.0), ("recipe", 240.0)), "trainer": (("train:tiny", 240.0),)}
+BUDGETED = ("engine", "run", "trainer")
 
 
 def plan(part: str, *, smoke: bool = False) -> tuple[tuple[str, float], ...]:
@@ -41,7 +42,7 @@ def plan_seconds(part: str, *, smoke: bool = False) -> float:
     return sum(timeout for _, timeout in plan(part, smoke=smoke)) + STARTUP_S
 
 
-TARGETS = {  # issue 45, "Targets (one H100 / H200, make gpu-check)"
+TARGETS = {  # issue 45, "Targets (one H100 / H200, make gpu-check)"; issue 46's below
     "step_vs_bound_64": {"smollm2-135m": 12.0, "qwen2.5-1.5b": 1.8, "qwen2.5-7b": 1.3},  # at most, 64 rows
     "step_vs_bound_256": 1.5,  # at most, every shape, the bound with the live KV read
     "capture_seconds_per_shape": 10.0,  # every bucket of a shape's ladder captured in at most this
@@ -49,6 +50,9 @@ TARGETS = {  # issue 45, "Targets (one H100 / H200, make gpu-check)"
     "tick_fraction_of_bound_1.5b": 0.5,  # at least: generated tokens/s over the tick's bound, at 1.5B
     "tests_failed": 0,
     "recipe_seconds_to_0.70": 10.0,
+    # issue 46 (the trainer at the hardware): at least, forward + backward + AdamW step, over the data sheet
+    "train_mfu": {"smollm2-135m": 0.25, "qwen2.5-1.5b": 0.40, "qwen2.5-7b": 0.35},
+    "tick_memory_fraction_1.5b": 1.0,  # at most: the colocated tick's peak over the device's memory
 }
 
 # (name contains all of, dense bf16 TFLOPS, HBM TB/s): vendor data sheets (sparsity not counted).
@@ -122,15 +126,28 @@ class Sizes:
     tick_ticks: int = 3
     recipe_ticks: int = 25
     recipe_eval_every: int = 5
+    train_microbatch_tokens: int = 16384  # --trainer.max-tokens-per-microbatch
+    train_group_size: int = 8  # samples a prompt
+    train_prompt_tokens: int = 512
+    train_completion_tokens: int = 1536  # a row: 2,048 tokens; a group: one 16,384-token micro-batch
+    train_groups: int = 4  # groups (micro-batches) a step (trainer_sections.GROUPS: fewer at 7B)
+    train_lora_rank: int = 16
+    train_warmup: int = 1  # steps before the timed ones, each case
+    train_steps: int = 2  # timed steps, each case
+    train_compile: bool = False  # --train-compile: a case with --trainer.compile layers too (opt-in)
 
 
-def sizes(*, smoke: bool, device: str, recipe_ticks: int = 25, recipe_eval_every: int = 5) -> Sizes:
+def sizes(*, smoke: bool, device: str, recipe_ticks: int = 25, recipe_eval_every: int = 5,
+          train_compile: bool = False) -> Sizes:
     if not smoke:
-        return Sizes(smoke=False, device=device, recipe_ticks=recipe_ticks, recipe_eval_every=recipe_eval_every)
+        return Sizes(smoke=False, device=device, recipe_ticks=recipe_ticks, recipe_eval_every=recipe_eval_every,
+                     train_compile=train_compile)
     # fp32: the CPU's bf16 paths compile C kernels on first use, which a dry run need not wait for.
     return Sizes(smoke=True, device=device, dtype="float32", rows=(2, 4), widths=(64, 128), prompt_tokens=12,
                  new_tokens=9, repeats=1, profile_rows=2, copy_bytes=1 << 22, gemm_size=128, replay_kernels=50,
-                 tick_prompts=2, tick_samples=2, tick_new_tokens=8, tick_ticks=2, recipe_ticks=2, recipe_eval_every=1)
+                 tick_prompts=2, tick_samples=2, tick_new_tokens=8, tick_ticks=2, recipe_ticks=2, recipe_eval_every=1,
+                 train_microbatch_tokens=256, train_group_size=4, train_prompt_tokens=24, train_completion_tokens=40,
+                 train_groups=2, train_lora_rank=4, train_steps=1, train_compile=train_compile)
 
 
 def build_model(name: str, *, dtype: str, device: str, seed: int = 0):

@@ -3,9 +3,9 @@ marked met / MISSED / not measured."""
 
 from __future__ import annotations
 
-from gpu_check.checks import tally
+from gpu_check.checks import method_name, tally
 
-TITLES = {"shape": "decode at the shape of", "tick": "colocated tick at",
+TITLES = {"shape": "decode at the shape of", "tick": "colocated tick at", "train": "trainer steps at the shape of",
           "tests": "tests/gpu", "recipe": "default recipe, colocated: time to 0.70 held-out accuracy"}
 
 
@@ -77,6 +77,29 @@ def _tick(r: dict) -> list[str]:
     return lines
 
 
+def _train(r: dict) -> list[str]:
+    if "gemm_tflops" not in r:
+        return []
+    lines = [(f"probe: bf16 GEMM {_f(r['gemm_tflops'], '.0f')} TFLOPS; data sheet {_f(r.get('peak_tflops'), '.0f')} "
+              f"TFLOPS; {r['groups']} groups x {r['group_size']} samples x ({r['prompt_tokens']} prompt + "
+              f"{r['completion_tokens']} completion) tokens a step, micro-batches of <= {r['microbatch_tokens']:,} "
+              f"tokens, {r['dtype']} compute; {r['warmup']} warm-up + {r['steps']} timed steps a case")]
+    for entry in r.get("methods", {}).values():
+        lines.append(f"{method_name(entry)}: {entry['params'] / 1e6:,.1f}M parameters, {entry['trainable'] / 1e6:,.1f}M "
+                     f"trained (AdamW), activation checkpointing {'on' if entry['activation_checkpointing'] else 'off'}, "
+                     f"init {_f(entry.get('init_s'), '.1f')} s")
+        if entry.get("cases"):
+            lines.append(f"  {'shared':>6} {'compile':>7} {'mbs':>4} {'fwd tokens':>10} {'s/step':>7} {'tokens/s':>10} "
+                         f"{'TFLOP/s':>8} {'MFU':>6} {'x GEMM':>7} {'peak GiB':>9} {'of device':>9}")
+        for c in entry.get("cases", []):
+            compiled = f"{c.get('compile_s', 0.0):.0f} s" if c.get("compiled") else "off"
+            lines.append(f"  {'on' if c['share_prompts'] else 'off':>6} {compiled:>7} {c['microbatches']:>4} "
+                         f"{c['forwarded_tokens']:>10,.0f} {c['step_s']:>7.3f} {c['tokens_per_s']:>10,.0f} {c['tflops_per_s']:>8.1f} "
+                         f"{_f(c.get('mfu'), '.3f'):>6} {_f(c.get('mfu_vs_gemm'), '.3f'):>7} "
+                         f"{_f(c.get('peak_memory_gib'), '.1f'):>9} {_f(c.get('peak_memory_fraction'), '.2f'):>9}")
+    return lines
+
+
 def _tests(r: dict) -> list[str]:
     if "counts" not in r:
         return []
@@ -101,7 +124,7 @@ def _recipe(r: dict) -> list[str]:
     return lines
 
 
-RENDER = {"shape": _shape, "tick": _tick, "tests": _tests, "recipe": _recipe}
+RENDER = {"shape": _shape, "tick": _tick, "train": _train, "tests": _tests, "recipe": _recipe}
 
 
 def _shown(value) -> str:

@@ -137,6 +137,8 @@ def main(spec_path: str) -> int:
     device = "cuda" if torch.cuda.is_available() else "cpu"
     small = device == "cpu"
     result["device"] = torch.cuda.get_device_name() if device == "cuda" else "cpu"
+    if device == "cuda":
+        result["device_memory_gib"] = torch.cuda.get_device_properties(0).total_memory / 2**30
     result["copy_gbps"] = copy_bandwidth_gbps(device, 1 << (22 if small else 30))
     result["gemm_tflops"] = gemm_tflops(device, 128 if small else 8192)
     save()

@@ -207,6 +207,8 @@ def tick(shape: str, sizes: Sizes, save, *, out_dir: Path, timeout_s: float) -> 
     result.update(tick_ratios(result, shape=shape, dtype=sizes.dtype))
     if (run_dir / "summary.json").exists():
         result["peak_gpu_memory_gib"] = json.loads((run_dir / "summary.json").read_text()).get("peak_gpu_memory_gib")
+    if code not in (0, 124) and log.exists():  # the memory target's MISSED (checks.tick_memory_check)
+        result["out_of_memory"] = "CUDA out of memory" in log.read_text(errors="replace")
     save(result)
     if code != 0:
         raise _failed(code, log, "the tick run")

@@ -29,20 +29,25 @@ Types (token ids in, token ids out: nothing is re-tokenised, so what the policy 
 the trainer trains):
 
 - ``SamplingParams``: temperature / top-p / top-k, ``max_new_tokens`` for the whole completion,
-  and ``stop_token_ids``: ids that end a completion besides the model's EOS ids (a tool call's
-  closing token ends a turn). The stop token is kept in the output, ``finish_reason == "stop"``.
+  ``stop_token_ids``: ids that end a completion besides the model's EOS ids (a tool call's
+  closing token ends a turn; the stop token is kept in the output, ``finish_reason == "stop"``),
+  and ``stop``: strings that end it where its text reaches one (``include_stop_text``: the
+  returned text keeps the stop string or ends before it; the ids always end where the text does;
+  llamarl/engines/stop_text.py).
 - ``Request``: a prompt, and for a carried (partial) sample its completion so far with the
   behaviour log-prob and weight version of each of its tokens, and its ``loss_mask``: 1 for a token
   the policy sampled, 0 for one an environment inserted (an observation: log-prob 0, version -1,
   never trained). Empty means every token was sampled.
 - ``Completion``: the request's carried part unchanged plus the new tokens, each tagged with the
-  ``version`` of the weights that sampled it; ``finish_reason`` ``stop`` / ``length`` / ``carried``.
+  ``version`` of the weights that sampled it; ``finish_reason`` ``stop`` / ``length`` / ``carried``;
+  after a stop string, ``stop_text`` (which one) and ``text`` (the turn's text, cut).
 
-Decision: stop *strings* are not part of the contract. Both engines work on token ids without
-detokenising (vLLM runs with ``skip_tokenizer_init``), a string can end inside a token, and
-matching text would re-tokenise what the policy sampled; an environment that needs a textual
-delimiter picks a delimiter that is one token (or ends in one) and passes its id in
-``stop_token_ids``.
+Stop strings (decision, llamarl/engines/stop_text.py): the engine gets the run's tokenizer in its
+setup (``EngineSetup.tokenizer``) and decodes the sampled ids at its own looks only to decide where
+to stop; the ids stay the sampled ones (nothing is re-tokenised), cut after the token that
+completes the stop (a stop ending inside a token keeps that token; the text is cut inside it), and
+the behaviour log-probs are those of exactly the kept ids. A call with ``stop`` to an engine built
+without a tokenizer is a ValueError.
 """
 
 from __future__ import annotations
@@ -72,6 +77,14 @@ class SamplingParams:
     max_new_tokens: int = 64
     stop_token_ids: list[int] = field(default_factory=list)
     """Ids that end a completion besides the engine's EOS ids (kept in the output, "stop")."""
+    stop: list[str] = field(default_factory=list)
+    """Strings that end a completion ("stop") where the text of its last policy turn (its sampled
+    tokens since the last observation, carried-in ones included) first reaches one; the engine
+    needs a tokenizer (``EngineSetup.tokenizer``). llamarl/engines/stop_text.py."""
+    include_stop_text: bool = True
+    """With ``stop``: True, the returned text ends with the stop string and the ids with the token
+    that completes it; False, the text ends before the stop string and the ids with the token where
+    that text ends (a token holding text before the stop and the stop's start is kept)."""
 
     def __post_init__(self) -> None:
         if not (math.isfinite(self.temperature) and self.temperature >= 0):
@@ -84,6 +97,8 @@ class SamplingParams:
             raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
         if any(int(t) < 0 for t in self.stop_token_ids):
             raise ValueError(f"stop_token_ids must be token ids >= 0, got {self.stop_token_ids}")
+        if isinstance(self.stop, str) or any(not isinstance(s, str) or not s for s in self.stop):
+            raise ValueError(f"stop must be a list of non-empty strings, got {self.stop!r}")
 
 
 @dataclass
@@ -113,6 +128,11 @@ class Completion:
     """Per completion token: 1 sampled by the policy, 0 inserted by an environment (always filled)."""
     episode: dict = field(default_factory=dict)
     """The request's environment episode state, passed on unchanged by the engine."""
+    stop_text: str | None = None
+    """The stop string (``SamplingParams.stop``) that ended it; None when none did."""
+    text: str | None = None
+    """After a stop string: the text of its last policy turn (``turn_start`` on), cut at the stop
+    (after it, or before it without ``include_stop_text``); None otherwise (decode the ids)."""
 
     def to_request(self) -> Request:
         """Return a ``Request`` that resumes this (carried) completion where it stopped."""
@@ -142,6 +162,13 @@ def check_finite_logprobs(outputs: list[Completion], *, version: int) -> None:
 def sampled_mask(sample: Request | Completion) -> list[int]:
     """``sample.loss_mask``, or all ones when it is empty (a sample without observations)."""
     return list(sample.loss_mask) if sample.loss_mask else [1] * len(sample.completion_ids)
+
+
+def turn_start(sample: Request | Completion) -> int:
+    """Where the sample's last policy turn begins in ``completion_ids``: after its last observation
+    token (loss mask 0), 0 without one."""
+    mask = sample.loss_mask
+    return next((i + 1 for i in range(len(mask) - 1, -1, -1) if not mask[i]), 0)
 
 
 def stop_ids(eos_token_ids: Iterable[int], sampling: SamplingParams) -> list[int]:
@@ -268,6 +295,9 @@ class EngineSetup:
     shares_device: bool = False
     """Another executor runs on this rank (``--run.schedule colocated``): an engine that can free its
     memory between generations (``Sleeps``) is built to, when its config allows it."""
+    tokenizer: object = None
+    """The run's tokenizer (HF): engines decode sampled ids with it to match stop strings
+    (``SamplingParams.stop``); None, a call with stop strings is a ValueError."""
 
 
 @dataclass

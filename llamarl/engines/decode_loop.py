@@ -7,7 +7,8 @@ A step of the loop: the first ``rows`` slots of the decoder's state run one deco
 of them samples a token from its logits with its request's own uniform (llamarl/engines/sampling.py:
 the draw does not depend on the batch), and the bookkeeping is tensor ops: a live slot's token and
 log-prob are written at its request's next column, its count grows, EOS / stop ids or its limit
-mark it finished, its fed token and position advance. A finished slot keeps feeding its last token
+mark it finished, its fed token and position advance. Stop strings are searched at the looks
+(scheduler.py): a row whose text reached one is cut exactly there and retired at that look. A finished slot keeps feeding its last token
 at its last position: the step rewrites keys and values it already wrote, from the same inputs, so
 its cache stays that of its tokens (what a kept carried cache needs). Nothing here reads a device
 value on the host between two looks.
@@ -48,7 +49,8 @@ __all__ = ["LoopHost", "decode"]
 def decode(decoder: Decoder, host: LoopHost, reqs: list[Request], *, contexts: list[tuple[int, ...]],
            limits: list[int], sampling: SamplingParams, uniforms: torch.Tensor | None, device: torch.device):
     """Decode ``reqs`` (their ``contexts`` and per-request ``limits``) with ``decoder`` (module
-    docstring); return per-request new token ids, log-probs and whether a stop id ended it."""
+    docstring); return per-request new token ids, log-probs, whether a stop id or string ended it
+    and the stop string that did (None: none; ``host.text_stops``, scheduler.py)."""
     scheduler = Scheduler(decoder, host, reqs, contexts=contexts, limits=limits, sampling=sampling,
                           uniforms=uniforms, device=device)
     while rows := scheduler.look():  # retire, admit, compact: the only host reads

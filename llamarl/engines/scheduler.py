@@ -12,6 +12,13 @@ What it owns, per ``decode`` call:
   where it ``prefills_into_state``: llamarl/engines/packed_prefill.py) and their first token drawn
   from the prefill's logits at once; a decoder that cannot admit rows mid-decode takes the next batch when
   its state is empty.
+* **Stop strings** (``LoopHost.text_stops``; llamarl/engines/stop_text.py): at a look, before
+  retirement, every row with tokens since the last look has the text of its turn searched (the new
+  tokens and a short look-back, decoded on the host: a look's read); a row whose text reached a
+  stop is cut exactly there (its count set to the kept tokens, the rest of its columns never read),
+  marked stopped and retired at that look: it is charged no further step. Between two looks a row
+  may run past its stop (at most ``eos_check_every`` - 1 steps, CUDA-graph decoder); those tokens
+  are dropped.
 * **Retirement**: at a look, the finished slots leave; a row ended by its budget keeps its cache
   for its next call when asked (``carried_cache="keep"``, a decoder that keeps caches).
 * **Compaction**: the live rows move into the smallest bucket that holds them when nothing is
@@ -31,9 +38,10 @@ from typing import Any
 
 import torch
 
-from llamarl.engines.base import Request, SamplingParams
+from llamarl.engines.base import Request, SamplingParams, turn_start
 from llamarl.engines.decoder import Decoder, SlotState
 from llamarl.engines.static_shapes import bucket
+from llamarl.engines.stop_text import TextStops
 
 
 @dataclass
@@ -60,6 +68,8 @@ class LoopHost:
     """``(state, slots, contexts)`` -> next-token logits ``[n, vocab]``: a packed prefill that writes
     straight into a decoder's state (llamarl/engines/packed_prefill.py), used for decoders that
     declare ``prefills_into_state``; None (or another decoder): ``prefill``, then ``load_prefill``."""
+    text_stops: TextStops | None = None
+    """The call's stop strings, searched at each look (module docstring); None: ids only."""
 
 
 class _Books:
@@ -114,6 +124,12 @@ class Scheduler:
         ones (or whose host reads are free)."""
         self.span: dict[str, int] = {}
         """The step's ``span`` keyword until the next look, for a decoder with ``attention_span``."""
+        stops = host.text_stops
+        # Per request: its turn's carried-in sampled ids (the look-back's worth), new tokens searched.
+        self.heads = [list(r.completion_ids[turn_start(r):])[-stops.back:] if stops else [] for r in reqs]
+        self.checked = [0] * n
+        self.stop_texts: list[str | None] = [None] * n
+        """Per request, the stop string that ended it (None: none did)."""
 
     # -- the loop's two moves --------------------------------------------------------------------
 
@@ -125,6 +141,8 @@ class Scheduler:
         while True:
             if self.in_step:
                 self._drain()
+            if self.host.text_stops is not None:
+                self._cut_at_stops()
             self._retire()
             free = [slot for slot, i in enumerate(self.slot_of) if i is None]
             if not decoder.admits_mid_decode and len(free) < len(self.slot_of):
@@ -158,13 +176,13 @@ class Scheduler:
             self._record(self.slot_ids[:rows], self.decoder.step(self.state, rows, **self.span),
                          self.books.alive[:rows])
 
-    def results(self) -> tuple[list[list[int]], list[list[float]], list[bool]]:
-        """Per request its new token ids, log-probs and whether a stop id ended it: one host
-        transfer for the whole batch, then plain slicing."""
+    def results(self) -> tuple[list[list[int]], list[list[float]], list[bool], list[str | None]]:
+        """Per request its new token ids, log-probs, whether a stop id or string ended it, and the
+        stop string that did: one host transfer for the whole batch, then plain slicing."""
         books, n = self.books, len(self.reqs)
         ids_rows, lps_rows, counts = books.ids[:n].tolist(), books.lps[:n].tolist(), books.num_new[:n].tolist()
         return ([row[:c] for row, c in zip(ids_rows, counts)], [row[:c] for row, c in zip(lps_rows, counts)],
-                books.stopped[:n].tolist())
+                books.stopped[:n].tolist(), list(self.stop_texts))
 
     # -- what a look and a step do -----------------------------------------------------------------
 
@@ -248,6 +266,38 @@ class Scheduler:
             self.decoder.grow_candidates(self.key)
             self.key = self.decoder.sampling_key(self.sampling)
             records.overflow.zero_()
+
+    def _cut_at_stops(self) -> None:
+        """Search the turns of the rows with new tokens for a stop string (module docstring); cut
+        each one found exactly (its count: the kept tokens), mark it stopped and not alive, so the
+        retirement that follows frees its slot. Host reads: the counts, then those rows' tokens."""
+        books, stops = self.books, self.host.text_stops
+        occupied = [(slot, i) for slot, i in enumerate(self.slot_of) if i is not None]
+        if not occupied:
+            return
+        counts = books.num_new.tolist()
+        due = [(slot, i) for slot, i in occupied if counts[i] > self.checked[i] and self.stop_texts[i] is None]
+        if not due:
+            return
+        # Only the columns a search decodes: the unchecked tokens and the look-back before them.
+        start = min(max(0, self.checked[i] - stops.back) for _, i in due)
+        width = max(counts[i] for _, i in due)
+        rows = books.ids[torch.tensor([i for _, i in due], dtype=torch.long, device=self.device),
+                         start:width].tolist()
+        hits: list[tuple[int, int, int]] = []  # (slot, request, new tokens kept)
+        for (slot, i), row in zip(due, rows):
+            head = self.heads[i] if start == 0 else []  # the turn's carried-in part, when in reach
+            offset = len(head) - start  # a turn index minus a new token's index
+            found = stops.search(head + row[: counts[i] - start], checked=len(head) + self.checked[i] - start)
+            self.checked[i] = counts[i]
+            if found is not None:
+                self.stop_texts[i] = found[1]
+                hits.append((slot, i, max(0, found[0] - offset)))
+        if hits:
+            slots, requests, kept = (torch.tensor(v, dtype=torch.long, device=self.device) for v in zip(*hits))
+            books.num_new[requests] = kept
+            books.stopped[requests] = True
+            books.alive[slots] = False  # the records' own liveness for a decoder that samples in its step
 
     def _retire(self) -> None:
         """The finished slots leave (a row ended by its budget keeps its cache when it carries);

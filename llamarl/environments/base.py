@@ -1,8 +1,10 @@
 """The environment contract: multi-turn episodes whose observations the policy reads but never trains on.
 
 An episode starts from a problem (``reset``) and alternates a policy turn and an observation. A
-policy turn ends when the policy samples one of the environment's ``stop_token_ids`` (a tool call
-is complete) or EOS (its final answer); after a stop id the environment's ``step(state, turn)``
+policy turn ends when the policy samples one of the environment's stop texts (a tool call is
+complete: a text of one token is a stop id, a longer one a stop string, ``SamplingParams.stop``)
+or EOS (its final answer, unless the environment says the turn holds a call: ``CallsAtEnd``);
+after a stop the environment's ``step(state, turn)``
 answers with a ``Turn``: the observation text to append, an optional reward and whether the episode
 ended. EOS, ``--env.max-turns`` or the sequence budget (``--generator.max-new-tokens`` for the
 whole transcript) also end it.
@@ -20,7 +22,9 @@ constructor; select it with ``--env.name name`` (or ``--env.name module:Class``)
 functions as tools, presented and called through the chat template: ``--env.tools module:fn``
 (llamarl/environments/function_tools.py).
 
-Optional capability, declared here (``PresentsTools``) and looked up once when the generator starts:
+Optional capabilities, declared here and looked up once when the generator starts: ``CallsAtEnd``
+(``is_call(turn)``: a turn that ended at EOS holds tool calls, so ``step`` runs instead of the
+episode ending: chat formats whose call message ends as any message does), and ``PresentsTools``:
 ``chat_tools()``, the JSON schemas of the environment's tools. The generator then builds prompts
 with ``apply_chat_template(..., tools=schemas)`` and renders each ``step``'s observation as the
 content of a ``role: "tool"`` message through the same template.
@@ -57,6 +61,9 @@ class Turn:
     """An optional reward the environment assigns (reported as ``env_reward`` on the sample)."""
     error: str | None = None
     """Set by the tool runner when ``step`` raised or timed out (the observation then says so)."""
+    tool_results: list[str] | None = None
+    """Several tool answers, one per call of the turn, in order (an environment that presents
+    tools): rendered as that many tool messages; None, ``observation`` is the one answer."""
 
 
 @runtime_checkable
@@ -64,13 +71,14 @@ class Environment(Protocol):
     """See the module docstring."""
 
     def stop_texts(self) -> list[str]:
-        """Strings each of which must be one token of the policy's tokenizer: sampling one ends a
-        policy turn and calls ``step``."""
+        """Strings whose sampling ends a policy turn and calls ``step``: one token of the policy's
+        tokenizer each is a stop id; a longer one is matched in the turn's text (a stop string,
+        llamarl/engines/stop_text.py: the turn ends with the token that completes it)."""
         ...
 
     def end_texts(self) -> list[str]:
-        """Strings (one token each) that end the episode as EOS does, without a ``step`` (the answer
-        is complete: the calculator's newline). May be empty."""
+        """Strings that end the episode as EOS does, without a ``step`` (the answer is complete: the
+        calculator's newline), one token or a stop string as ``stop_texts``. May be empty."""
         ...
 
     def reset(self, problem: Problem) -> dict:
@@ -80,6 +88,14 @@ class Environment(Protocol):
     def step(self, state: dict, turn: str) -> Turn:
         """The answer to the policy's ``turn`` (its text, ending with a stop text) in ``state``."""
         ...
+
+
+@runtime_checkable
+class CallsAtEnd(Protocol):
+    """Optional capability (module docstring): ``is_call(turn)``, whether the text of a turn that
+    ended at EOS holds tool calls; True, ``step`` answers it and the episode goes on."""
+
+    def is_call(self, turn: str) -> bool: ...
 
 
 @runtime_checkable
@@ -127,6 +143,10 @@ def check_turn(name: str, turn) -> dict:
         if not isinstance(value, expected):
             raise EnvironmentContractError(f"environment {name!r}: step returned a Turn whose {field_name} is a "
                                            f"{type(value).__name__}, expected a {expected.__name__}")
+    if turn.tool_results is not None and (not isinstance(turn.tool_results, list)
+                                          or not all(isinstance(r, str) for r in turn.tool_results)):
+        raise EnvironmentContractError(f"environment {name!r}: step returned a Turn whose tool_results is not a list "
+                                       "of strings")
     if turn.reward is not None and (isinstance(turn.reward, bool) or not isinstance(turn.reward, (int, float))):
         raise EnvironmentContractError(f"environment {name!r}: step returned a Turn whose reward is a "
                                        f"{type(turn.reward).__name__}, expected a float or None")
@@ -164,16 +184,25 @@ def observation_ids(tokenizer, text: str) -> list[int]:
 
 
 def stop_token_ids(environment: Environment, tokenizer, *, ending: bool = False) -> list[int]:
-    """The ids of ``environment.stop_texts()`` (``ending``: of ``end_texts()``); ValueError naming a
-    text that is not one token."""
-    ids = []
+    """The ids of ``environment.stop_texts()`` (``ending``: of ``end_texts()``) that are one token
+    (``stop_tokens``)."""
+    return stop_tokens(environment, tokenizer, ending=ending)[0]
+
+
+def stop_tokens(environment: Environment, tokenizer, *, ending: bool = False) -> tuple[list[int], list[str]]:
+    """``(ids, strings)``: ``environment.stop_texts()`` (``ending``: ``end_texts()``) split into the
+    ids of those that are one token of ``tokenizer`` and the others, matched as stop strings
+    (``SamplingParams.stop``); ValueError naming an empty text."""
+    ids, strings = [], []
     for text in environment.end_texts() if ending else environment.stop_texts():
+        if not isinstance(text, str) or not text:
+            raise ValueError(f"environment stop text {text!r} must be a non-empty string")
         tokens = observation_ids(tokenizer, text)
-        if len(tokens) != 1:
-            raise ValueError(f"environment stop text {text!r} is {len(tokens)} tokens of this tokenizer {tokens}; "
-                             "a turn can end only on a single token")
-        ids.append(tokens[0])
-    return ids
+        if len(tokens) == 1:
+            ids.append(tokens[0])
+        else:
+            strings.append(text)
+    return ids, strings
 
 
 def _load_builtin_environments() -> None:
@@ -213,9 +242,10 @@ def resolve_environment_class(name: str) -> Callable[[], Environment]:
 def build_environment(name: str) -> Environment:
     """A new instance of the environment registered as ``name``; ValueError listing the known ones.
     ``module:Class`` also works (imported, for a user's environment outside a registry import);
-    ``tools:module:fn,...`` is the environment of those functions (``--env.tools``)."""
-    from llamarl.environments.function_tools import REFERENCE_PREFIX, FunctionToolsEnvironment
+    ``tools:module:fn,...`` is the environment of those functions (``--env.tools``; ``tools@<format>:...``
+    in that tool-call format)."""
+    from llamarl.environments.function_tools import FORMAT_PREFIX, REFERENCE_PREFIX, FunctionToolsEnvironment
 
-    if name.startswith(REFERENCE_PREFIX):
+    if name.startswith((REFERENCE_PREFIX, FORMAT_PREFIX)):
         return FunctionToolsEnvironment.from_reference(name)
     return resolve_environment_class(name)()

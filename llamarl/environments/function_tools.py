@@ -11,22 +11,25 @@ those functions, as TRL's ``GRPOTrainer(tools=[fn])`` takes them (the same funct
   ``presenting_tools``). A template without tool support (no ``tools`` in its text) gets the
   default format instead: a system message (``DEFAULT_TOOLS_SYSTEM``) listing the schemas and
   asking for ``<tool_call>\\n{"name": ..., "arguments": {...}}\\n</tool_call>``, Qwen's format.
-- **Calls**: a policy turn ends at ``</tool_call>`` (``stop_texts``: one special token in the
-  tokenizers of Qwen2, Qwen2.5 and Qwen3; a tokenizer that splits it into several tokens is a
-  one-line error when the generator starts). ``step`` parses the last ``<tool_call>`` JSON of the
-  turn and calls the function with its arguments, in the tool workers (timeouts, JSON over pipes).
-  A call the model got wrong (no JSON, an unknown function, bad arguments) and an exception
-  inside the function are tool errors: counted (``env_tool_errors``) and answered
-  ``[tool error: ...]``, the episode goes on.
-- **Answers**: the function's return value (a string as is, anything else as JSON) is the content
-  of a ``role: "tool"`` message; the observation appended after the policy's sampled tokens is
-  what the template renders from the end of the tool call to the next assistant header
-  (``tool_observation_format``), e.g. for Qwen2.5
-  ``<|im_end|>\\n<|im_start|>user\\n<tool_response>\\n42\\n</tool_response><|im_end|>\\n<|im_start|>assistant\\n``.
-  Default format: a ``user`` message with the content inside ``<tool_response>`` tags.
+- **Calls**: in the format the chat template speaks (llamarl/environments/tool_formats.py: Qwen /
+  Hermes ``<tool_call>`` JSON, Llama-3.1 / 3.2 JSON, Mistral ``[TOOL_CALLS]``; the default format,
+  Hermes', for templates with none), or the one ``--env.tool-format`` names. A policy turn ends as
+  the template ends an assistant message, at EOS; a turn that holds calls (``is_call``) is not the
+  answer: ``step`` parses every call of it and calls each function with its arguments, in order,
+  in the tool workers (timeouts, JSON over pipes). No token of a format has to be one token of the
+  tokenizer (SmolLM2 splits ``</tool_call>`` into five). A call the model got wrong (no JSON, an
+  unknown function, bad arguments) and an exception inside a function are tool errors: counted
+  (``env_tool_errors``) and answered ``[tool error: ...]``, the episode goes on.
+- **Answers**: each function's return value (a string as is, anything else as JSON) is the content
+  of a ``role: "tool"`` message, one per call (``Turn.tool_results``); the observation appended
+  after the policy's sampled tokens is what the template renders from the end of the call message
+  (its EOS) to the next assistant header (``tool_observation_format``), e.g. for Qwen2.5
+  ``\\n<|im_start|>user\\n<tool_response>\\n42\\n</tool_response><|im_end|>\\n<|im_start|>assistant\\n``.
+  Default format: a ``user`` message with each content inside ``<tool_response>`` tags. A template
+  that refuses several calls in one message (Llama-3.1's) gets their answers in one tool message.
   Token in, token out: the trained ids are the sampled ids; the observation ids (loss mask 0) follow.
 
-The episode ends when the policy ends its message (EOS: ``<|im_end|>``), at ``--env.max-turns``
+The episode ends when the policy ends a message without a call (EOS), at ``--env.max-turns``
 or at the token budget. Its state counts the calls (``{"calls": n}``). Reward the final answer
 with a scorer of the transcript or a trajectory scorer (``--reward.trajectory-scorer``): no
 ``step`` sees it.
@@ -39,13 +42,22 @@ from collections.abc import Callable
 
 from llamarl.data.prompts import Problem
 from llamarl.environments.base import EnvironmentContractError, Turn
+from llamarl.environments.tool_formats import (
+    DEFAULT_FORMAT,
+    TOOL_FORMATS,
+    HermesFormat,
+    ToolCall,
+    template_text,
+)
 from llamarl.registry import import_path
 
-TOOL_CALL_START = "<tool_call>"
-TOOL_CALL_END = "</tool_call>"
+TOOL_CALL_START = HermesFormat.start
+TOOL_CALL_END = HermesFormat.end
 REFERENCE_PREFIX = "tools:"
 """``build_environment("tools:module:fn,module:fn2")`` builds ``FunctionToolsEnvironment`` of those
-functions (what ``--env.tools`` selects)."""
+functions (what ``--env.tools`` selects); ``tools@<format>:module:fn,...`` with the tool format
+``<format>`` (``tools_reference``)."""
+FORMAT_PREFIX = "tools@"
 
 DEFAULT_TOOLS_SYSTEM = (
     "You may call one or more functions to assist with the user query.\n\n"
@@ -56,7 +68,6 @@ DEFAULT_TOOLS_SYSTEM = (
 """The system message of the default format (a chat template without tool support), ``{tools}``
 the schemas one JSON per line: Qwen2.5's own wording."""
 
-_PLACEHOLDER = "\x00llamarl-tool-result\x00"
 
 
 def tool_schema(function: Callable, *, reference: str | None = None) -> dict:
@@ -93,6 +104,12 @@ def resolve_tools(spec: str) -> list[Callable]:
     return functions
 
 
+def tools_reference(spec: str, *, tool_format: str | None = None) -> str:
+    """The environment reference of the tools ``spec`` (``--env.tools``) in ``tool_format`` (None:
+    the default format)."""
+    return f"{REFERENCE_PREFIX}{spec}" if tool_format is None else f"{FORMAT_PREFIX}{tool_format}:{spec}"
+
+
 def _schema_name(schema) -> str | None:
     function = schema.get("function") if isinstance(schema, dict) else None
     name = function.get("name") if isinstance(function, dict) else None
@@ -101,13 +118,15 @@ def _schema_name(schema) -> str | None:
 
 class FunctionToolsEnvironment:
     """See the module docstring. ``schemas``: one per function, to replace the generated ones (each
-    must name one of ``functions``)."""
+    must name one of ``functions``). ``tool_format``: the registered tool-call format its turns are
+    read in (tool_formats.py)."""
 
     def __init__(self, functions: list[Callable], *, schemas: list[dict] | None = None,
-                 name: str = "function tools") -> None:
+                 name: str = "function tools", tool_format: str = DEFAULT_FORMAT) -> None:
         if not functions:
             raise ValueError("a tool environment needs at least one function")
         self.name = name
+        self.format = TOOL_FORMATS.get(tool_format)
         self.functions = {tool_schema(f)["function"]["name"] if schemas is None else f.__name__: f
                           for f in functions}
         self.schemas = [tool_schema(f) for f in functions] if schemas is None else list(schemas)
@@ -123,15 +142,20 @@ class FunctionToolsEnvironment:
 
     @classmethod
     def from_reference(cls, reference: str) -> FunctionToolsEnvironment:
-        """The environment of ``tools:module:fn,...`` (``REFERENCE_PREFIX`` optional)."""
-        spec = reference.removeprefix(REFERENCE_PREFIX)
-        return cls(resolve_tools(spec), name=REFERENCE_PREFIX + spec)
+        """The environment of ``tools:module:fn,...`` (``REFERENCE_PREFIX`` optional) or
+        ``tools@<format>:module:fn,...`` (``tools_reference``)."""
+        tool_format = DEFAULT_FORMAT
+        if reference.startswith(FORMAT_PREFIX):
+            tool_format, _, spec = reference.removeprefix(FORMAT_PREFIX).partition(":")
+        else:
+            spec = reference.removeprefix(REFERENCE_PREFIX)
+        return cls(resolve_tools(spec), name=REFERENCE_PREFIX + spec, tool_format=tool_format)
 
     def chat_tools(self) -> list[dict]:
         return self.schemas
 
     def stop_texts(self) -> list[str]:
-        return [TOOL_CALL_END]
+        return []  # a call turn ends at EOS, as the template ends the message (``is_call``)
 
     def end_texts(self) -> list[str]:
         return []
@@ -139,39 +163,30 @@ class FunctionToolsEnvironment:
     def reset(self, problem: Problem) -> dict:
         return {"calls": 0}
 
+    def is_call(self, turn: str) -> bool:
+        """Whether a turn that ended at EOS holds calls (``CallsAtEnd``): then ``step`` runs them."""
+        return self.format.is_call(turn)
+
     def step(self, state: dict, turn: str) -> Turn:
-        """Run the last tool call of ``turn``; a malformed call or an unknown tool raises (a tool
-        error, counted and answered by the tool runner)."""
-        start = turn.rfind(TOOL_CALL_START)
-        if start < 0:
-            raise ValueError(f"no {TOOL_CALL_START} in the turn")
-        body = turn[start + len(TOOL_CALL_START):]
-        body = body[: body.rfind(TOOL_CALL_END)] if TOOL_CALL_END in body else body
-        try:
-            call = json.loads(body.strip())
-        except json.JSONDecodeError as exc:
-            raise ValueError(f"the tool call is not JSON ({exc.msg})") from None
-        if not isinstance(call, dict) or not isinstance(call.get("name"), str):
-            raise ValueError('the tool call needs {"name": ..., "arguments": {...}}')  # noqa: TRY004 - the model's error
-        arguments = call.get("arguments", {})
-        if isinstance(arguments, str):  # some models write the arguments as a JSON string
-            arguments = json.loads(arguments)
-        if not isinstance(arguments, dict):
-            raise ValueError("the tool call's arguments must be a JSON object")  # noqa: TRY004 - the model's error
-        function = self.functions.get(call["name"])
-        if function is None:
-            raise ValueError(f"unknown tool {call['name']!r}; the tools are {sorted(self.functions)}")
-        result = function(**arguments)
-        text = result if isinstance(result, str) else json.dumps(result)
-        return Turn(observation=text, state={"calls": int(state.get("calls", 0)) + 1})
+        """Run every tool call of ``turn``, in order; a malformed call or an unknown tool raises (a
+        tool error, counted and answered by the tool runner). Several calls: their answers in
+        ``tool_results``, one tool message each; ``observation`` joins them."""
+        calls = self.format.parse(turn)
+        unknown = [c.name for c in calls if c.name not in self.functions]
+        if unknown:
+            raise ValueError(f"unknown tool {unknown[0]!r}; the tools are {sorted(self.functions)}")
+        results = [self._run(call) for call in calls]
+        return Turn(observation="\n".join(results), tool_results=results if len(results) > 1 else None,
+                    state={"calls": int(state.get("calls", 0)) + len(calls)})
+
+    def _run(self, call: ToolCall) -> str:
+        result = self.functions[call.name](**call.arguments)
+        return result if isinstance(result, str) else json.dumps(result)
 
 
 def template_supports_tools(tokenizer) -> bool:
     """Whether the tokenizer's chat template reads ``tools`` (else the default format is used)."""
-    template = getattr(tokenizer, "chat_template", None)
-    if isinstance(template, dict):
-        template = " ".join(str(t) for t in template.values())
-    return isinstance(template, str) and "tools" in template
+    return "tools" in template_text(tokenizer)
 
 
 def default_tools_system(schemas: list[dict]) -> str:
@@ -228,27 +243,71 @@ def presenting_tools(prompt_fn: Callable, schemas: list[dict]) -> Callable:
 
 
 def tool_observation_format(tokenizer, schemas: list[dict]) -> tuple[str, str]:
-    """``(before, after)``: the observation of a tool answer ``content`` is ``before + content + after``,
-    the text the chat template renders after a tool call (from its ``</tool_call>``) through the tool
-    message to the next assistant header; the default format's (a ``user`` message with
-    ``<tool_response>`` tags) for a template without tool support. EnvironmentContractError when the
-    template renders no ``</tool_call>`` before the tool message."""
+    """``(before, after)``: the observation of one tool answer ``content`` is ``before + content + after``
+    (``tool_observation_segments`` for one answer)."""
+    before, after = tool_observation_segments(tokenizer, schemas, count=1)
+    return before, after
+
+
+def _placeholder(k: int) -> str:
+    return f"LLAMARLTOOLRESULT{k}END"  # letters only: no template escapes it
+
+
+def _render_answers(tokenizer, schemas: list[dict], count: int) -> str:
+    """The chat template's text of a user message, an assistant message with ``count`` calls and
+    their ``count`` answers (placeholders), with the next assistant header."""
+    if not template_text(tokenizer):
+        raise EnvironmentContractError("the tokenizer has no chat template, through which --env.tools presents the "
+                                       "tools and answers them: use a model with a chat template, or an environment "
+                                       "class of your own (docs/write_your_own_environment.md)")
     name = _schema_name(schemas[0]) if schemas else "tool"
     user = {"role": "user", "content": "q"}
     if template_supports_tools(tokenizer):
-        call = {"type": "function", "function": {"name": name, "arguments": {}}}
-        messages = [user, {"role": "assistant", "content": "", "tool_calls": [call]},
-                    {"role": "tool", "name": name, "content": _PLACEHOLDER}]
-        text = tokenizer.apply_chat_template(messages, tools=schemas, tokenize=False, add_generation_prompt=True)
-    else:
-        call_text = f'{TOOL_CALL_START}\n{{"name": "{name}", "arguments": {{}}}}\n{TOOL_CALL_END}'
-        messages = [user, {"role": "assistant", "content": call_text},
-                    {"role": "user", "content": f"<tool_response>\n{_PLACEHOLDER}\n</tool_response>"}]
-        text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-    at = text.find(_PLACEHOLDER)
-    end = text.rfind(TOOL_CALL_END, 0, max(at, 0))
-    if at < 0 or end < 0:
-        raise EnvironmentContractError(f"the chat template renders no {TOOL_CALL_END} before a tool message: it cannot "
-                                       "answer tool calls (use a template with Qwen's tool format, or an environment "
-                                       "class of your own)")
-    return text[end + len(TOOL_CALL_END):at], text[at + len(_PLACEHOLDER):]
+        # Ids of 9 alphanumerics: what Mistral's templates require; the others ignore them.
+        calls = [{"id": f"c{k:08d}", "type": "function", "function": {"name": name, "arguments": {}}}
+                 for k in range(count)]
+        answers = [{"role": "tool", "name": name, "tool_call_id": f"c{k:08d}", "content": _placeholder(k)}
+                   for k in range(count)]
+        messages = [user, {"role": "assistant", "content": "", "tool_calls": calls}, *answers]
+        return tokenizer.apply_chat_template(messages, tools=schemas, tokenize=False, add_generation_prompt=True)
+    call_text = TOOL_FORMATS.get(DEFAULT_FORMAT).render([ToolCall(name, {})] * count)
+    responses = "\n".join(f"<tool_response>\n{_placeholder(k)}\n</tool_response>" for k in range(count))
+    messages = [user, {"role": "assistant", "content": call_text}, {"role": "user", "content": responses}]
+    return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+
+
+def tool_observation_segments(tokenizer, schemas: list[dict], *, count: int) -> list[str]:
+    """The ``count + 1`` texts around ``count`` tool answers in an observation: what the chat
+    template renders after an assistant message of ``count`` calls (from its end, the tokenizer's
+    EOS text, where the sampled turn ends) through the tool messages to the next assistant header;
+    the default format's (a ``user`` message of ``<tool_response>`` blocks) for a template without
+    tool support. A template that refuses ``count`` calls in one message (Llama-3.1's) gets the
+    answers in one tool message, one a line. EnvironmentContractError when the template renders no
+    EOS text before the tool message."""
+    try:
+        text = _render_answers(tokenizer, schemas, count)
+    except EnvironmentContractError:
+        raise
+    except Exception:  # a template that raises for several calls (Llama-3.1's)
+        if count == 1:
+            raise
+        before, after = tool_observation_segments(tokenizer, schemas, count=1)
+        return [before] + ["\n"] * (count - 1) + [after]
+    eos = getattr(tokenizer, "eos_token", None) or ""
+    first = text.find(_placeholder(0))
+    end = text.rfind(eos, 0, max(first, 0)) if eos else -1
+    if first < 0 or end < 0:
+        raise EnvironmentContractError(f"the chat template renders no end of message ({eos!r}, the tokenizer's EOS) "
+                                       "before a tool message: it cannot answer tool calls (use --env.tool-format "
+                                       "with a template that has tool messages, or an environment class of your own)")
+    segments, at = [], end + len(eos)
+    for k in range(count):
+        where = text.find(_placeholder(k), at)
+        segments.append(text[at:where])
+        at = where + len(_placeholder(k))
+    return [*segments, text[at:]]
+
+
+def tool_observation(segments: list[str], results: list[str]) -> str:
+    """The observation text of ``results`` within ``tool_observation_segments(count=len(results))``."""
+    return "".join(part for pair in zip(segments, [*results, ""]) for part in pair)

@@ -65,7 +65,8 @@ from llamarl.engines.base import (
 )
 from llamarl.environments.base import build_environment
 from llamarl.environments.episodes import EpisodeRunner
-from llamarl.environments.function_tools import presenting_tools
+from llamarl.environments.function_tools import presenting_tools, tools_reference
+from llamarl.environments.tool_formats import choose_tool_format
 from llamarl.environments.tools import ToolRunner, TurnShare
 from llamarl.evaluation import score_samples
 from llamarl.executor import Executor
@@ -150,6 +151,7 @@ GENERATOR_METRICS = {
     "env_tool_timeouts_total": MetricSpec("environment", "sum"),
     "env_samples_with_observation": MetricSpec("environment", "sum"),
     "env_turns_mean": MetricSpec("environment", "mean", weight="gen_emitted_samples"),
+    "env_truncated": MetricSpec("environment", "sum"),
     "gen_version": MetricSpec("rollouts", "max"),
     "gen_engine_wake_ups": MetricSpec("throughput", "max"),
     "gen_data_position": MetricSpec("data", "max"),
@@ -163,7 +165,7 @@ the version are shared. The ``env_*`` metrics are per tick (this tick's tool cal
 timeouts, emitted episodes with an observation, turns per emitted episode) except the
 ``env_tool_*_total`` counters, cumulative over the run (a resumed run continues them)."""
 _PER_REPLICA = ("gen_new_tokens", "gen_tokens_per_s", "gen_carried", "gen_restarted_stale", "gen_skipped_prompts",
-                "env_tool_calls", "env_tool_errors", "env_tool_timeouts",
+                "env_tool_calls", "env_tool_errors", "env_tool_timeouts", "env_truncated",
                 "env_tool_calls_total", "env_tool_errors_total", "env_tool_timeouts_total",
                 "dynamic_sampling_kept", "dynamic_sampling_dropped")
 
@@ -271,7 +273,7 @@ class GeneratorExecutor(Executor):
             model=self.model, model_path=self.model_config.name, dtype=self.config.dtype, eos_token_ids=eos,
             pad_token_id=pad, seed=self.seed * 1000 + self.ctx.dp_rank, device=self.ctx.device,
             max_num_seqs=self.config.max_num_seqs, tp_group=tp_group, tp_src=tp_src,
-            shares_device=self._shares_ranks()), engine_config)
+            shares_device=self._shares_ranks(), tokenizer=self.tokenizer), engine_config)
         self.base_engine = self.engine  # the engine itself, under an episode runner if any
         # The optional capabilities (llamarl/engines/base.py), looked up once: an engine built to
         # sleep (sharing its GPU with another executor: the trainer gets the memory between steps),
@@ -287,11 +289,15 @@ class GeneratorExecutor(Executor):
             share = None
             if self.ctx.tp_size > 1:  # TP peers must append the same observations: the first rank's
                 share = TurnShare(group=tp_group, device=self.ctx.device, src=tp_src)
+            reference = env.reference()
+            if env.tools is not None and env.tool_format is None:  # the format the chat template speaks
+                reference = tools_reference(env.tools, tool_format=choose_tool_format(self.tokenizer).name)
             self.episodes = self.engine = EpisodeRunner(
-                self.engine, environment=build_environment(env.reference()), tokenizer=self.tokenizer,
-                tools=ToolRunner(env.reference(), timeout_s=env.tool_timeout_s, num_workers=env.num_tool_workers,
+                self.engine, environment=build_environment(reference), tokenizer=self.tokenizer,
+                tools=ToolRunner(reference, timeout_s=env.tool_timeout_s, num_workers=env.num_tool_workers,
                                  share=share),
-                max_turns=env.max_turns, problem_of=lambda sample_id: self.problems[sample_id // samples])
+                max_turns=env.max_turns, problem_of=lambda sample_id: self.problems[sample_id // samples],
+                mask_truncated=env.mask_truncated)
             if self.episodes.tool_schemas is not None:  # the environment presents tools: every prompt shows them
                 self.prompt_fn = presenting_tools(self.prompt_fn, self.episodes.tool_schemas)
         # Seeded by the DP replica, not the rank: TP peers must draw the same samples.
@@ -521,6 +527,9 @@ class GeneratorExecutor(Executor):
             # emitted samples whose episode got at least one observation (a tool's answer)
             self.metrics["env_samples_with_observation"] = float(
                 sum(0 in sampled_mask(c) for c in completions) if emits else 0)
+            # emitted episodes whose last turn the token budget cut (neither a call nor an answer)
+            self.metrics["env_truncated"] = float(
+                sum(bool(c.episode.get("truncated")) for c in completions) if emits else 0)
             if emits and completions:  # tool calls per emitted episode (training episodes only)
                 self.metrics["env_turns_mean"] = sum(c.episode.get("turns", 0) for c in completions) / len(completions)
         if not emits:  # a TP peer repeats its group's first rank's work: counted there only

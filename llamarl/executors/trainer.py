@@ -53,6 +53,7 @@ average back into the sum that a global token mean needs.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 import time
@@ -80,6 +81,7 @@ from llamarl.executors.no_signal import SignalWatch
 from llamarl.executors.trainer_metrics import (
     ENTROPY_SUM,
     TRAINER_METRICS,
+    CompileClock,
     accumulate_on_device,
     combine_minibatch_metrics,
     device_timer,
@@ -87,6 +89,7 @@ from llamarl.executors.trainer_metrics import (
     state_bytes,
 )
 from llamarl.metrics import MetricSpec
+from llamarl.models.colocated_memory import EngineFootprint
 from llamarl.models.export import export_hf
 from llamarl.models.flops import ModelFlops, peak_tflops
 from llamarl.models.lora import AdapterView
@@ -120,13 +123,17 @@ class TrainerExecutor(Executor):
 
     def __init__(self, ctx, *, model_config: ModelConfig, config: TrainerConfig, algo: AlgoConfig,
                  temperature: float, input_name: str = "scored", seed: int = 0,
-                 stop_on_no_signal: int | None = None) -> None:
-        """``stop_on_no_signal``: ``--run.stop-on-no-signal`` (llamarl/executors/no_signal.py)."""
+                 stop_on_no_signal: int | None = None, engine_state: EngineFootprint | None = None) -> None:
+        """``stop_on_no_signal``: ``--run.stop-on-no-signal`` (llamarl/executors/no_signal.py).
+        ``engine_state``: what a colocated engine keeps on this device while the trainer runs
+        (``--generator.torch.no-sleep``), counted by ``auto`` activation checkpointing."""
         super().__init__(ctx)
         self.model_config, self.config, self.algo = model_config, config, algo
         self.signal_watch = SignalWatch(stop_after=stop_on_no_signal, reports=ctx.local_rank == 0)
         self.update = PolicyUpdate(algo)  # the algorithm (algorithms/update.py); the loss looked up once
         self.temperature, self.input_name, self.seed = temperature, input_name, seed
+        self.engine_state = engine_state
+        self.compile_clock = CompileClock() if config.compile == "layers" else None
         self.version = 0
         self.model = None
         self.nonfinite_streak = self.nonfinite_total = 0
@@ -149,7 +156,9 @@ class TrainerExecutor(Executor):
             self.model_config.name, dtype=dtype, mesh=self.ctx.mesh, device=self.ctx.device,
             param_dtype=getattr(torch, self.config.param_dtype), lora=self.lora, seed=self.seed,
             activation_checkpointing=self.config.activation_checkpointing,
-            microbatch_tokens=self.config.max_tokens_per_microbatch * max(1, self.config.microbatch_rows))
+            microbatch_tokens=self.config.max_tokens_per_microbatch * max(1, self.config.microbatch_rows),
+            engine_state=self.engine_state,
+            compile_backend=self.config.compile_backend if self.config.compile == "layers" else None)
         self.model.train()
         self.trainable = [p for p in self.model.parameters() if p.requires_grad]
         # The work a step does, for TFLOP/s and MFU (llamarl/models/flops.py); the peak where known.
@@ -318,27 +327,32 @@ class TrainerExecutor(Executor):
         # The proximal policy is the one before this batch's first optimizer step (prox.py).
         self._prox_version = self.version
         self._prox = None
-        if spec.needs_prox and self.algo.prox == "recompute":
-            timer = device_timer(self.ctx.device)
-            # Once, with the weights before the first minibatch's update. Rows the loop can forward:
-            # those with signal that the staleness filter keeps at this version (later minibatches,
-            # at later versions, keep a subset).
-            fresh, _ = self.filter_stale(batch)
-            rows = forwarded_rows(fresh, every_loss_row=self.update.every_loss_row) if len(batch) \
-                else torch.zeros(0, dtype=torch.long, device="cpu")
-            logp = sequence_logprobs(self.model, fresh.select(rows) if len(batch) else batch,
-                                     temperature=self.temperature, group=self.ctx.group, device=self.ctx.device,
-                                     max_tokens_per_microbatch=self.config.max_tokens_per_microbatch,
-                                     share_prompts=self.config.share_prompts,
-                                     microbatch_rows=self.config.microbatch_rows,
-                                     chunk_tokens=self.config.logprob_chunk_tokens)
-            if len(batch):
-                # By the host batch's ``row_index``: each micro-batch takes its rows' (``_device_part``).
-                self._prox = torch.zeros(batch["input_ids"].shape, dtype=torch.float32, device=self.ctx.device)
-                self._prox[rows.to(self.ctx.device)] = logp
-            self._prox_timings.append(timer())
-        results = [self.train_minibatch(part) for part in parts]
+        # --trainer.compile layers: the compiles of this batch's forwards (the first; a recompile's).
+        with self.compile_clock.running() if self.compile_clock else contextlib.nullcontext():
+            if spec.needs_prox and self.algo.prox == "recompute":
+                timer = device_timer(self.ctx.device)
+                # Once, with the weights before the first minibatch's update. Rows the loop can forward:
+                # those with signal that the staleness filter keeps at this version (later minibatches,
+                # at later versions, keep a subset).
+                fresh, _ = self.filter_stale(batch)
+                rows = forwarded_rows(fresh, every_loss_row=self.update.every_loss_row) if len(batch) \
+                    else torch.zeros(0, dtype=torch.long, device="cpu")
+                logp = sequence_logprobs(self.model, fresh.select(rows) if len(batch) else batch,
+                                         temperature=self.temperature, group=self.ctx.group, device=self.ctx.device,
+                                         max_tokens_per_microbatch=self.config.max_tokens_per_microbatch,
+                                         share_prompts=self.config.share_prompts,
+                                         microbatch_rows=self.config.microbatch_rows,
+                                         chunk_tokens=self.config.logprob_chunk_tokens)
+                if len(batch):
+                    # By the host batch's ``row_index``: each micro-batch takes its rows' (``_device_part``).
+                    self._prox = torch.zeros(batch["input_ids"].shape, dtype=torch.float32, device=self.ctx.device)
+                    self._prox[rows.to(self.ctx.device)] = logp
+                self._prox_timings.append(timer())
+            results = [self.train_minibatch(part) for part in parts]
         metrics = results[0] if len(results) == 1 else combine_minibatch_metrics(results, loss_metrics=spec.metrics)
+        compiled = self.compile_clock.take() if self.compile_clock else 0.0
+        if compiled:
+            metrics["compile_seconds"] = compiled
         if spec.needs_prox:
             metrics["prox_seconds"] = sum(seconds() for seconds in self._prox_timings)
         self._prox = None

@@ -5,8 +5,9 @@ device-side sums of an optimizer step and its one host read (``accumulate_on_dev
 
 from __future__ import annotations
 
+import contextlib
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 import torch
 import torch.distributed as dist
@@ -14,7 +15,7 @@ import torch.distributed as dist
 from llamarl.boxes import local_tensor
 from llamarl.metrics import MetricSpec
 
-__all__ = ["ENTROPY_SUM", "TRAINER_METRICS", "accumulate_on_device", "combine_minibatch_metrics", "device_timer",
+__all__ = ["ENTROPY_SUM", "TRAINER_METRICS", "CompileClock", "accumulate_on_device", "combine_minibatch_metrics", "device_timer",
            "read_step", "state_bytes"]
 
 ENTROPY_SUM = "_entropy_sum"
@@ -45,6 +46,9 @@ TRAINER_METRICS = {
     # Parameters, gradients and optimizer state this rank holds after the step (local shards), MiB,
     # summed over the trainer's ranks: what LoRA shrinks (the base has neither gradients nor moments).
     "state_mib": MetricSpec("memory", "sum"),
+    # --trainer.compile layers: seconds this step spent compiling (dynamo, the backend, a lazy
+    # backward), reported on the steps that compiled (the first; a recompile's); the slowest rank's.
+    "compile_seconds": MetricSpec("throughput", "max"),
 }
 
 _SUMMED = frozenset({"num_loss_tokens", "dropped_stale_samples", "zero_advantage_samples", "skipped",
@@ -171,3 +175,49 @@ def device_timer(device: torch.device) -> Callable[[], Callable[[], float]]:
             return begin.elapsed_time(end) / 1000
         return seconds
     return stop
+
+
+class CompileClock:
+    """Wall seconds torch.compile spends compiling inside ``running()`` (``--trainer.compile``'s
+    ``compile_seconds``): dynamo's start / end callbacks, which torch runs once around the
+    outermost compile of a frame, its backend and a lazily compiled backward included. The
+    callbacks are the process's (registered at the first clock, never removed): compiles outside
+    every clock's ``running()`` (a colocated engine's compiled decode) are not counted."""
+
+    _registered = False
+    _running: CompileClock | None = None
+    _started: float | None = None
+
+    def __init__(self) -> None:
+        self._seconds = 0.0
+        if not CompileClock._registered:
+            from torch._dynamo.callback import callback_handler
+
+            callback_handler.register_start_callback(CompileClock._start)
+            callback_handler.register_end_callback(CompileClock._end)
+            CompileClock._registered = True
+
+    @staticmethod
+    def _start(*_) -> None:
+        CompileClock._started = time.perf_counter()
+
+    @staticmethod
+    def _end(*_) -> None:
+        clock, started = CompileClock._running, CompileClock._started
+        if clock is not None and started is not None:
+            clock._seconds += time.perf_counter() - started
+        CompileClock._started = None
+
+    @contextlib.contextmanager
+    def running(self) -> Iterator[None]:
+        """A context in which compiles count on this clock."""
+        CompileClock._running = self
+        try:
+            yield
+        finally:
+            CompileClock._running = None
+
+    def take(self) -> float:
+        """Seconds counted since the last ``take``."""
+        seconds, self._seconds = self._seconds, 0.0
+        return seconds

@@ -20,8 +20,11 @@ layer's activations (``ActivationCount.kept`` / ``peak``).
 
 ``resolve_activation_checkpointing`` is ``--trainer.activation-checkpointing``'s decision (``auto``:
 on where a micro-batch's activations and the trainer's state would not fit the device), and
-``activation_checkpointing_for`` makes it for a model about to be sharded. Nothing here imports the
-config or an executor: plain arguments only.
+``activation_checkpointing_for`` makes it for a model about to be sharded; colocated, the state a
+native engine keeps between its generations (``--generator.torch.no-sleep``: its KV cache and
+graph pool, ``colocated_memory.engine_state_bytes``) is counted with it. A whole colocated rank by
+the same counts (weights, gradients, AdamW, the engine's copy and state, logits chunk):
+``colocated_memory.py``. Nothing here imports the config or an executor: plain arguments only.
 """
 
 from __future__ import annotations
@@ -44,7 +47,8 @@ __all__ = ["AUTO_DEVICE_FRACTION", "ActivationCount", "activation_checkpointing_
 AUTO_DEVICE_FRACTION = 0.75
 """``auto`` turns checkpointing on when the estimate passes this fraction of the device's memory: the
 estimate leaves out the gathered FSDP2 layers, the log-probs' logits, the CUDA context, allocator
-fragmentation and, colocated, what a sleeping vLLM keeps, which the rest is for."""
+fragmentation and, colocated, the generator's copy of the weights and what a sleeping vLLM keeps,
+which the rest is for."""
 
 
 @dataclass(frozen=True)
@@ -201,20 +205,22 @@ def resolve_activation_checkpointing(setting: str, *, estimated_bytes: int | Non
 
 def activation_checkpointing_for(setting: str, *, model: torch.nn.Module, device: torch.device | str,
                                  microbatch_tokens: int, world_size: int,
-                                 param_dtype: torch.dtype | None = None) -> bool:
+                                 param_dtype: torch.dtype | None = None, resident_bytes: int = 0) -> bool:
     """``resolve_activation_checkpointing`` for ``model`` (meta or real, before sharding, its
     ``requires_grad`` as it will train) on ``device``, over ``world_size`` FSDP2 ranks, with
     micro-batches of up to ``microbatch_tokens`` tokens in compute dtype ``param_dtype``. The
-    micro-batch is counted as one packed row (the mask's worst case). Counts only when the answer
-    depends on it (``auto`` on a CUDA device); logs the decision and its numbers."""
+    micro-batch is counted as one packed row (the mask's worst case). ``resident_bytes``: what the
+    device holds for another executor while the trainer runs (colocated: a native engine's kept
+    KV state and graph workspace), added to the estimate. Counts only when the answer depends on
+    it (``auto`` on a CUDA device); logs the decision and its numbers."""
     device_bytes = device_memory_bytes(device)
     if setting != "auto" or device_bytes is None:
         return resolve_activation_checkpointing(setting, estimated_bytes=None, device_bytes=device_bytes)
     count = saved_activation_bytes(model, tokens=microbatch_tokens, dtype=param_dtype)
-    estimate = count.peak(False) + trainer_state_bytes(model, world_size=world_size)
+    estimate = count.peak(False) + trainer_state_bytes(model, world_size=world_size) + resident_bytes
     on = resolve_activation_checkpointing(setting, estimated_bytes=estimate, device_bytes=device_bytes)
     logger.info("activation checkpointing %s (auto): a %d-token micro-batch keeps %.1f GiB of activations "
-                "(%.1f GiB checkpointed); with the rank's state %.1f GiB of the device's %.1f GiB",
-                "on" if on else "off", microbatch_tokens, count.peak(False) / 2**30, count.peak(True) / 2**30,
-                estimate / 2**30, device_bytes / 2**30)
+                "(%.1f GiB checkpointed); with the rank's state and %.1f GiB resident for the engine %.1f GiB "
+                "of the device's %.1f GiB", "on" if on else "off", microbatch_tokens, count.peak(False) / 2**30,
+                count.peak(True) / 2**30, resident_bytes / 2**30, estimate / 2**30, device_bytes / 2**30)
     return on

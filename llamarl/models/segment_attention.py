@@ -87,6 +87,16 @@ def segment_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.T
 
         return sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout,
                                       **kwargs)
+    return _segments(query, key, value, segment_spans, scaling=scaling, dropout=dropout), None
+
+
+# Under --trainer.compile layers, a graph break: the loop over a micro-batch's segments runs
+# eagerly between the layer's two compiled graphs. Traced, each new layout of spans (every
+# micro-batch has its own) would guard a new compile of the layer.
+@torch.compiler.disable
+def _segments(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, segment_spans: Spans, *,
+              scaling: float | None, dropout: float) -> torch.Tensor:
+    """``segment_attention``'s output ``[rows, W, heads, d]`` over ``segment_spans``."""
     rows, heads, width, head_dim = query.shape
     if len(segment_spans) != rows:
         raise ValueError(f"segment_attention: {len(segment_spans)} rows of spans for {rows} packed rows")
@@ -110,7 +120,7 @@ def segment_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.T
         if end < width:
             parts.append(q.new_zeros((1, heads, width - end, head_dim)))
         out.append(torch.cat(parts, dim=2))
-    return torch.cat(out).transpose(1, 2).contiguous(), None
+    return torch.cat(out).transpose(1, 2).contiguous()
 
 
 def _sequences(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, sequence_spans: Sequences, *,

@@ -28,6 +28,7 @@ from torch.distributed.tensor import DTensor, Shard
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
 from llamarl.boxes import chunk_slice
+from llamarl.models.colocated_memory import EngineFootprint
 from llamarl.models.loading import load_causal_lm, resolve_source
 from llamarl.models.lora import LoraSpec, checkpoint_name
 from llamarl.models.memory import activation_checkpointing_for
@@ -76,7 +77,8 @@ def _adapt(model: torch.nn.Module, lora: LoraSpec | None, *, frozen_dtype: torch
 
 def load_sharded_causal_lm(name_or_path: str, *, dtype: torch.dtype, mesh, device: torch.device,
                            param_dtype: torch.dtype | None = None, lora: LoraSpec | None = None,
-                           seed: int = 0, activation_checkpointing: str = "off", microbatch_tokens: int = 0):
+                           seed: int = 0, activation_checkpointing: str = "off", microbatch_tokens: int = 0,
+                           engine_state: EngineFootprint | None = None, compile_backend: str | None = None):
     """``(model, tokenizer)``: the causal LM at ``name_or_path`` (``load_causal_lm``'s resolution)
     FSDP2-sharded over ``mesh`` by ``shard_model(..., param_dtype=)``, master weights in ``dtype``
     on ``device`` (this rank's ``ctx.device``), loaded shard by shard (module docstring); in train
@@ -89,8 +91,11 @@ def load_sharded_causal_lm(name_or_path: str, *, dtype: torch.dtype, mesh, devic
 
     ``activation_checkpointing`` (``--trainer.activation-checkpointing``: on / off / auto, auto
     resolved by ``models/memory.py`` for micro-batches of ``microbatch_tokens``) recomputes each
-    decoder layer in the backward."""
-    checkpointing = {"activation_checkpointing": activation_checkpointing, "microbatch_tokens": microbatch_tokens}
+    decoder layer in the backward; ``auto`` also counts ``engine_state``, what a colocated engine
+    keeps on the device while the trainer runs (``colocated_memory.EngineFootprint``; None: nothing). ``compile_backend``
+    (``--trainer.compile layers``): each decoder layer compiled with it (``sharding.compile_layers``)."""
+    checkpointing = {"activation_checkpointing": activation_checkpointing, "microbatch_tokens": microbatch_tokens,
+                     "engine_state": engine_state, "compile_backend": compile_backend}
     source = resolve_source(name_or_path)
     directory = Path(source) if Path(source).is_dir() else _cached_snapshot(source)
     files = checkpoint_files(directory) if directory is not None else None
@@ -113,7 +118,7 @@ def load_sharded_causal_lm(name_or_path: str, *, dtype: torch.dtype, mesh, devic
                           why=f"the checkpoint has no tensor {missing[0]!r} (names differ from the model's)")
     _adapt(model, lora, frozen_dtype=param_dtype)
     buffers = {name: buf.detach().clone() for name, buf in model.named_buffers()}
-    model = shard_model(model, mesh, param_dtype=param_dtype,
+    model = shard_model(model, mesh, param_dtype=param_dtype, compile_backend=compile_backend,
                         activation_checkpointing=_checkpointing(model, device=device, mesh=mesh, param_dtype=param_dtype,
                                                                 **checkpointing))
     model.to_empty(device=device)
@@ -159,21 +164,26 @@ def _cached_snapshot(repo_id: str) -> Path | None:
         return None
 
 
-def _checkpointing(model, *, device, mesh, param_dtype, activation_checkpointing: str, microbatch_tokens: int) -> bool:
+def _checkpointing(model, *, device, mesh, param_dtype, activation_checkpointing: str, microbatch_tokens: int,
+                   engine_state: EngineFootprint | None = None, compile_backend: str | None = None) -> bool:
     """Whether to checkpoint each decoder layer (``auto`` counted on ``model`` as it will train)."""
     return activation_checkpointing_for(activation_checkpointing, model=model, device=device,
                                         microbatch_tokens=microbatch_tokens, world_size=mesh.size(),
-                                        param_dtype=param_dtype)
+                                        param_dtype=param_dtype,
+                                        resident_bytes=engine_state.bytes(model.config) if engine_state else 0)
 
 
 def _full_load(name_or_path: str, *, dtype, mesh, device, param_dtype, why: str, lora: LoraSpec | None = None,
-               seed: int = 0, activation_checkpointing: str = "off", microbatch_tokens: int = 0):
+               seed: int = 0, activation_checkpointing: str = "off", microbatch_tokens: int = 0,
+               engine_state: EngineFootprint | None = None, compile_backend: str | None = None):
     logger.warning("loading %s whole on every trainer rank before sharding: %s", name_or_path, why)
     model, tokenizer = load_causal_lm(name_or_path, dtype=dtype, device="cpu")
     _adapt(model, lora, frozen_dtype=param_dtype)
     if lora is not None:
         lora.initialise(model, seed=seed)  # the same adapters as the sharded path draws
     on = _checkpointing(model, device=device, mesh=mesh, param_dtype=param_dtype,
-                        activation_checkpointing=activation_checkpointing, microbatch_tokens=microbatch_tokens)
-    model = shard_model(model, mesh, param_dtype=param_dtype, activation_checkpointing=on)
+                        activation_checkpointing=activation_checkpointing, microbatch_tokens=microbatch_tokens,
+                        engine_state=engine_state)
+    model = shard_model(model, mesh, param_dtype=param_dtype, activation_checkpointing=on,
+                        compile_backend=compile_backend)
     return model, tokenizer

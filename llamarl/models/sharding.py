@@ -11,6 +11,15 @@ layer in torch's ``checkpoint_wrapper`` module (torchtitan's way): the wrapper p
 export match parameters by their HF names. Either way FSDP2's hooks stay outside the checkpointed
 call: ``fully_shard``'s pre-forward unshard and post-forward reshard run once per forward, and the
 recompute in the backward runs after FSDP2's pre-backward unshard, on the gathered parameters.
+
+Per-layer compilation (``compile_layers``, ``--trainer.compile layers``) is applied in torchtitan's
+order (activation checkpointing, then compile, then ``fully_shard``) with the same reasoning for
+the instance: each decoder layer's own forward is replaced by its ``torch.compile``, not the module
+by an ``OptimizedModule`` (whose ``_orig_mod.`` would enter every parameter's name). Unlike
+torchtitan's, the compiled region is inside the checkpoint, not around it: the trainer's segment
+attention is a graph break, and dynamo cannot break a graph inside a checkpointed region (it would
+run the whole layer eagerly). FSDP2's hooks stay outside the compiled region: they are the
+module's hooks, run by ``__call__`` around ``forward``.
 """
 
 from __future__ import annotations
@@ -46,14 +55,66 @@ def checkpoint_layers(model: torch.nn.Module) -> int:
     return len(layers)
 
 
+COMPILE_BACKENDS = ("inductor", "aot_eager", "eager")
+"""``--trainer.compile-backend``: inductor (generated kernels: the one that speeds up), aot_eager and
+eager (trace only, seconds on a CPU: tests)."""
+
+
+def compile_layers(model: torch.nn.Module, *, backend: str = "inductor") -> int:
+    """``torch.compile`` each decoder layer's forward on its instance (module docstring), with
+    ``backend``; names, module tree and the values computed (up to the backend's fusion order) are
+    unchanged. Apply after ``checkpoint_layers`` and before ``fully_shard``. Idempotent; returns the
+    number of layers. A checkpointed layer's own forward is compiled and the checkpoint stays
+    outside it, eager: a graph break inside a checkpointed region (segment attention's host loop)
+    would leave dynamo nothing to compile, and the recompute runs the compiled forward again. Every
+    layer runs the same code, so dynamo keeps one cache entry per layer on that code: the recompile
+    limit is raised to cover them (``_layer_recompile_limit``)."""
+    if backend not in COMPILE_BACKENDS:
+        raise ValueError(f"--trainer.compile-backend must be one of {COMPILE_BACKENDS}, got {backend!r}")
+    layers = decoder_layers(model)
+    _layer_recompile_limit(len(layers))
+    for layer in layers:
+        if is_compiled(layer):
+            continue
+        forward = vars(layer).get("forward")
+        if isinstance(forward, functools.partial) and forward.func is _checkpointed:  # compiled inside
+            layer.forward = functools.partial(_checkpointed, torch.compile(forward.args[0], backend=backend))
+        else:
+            layer.forward = torch.compile(layer.forward, backend=backend)
+    return len(layers)
+
+
+def is_compiled(layer: torch.nn.Module) -> bool:
+    """Whether ``compile_layers`` compiled ``layer``'s forward."""
+    forward = vars(layer).get("forward")
+    if isinstance(forward, functools.partial) and forward.func is _checkpointed:
+        forward = forward.args[0]
+    return getattr(forward, "_torchdynamo_orig_callable", None) is not None
+
+
+# Per layer: static shapes, then automatic dynamic shapes, grad and no-grad (proximal, reference).
+_ENTRIES_PER_LAYER = 4
+
+
+def _layer_recompile_limit(num_layers: int) -> None:
+    # Older torch (< 2.7) names the limit cache_size_limit; never lowered (another model may need more).
+    config = torch._dynamo.config
+    name = "recompile_limit" if hasattr(config, "recompile_limit") else "cache_size_limit"
+    setattr(config, name, max(getattr(config, name), _ENTRIES_PER_LAYER * num_layers))
+    if hasattr(config, "accumulated_recompile_limit"):
+        config.accumulated_recompile_limit = max(config.accumulated_recompile_limit, _ENTRIES_PER_LAYER * num_layers * 4)
+
+
 def shard_model(model: torch.nn.Module, mesh, *, param_dtype: torch.dtype | None = None,
-                activation_checkpointing: bool = False) -> torch.nn.Module:
+                activation_checkpointing: bool = False, compile_backend: str | None = None) -> torch.nn.Module:
     """FSDP2 ``fully_shard`` each decoder layer, then the root (HF ``model.model.layers`` layout).
 
     ``param_dtype`` (e.g. bf16) is the compute dtype of a MixedPrecisionPolicy; gradients are
     reduced in fp32 and the sharded master weights keep the model's dtype.
     ``activation_checkpointing``: each decoder layer recomputes its activations in the backward
-    (``checkpoint_layers``; ``models/memory.py`` counts what that saves).
+    (``checkpoint_layers``; ``models/memory.py`` counts what that saves). ``compile_backend``
+    (``--trainer.compile layers``): each decoder layer's forward compiled with it (``compile_layers``,
+    after checkpointing, before sharding: torchtitan's order); None: eager.
     """
     # The trainable parameters' dtype decides: under LoRA the frozen base may already be stored in
     # param_dtype while the adapters keep fp32 masters that must be cast for compute.
@@ -63,6 +124,8 @@ def shard_model(model: torch.nn.Module, mesh, *, param_dtype: torch.dtype | None
         if param_dtype is not None and param_dtype != master else MixedPrecisionPolicy()
     if activation_checkpointing:
         checkpoint_layers(model)
+    if compile_backend is not None:
+        compile_layers(model, backend=compile_backend)
     for layer in decoder_layers(model):
         fully_shard(layer, mesh=mesh, mp_policy=mp_policy)
     fully_shard(model, mesh=mesh, mp_policy=mp_policy)

@@ -9,8 +9,10 @@ alone, a mesh over its own rank), it shards fresh copies with ``activation_check
 True, runs the same batch (the same on every rank, so FSDP2's averaged gradients are the batch's),
 and records: parameter names (``named_parameters`` and ``get_model_state_dict``), the largest
 difference of log-probs and of the whole gradients from the reference, and how many times each
-decoder layer's MLP started (2 per step when checkpointed: the forward and its recompute). Rank 0
-writes ``{"<world>-<on|off>": {...}}`` to OUT.
+decoder layer's MLP started (2 per step when checkpointed: the forward and its recompute); and
+checkpointed with each layer compiled (``compile_backend="aot_eager"``: ``--trainer.compile layers``,
+shared-prompt segment attention a graph break). Rank 0 writes ``{"<world>-<off|on|compiled>": {...}}``
+to OUT.
 """
 
 import argparse
@@ -23,7 +25,7 @@ from torch.distributed.checkpoint.state_dict import get_model_state_dict
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
-from llamarl.models.sharding import decoder_layers, shard_model
+from llamarl.models.sharding import decoder_layers, is_compiled, shard_model
 from llamarl.models.shared_prefix import shared_prefix_logprobs
 
 
@@ -83,15 +85,17 @@ def main() -> None:
         if r == rank:
             meshes["world1"] = mesh
     for world, mesh in meshes.items():
-        for on in (False, True):
-            model = shard_model(build_tiny_llama(seed=0), mesh, activation_checkpointing=on)
-            mlp_calls = count_mlp_calls(model)
+        for mode in ("off", "on", "compiled"):
+            model = shard_model(build_tiny_llama(seed=0), mesh, activation_checkpointing=mode != "off",
+                                compile_backend="aot_eager" if mode == "compiled" else None)
+            mlp_calls = count_mlp_calls(model) if mode != "compiled" else None  # hooks traced: not counted
             logp, grads = step(model, data)
-            results[f"{world}-{'on' if on else 'off'}"] = {
+            results[f"{world}-{mode}"] = {
                 "names_equal": [n for n, _ in model.named_parameters()] == names,
                 "state_dict_names_equal": sorted(get_model_state_dict(model)) == sorted(names),
                 "logp_diff": (logp - ref_logp).abs().max().item(), "grad_diff": largest(grads, ref_grads),
-                "largest_grad": max(g.abs().max().item() for g in ref_grads.values()), "mlp_calls": mlp_calls}
+                "largest_grad": max(g.abs().max().item() for g in ref_grads.values()), "mlp_calls": mlp_calls,
+                "compiled": all(is_compiled(layer) for layer in decoder_layers(model))}
     if rank == 0:
         with open(args.out, "w") as f:
             json.dump(results, f, indent=1)

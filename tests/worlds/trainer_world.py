@@ -97,6 +97,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="sgd: the trainer's AdamW is swapped for plain SGD (the same lr) after init")
     parser.add_argument("--logprob-chunk-tokens", type=int, default=TrainerConfig().logprob_chunk_tokens,
                         help="--trainer.logprob-chunk-tokens (default: its default, the fused head)")
+    parser.add_argument("--compile", action="store_true",
+                        help="--trainer.compile layers with the aot_eager backend (each decoder layer compiled)")
     parser.add_argument("--probes", action="store_true", help="every rank writes OUT.rank<r>.json (see above)")
     parser.add_argument("--count-host-reads", action="store_true",
                         help="every rank writes OUT.reads<r>.json: the host reads of its train_on (see above)")
@@ -125,7 +127,8 @@ def train(ctx: ExecutorContext, args: argparse.Namespace) -> None:
     trainer = TrainerExecutor(ctx, model_config=ModelConfig(name=args.model_dir),
                               config=TrainerConfig(lr=args.lr, grad_clip=CLIP, num_minibatches=args.num_minibatches,
                                                    logprob_chunk_tokens=args.logprob_chunk_tokens,
-                                                   **budget_config(args.budget)),
+                                                   compile="layers" if args.compile else "off",
+                                                   compile_backend="aot_eager", **budget_config(args.budget)),
                               algo=AlgoConfig(loss=args.loss, prox=args.prox, max_staleness=args.max_staleness,
                                              loss_agg=args.loss_agg, loss_agg_length=args.loss_agg_length,
                                               normalize_batch=args.normalize_batch, rho=RHO, eps_clip=EPS,
