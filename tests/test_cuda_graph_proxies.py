@@ -158,9 +158,9 @@ def _kernels_per_layer(monkeypatch, family: str) -> float:
     return (counts[4] - counts[2]) / 2
 
 
-# Issue 45's targets are 12 a layer and 14 with Qwen3's q / k norms; without Triton Qwen3 is at 16
-# (the norms, their two weights and a concatenation: llamarl/engines/static_step.py).
-@pytest.mark.parametrize(("family", "most"), [("llama-untied", 12), ("qwen2", 12), ("mistral", 12), ("qwen3", 16)])
+# Issue 45's targets: 12 a layer, 14 with Qwen3's q / k norms (16 before their weights became one
+# per-head buffer: a norm, two products and a concatenation; llamarl/engines/static_step.py).
+@pytest.mark.parametrize(("family", "most"), [("llama-untied", 12), ("qwen2", 12), ("mistral", 12), ("qwen3", 14)])
 def test_a_layer_replays_few_kernels(monkeypatch, family, most):
     """A replayed graph of a small model is bound by its kernel count (one H200: ~3 us each); HF's
     math as written was 33 a layer in bf16 (41 with Qwen3's norms): casts around each RMSNorm,
@@ -210,6 +210,31 @@ def test_the_fused_projections_are_the_models_parameters(monkeypatch):
     assert fake.captures == captures  # read through the same buffers: nothing captured again
     attn = model.model.layers[1].self_attn  # rebound: put back into a fused buffer, captured again
     attn.k_proj.weight = torch.nn.Parameter(attn.k_proj.weight.detach() * -1.0)
+    assert_same(generate(built, requests(), GREEDY), generate(reference, requests(), GREEDY))
+    assert fake.captures > captures
+
+
+def test_qwen3s_head_norms_are_their_parameters_in_one_buffer(monkeypatch):
+    """Qwen3's q / k norm weights are rows of one per-head buffer (static_step.FusedWeights), the
+    other rows refreshed from them at each step: a sync writing the parameters in place is replayed
+    without a capture, a rebound one is put back and captured again, each as HF's modules decode."""
+    fake = FakeCudaGraphs(monkeypatch)
+    model = build_family("qwen3")
+    built, reference = graph_engine(model), hf_engine(model)
+    before = generate(built, requests(), GREEDY)
+    assert_same(before, generate(reference, requests(), GREEDY))
+    norms = [m.weight for layer in model.model.layers for m in (layer.self_attn.q_norm, layer.self_attn.k_norm)]
+    assert len({w.untyped_storage().data_ptr() for w in norms}) == 1
+    captures, generator = fake.captures, torch.Generator().manual_seed(2)
+    with torch.no_grad():
+        for weight in norms:
+            weight.copy_(weight * 0.5 + torch.randn(weight.shape, generator=generator))
+    synced = generate(built, requests(), GREEDY)
+    assert_same(synced, generate(reference, requests(), GREEDY))
+    assert [c.completion_ids for c in synced] != [c.completion_ids for c in before]
+    assert fake.captures == captures
+    attn = model.model.layers[0].self_attn
+    attn.k_norm.weight = torch.nn.Parameter(attn.k_norm.weight.detach() * -2.0)
     assert_same(generate(built, requests(), GREEDY), generate(reference, requests(), GREEDY))
     assert fake.captures > captures
 

@@ -3,8 +3,8 @@ Llama-family decoder layer (Llama, Qwen2, Mistral, Qwen3's q / k norms) in few k
 
 Why few kernels: a replayed graph of a small model is bound by its number of kernels (one H200:
 ~3 µs each, ~1,000 a step of SmolLM2's shape at ~33 a layer; docs/gpu.md), not by their work.
-Without Triton, a layer here is 12 kernels on CUDA (Llama, Qwen2, Mistral; 16 with Qwen3's q / k
-norms), counted on the CPU proxy's fake-graph tape (tests/fake_cuda.py):
+Without Triton, a layer here is 12 kernels on CUDA (Llama, Qwen2, Mistral; 14 with Qwen3's q / k
+norms: one norm over every head, one product by the per-head weights written back, ``FusedWeights``), counted on the CPU proxy's fake-graph tape (tests/fake_cuda.py):
 
 * RMSNorm with its weight: one ``torch.nn.functional.rms_norm`` (on CUDA the fused
   ``_fused_rms_norm``, fp32 inside). The residual adds are in the GEMMs that precede them:
@@ -31,13 +31,28 @@ before the cast; a rotated pair and a projection plus its residual summed before
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 
 
-def fuse_projections(model: torch.nn.Module) -> list[tuple[torch.Tensor, torch.Tensor | None, torch.Tensor,
-                                                               torch.Tensor | None]]:
-    """Per decoder layer ``(qkv_weight, qkv_bias, gate_up_weight, gate_up_bias)``: the rows of
-    q / k / v (gate / up) stacked in one buffer whose slices are the projections' parameters.
+class FusedWeights(NamedTuple):
+    """What ``static_forward`` reads besides the model's modules (``fuse_projections``)."""
+
+    layers: list[tuple[torch.Tensor, torch.Tensor | None, torch.Tensor, torch.Tensor | None]]
+    """Per decoder layer ``(qkv_weight, qkv_bias, gate_up_weight, gate_up_bias)``."""
+    head_norms: torch.Tensor | None
+    """Qwen3's q / k norm weights ``[layers, heads + kv, d]``, one row per head (None: no such
+    norms): row 0 of a layer IS its ``q_norm.weight`` and row ``heads`` its ``k_norm.weight``, the
+    other rows their copies, refreshed from them at every step (``static_forward``), so the
+    weights multiply the normalised q and k heads in one kernel and a sync that writes the
+    parameters is seen at the next step."""
+
+
+def fuse_projections(model: torch.nn.Module) -> FusedWeights:
+    """``layers``: per decoder layer the rows of q / k / v (gate / up) stacked in one buffer whose
+    slices are the projections' parameters; ``head_norms``: Qwen3's q / k norms, one buffer whose
+    rows are the parameters (``FusedWeights``).
 
     Idempotent: parameters that are already consecutive slices of one storage, in this order, are
     left as they are and the buffer is a view over them; otherwise (the first call, or a parameter
@@ -50,7 +65,32 @@ def fuse_projections(model: torch.nn.Module) -> list[tuple[torch.Tensor, torch.T
         qkv, gate_up = (attn.q_proj, attn.k_proj, attn.v_proj), (mlp.gate_proj, mlp.up_proj)
         fused.append((_one_buffer([m.weight for m in qkv]), _one_bias(qkv),
                       _one_buffer([m.weight for m in gate_up]), _one_bias(gate_up)))
-    return fused
+    return FusedWeights(fused, _head_norms(model))
+
+
+@torch.no_grad()
+def _head_norms(model: torch.nn.Module) -> torch.Tensor | None:
+    layers = model.model.layers
+    if getattr(layers[0].self_attn, "q_norm", None) is None:
+        return None
+    heads, kv = model.config.num_attention_heads, model.config.num_key_value_heads
+    first = layers[0].self_attn.q_norm.weight
+    d = first.shape[0]
+    per_layer, start = (heads + kv) * d, first.storage_offset()
+    in_place = all(
+        w.is_contiguous() and w.dtype == first.dtype and w.shape == first.shape
+        and w.untyped_storage().data_ptr() == first.untyped_storage().data_ptr()
+        and w.storage_offset() == start + index * per_layer + row * d
+        for index, layer in enumerate(layers)
+        for w, row in ((layer.self_attn.q_norm.weight, 0), (layer.self_attn.k_norm.weight, heads)))
+    if in_place and start + len(layers) * per_layer <= first.untyped_storage().nbytes() // first.element_size():
+        return first.detach().as_strided((len(layers), heads + kv, d), (per_layer, d, 1), start)
+    buffer = torch.stack([torch.cat((layer.self_attn.q_norm.weight.detach().expand(heads, d),
+                                     layer.self_attn.k_norm.weight.detach().expand(kv, d))) for layer in layers])
+    for index, layer in enumerate(layers):
+        layer.self_attn.q_norm.weight.data = buffer[index, 0]
+        layer.self_attn.k_norm.weight.data = buffer[index, heads]
+    return buffer
 
 
 # Position scalings whose frequencies depend on the longest position seen: a table built once for
@@ -141,7 +181,7 @@ def _add_linear_(hidden: torch.Tensor, x: torch.Tensor, linear: torch.nn.Linear)
     return hidden if linear.bias is None else hidden.add_(linear.bias)
 
 
-def static_forward(model: torch.nn.Module, fused: list, tokens: torch.Tensor, positions: torch.Tensor,
+def static_forward(model: torch.nn.Module, fused: FusedWeights, tokens: torch.Tensor, positions: torch.Tensor,
                    caches: list[torch.Tensor], cos_table: torch.Tensor, sin_table: torch.Tensor,
                    logits: torch.Tensor, num_heads: int, num_kv_heads: int, head_dim: int,
                    scaling: float) -> torch.Tensor:
@@ -163,15 +203,25 @@ def static_forward(model: torch.nn.Module, fused: list, tokens: torch.Tensor, po
     bias = torch.zeros((rows, num_kv_heads, 1, width), dtype=hidden.dtype, device=hidden.device).masked_fill(
         ~visible[:, None, None, :], torch.finfo(hidden.dtype).min).view(rows * num_kv_heads, 1, 1, width)
     row_index = torch.arange(rows, device=tokens.device)
-    for layer, (qkv_weight, qkv_bias, gate_up_weight, gate_up_bias), cache in zip(inner.layers, fused, caches):
+    head_norms = fused.head_norms
+    if head_norms is not None:  # each head's norm weight from its parameter row (FusedWeights): 2 kernels a step
+        head_norms[:, 1:num_heads].copy_(head_norms[:, :1].expand(-1, num_heads - 1, -1))
+        head_norms[:, num_heads + 1:].copy_(head_norms[:, num_heads:num_heads + 1].expand(-1, num_kv_heads - 1, -1))
+    for index, (layer, (qkv_weight, qkv_bias, gate_up_weight, gate_up_bias), cache) in enumerate(
+            zip(inner.layers, fused.layers, caches)):
         attn, mlp = layer.self_attn, layer.mlp
         qkv = _linear(_rms_norm(layer.input_layernorm, hidden), qkv_weight, qkv_bias).view(rows, heads, head_dim)
-        q, kv = qkv[:, :num_heads], qkv[:, num_heads:]
-        if hasattr(attn, "q_norm"):  # Qwen3: RMSNorm over each head before RoPE, q and k normalised at once
+        if head_norms is not None:
+            # Qwen3: RMSNorm over each q and k head before RoPE, as HF (normalise, round, then the
+            # weight): one norm over every head (v's is not used), one product written back into
+            # the q / k heads, so keys and values stay one buffer for the rotation below.
+            qk = qkv[:, :num_heads + num_kv_heads]
             normed = _rms_norm(None, qkv, attn.q_norm.variance_epsilon)
-            q = normed[:, :num_heads] * attn.q_norm.weight
-            kv = torch.cat((normed[:, num_heads:num_heads + num_kv_heads] * attn.k_norm.weight,
-                            qkv[:, num_heads + num_kv_heads:]), dim=1)
+            if torch.compiler.is_compiling():  # dynamo refuses a strided out=; inductor fuses these two
+                qk.copy_(normed[:, :num_heads + num_kv_heads] * head_norms[index])
+            else:
+                torch.mul(normed[:, :num_heads + num_kv_heads], head_norms[index], out=qk)
+        q, kv = qkv[:, :num_heads], qkv[:, num_heads:]
         q = torch.bmm(q, rotation[:, :, :head_dim])  # [rows, heads, d], contiguous
         new = torch.bmm(kv, rotation)  # [rows, 2 kv, 2d]: rotated keys in the first half, values in the second
         # A view [rows, 2, kv, d] of (keys, values): head h's rotated half of the keys, its identity
