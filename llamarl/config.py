@@ -12,8 +12,7 @@ from typing import Literal, Protocol
 
 from llamarl.algorithms.registry import ADVANTAGES, POLICY_LOSSES
 from llamarl.engines.base import EngineConfig, engine_config_class, engine_names
-from llamarl.engines.torch_engine import TorchEngineConfig
-from llamarl.engines.vllm_engine import VLLMEngineConfig
+from llamarl.engines.engine_configs import TorchEngineConfig, VLLMEngineConfig
 from llamarl.models.lora import LoraSpec
 
 

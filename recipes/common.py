@@ -32,7 +32,7 @@ from llamarl.config import (
 from llamarl.data.gsm8k import Problems
 from llamarl.data.problem_list import ListTask
 from llamarl.data.prompts import Problem
-from llamarl.engines.vllm_engine import VLLMEngineConfig
+from llamarl.engines.engine_configs import VLLMEngineConfig
 from llamarl.evaluation import evaluate_policy, load_policy
 from llamarl.rl_pipeline import run_rl
 

@@ -20,7 +20,7 @@ from transformers import Qwen2Config
 
 from llamarl.config import RLConfig
 from llamarl.engines.base import EngineSetup, Sleeps
-from llamarl.engines.torch_engine import TorchEngineConfig
+from llamarl.engines.engine_configs import TorchEngineConfig
 from llamarl.models import memory
 from llamarl.models.colocated_memory import (
     EngineFootprint,

@@ -29,8 +29,8 @@ from llamarl.engines.base import (
     finish_completion,
     register_engine,
 )
-from llamarl.engines.torch_engine import TorchEngine, TorchEngineConfig
-from llamarl.engines.vllm_engine import VLLMEngineConfig
+from llamarl.engines.engine_configs import TorchEngineConfig, VLLMEngineConfig
+from llamarl.engines.torch_engine import TorchEngine
 from llamarl.executors.generator import GeneratorExecutor
 
 

@@ -111,3 +111,40 @@ def test_layers_point_down_only():
     unplaced, arrows = upward_arrows(ROOT)
     problems = [f"{module} has no layer in tests/test_layers.py's LAYERS" for module in unplaced] + arrows
     assert not problems, f"{len(arrows)} import(s) of a higher layer:\n" + "\n".join(problems)
+
+
+# What a module outside llamarl/engines/ may import of it: the contract, the engines' settings and
+# the shape helpers, never an engine's implementation (issue 47: reading a run's settings built
+# nothing, yet llamarl/config.py imported the native engine and vLLM's wrapper).
+ENGINE_CONTRACT = ("llamarl.engines", "llamarl.engines.base", "llamarl.engines.engine_configs",
+                   "llamarl.engines.static_shapes")
+
+
+def engine_imports_outside_engines(root: Path) -> list[str]:
+    """Every import of an engine implementation by a module of ``llamarl`` outside ``engines`` or of
+    ``recipes``."""
+    paths = {module_name(path, root): path for folder in ("llamarl", "recipes")
+             for path in sorted((root / folder).rglob("*.py"))}
+    return [f"{module} imports {target}" for module, path in paths.items()
+            if not module.startswith("llamarl.engines")
+            for target in sorted(imported_modules(path, module, set(paths)))
+            if target.startswith("llamarl.engines") and target not in ENGINE_CONTRACT]
+
+
+def test_no_module_outside_the_engines_imports_an_engine():
+    assert not (found := engine_imports_outside_engines(ROOT)), "\n".join(found)
+    # The rule bites: the import llamarl/config.py had is one it reports.
+    assert engine_imports_outside_engines(_tree_with(
+        "llamarl/config.py", "from llamarl.engines.torch_engine import TorchEngineConfig\n")) == \
+        ["llamarl.config imports llamarl.engines.torch_engine"]
+
+
+def _tree_with(relative: str, text: str) -> Path:
+    import tempfile
+
+    root = Path(tempfile.mkdtemp(prefix="layers-"))
+    for name in ("llamarl/engines/__init__.py", "llamarl/engines/torch_engine.py", "recipes/__init__.py"):
+        (root / name).parent.mkdir(parents=True, exist_ok=True)
+        (root / name).write_text("")
+    (root / relative).write_text(text)
+    return root

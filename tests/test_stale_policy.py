@@ -29,7 +29,7 @@ from launch import check, run_torchrun
 from llamarl.batch import TensorBatch
 from llamarl.config import AlgoConfig, GeneratorConfig, ModelConfig
 from llamarl.data.prompts import Problem
-from llamarl.engines.torch_engine import TorchEngineConfig
+from llamarl.engines.engine_configs import TorchEngineConfig
 from llamarl.executors.generator import GeneratorExecutor
 
 WORLD = "../" + Path(__file__).name  # run_torchrun resolves scripts under tests/worlds/

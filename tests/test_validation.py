@@ -28,8 +28,7 @@ from llamarl.config import (
 )
 from llamarl.config_checks import validate_config
 from llamarl.controller import ExecutorController
-from llamarl.engines.torch_engine import TorchEngineConfig
-from llamarl.engines.vllm_engine import VLLMEngineConfig
+from llamarl.engines.engine_configs import TorchEngineConfig, VLLMEngineConfig
 from llamarl.rl_pipeline import rl_pipeline
 
 

@@ -434,7 +434,7 @@ def test_a_tensor_parallel_engine_spans_two_ranks(tmp_path):
 
 def _tp_world(out_dir: str) -> None:
     from llamarl.engines.base import EngineSetup, build_engine
-    from llamarl.engines.vllm_engine import VLLMEngineConfig
+    from llamarl.engines.engine_configs import VLLMEngineConfig
 
     dist.init_process_group("gloo")
     rank = dist.get_rank()

