@@ -22,7 +22,8 @@ the library defaults it changes, and its presets (a module-level ``PRESETS`` dic
 ``name -> (description, config)`` as ``tyro.extras.overridable_config_cli`` takes), each as the
 flags whose value differs from the recipe's defaults. ``missing_docstrings`` lists the flags
 without a docstring; ``tests/test_docs.py`` requires it to be empty and the committed file to be
-current.
+current. A default naming a file outside the repository (a preset's CI data, ``../shared/...``) is
+described, not printed (``shown_default``): a clone has nothing at that path.
 """
 
 from __future__ import annotations
@@ -51,6 +52,9 @@ if str(REPO) not in sys.path:  # run as a script from docs/: the recipes package
     sys.path.insert(0, str(REPO))
 OUTPUT = REPO / "docs" / "configuration.md"
 COMMAND = "python docs/config_reference.py --write"
+# A path that leaves the repository (`../x`, this workspace's root): the pattern of tests/test_doc_links.py.
+OUTSIDE = re.compile(r"(?<![\w.~/])(?:\.\./|/work/)")
+OUTSIDE_DEFAULT = "_a local copy outside the repository (CI's data): set the flag to your own path_"
 
 
 @dataclass(frozen=True)
@@ -228,13 +232,19 @@ def _code(text: str) -> str:
     return f"`{text}`".replace("|", "\\|") if text != "" else "`''`"
 
 
+def shown_default(text: str) -> str:
+    """A default as the reference shows it: in code, or described where it names a file outside the
+    repository (the code keeps its path; the docs do not point users at it)."""
+    return OUTSIDE_DEFAULT if OUTSIDE.search(text) else _code(text)
+
+
 def _section_table(section: Section) -> list[str]:
     title = f"`--{section.path}.*`" if section.path else "top-level flags"
     lines = [f"### {title} ({section.cls.__name__})", ""]
     if section.description:
         lines += [_one_line(section.description), ""]
     lines += ["| flag | type | default | description |", "|---|---|---|---|"]
-    lines += [f"| `{row.flag}` | {_code(row.type)} | {_code(row.default)} | {_one_line(row.doc)} |"
+    lines += [f"| `{row.flag}` | {_code(row.type)} | {shown_default(row.default)} | {_one_line(row.doc)} |"
               for row in section.rows]
     return [*lines, ""]
 
@@ -287,7 +297,7 @@ def render_reference() -> str:
         if changed:
             lines += [f"### Library defaults {cls.__name__} changes", "",
                       "| flag | here | library |", "|---|---|---|"]
-            lines += [f"| `{flag}` | {_code(value)} | {_code(old)} |" for flag, value, old in changed]
+            lines += [f"| `{flag}` | {shown_default(value)} | {shown_default(old)} |" for flag, value, old in changed]
             lines.append("")
         if presets:
             own = _flag_values(instance)
@@ -297,7 +307,8 @@ def render_reference() -> str:
             for name, (description, preset) in presets.items():
                 lines += [f"#### `{name}`", "", _one_line(description), "",
                           "| flag | value | default |", "|---|---|---|"]
-                lines += [f"| `{flag}` | {_code(value)} | {_code(old)} |" for flag, value, old in _differences(preset, own)]
+                lines += [f"| `{flag}` | {shown_default(value)} | {shown_default(old)} |"
+                          for flag, value, old in _differences(preset, own)]
                 lines.append("")
     return "\n".join(lines).rstrip("\n") + "\n"
 
