@@ -87,20 +87,9 @@ def run_pipeline(pipeline: Pipeline, config: RunSections, *, recipe: str, heldou
     """
     wall_start = time.time()
     run = config.run
-    trainer_config = getattr(config, "trainer", None)  # an unset --trainer.lr takes what trains' default
-    lr_note = trainer_config.settle_lr() if isinstance(trainer_config, TrainerConfig) else None
-    if isinstance(trainer_config, TrainerConfig):
-        trainer_config.settle_schedule(max_steps=run.max_steps)
+    lr_note = _settle_trainer(config)
     if checking_only() and config.checkpoint.resume:
-        # The launch scripts' one-process check (llamarl/preflight.py): the checkpoint to resume,
-        # its identity and its files' sizes, before torchrun starts (a refusal is one line, exit 2;
-        # the run itself verifies the digests again, falling back where one fails).
-        run_dir = Path(run.output_dir) if run.output_dir else Path(config.checkpoint.resume).parent.parent
-        identity = run_identity(config, recipe=recipe, dataset=dataset() if dataset is not None else None,
-                                model_source=resolve_source(config.model.name))
-        resume_point(config.checkpoint.resume, run_dir, max_steps=run.max_steps,
-                     verify="off" if config.checkpoint.verify == "off" else "size", identity=identity,
-                     allow_changes=config.checkpoint.allowed_changes(), defaults=identity_defaults(config))
+        _check_resume_point(config, recipe=recipe, dataset=dataset)
     channels = pipeline.build_channels()
     contexts = ExecutorContext.create_all(pipeline.specs(int(os.environ.get("WORLD_SIZE", "1"))),
                                           timeout_s=run.collective_timeout_s)
@@ -109,16 +98,7 @@ def run_pipeline(pipeline: Pipeline, config: RunSections, *, recipe: str, heldou
     if lr_note is not None and ctx.rank == 0:
         logger.info("%s", lr_note)
     reporter_rank = ctx.ranks[pipeline.evaluator][0] if pipeline.evaluator else 0
-    identity = None
-    try:
-        directory = RunDirectory.open(run, recipe=recipe, ctx=ctx)
-        if ctx.rank == 0 and (config.checkpoint.every or config.checkpoint.resume):
-            identity = run_identity(config, recipe=recipe, dataset=dataset() if dataset is not None else None,
-                                    model_source=resolve_source(config.model.name))
-        resume = directory.resume(config.checkpoint, max_steps=run.max_steps, ctx=ctx, identity=identity,
-                                  defaults=identity_defaults(config) if identity is not None else None)
-    except ValueError as exc:
-        stop_before_start(exc)
+    directory, identity, resume = _open_run(config, recipe=recipe, dataset=dataset, ctx=ctx)
     if resume.finished is not None:
         release_lock(directory.path)
         ctx.destroy()
@@ -127,13 +107,8 @@ def run_pipeline(pipeline: Pipeline, config: RunSections, *, recipe: str, heldou
     init_channels = [c for c in channels if isinstance(c, (WeightsChannel, InMemoryWeights))]
     check_roles(executors, weight_channels=init_channels, evaluator=pipeline.evaluator)
     directory.record(config, resume=resume, ctx=ctx)
-    # Evaluation is collective over a TP group, so every rank of the evaluator's first replica runs it.
-    evaluator = contexts.get(pipeline.evaluator)
-    evaluates = evaluator is not None and evaluator.dp_rank == 0
-    evaluations = Evaluations(evaluator=executors.get(pipeline.evaluator), stage=pipeline.evaluator,
-                              heldout=heldout, score=score, run=run, run_dir=directory.path, rank=ctx.rank,
-                              evaluates=evaluates, reports=evaluates and evaluator.local_rank == 0,
-                              resume=resume, wall_start=wall_start)
+    evaluations = _evaluations(pipeline, contexts=contexts, executors=executors, heldout=heldout, score=score,
+                               run=run, run_dir=directory.path, resume=resume, wall_start=wall_start)
     log = RunLog(contexts=contexts, run_dir=directory.path, start_step=resume.step, weight_channels=init_channels,
                  progress=Progress(keys=pipeline.headline_keys(), max_steps=run.max_steps, start_step=resume.step,
                                    rank=ctx.rank, device=ctx.world_device),
@@ -146,7 +121,7 @@ def run_pipeline(pipeline: Pipeline, config: RunSections, *, recipe: str, heldou
                                     resume_dir=resume.directory, start_step=resume.step, upkeep=checkpoints.upkeep,
                                     on_tick=log.tick, on_checkpoint=checkpoints.save_state,
                                     after_tick=checkpoints.after_tick,
-                                    before_loop=evaluations.base if evaluates else None)
+                                    before_loop=evaluations.base if evaluations.evaluates else None)
     controller.run()
     try:
         with controller.guard():
@@ -162,11 +137,69 @@ def run_pipeline(pipeline: Pipeline, config: RunSections, *, recipe: str, heldou
     peak_gib = log.peak_memory_gib()
     world_barrier(ctx)
     controller.finish()
-    result = None
-    if ctx.rank == reporter_rank:
-        summary = RunSummary(directory.path, title=f"{recipe}: {pipeline.title}" if pipeline.title else recipe,
-                             entries=pipeline.summary, world_size=ctx.world_size)
-        result = summary.write(evaluations.summary, peak_gib=peak_gib)
+    title = f"{recipe}: {pipeline.title}" if pipeline.title else recipe
+    result = _summary(directory.path, title=title, pipeline=pipeline, evaluations=evaluations,
+                      peak_gib=peak_gib, ctx=ctx) if ctx.rank == reporter_rank else None
     release_lock(directory.path)
     ctx.destroy()
     return result
+
+
+def _evaluations(pipeline: Pipeline, *, contexts: dict, executors: dict, heldout: list[Problem] | None,
+                 score: Callable[[str, str], float] | None, run, run_dir: Path, resume, wall_start: float) -> Evaluations:
+    """The held-out evaluations of the pipeline's evaluator stage (none without one). Evaluation is
+    collective over a TP group, so every rank of the evaluator's first replica runs it; its first
+    local rank reports."""
+    evaluator = contexts.get(pipeline.evaluator)
+    evaluates = evaluator is not None and evaluator.dp_rank == 0
+    rank = next(iter(contexts.values())).rank
+    return Evaluations(evaluator=executors.get(pipeline.evaluator), stage=pipeline.evaluator, heldout=heldout,
+                       score=score, run=run, run_dir=run_dir, rank=rank, evaluates=evaluates,
+                       reports=evaluates and evaluator.local_rank == 0, resume=resume, wall_start=wall_start)
+
+
+def _summary(path: Path, *, title: str, pipeline: Pipeline, evaluations: Evaluations, peak_gib, ctx) -> dict:
+    """The run's summary (``summary.json`` and the console's last lines), written by the reporting rank."""
+    summary = RunSummary(path, title=title, entries=pipeline.summary, world_size=ctx.world_size)
+    return summary.write(evaluations.summary, peak_gib=peak_gib)
+
+
+def _settle_trainer(config: RunSections) -> str | None:
+    """The trainer's settings that follow from others (an unset ``--trainer.lr`` takes what it
+    trains' default, the lr schedule's horizon ``--run.max-steps``); the note to log, if any."""
+    trainer_config = getattr(config, "trainer", None)
+    if not isinstance(trainer_config, TrainerConfig):
+        return None
+    lr_note = trainer_config.settle_lr()
+    trainer_config.settle_schedule(max_steps=config.run.max_steps)
+    return lr_note
+
+
+def _check_resume_point(config: RunSections, *, recipe: str, dataset: Callable[[], str] | None) -> None:
+    """The launch scripts' one-process check (llamarl/preflight.py): the checkpoint to resume, its
+    identity and its files' sizes, before torchrun starts (a refusal is one line, exit 2; the run
+    itself verifies the digests again, falling back where one fails)."""
+    run = config.run
+    run_dir = Path(run.output_dir) if run.output_dir else Path(config.checkpoint.resume).parent.parent
+    identity = run_identity(config, recipe=recipe, dataset=dataset() if dataset is not None else None,
+                            model_source=resolve_source(config.model.name))
+    resume_point(config.checkpoint.resume, run_dir, max_steps=run.max_steps,
+                 verify="off" if config.checkpoint.verify == "off" else "size", identity=identity,
+                 allow_changes=config.checkpoint.allowed_changes(), defaults=identity_defaults(config))
+
+
+def _open_run(config: RunSections, *, recipe: str, dataset: Callable[[], str] | None, ctx):
+    """``(directory, identity, resume)``: the run directory, the run's identity (rank 0, where
+    checkpoints are used; else None) and where the run resumes; a directory or checkpoint that
+    cannot be used stops the job before any executor starts (``stop_before_start``)."""
+    identity = None
+    try:
+        directory = RunDirectory.open(config.run, recipe=recipe, ctx=ctx)
+        if ctx.rank == 0 and (config.checkpoint.every or config.checkpoint.resume):
+            identity = run_identity(config, recipe=recipe, dataset=dataset() if dataset is not None else None,
+                                    model_source=resolve_source(config.model.name))
+        resume = directory.resume(config.checkpoint, max_steps=config.run.max_steps, ctx=ctx, identity=identity,
+                                  defaults=identity_defaults(config) if identity is not None else None)
+    except ValueError as exc:
+        stop_before_start(exc)
+    return directory, identity, resume
