@@ -160,7 +160,11 @@ def _kernels_per_layer(monkeypatch, family: str) -> float:
 
 # Issue 45's targets: 12 a layer, 14 with Qwen3's q / k norms (16 before their weights became one
 # per-head buffer: a norm, two products and a concatenation; llamarl/engines/static_step.py).
-@pytest.mark.parametrize(("family", "most"), [("llama-untied", 12), ("qwen2", 12), ("mistral", 12), ("qwen3", 14)])
+# Gemma2 is in the shared step at 32, not its target's 14: each of its four ``1 + weight`` norms is
+# five kernels in fp32 (casts, the offset's add) and each sandwich norm adds a residual add; fewer
+# needs fused norm kernels (Triton). Its bound here holds what it is.
+@pytest.mark.parametrize(("family", "most"), [("llama-untied", 12), ("qwen2", 12), ("mistral", 12), ("qwen3", 14),
+                                              ("gemma2", 32)])
 def test_a_layer_replays_few_kernels(monkeypatch, family, most):
     """A replayed graph of a small model is bound by its kernel count (one H200: ~3 us each); HF's
     math as written was 33 a layer in bf16 (41 with Qwen3's norms): casts around each RMSNorm,

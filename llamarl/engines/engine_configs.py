@@ -34,7 +34,7 @@ class TorchEngineConfig(EngineConfig):
     engine and grown only when a call needs more, each batch-size bucket captured once as a CUDA graph
     on CUDA and replayed across calls and in-place weight updates; finished rows seen every
     ``eos_check_every`` steps, continuous batching and kept carried caches as on the fused path) for
-    Llama, Qwen2, Mistral and Qwen3 without TP. ``auto``: on CUDA, the eager step captured as CUDA
+    Llama, Qwen2, Mistral, Qwen3 and Gemma2 without TP. ``auto``: on CUDA, the eager step captured as CUDA
     graphs (every bucket at the first call, in seconds), where a step of HF's modules is bound by the
     host; not on CPU, where the fused step and its C kernels are faster; a failure of the static path
     in any call logs one warning and decodes with HF's modules from then on. ``compiled``:

@@ -22,8 +22,9 @@ the step is written in few of them (llamarl/engines/static_step.py: 12 kernels a
   finished or empty rows inside the bucket compute garbage that nothing reads (their writes go
   to their own slot); the decode loop (llamarl/engines/decode_loop.py) compacts rows into a
   smaller bucket when they fit.
-* **The forward** (``static_step.static_forward``) is HF's math for Llama, Qwen2, Mistral and
-  Qwen3 (q/k norms) over the model's own parameters (norm weights, projections, MLP, LM head),
+* **The forward** (``static_step.static_forward``) is HF's math for Llama, Qwen2, Mistral,
+  Qwen3 (q/k norms) and Gemma2 (its ``1 + weight`` norms around each block, soft-capped scores
+  and logits: ``static_step.StepShape``; its sliding windows as long as the state) over the model's own parameters (norm weights, projections, MLP, LM head),
   q / k / v and gate / up each one GEMM over a buffer whose slices the model's parameters are
   (``static_step.fuse_projections``, at the first ``reserve``), so in-place weight updates and
   LoRA merges are read by the next step. fp32 matches HF to fp32 rounding, bf16 to a bf16
@@ -79,7 +80,7 @@ from llamarl.engines.static_sampling import FIRST_CANDIDATES, SlotRecords, resto
 from llamarl.engines.static_shapes import bucket, ladder, span_rung, state_width  # noqa: F401 - re-exported
 from llamarl.engines.static_step import fuse_projections, reproduces, rope_tables, static_forward
 
-_SUPPORTED = ("LlamaForCausalLM", "Qwen2ForCausalLM", "MistralForCausalLM", "Qwen3ForCausalLM")
+_SUPPORTED = ("LlamaForCausalLM", "Qwen2ForCausalLM", "MistralForCausalLM", "Qwen3ForCausalLM", "Gemma2ForCausalLM")
 # One compiled graph per (bucket, span) pair of one model at most (dynamo's automatic dynamic shapes
 # make the rows symbolic at the second bucket): 40 buckets up to 512 rows x the spans
 # (static_shapes.span_rung) its calls reach; each decoder has a code object of its own, so other models' and
@@ -158,8 +159,8 @@ class StaticDecoder:
 
     @staticmethod
     def supports(model: torch.nn.Module, *, length: int) -> bool:
-        """True for the architectures this step reproduces (Llama, Qwen2, Mistral, Qwen3; a sliding
-        window, if any, longer than ``length`` positions; every layer full attention; RoPE whose
+        """True for the architectures this step reproduces (Llama, Qwen2, Mistral, Qwen3, Gemma2; a
+        sliding window, if any, at least ``length`` positions long; every layer full attention; RoPE whose
         frequencies do not depend on the sequence length), unsharded (tensor parallelism takes the
         HF modules)."""
         config = model.config
@@ -178,7 +179,8 @@ class StaticDecoder:
         config = model.config
         self.num_heads, self.num_kv_heads = config.num_attention_heads, config.num_key_value_heads
         self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-        self.scaling = self.head_dim ** -0.5
+        # The attention's own (Gemma2: query_pre_attn_scalar ** -0.5; the others head_dim ** -0.5).
+        self.scaling = getattr(model.model.layers[0].self_attn, "scaling", self.head_dim ** -0.5)
         self.compiled = compiled
         # A code object of its own: dynamo caches graphs per code object (module constant above).
         own = types.FunctionType(static_forward.__code__.replace(), static_forward.__globals__, "static_forward")

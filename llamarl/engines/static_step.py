@@ -1,5 +1,6 @@
 """The static decode step's math (llamarl/engines/static_decode.py captures it as CUDA graphs): HF's
-Llama-family decoder layer (Llama, Qwen2, Mistral, Qwen3's q / k norms) in few kernels.
+Llama-family decoder layer (Llama, Qwen2, Mistral, Qwen3's q / k norms, Gemma2's norms and soft caps:
+``StepShape``) in few kernels.
 
 Why few kernels: a replayed graph of a small model is bound by its number of kernels (one H200:
 ~3 µs each, ~1,000 a step of SmolLM2's shape at ~33 a layer; docs/gpu.md), not by their work.
@@ -36,6 +37,40 @@ from typing import NamedTuple
 import torch
 
 
+class StepShape(NamedTuple):
+    """How a family's layer departs from Llama's, read once from its config and modules
+    (``step_shape``): Gemma2's, every field set; Llama / Qwen2 / Qwen3 / Mistral's, none."""
+
+    norm_offset: float = 0.0
+    """RMSNorms multiply by ``offset + weight``, in fp32, then round once (Gemma2: 1)."""
+    sandwich_norms: bool = False
+    """Each block's output is normalised before its residual add (Gemma2's post-attention and
+    post-feed-forward norms; its pre-feed-forward norm is then the MLP's input norm)."""
+    attn_softcap: float | None = None
+    """Attention scores soft-capped, ``cap * tanh(score / cap)``, before the mask (Gemma2: 50), where
+    the model's attention implementation caps them (``_SOFTCAPPING``): HF's ``sdpa`` ignores the
+    cap, and the step follows the model the trainer runs, not the config."""
+    final_softcap: float | None = None
+    """Logits soft-capped the same way (Gemma2: 30)."""
+
+
+# RMSNorms whose scale is ``1 + weight`` (a registry by class name: the offset is in their forward).
+_OFFSET_NORMS = {"Gemma2RMSNorm": 1.0}
+# HF attention implementations that apply ``attn_logit_softcapping`` (sdpa's and segment
+# attention's SDPA calls do not).
+_SOFTCAPPING = ("eager", "flash_attention_2", "flash_attention_3", "flex_attention")
+
+
+def step_shape(model: torch.nn.Module) -> StepShape:
+    """The model's ``StepShape``: its norms' class, its layers' extra norms, its config's caps."""
+    config, layer = model.config, model.model.layers[0]
+    return StepShape(norm_offset=_OFFSET_NORMS.get(type(layer.input_layernorm).__name__, 0.0),
+                     sandwich_norms=getattr(layer, "pre_feedforward_layernorm", None) is not None,
+                     attn_softcap=getattr(config, "attn_logit_softcapping", None)
+                     if getattr(config, "_attn_implementation", None) in _SOFTCAPPING else None,
+                     final_softcap=getattr(config, "final_logit_softcapping", None))
+
+
 class FusedWeights(NamedTuple):
     """What ``static_forward`` reads besides the model's modules (``fuse_projections``)."""
 
@@ -47,6 +82,8 @@ class FusedWeights(NamedTuple):
     other rows their copies, refreshed from them at every step (``static_forward``), so the
     weights multiply the normalised q and k heads in one kernel and a sync that writes the
     parameters is seen at the next step."""
+    shape: StepShape = StepShape()
+    """How the family's layer departs from Llama's (``step_shape``)."""
 
 
 def fuse_projections(model: torch.nn.Module) -> FusedWeights:
@@ -65,7 +102,7 @@ def fuse_projections(model: torch.nn.Module) -> FusedWeights:
         qkv, gate_up = (attn.q_proj, attn.k_proj, attn.v_proj), (mlp.gate_proj, mlp.up_proj)
         fused.append((_one_buffer([m.weight for m in qkv]), _one_bias(qkv),
                       _one_buffer([m.weight for m in gate_up]), _one_bias(gate_up)))
-    return FusedWeights(fused, _head_norms(model))
+    return FusedWeights(fused, _head_norms(model), step_shape(model))
 
 
 @torch.no_grad()
@@ -100,10 +137,12 @@ _LENGTH_DEPENDENT_ROPE = ("dynamic", "longrope")
 
 def reproduces(model: torch.nn.Module) -> bool:
     """Whether ``static_forward`` reproduces ``model``'s layers (the architecture and the window are
-    its callers' checks): every layer full attention, RoPE whose frequencies do not depend on the
+    its callers' checks: a sliding window at least as long as every position is full attention):
+    every layer full or sliding-window attention, RoPE whose frequencies do not depend on the
     sequence length (``rope_tables`` serves every step), q / k / v and gate / up ``fusable``."""
     config = model.config
-    if getattr(config, "layer_types", None) and any(t != "full_attention" for t in config.layer_types):
+    if getattr(config, "layer_types", None) and any(t not in ("full_attention", "sliding_attention")
+                                                    for t in config.layer_types):
         return False
     rope = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {}
     return rope.get("rope_type", rope.get("type")) not in _LENGTH_DEPENDENT_ROPE and fusable(model)
@@ -164,11 +203,27 @@ def rotations(cos_table: torch.Tensor, sin_table: torch.Tensor, positions: torch
     return torch.cat((rotation, eye.expand_as(rotation)), dim=2)
 
 
-def _rms_norm(norm: torch.nn.Module | None, x: torch.Tensor, eps: float | None = None) -> torch.Tensor:
+def _rms_norm(norm: torch.nn.Module | None, x: torch.Tensor, eps: float | None = None, offset: float = 0.0) -> torch.Tensor:
     """HF's Llama-family RMSNorm (``weight * normalise(x)``) as one fused kernel on CUDA; ``norm``
-    None: no weight (``eps`` given)."""
+    None: no weight (``eps`` given). ``offset`` (Gemma2's 1): ``(offset + weight) * normalise(x)``
+    in fp32, rounded once, as HF's Gemma2 norm (three kernels, the casts and the offset's add)."""
     weight = None if norm is None else norm.weight
-    return torch.nn.functional.rms_norm(x, (x.shape[-1],), weight, norm.variance_epsilon if eps is None else eps)
+    eps = (getattr(norm, "variance_epsilon", None) or norm.eps) if eps is None else eps
+    if not offset:
+        return torch.nn.functional.rms_norm(x, (x.shape[-1],), weight, eps)
+    return torch.nn.functional.rms_norm(x.float(), (x.shape[-1],), weight.float() + offset, eps).to(x.dtype)
+
+
+def _attend(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, bias: torch.Tensor, *, scaling: float,
+            softcap: float | None) -> torch.Tensor:
+    """Attention of ``q`` ``[batch, 1, queries, d]`` over ``keys`` / ``values`` ``[batch, 1, columns, d]``
+    masked by the additive ``bias``: one SDPA kernel; with ``softcap`` (Gemma2) HF's eager math,
+    ``softmax(cap * tanh(q k^T * scaling / cap) + bias)`` in fp32, then ``@ values``."""
+    if softcap is None:
+        return torch.nn.functional.scaled_dot_product_attention(q, keys, values, attn_mask=bias, scale=scaling)
+    scores = torch.matmul(q, keys.transpose(-1, -2)) * scaling
+    scores = torch.tanh(scores / softcap) * softcap + bias
+    return torch.matmul(torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype), values)
 
 
 def _linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
@@ -203,6 +258,11 @@ def static_forward(model: torch.nn.Module, fused: FusedWeights, tokens: torch.Te
     bias = torch.zeros((rows, num_kv_heads, 1, width), dtype=hidden.dtype, device=hidden.device).masked_fill(
         ~visible[:, None, None, :], torch.finfo(hidden.dtype).min).view(rows * num_kv_heads, 1, 1, width)
     row_index = torch.arange(rows, device=tokens.device)
+    shape = fused.shape
+
+    def norm(module: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
+        return _rms_norm(module, x, offset=shape.norm_offset)
+
     head_norms = fused.head_norms
     if head_norms is not None:  # each head's norm weight from its parameter row (FusedWeights): 2 kernels a step
         head_norms[:, 1:num_heads].copy_(head_norms[:, :1].expand(-1, num_heads - 1, -1))
@@ -210,7 +270,7 @@ def static_forward(model: torch.nn.Module, fused: FusedWeights, tokens: torch.Te
     for index, (layer, (qkv_weight, qkv_bias, gate_up_weight, gate_up_bias), cache) in enumerate(
             zip(inner.layers, fused.layers, caches)):
         attn, mlp = layer.self_attn, layer.mlp
-        qkv = _linear(_rms_norm(layer.input_layernorm, hidden), qkv_weight, qkv_bias).view(rows, heads, head_dim)
+        qkv = _linear(norm(layer.input_layernorm, hidden), qkv_weight, qkv_bias).view(rows, heads, head_dim)
         if head_norms is not None:
             # Qwen3: RMSNorm over each q and k head before RoPE, as HF (normalise, round, then the
             # weight): one norm over every head (v's is not used), one product written back into
@@ -229,16 +289,29 @@ def static_forward(model: torch.nn.Module, fused: FusedWeights, tokens: torch.Te
         new = torch.diagonal(new.view(rows, 2, num_kv_heads, 2, head_dim), dim1=1, dim2=3).permute(0, 3, 1, 2)
         cache[:, row_index, :, positions] = new  # the indexed dims first: [rows, 2, kv, d]
         # Grouped query heads against their KV head: batch (row, KV head), the group as the queries.
-        attended = torch.nn.functional.scaled_dot_product_attention(
-            q.view(rows * num_kv_heads, 1, groups, head_dim),
-            cache[0].view(rows * num_kv_heads, 1, width, head_dim),
-            cache[1].view(rows * num_kv_heads, 1, width, head_dim), attn_mask=bias, scale=scaling)
-        _add_linear_(hidden, attended.view(rows, num_heads * head_dim), attn.o_proj)
-        gate_up = _linear(_rms_norm(layer.post_attention_layernorm, hidden), gate_up_weight, gate_up_bias)
+        attended = _attend(q.view(rows * num_kv_heads, 1, groups, head_dim),
+                           cache[0].view(rows * num_kv_heads, 1, width, head_dim),
+                           cache[1].view(rows * num_kv_heads, 1, width, head_dim), bias, scaling=scaling,
+                           softcap=shape.attn_softcap).view(rows, num_heads * head_dim)
+        if shape.sandwich_norms:  # Gemma2: the block's output normalised, then added; its own MLP norm
+            hidden = hidden + norm(layer.post_attention_layernorm, _linear(attended, attn.o_proj.weight, attn.o_proj.bias))
+            gate_up = _linear(norm(layer.pre_feedforward_layernorm, hidden), gate_up_weight, gate_up_bias)
+        else:
+            _add_linear_(hidden, attended, attn.o_proj)
+            gate_up = _linear(norm(layer.post_attention_layernorm, hidden), gate_up_weight, gate_up_bias)
         inter = gate_up.shape[1] // 2
-        _add_linear_(hidden, mlp.act_fn(gate_up[:, :inter]) * gate_up[:, inter:], mlp.down_proj)
-    normed = _rms_norm(inner.norm, hidden)
+        activated = mlp.act_fn(gate_up[:, :inter]) * gate_up[:, inter:]
+        if shape.sandwich_norms:
+            hidden = hidden + norm(layer.post_feedforward_layernorm,
+                                   _linear(activated, mlp.down_proj.weight, mlp.down_proj.bias))
+        else:
+            _add_linear_(hidden, activated, mlp.down_proj)
+    normed = norm(inner.norm, hidden)
     lm_head = model.lm_head
     if lm_head.bias is None:
-        return torch.mm(normed, lm_head.weight.t(), out=logits)
-    return torch.addmm(lm_head.bias, normed, lm_head.weight.t(), out=logits)
+        torch.mm(normed, lm_head.weight.t(), out=logits)
+    else:
+        torch.addmm(lm_head.bias, normed, lm_head.weight.t(), out=logits)
+    if shape.final_softcap is not None:  # Gemma2: cap * tanh(logits / cap), in place
+        logits.div_(shape.final_softcap).tanh_().mul_(shape.final_softcap)
+    return logits
