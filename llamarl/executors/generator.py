@@ -4,7 +4,11 @@ Each step takes ``num_prompts_per_step`` new prompts (data position advances det
 so a resumed run neither skips nor repeats a prompt), samples ``samples_per_prompt`` completions
 each, plus resumes the samples carried over from the previous step (partial rollouts, with
 ``--generator.token-budget``). A prompt's group is emitted only when all its samples finished,
-because the advantage baseline needs the whole group.
+because the advantage baseline needs the whole group. That bookkeeping between steps (data
+position, carried samples, unfinished groups, stale restarts) is ``GroupBuffer``
+(llamarl/executors/group_buffer.py); how the trainer's weights arrive (written in place, streamed
+into the engine, LoRA adapters merged) is one ``WeightArrival`` chosen at ``init``
+(llamarl/executors/weight_arrival.py).
 
 Output (channel ``rollouts``): right-padded ``input_ids`` [N, L] = prompt + completion,
 ``loss_mask`` / ``behav_logp`` / ``versions`` [N, L] at the completion positions (versions -1
@@ -40,7 +44,6 @@ import logging
 import math
 import time
 from collections.abc import Callable
-from dataclasses import asdict
 from pathlib import Path
 from typing import ClassVar, Protocol
 
@@ -58,7 +61,6 @@ from llamarl.engines.base import (
     Request,
     SamplingParams,
     Sleeps,
-    StreamsWeights,
     build_engine,
     check_finite_logprobs,
     sampled_mask,
@@ -71,11 +73,11 @@ from llamarl.environments.tools import ToolRunner, TurnShare
 from llamarl.evaluation import score_samples
 from llamarl.executor import Executor
 from llamarl.executors.dynamic_sampling import DYNAMIC_SAMPLING_METRICS, DynamicSampling, Group, agree_counts
+from llamarl.executors.group_buffer import GroupBuffer
+from llamarl.executors.weight_arrival import choose_weight_arrival
 from llamarl.metrics import MetricSpec
-from llamarl.models.loading import load_causal_lm, load_causal_lm_layout, stop_token_ids
+from llamarl.models.loading import stop_token_ids
 from llamarl.models.lora import LoraSpec
-from llamarl.models.lora_merge import AdapterMerger
-from llamarl.models.tensor_parallel import apply_tensor_parallel
 from llamarl.rewards.trajectory import trajectory_of
 from llamarl.run_plan import check_wait_meets_lag
 from llamarl.sample_log import turns_of
@@ -190,7 +192,8 @@ class GeneratorExecutor(Executor):
         ``env``: with a ``name``, every sample is an episode of that environment
         (llamarl/environments/episodes.py); None or no name: one completion per sample.
         ``lora``: the trainer's adapters (``--trainer.lora.*``): the weights channel then brings only
-        them, merged into this rank's generation weights in place (``models/lora_merge.py``).
+        them, merged into this rank's generation weights in place (``models/lora_merge.py``,
+        ``weight_arrival.py``).
         ``expected_lag``: trainer versions between the weights a sample is generated with and the
         optimizer step that trains it, at most: the schedule's lag in ticks (async 2 or 1, sync and
         colocated 0) with ``--trainer.num-minibatches`` 1; with k minibatches, lag * k + k - 1
@@ -211,21 +214,16 @@ class GeneratorExecutor(Executor):
                                "steps than --algo.max-staleness %d allows once the trainer steps every tick; such "
                                "groups are restarted until they finish sooner (a bias toward short completions)",
                                (algo.max_staleness - expected_lag + 1) * config.token_budget, algo.max_staleness)
-        self.restarted_stale = 0
         self.model_config, self.config, self.task, self.prompt_fn = model_config, config, task, prompt_fn
         self.output_name, self.seed = output_name, seed
         self.version = 0
-        self.data_position = 0
-        self.carried: list[Request] = []
-        self.finished: dict[int, list[Completion]] = {}
-        self.problems: dict[int, Problem] = {}
+        # The groups in flight between steps: carried samples, unfinished groups, the data position.
+        self.groups = GroupBuffer(config.samples_per_prompt)
         # Prompt + max_new_tokens must fit this (the trainer's micro-batch budget, the model's
         # context); a longer prompt is skipped with a warning and counted, never a mid-run crash.
         self.max_sequence_tokens = max_sequence_tokens
         self.env_config = env if env is not None and env.reference() is not None else None
-        self.skipped_prompts = 0
         self.lora = lora
-        self.merger: AdapterMerger | None = None
         self.dynamic = dynamic
         self._new_tokens = 0  # this tick's sampled tokens, over its rounds (``_sample``)
 
@@ -245,27 +243,14 @@ class GeneratorExecutor(Executor):
             raise ValueError(f"--generator.tp is {self.config.tp} but the generator's mesh has tp={self.ctx.tp_size}; "
                              "pass ExecutorSpec(..., tp=config.generator.tp)")
         torch.set_num_threads(self.config.num_threads)
-        # On ctx.device before TP: parallelize_module shards the projections onto the TP mesh's
-        # device, and the embeddings / norms / lm_head must already be there with them.
-        dtype = getattr(torch, self.config.dtype)
-        # An engine that holds its own weights (its config declares streams_weights: vLLM) gets no HF
-        # copy here, only the layout on the meta device, and the weight channels stream each sync into
-        # it (weight_sink). Otherwise the engine samples from the HF model, the channels' receive buffer.
+        # How the weights arrive (in place, streamed into the engine, LoRA adapters merged, merged then
+        # streamed: llamarl/executors/weight_arrival.py), chosen once from the engine config's class
+        # flags and the trainer's adapters; it loads the model the engine is built from.
         engine_config = self.config.engine_config()
-        self.streams_weights = engine_config.streams_weights
-        # Under LoRA such an engine still gets whole merged weights streamed, merged here into an HF copy
-        # of the base (the wire carries the adapters alone): the one case it keeps an HF model.
-        if self.streams_weights and self.lora is None:
-            self.model, self.tokenizer = load_causal_lm_layout(self.model_config.name, dtype=dtype)
-        else:
-            self.model, self.tokenizer = load_causal_lm(self.model_config.name, dtype=dtype, device=self.ctx.device)
-        self.model.eval()
-        # Such an engine slices the weights itself (one TP worker per rank of the group): its layout,
-        # what the weight channel plans against, stays whole on every rank of the group.
-        if self.ctx.tp_size > 1 and not self.streams_weights:
-            apply_tensor_parallel(self.model, self.ctx.tp_mesh)
-        if self.lora is not None:
-            self.merger = AdapterMerger(self.model, self.lora)
+        self.arrival = choose_weight_arrival(engine_config, self.lora)
+        self.model, self.tokenizer = self.arrival.load(
+            self.model_config.name, dtype=getattr(torch, self.config.dtype), device=self.ctx.device,
+            tp_mesh=self.ctx.tp_mesh if self.ctx.tp_size > 1 else None)
         eos = stop_token_ids(self.model, self.tokenizer)
         pad = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else min(eos, default=0)
         tp_group, tp_src = self._tp_first_rank()
@@ -274,7 +259,7 @@ class GeneratorExecutor(Executor):
             pad_token_id=pad, seed=self.seed * 1000 + self.ctx.dp_rank, device=self.ctx.device,
             max_num_seqs=self.config.max_num_seqs, tp_group=tp_group, tp_src=tp_src,
             shares_device=self._shares_ranks(), tokenizer=self.tokenizer), engine_config)
-        self.base_engine = self.engine  # the engine itself, under an episode runner if any
+        self.arrival.bind(self.engine)  # the engine itself, before an episode runner wraps it
         # The optional capabilities (llamarl/engines/base.py), looked up once: an engine built to
         # sleep (sharing its GPU with another executor: the trainer gets the memory between steps),
         # and one that reports counters.
@@ -285,7 +270,6 @@ class GeneratorExecutor(Executor):
             # Episodes: the engine wrapped by the runner, which has the engine's contract (step and
             # evaluate use it alike); the tools run in worker processes of this rank.
             env = self.env_config
-            samples = self.config.samples_per_prompt
             share = None
             if self.ctx.tp_size > 1:  # TP peers must append the same observations: the first rank's
                 share = TurnShare(group=tp_group, device=self.ctx.device, src=tp_src)
@@ -296,7 +280,7 @@ class GeneratorExecutor(Executor):
                 self.engine, environment=build_environment(reference), tokenizer=self.tokenizer,
                 tools=ToolRunner(reference, timeout_s=env.tool_timeout_s, num_workers=env.num_tool_workers,
                                  share=share),
-                max_turns=env.max_turns, problem_of=lambda sample_id: self.problems[sample_id // samples],
+                max_turns=env.max_turns, problem_of=self.groups.problem,
                 mask_truncated=env.mask_truncated)
             if self.episodes.tool_schemas is not None:  # the environment presents tools: every prompt shows them
                 self.prompt_fn = presenting_tools(self.prompt_fn, self.episodes.tool_schemas)
@@ -310,13 +294,10 @@ class GeneratorExecutor(Executor):
         """Data position, weight version, carried-over samples, unfinished groups, RNG, pending output."""
         super().save_checkpoint(directory)
         rank = self.ctx.local_rank
+        state = self.groups.state_dict()
         write_json(directory / f"state_rank{rank}.json", {
-            "data_position": self.data_position, "version": self.version, "skipped_prompts": self.skipped_prompts,
-            "restarted_stale": self.restarted_stale,
+            "data_position": state.pop("data_position"), "version": self.version, **state,
             "tools": self._tool_counts(),
-            "carried": [asdict(r) for r in self.carried],
-            "finished": {str(g): [asdict(c) for c in outs] for g, outs in self.finished.items()},
-            "problems": {str(g): asdict(p) for g, p in self.problems.items()},
         })
         save_rng(directory / f"rng_rank{rank}.safetensors", self.rng)
 
@@ -324,51 +305,46 @@ class GeneratorExecutor(Executor):
         super().load_checkpoint(directory)
         rank = self.ctx.local_rank
         state = read_json(directory / f"state_rank{rank}.json")
-        self.data_position, self.version = int(state["data_position"]), int(state["version"])
-        self.skipped_prompts = int(state.get("skipped_prompts", 0))
-        self.restarted_stale = int(state.get("restarted_stale", 0))
+        self.version = int(state["version"])
         if self.episodes is not None:
             self.episodes.tools.restore_counts(state.get("tools", {}))
-        self.carried = [Request(**r) for r in state["carried"]]
-        self.finished = {int(g): [Completion(**c) for c in outs] for g, outs in state["finished"].items()}
-        self.problems = {int(g): Problem(**p) for g, p in state["problems"].items()}
+        self.groups.load_state_dict(state)
         load_rng(directory / f"rng_rank{rank}.safetensors", self.rng)
+
+    @property
+    def data_position(self) -> int:
+        """Prompts consumed so far by every replica (``GroupBuffer.claim``)."""
+        return self.groups.data_position
 
     def _tool_counts(self) -> dict:
         return {} if self.episodes is None else self.episodes.tools.counts()
 
+    # The weights channel's side (``WeightSink``, llamarl/executor.py), answered by the way the
+    # weights arrive (llamarl/executors/weight_arrival.py).
+
     def get_model(self) -> torch.nn.Module:
         """What the weights channel writes: the generation model, or under LoRA the adapters' receive
         buffers (merged into the model by ``set_weights_version``)."""
-        return self.model if self.merger is None else self.merger.view()
+        return self.arrival.receiver()
 
     def get_weight_slices(self) -> dict[str, tuple[int, int, int]] | None:
         """Under LoRA with TP, which slice of each adapter this rank's merge needs (``AdapterMerger``);
         None otherwise (the model's TP DTensors describe themselves)."""
-        return None if self.merger is None else self.merger.slices()
+        return self.arrival.slices()
 
     def weight_sink(self):
         """The weight channels' streaming entry (``llamarl/channels/weights.py``): for an engine that
         streams its weights (vLLM), a callable that loads an iterator of ``(name, full tensor)`` into
         it as it is consumed (``get_model()`` then only describes the layout); None for one that
-        samples from the model (the native engine), whose parameters the channels write in place."""
-        if not self.streams_weights or self.merger is not None:  # LoRA: adapters written in place, then merged
-            return None
-        engine: StreamsWeights = self.base_engine  # checked when it was built
-        shapes = {name: tuple(param.shape) for name, param in self.model.named_parameters()}
-        return lambda named_tensors: engine.load_weights(named_tensors, shapes=shapes)
+        samples from the model (the native engine), whose parameters the channels write in place, and
+        under LoRA (the adapters are written in place, then merged)."""
+        return self.arrival.sink()
 
     def set_weights_version(self, version: int) -> None:
         """Called by the weight channel after the new weights are in place (written into the
-        model, or already streamed into the engine)."""
-        if self.merger is not None:
-            self.merger.merge()
-            if self.streams_weights:  # the merged policy, streamed into the engine from this rank's memory
-                engine: StreamsWeights = self.base_engine
-                engine.load_weights(((n, p.detach()) for n, p in self.model.named_parameters()),
-                                    shapes={n: tuple(p.shape) for n, p in self.model.named_parameters()})
-        if not self.streams_weights:
-            self.engine.weights_updated(self.model)
+        model, or already streamed into the engine): merged (LoRA), streamed or announced to the
+        engine as the way they arrive requires, then this is the weights' version."""
+        self.arrival.landed()
         self.version = version
 
     def close(self) -> None:
@@ -382,32 +358,32 @@ class GeneratorExecutor(Executor):
         c = self.config
         return SamplingParams(temperature=c.temperature, top_p=c.top_p, top_k=c.top_k, max_new_tokens=c.max_new_tokens)
 
-    def _new_requests(self) -> list[Request]:
-        """This replica's ``--generator.num-prompts-per-step`` prompts of the tick (module docstring)."""
-        c = self.config
-        first = self.data_position + self.ctx.dp_rank * c.num_prompts_per_step
-        self.data_position += c.num_prompts_per_step * self.ctx.dp_size
-        return self._requests(first, c.num_prompts_per_step)
+    # One step, top to bottom: restart stale groups, sample the carried and new requests, take the
+    # finished groups (dropping and refilling tied ones), emit them, report.
 
-    def _requests(self, first: int, count: int) -> list[Request]:
-        """``samples_per_prompt`` requests for each prompt ``first .. first + count - 1``; a prompt too
-        long for the trainer's budget is skipped, counted and warned about."""
-        c = self.config
-        requests = []
-        for index in range(first, first + count):
-            problem = self.task.sample(index)
-            self.problems[index] = problem
-            prompt_ids = self.prompt_fn(self.tokenizer, problem.question)
-            if self.max_sequence_tokens is not None and len(prompt_ids) + c.max_new_tokens > self.max_sequence_tokens:
-                self.skipped_prompts += 1
-                del self.problems[index]
-                logger.warning("prompt %d skipped: %d tokens + --generator.max-new-tokens %d > %d (the trainer's "
-                               "micro-batch budget or the model's context)", index, len(prompt_ids),
-                               c.max_new_tokens, self.max_sequence_tokens)
-                continue
-            requests += [Request(sample_id=index * c.samples_per_prompt + j, prompt_ids=list(prompt_ids))
-                         for j in range(c.samples_per_prompt)]
-        return requests
+    def step(self) -> None:
+        start = time.perf_counter()
+        tools_before = self._tool_counts()  # the env_tool_* metrics are this tick's calls
+        self._restart_stale_groups()
+        self._new_tokens, self._refill_seconds = 0, 0.0
+        self._sample(self.groups.take_carried() + self._new_requests())
+        seconds = time.perf_counter() - start
+        groups, dynamic_metrics = self._keep_informative(self.groups.take_done())
+        seconds += self._refill_seconds
+        completions = [c for _, outs, _ in groups for c in outs]
+        # TP peers hold the same samples: only the TP group's first rank emits them.
+        emits = self.ctx.tp_rank == 0
+        if completions and emits:
+            self.outputs[self.output_name] = self._rollout_batch(groups)
+        self.metrics = {**dynamic_metrics, **self._step_metrics(seconds, completions, emits=emits)}
+        self._add_environment_metrics(tools_before, completions, emits=emits)
+        if not emits:  # a TP peer repeats its group's first rank's work: counted there only
+            for key in _PER_REPLICA:
+                self.metrics.pop(key, None)  # env_* only exist with an environment
+        if self.counting_engine is not None:  # e.g. vLLM asleep between steps: wake-ups, 2 a tick once weights arrive
+            self.metrics.update({f"gen_engine_{key}": float(value) for key, value in self.counting_engine.counters().items()})
+        if self.sleeping_engine is not None:  # the trainer on these ranks gets the engine's memory until the next use
+            self.sleeping_engine.sleep()
 
     def _restart_stale_groups(self) -> None:
         """``--algo.stale-policy wait``: restart (from the prompt, every sample of it) each group with
@@ -416,28 +392,38 @@ class GeneratorExecutor(Executor):
         if not self.wait:
             return
         oldest_allowed = self.version + self.expected_lag - self.algo.max_staleness
-        n = self.config.samples_per_prompt
-        prompts: dict[int, list[int]] = {}
-        for sample in self.carried + [c for outs in self.finished.values() for c in outs]:
-            sampled = [v for v in sample.versions if v >= 0]  # observation tokens have no version
-            if sampled and min(sampled) < oldest_allowed:
-                prompts[sample.sample_id // n] = list(sample.prompt_ids)
-        stale = {g for g in prompts if any(r.sample_id // n == g for r in self.carried)}
-        if not stale:
-            return
-        self.carried = [r for r in self.carried if r.sample_id // n not in stale]
-        for g in sorted(stale):
-            self.finished.pop(g, None)
-            self.carried += [Request(sample_id=g * n + j, prompt_ids=list(prompts[g])) for j in range(n)]
-        self.restarted_stale += n * len(stale)
-        logger.info("%d groups restarted from their prompt: a token older than version %d would be more than "
-                    "--algo.max-staleness %d versions behind when trained", len(stale), oldest_allowed,
-                    self.algo.max_staleness)
+        stale = self.groups.restart_stale(oldest_allowed)
+        if stale:
+            logger.info("%d groups restarted from their prompt: a token older than version %d would be more than "
+                        "--algo.max-staleness %d versions behind when trained", len(stale), oldest_allowed,
+                        self.algo.max_staleness)
+
+    def _new_requests(self) -> list[Request]:
+        """This replica's ``--generator.num-prompts-per-step`` prompts of the tick (module docstring)."""
+        c = self.config
+        return self._requests(self.groups.claim([c.num_prompts_per_step] * self.ctx.dp_size, replica=self.ctx.dp_rank))
+
+    def _requests(self, indices: range) -> list[Request]:
+        """``samples_per_prompt`` requests for each prompt of ``indices``; a prompt too long for the
+        trainer's budget is skipped, counted and warned about."""
+        c = self.config
+        requests = []
+        for index in indices:
+            problem = self.task.sample(index)
+            prompt_ids = self.prompt_fn(self.tokenizer, problem.question)
+            if self.max_sequence_tokens is not None and len(prompt_ids) + c.max_new_tokens > self.max_sequence_tokens:
+                self.groups.skip()
+                logger.warning("prompt %d skipped: %d tokens + --generator.max-new-tokens %d > %d (the trainer's "
+                               "micro-batch budget or the model's context)", index, len(prompt_ids),
+                               c.max_new_tokens, self.max_sequence_tokens)
+                continue
+            requests += self.groups.open(index, problem, prompt_ids)
+        return requests
 
     def _sample(self, requests: list[Request], *, partial: bool = True) -> float:
         """Generate ``requests`` with this tick's weights and, when ``partial``, its token budget
         (``--generator.token-budget``): unfinished samples are carried, finished ones join their group
-        (``finished``), new sampled tokens are added to ``_new_tokens`` (observations excluded).
+        (``GroupBuffer.add``), new sampled tokens are added to ``_new_tokens`` (observations excluded).
         Returns the generation's seconds."""
         if not requests:
             return 0.0
@@ -452,30 +438,25 @@ class GeneratorExecutor(Executor):
         seconds = time.perf_counter() - start
         previous = {r.sample_id: sum(sampled_mask(r)) for r in requests}
         self._new_tokens += sum(sum(sampled_mask(o)) - previous[o.sample_id] for o in outputs)
-        n = self.config.samples_per_prompt
-        for out in outputs:
-            if out.finish_reason == "carried":
-                self.carried.append(out.to_request())
-            else:
-                self.finished.setdefault(out.sample_id // n, []).append(out)
+        self.groups.add(outputs)
         return seconds
 
-    def _take_done(self) -> list[Group]:
-        """Every group whose samples have all finished, by group id: ``(id, completions, problem)``,
-        removed from ``finished`` / ``problems``."""
-        n = self.config.samples_per_prompt
-        done = sorted(g for g, outs in self.finished.items() if len(outs) == n)
-        return [(g, sorted(self.finished.pop(g), key=lambda o: o.sample_id), self.problems.pop(g)) for g in done]
+    def _keep_informative(self, groups: list[Group]) -> tuple[list[Group], dict[str, float]]:
+        """With dynamic sampling (``dynamic_sampling.py``): drop the groups whose rewards tie and refill
+        them (``_refill``, its seconds in ``_refill_seconds``), with its metrics; otherwise ``groups``."""
+        if self.dynamic is None:
+            return groups, {}
+        return self.dynamic.fill(groups, sample=self._refill, to_batch=self._rollout_batch,
+                                 agree=lambda missing: agree_counts(missing, ctx=self.ctx))
 
     def _refill(self, counts: list[int]) -> list[Group]:
         """One refill round (``dynamic_sampling.py``): ``counts`` new prompts per replica, this replica's
         run of them after the lower replicas', the data position past all of them, sampled to the end
         (no token budget: a group that replaces a dropped one is scored within the tick); the groups
         that finished."""
-        first = self.data_position + sum(counts[: self.ctx.dp_rank])
-        self.data_position += sum(counts)
-        self._refill_seconds += self._sample(self._requests(first, counts[self.ctx.dp_rank]), partial=False)
-        return self._take_done()
+        indices = self.groups.claim(counts, replica=self.ctx.dp_rank)
+        self._refill_seconds += self._sample(self._requests(indices), partial=False)
+        return self.groups.take_done()
 
     def _rollout_batch(self, groups: list[Group]) -> TensorBatch:
         """The rollout batch (module docstring) of finished ``groups``."""
@@ -490,55 +471,35 @@ class GeneratorExecutor(Executor):
             trajectories=[trajectory_of(c, self.tokenizer).to_json() for c in completions],
             columns=[json.dumps(p.columns) for p in problems] if any(p.columns for p in problems) else None)
 
-    def step(self) -> None:
-        start = time.perf_counter()
-        tools_before = self._tool_counts()  # the env_tool_* metrics are this tick's calls
-        self._restart_stale_groups()
-        requests = self.carried + self._new_requests()
-        self.carried, self._new_tokens, self._refill_seconds = [], 0, 0.0
-        self._sample(requests)
-        seconds = time.perf_counter() - start
-        groups = self._take_done()
-        dynamic_metrics: dict[str, float] = {}
-        if self.dynamic is not None:  # drop the groups whose rewards tie, refill (dynamic_sampling.py)
-            groups, dynamic_metrics = self.dynamic.fill(
-                groups, sample=self._refill, to_batch=self._rollout_batch,
-                agree=lambda missing: agree_counts(missing, ctx=self.ctx))
-            seconds += self._refill_seconds
+    def _step_metrics(self, seconds: float, completions: list[Completion], *, emits: bool) -> dict[str, float]:
+        """The tick's generation metrics (``GENERATOR_METRICS``)."""
         num_new_tokens = self._new_tokens
-        completions = [c for _, outs, _ in groups for c in outs]
-        # TP peers hold the same samples: only the TP group's first rank emits them.
-        emits = self.ctx.tp_rank == 0
-        if completions and emits:
-            self.outputs[self.output_name] = self._rollout_batch(groups)
-        self.metrics = {**dynamic_metrics, "gen_seconds": seconds, "gen_new_tokens": float(num_new_tokens),
-                        "gen_tokens_per_s": num_new_tokens / max(seconds, 1e-9),
-                        "gen_carried": float(len(self.carried)), "gen_version": float(self.version),
-                        "gen_emitted_samples": float(len(completions) if emits else 0),
-                        # Prompts consumed so far by every replica: resumes must neither skip nor repeat one.
-                        "gen_data_position": float(self.data_position),
-                        "gen_skipped_prompts": float(self.skipped_prompts),
-                        "gen_restarted_stale": float(self.restarted_stale),
-                        "data_skipped_rows": float(getattr(self.task, "num_skipped_rows", 0))}
-        if self.episodes is not None:  # this tick's, and cumulative over the run (a resumed run continues them)
-            for key, value in self._tool_counts().items():
-                self.metrics[f"env_tool_{key}"] = float(value - tools_before.get(key, 0))
-                self.metrics[f"env_tool_{key}_total"] = float(value)
-            # emitted samples whose episode got at least one observation (a tool's answer)
-            self.metrics["env_samples_with_observation"] = float(
-                sum(0 in sampled_mask(c) for c in completions) if emits else 0)
-            # emitted episodes whose last turn the token budget cut (neither a call nor an answer)
-            self.metrics["env_truncated"] = float(
-                sum(bool(c.episode.get("truncated")) for c in completions) if emits else 0)
-            if emits and completions:  # tool calls per emitted episode (training episodes only)
-                self.metrics["env_turns_mean"] = sum(c.episode.get("turns", 0) for c in completions) / len(completions)
-        if not emits:  # a TP peer repeats its group's first rank's work: counted there only
-            for key in _PER_REPLICA:
-                self.metrics.pop(key, None)  # env_* only exist with an environment
-        if self.counting_engine is not None:  # e.g. vLLM asleep between steps: wake-ups, 2 a tick once weights arrive
-            self.metrics.update({f"gen_engine_{key}": float(value) for key, value in self.counting_engine.counters().items()})
-        if self.sleeping_engine is not None:  # the trainer on these ranks gets the engine's memory until the next use
-            self.sleeping_engine.sleep()
+        return {"gen_seconds": seconds, "gen_new_tokens": float(num_new_tokens),
+                "gen_tokens_per_s": num_new_tokens / max(seconds, 1e-9),
+                "gen_carried": float(self.groups.num_carried), "gen_version": float(self.version),
+                "gen_emitted_samples": float(len(completions) if emits else 0),
+                # Prompts consumed so far by every replica: resumes must neither skip nor repeat one.
+                "gen_data_position": float(self.groups.data_position),
+                "gen_skipped_prompts": float(self.groups.skipped_prompts),
+                "gen_restarted_stale": float(self.groups.restarted_stale),
+                "data_skipped_rows": float(getattr(self.task, "num_skipped_rows", 0))}
+
+    def _add_environment_metrics(self, tools_before: dict, completions: list[Completion], *, emits: bool) -> None:
+        """With an environment, the ``env_*`` metrics: this tick's, and cumulative over the run (a resumed
+        run continues them)."""
+        if self.episodes is None:
+            return
+        for key, value in self._tool_counts().items():
+            self.metrics[f"env_tool_{key}"] = float(value - tools_before.get(key, 0))
+            self.metrics[f"env_tool_{key}_total"] = float(value)
+        # emitted samples whose episode got at least one observation (a tool's answer)
+        self.metrics["env_samples_with_observation"] = float(
+            sum(0 in sampled_mask(c) for c in completions) if emits else 0)
+        # emitted episodes whose last turn the token budget cut (neither a call nor an answer)
+        self.metrics["env_truncated"] = float(
+            sum(bool(c.episode.get("truncated")) for c in completions) if emits else 0)
+        if emits and completions:  # tool calls per emitted episode (training episodes only)
+            self.metrics["env_turns_mean"] = sum(c.episode.get("turns", 0) for c in completions) / len(completions)
 
     @torch.no_grad()
     def evaluate(self, problems: list[Problem], score: Callable[[str, str], float], *, chunk: int = 64,
