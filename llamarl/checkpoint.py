@@ -169,7 +169,13 @@ def resolve_resume(resume: str, checkpoint_dir: Path) -> tuple[Path, int]:
 
 def _candidates(resume: str, checkpoint_dir: Path) -> list[tuple[Path, int]]:
     """The checkpoints ``resume`` may resume from, in order of preference: for ``latest`` every
-    complete step, newest first; else the one named."""
+    complete step, newest first; else the one named.
+
+    The name's form (``latest`` or ``.../step_<n>``) is also checked by ``CheckpointConfig`` when a
+    run's flags are parsed; it is checked again here as the contract of the public functions that
+    take ``resume`` as a plain string (``resolve_resume``, ``choose_checkpoint``, ``resume_point``).
+    The marker is looked for each time: the files may have changed since an earlier check (the
+    flags' check, the launch scripts' preflight). One call of ``resume_point`` runs this once."""
     if resume == "latest":
         steps = complete_steps(checkpoint_dir)
         if not steps:
@@ -197,9 +203,17 @@ def choose_checkpoint(resume: str, checkpoint_dir: Path, *, verify: str = "full"
     named explicitly is resumed as named or not at all. Another run's checkpoint is refused, not
     skipped (its older steps are of the same run). Each failure is a one-line ValueError. Reads
     files only."""
+    return _choose(resume, _candidates(resume, checkpoint_dir), checkpoint_dir, verify=verify, identity=identity,
+                   allow_changes=allow_changes, defaults=defaults)
+
+
+def _choose(resume: str, candidates: list[tuple[Path, int]], checkpoint_dir: Path, *, verify: str,
+            identity: dict | None, allow_changes: tuple[str, ...], defaults: dict | None,
+            ) -> tuple[Path, int, list[str]]:
+    """``choose_checkpoint`` among ``candidates`` (``_candidates(resume, checkpoint_dir)``)."""
     notes: list[str] = []
     failures: list[str] = []
-    for path, step in _candidates(resume, checkpoint_dir):
+    for path, step in candidates:
         try:
             marker = read_json(path / COMPLETE_MARKER)
         except ValueError as exc:
@@ -241,15 +255,12 @@ def resume_point(resume: str | None, run_dir: Path, *, max_steps: int, verify: s
     if not resume:
         return ResumePoint(), []
     checkpoints = run_dir / "checkpoints"
-    newest = complete_steps(checkpoints)[-1:]
-    if newest:
-        directory, step = (step_dir(checkpoints, newest[0]), newest[0]) if resume == "latest" \
-            else _candidates(resume, checkpoints)[0]
-        finished = finished_summary(run_dir, directory, step, max_steps)
-        if finished is not None:
-            return ResumePoint(directory, step, finished=finished), []
-    directory, step, notes = choose_checkpoint(resume, checkpoints, verify=verify, identity=identity,
-                                               allow_changes=allow_changes, defaults=defaults)
+    candidates = _candidates(resume, checkpoints)  # for ``latest`` the newest complete step first
+    finished = finished_summary(run_dir, *candidates[0], max_steps)
+    if finished is not None:
+        return ResumePoint(*candidates[0], finished=finished), []
+    directory, step, notes = _choose(resume, candidates, checkpoints, verify=verify, identity=identity,
+                                     allow_changes=allow_changes, defaults=defaults)
     return ResumePoint(directory, step, restored=read_runner_state(directory) or {}), notes
 
 

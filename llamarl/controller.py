@@ -44,25 +44,16 @@ import traceback
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Protocol
 
 import torch
 
 from llamarl.channels.base import check_delivery_order, check_endpoints
 from llamarl.channels.in_memory import InMemoryChannel, InMemoryWeights
-from llamarl.checkpoint import (
-    COMPLETE_MARKER,
-    commit_step,
-    complete_steps,
-    partial_dir,
-    prune,
-    read_json,
-    step_dir,
-)
-from llamarl.checkpoint_files import disk_full_error, fault_point, is_disk_full, recording
 from llamarl.errors import exception_text
 from llamarl.executor import Executor
 from llamarl.liveness import Heartbeat
-from llamarl.world import ExecutorContext, world_barrier
+from llamarl.world import ExecutorContext
 
 
 @dataclass
@@ -79,15 +70,10 @@ class TickRecord:
 
 @dataclass
 class Upkeep:
-    """What the controller does around the ticks besides stepping: checkpoints, exports, the device
-    guard and the liveness watch (each off by default)."""
+    """What the controller itself does around the ticks besides stepping: exports, the device guard,
+    the liveness watch and failing ranks' tracebacks (each off by default). Checkpoints are the
+    ``RunHooks``' (``llamarl/run_checkpoints.py``)."""
 
-    checkpoint_every: int = 0
-    """Checkpoint after every this many ticks (0: never); needs ``checkpoint_dir``."""
-    checkpoint_keep: int = 0
-    """Complete checkpoints kept (the newest; 0 keeps all)."""
-    checkpoint_dir: Path | None = None
-    """Where ``step_<n>`` checkpoints go."""
     export_every: int = 0
     """Export after every this many ticks (0: only the final export, when ``export_dir`` is set)."""
     export_dir: Path | None = None
@@ -96,16 +82,85 @@ class Upkeep:
     """torch's default device is ``meta`` inside steps, channels and evaluations (see ``guard``)."""
     liveness_timeout_s: float | None = None
     """A rank silent this long ends the job (llamarl/liveness.py); None: no watch."""
-    checkpoint_info: dict = field(default_factory=dict)
-    """More entries of each checkpoint's ``COMPLETE.json`` (the run's ``identity``,
-    ``llamarl/run_identity.py``), known on the committing rank (global rank 0)."""
     traceback_dir: Path | None = None
     """Where a failing rank writes its full traceback (``rank<r>.traceback.txt``, named in its
     one-line report); None: the traceback goes to stderr above the line."""
 
-    def __post_init__(self) -> None:
-        if self.checkpoint_every and self.checkpoint_dir is None:
-            raise ValueError("checkpoint_every > 0 needs a checkpoint_dir")
+
+At = Callable[..., None]
+"""``at(phase, executor=None)``: names what this rank does now, for its failure line and its
+heartbeat (``ExecutorController.at``)."""
+
+
+class RunHooks(Protocol):
+    """Everything the controller calls for the run besides executors and channels, as ONE object.
+
+    Implemented by ``RunCheckpoints`` (``llamarl/run_checkpoints.py``) for ``run_pipeline``, and by
+    ``Hooks`` (no checkpoints, no evaluations) for a controller run on its own. Called on every rank,
+    in this order:
+
+    1. after every executor's ``init``: ``restore(executors, at)``, a resumed run's
+       ``load_checkpoint`` of each executor (nothing for a fresh run);
+    2. under the device guard, after the init channels: ``before_loop()`` (the base evaluation);
+    3. for each tick ``step`` from ``start_step`` to ``max_steps - 1``, after its channels and steps:
+       ``on_tick(step, {executor name: (executor, TickRecord)})`` (metrics and progress, reduced over
+       WORLD), then ``save(step + 1, executors, at)`` (the checkpoint of the state after ``step + 1``
+       ticks, when one is due), then the controller's export (``upkeep.export_every``), then
+       ``after_tick(step)`` (the evaluation due then, whose record goes into that checkpoint's
+       runner state). A tick's metrics are on disk before a checkpoint that covers it is
+       committed, so a run killed right after the commit and resumed from it logs every tick;
+    4. after the last tick, the controller's final export (``upkeep.export_dir``).
+
+    ``upkeep``: what the controller does itself (exports, device guard, liveness, tracebacks).
+    ``at(phase, executor=None)``: the hook names what it is doing (failure lines, heartbeats).
+
+    Design: logging (``on_tick``) and the base evaluation (``before_loop``) are not checkpointing,
+    but they are composed into this one object rather than kept as hooks of their own: the
+    controller's order between them and the checkpoint (metrics before the commit, the evaluation's
+    record after it) is one contract, stated once here, and the controller takes one argument.
+    The controller names the phase of ``before_loop``, ``on_tick`` and ``after_tick`` itself (also
+    when a hook does nothing there); ``restore`` and ``save`` name theirs with ``at``.
+    """
+
+    upkeep: Upkeep
+    start_step: int
+    """The ticks already run (a resumed run's checkpoint step; 0 for a fresh run)."""
+
+    def restore(self, executors: Mapping[str, Executor], at: At) -> None: ...
+
+    def before_loop(self) -> None: ...
+
+    def on_tick(self, step: int, ticked: dict[str, tuple[Executor, TickRecord]]) -> None: ...
+
+    def save(self, step: int, executors: Mapping[str, Executor], at: At) -> None: ...
+
+    def after_tick(self, step: int) -> None: ...
+
+
+@dataclass
+class Hooks:
+    """The ``RunHooks`` of a controller run without checkpoints or evaluations (tests, benchmarks):
+    its ``upkeep`` and, as ``on_tick``, ``tick`` (None: nothing); a fresh start at step 0."""
+
+    upkeep: Upkeep = field(default_factory=Upkeep)
+    tick: Callable[[int, dict[str, tuple[Executor, TickRecord]]], None] | None = None
+    start_step = 0  # not a field: nothing to resume
+
+    def restore(self, executors: Mapping[str, Executor], at: At) -> None:
+        pass
+
+    def before_loop(self) -> None:
+        pass
+
+    def on_tick(self, step: int, ticked: dict[str, tuple[Executor, TickRecord]]) -> None:
+        if self.tick is not None:
+            self.tick(step, ticked)
+
+    def save(self, step: int, executors: Mapping[str, Executor], at: At) -> None:
+        pass
+
+    def after_tick(self, step: int) -> None:
+        pass
 
 
 class ExecutorController:
@@ -114,24 +169,17 @@ class ExecutorController:
     ``ctx`` / ``executor`` are this rank's context and executor, or, on a rank hosting co-resident
     executors, mappings from executor name to each (same keys; every context of the same rank).
     ``executor_order`` is the data order of executor names (same-tick channels follow it).
-    ``init_channels`` run once after ``init`` (e.g. initial weights). ``on_tick`` is called on
-    every rank after each tick's steps and channels, before its checkpoint, with (step, {executor
-    name: (executor, TickRecord)}) for metrics / progress: a tick's metrics are on disk before a
-    checkpoint that covers it is committed, so a run killed right after the commit and resumed from
-    it logs every tick. ``after_tick(step)`` is called after the checkpoint and exports (the
-    evaluations, whose records go into the checkpoint's runner state). ``upkeep`` (``Upkeep``) says what happens around the ticks. Checkpoints
-    (``upkeep.checkpoint_every`` ticks, 0 disables): every executor writes into
-    ``checkpoint_dir/step_{n}.partial/{executor name}``; after a WORLD barrier global rank 0 renames
-    it to ``step_{n}`` and writes its completion marker, then deletes complete checkpoints beyond the
-    newest ``checkpoint_keep`` (0 keeps all) and leftovers of interrupted saves. ``step_{n}`` holds
-    the state after ``n`` ticks, so a run resumes from it with ``resume_dir=.../step_{n}`` and
-    ``start_step=n``. Exports (``export_every`` ticks, and once after the last tick when
-    ``export_dir`` is set): ``executor.export(export_dir/step_{n})`` / ``export_dir/final`` on every rank.
-    ``before_loop`` runs on this rank after init and the init channels (e.g. a base evaluation);
-    ``on_checkpoint(partial step directory)`` after this rank's executors saved, before the barrier
-    that commits the checkpoint (e.g. the runner's own state).
+    ``init_channels`` run once after ``init`` (e.g. initial weights). ``hooks`` (``RunHooks``;
+    None: ``Hooks()``, nothing but the loop) is everything else the run does, and when: resuming
+    (``hooks.start_step``, ``restore``), the base evaluation, each tick's metrics, checkpoints and
+    evaluations (``RunHooks`` says in which order), and the controller's own ``hooks.upkeep``.
+    Exports (``upkeep.export_every`` ticks, and once after the last tick when ``upkeep.export_dir``
+    is set): ``executor.export(export_dir/step_{n})`` / ``export_dir/final`` on every rank.
     ``upkeep.liveness_timeout_s`` (None: off) starts a ``Heartbeat`` (llamarl/liveness.py): a rank
     silent that long ends the job with a line naming it, independently of the collective timeout.
+
+    ``max_steps`` >= 0 is checked here although ``--run.max-steps`` is checked at flag parsing: this
+    constructor is public (tests and benchmarks build a controller without a config).
     """
 
     _active: str | None = None  # the executor this rank is working for now (failure lines)
@@ -146,13 +194,7 @@ class ExecutorController:
         max_steps: int,
         executor_order: list[str],
         init_channels: list | None = None,
-        start_step: int = 0,
-        resume_dir: Path | None = None,
-        upkeep: Upkeep | None = None,
-        on_tick: Callable[[int, dict[str, tuple[Executor, TickRecord]]], None] | None = None,
-        on_checkpoint: Callable[[Path], None] | None = None,
-        before_loop: Callable[[], None] | None = None,
-        after_tick: Callable[[int], None] | None = None,
+        hooks: RunHooks | None = None,
     ) -> None:
         if max_steps < 0:
             raise ValueError(f"max_steps must be >= 0, got {max_steps}")
@@ -169,17 +211,12 @@ class ExecutorController:
         self.ctx, self.executor = next(iter(contexts.values())), next(iter(executors.values()))
         self.channels = channels
         self.init_channels = init_channels or []
-        self.max_steps, self.start_step = max_steps, start_step
+        self.hooks = hooks if hooks is not None else Hooks()
+        self.max_steps, self.start_step = max_steps, self.hooks.start_step
         self.executor_order = executor_order
-        upkeep = upkeep or Upkeep()
-        self.upkeep = upkeep
-        self.checkpoint_every, self.checkpoint_dir = upkeep.checkpoint_every, upkeep.checkpoint_dir
-        self.on_tick, self.on_checkpoint, self.after_tick = on_tick, on_checkpoint, after_tick
-        self.resume_dir = resume_dir
+        upkeep = self.upkeep = self.hooks.upkeep
         self.device_guard = upkeep.device_guard
-        self.checkpoint_keep = upkeep.checkpoint_keep
         self.export_every, self.export_dir = upkeep.export_every, upkeep.export_dir
-        self.before_loop = before_loop
         if upkeep.liveness_timeout_s is not None:
             executor_of: dict[int, str] = {}
             for name, rs in ranks.items():  # co-resident executors share a rank: name them all
@@ -189,7 +226,7 @@ class ExecutorController:
                                        timeout_s=upkeep.liveness_timeout_s, executor_of=executor_of)
         else:
             self.heartbeat = None
-        self._phase, self.step_index = "init", start_step
+        self._phase, self.step_index = "init", self.start_step
 
     @property
     def phase(self) -> str:
@@ -202,6 +239,13 @@ class ExecutorController:
         if self.heartbeat is not None:
             self.heartbeat.update(step=self.step_index, phase=value)
 
+    def at(self, phase: str, executor: str | None = None) -> None:
+        """Name what this rank is doing now (``phase``; for ``executor`` when given, else for the
+        executor named last): the hooks' way to say it (``RunHooks``)."""
+        if executor is not None:
+            self._active = executor
+        self.phase = phase
+
     # ----- the loop -----
     def run(self) -> None:
         """Run init, init channels and every tick; on any exception report and exit(1)."""
@@ -213,16 +257,12 @@ class ExecutorController:
             for name, executor in self.executors.items():
                 self._active, self.phase = name, "init"
                 executor.init()
-            if self.resume_dir is not None:
-                for name, executor in self.executors.items():
-                    self._active, self.phase = name, "load_checkpoint"
-                    executor.load_checkpoint(Path(self.resume_dir) / name)
+            self.hooks.restore(self.executors, self.at)
             with self.guard():
                 for channel in self.init_channels:
                     self._communicate(channel, None, label="init channel")
-                if self.before_loop is not None:
-                    self.phase = "before_loop"
-                    self.before_loop()
+                self.phase = "before_loop"
+                self.hooks.before_loop()
             for step in range(self.start_step, self.max_steps):
                 self.step_index = step
                 self._tick(step)
@@ -285,66 +325,16 @@ class ExecutorController:
         for channel in self.channels:  # co-resident weights: the new policy before checkpoint / eval
             if isinstance(channel, InMemoryWeights):
                 self._communicate(channel, records)
-        if self.on_tick is not None:
-            # on_tick reduces metrics over WORLD: a dead peer surfaces here, name the phase.
-            self._active, self.phase = None, "metrics all-reduce (on_tick)"
-            self.on_tick(step, {name: (self.executors[name], records[name]) for name in self.executors})
-        if self.checkpoint_every and (step + 1) % self.checkpoint_every == 0:
-            self._checkpoint(step + 1)
+        # on_tick reduces metrics over WORLD: a dead peer surfaces here, name the phase.
+        self._active, self.phase = None, "metrics all-reduce (on_tick)"
+        self.hooks.on_tick(step, {name: (self.executors[name], records[name]) for name in self.executors})
+        self.hooks.save(step + 1, self.executors, self.at)
         if self.export_every and (step + 1) % self.export_every == 0 and self.export_dir is not None:
             for name, executor in self.executors.items():
                 self._active, self.phase = name, "export"
                 executor.export(Path(self.export_dir) / f"step_{step + 1}")
-        if self.after_tick is not None:
-            self._active, self.phase = None, "after_tick"
-            self.after_tick(step)
-
-    def _checkpoint(self, step: int) -> None:
-        """Atomic across executors: partial directory, WORLD barrier, then rename + marker on rank 0.
-
-        Each rank records the digests of the files it writes (``llamarl/checkpoint_files.py``); a
-        full disk is one line naming the directory, the step and the bytes needed."""
-        root = Path(self.checkpoint_dir)
-        with recording(partial_dir(root, step), rank=self.ctx.rank):
-            for name, executor in self.executors.items():
-                self._active, self.phase = name, "checkpoint"
-                directory = partial_dir(root, step) / name
-                directory.mkdir(parents=True, exist_ok=True)
-                try:
-                    executor.save_checkpoint(directory)
-                    fault_point("write", step)
-                except Exception as exc:
-                    if not is_disk_full(exc):
-                        raise
-                    raise self._disk_full(root, step, directory, prefix=name + "/") from None
-            if self.on_checkpoint is not None:
-                self.phase = "checkpoint"
-                try:
-                    self.on_checkpoint(partial_dir(root, step))
-                except Exception as exc:
-                    if not is_disk_full(exc):
-                        raise
-                    raise self._disk_full(root, step, partial_dir(root, step), prefix="") from None
-            fault_point("state", step)
-        self.phase = "checkpoint barrier"
-        world_barrier(self.ctx)  # every executor's files are on disk (WORLD: all ranks checkpoint together)
-        if self.ctx.rank == 0:
-            self.phase = "checkpoint commit"
-            commit_step(root, step, {"executors": sorted(self.ctx.ranks), "world_size": self.ctx.world_size,
-                                     "time": time.time(), **self.upkeep.checkpoint_info})
-            self.phase = "checkpoint prune"
-            prune(root, keep=self.checkpoint_keep, current=step)
-
-    @staticmethod
-    def _disk_full(root: Path, step: int, directory: Path, *, prefix: str) -> OSError:
-        steps = [s for s in complete_steps(root) if s < step]
-        previous = None
-        if steps:
-            try:
-                previous = read_json(step_dir(root, steps[-1]) / COMPLETE_MARKER)
-            except ValueError:
-                previous = None
-        return disk_full_error(directory=directory, step=step, previous=previous, prefix=prefix)
+        self._active, self.phase = None, "after_tick"
+        self.hooks.after_tick(step)
 
     def _communicate(self, channel, records: dict[str, TickRecord] | None, *, label: str = "channel") -> None:
         """Run ``channel`` for whichever of this rank's executors it involves: in memory when it joins

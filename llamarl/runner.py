@@ -14,8 +14,10 @@ and runs the controller. Each of the run's other jobs is one object of its own m
 - ``RunLog`` (``llamarl/run_log.py``): each tick's spans, metrics (JSONL + TensorBoard per executor,
   and W&B with ``--run.wandb-project``), training samples (``--run.log-samples``) and rank 0's
   progress line;
-- ``RunCheckpoints`` (``llamarl/run_checkpoints.py``): checkpoints, exports, liveness and the device
-  guard as the controller's ``Upkeep``, and the runner's state in each checkpoint;
+- ``RunCheckpoints`` (``llamarl/run_checkpoints.py``): the controller's one ``RunHooks`` object
+  (llamarl/controller.py): restoring and saving checkpoints, exports, the tick's metrics and the
+  evaluations due, liveness and the device guard (its ``Upkeep``), and the runner's state in each
+  checkpoint;
 - ``RunSummary`` (``llamarl/run_summary.py``): ``summary.json``, the Chrome trace and the timeline
   picture, written by the evaluator's first rank (global rank 0 when there is no evaluator).
 
@@ -115,13 +117,10 @@ def run_pipeline(pipeline: Pipeline, config: RunSections, *, recipe: str, heldou
                  run=run, executors=executors, reporter_rank=reporter_rank)
     evaluations.on_evaluation = log.evaluated  # each evaluation's accuracy and rollouts to W&B
     checkpoints = RunCheckpoints(config.checkpoint, config.export, run=run, run_dir=directory.path,
-                                 evaluations=evaluations, ctx=ctx, reporter_rank=reporter_rank, identity=identity)
+                                 evaluations=evaluations, ctx=ctx, reporter_rank=reporter_rank, resume=resume,
+                                 on_tick=log.tick, identity=identity)
     controller = ExecutorController(contexts, executors, channels, max_steps=run.max_steps,
-                                    executor_order=pipeline.order, init_channels=init_channels,
-                                    resume_dir=resume.directory, start_step=resume.step, upkeep=checkpoints.upkeep,
-                                    on_tick=log.tick, on_checkpoint=checkpoints.save_state,
-                                    after_tick=checkpoints.after_tick,
-                                    before_loop=evaluations.base if evaluations.evaluates else None)
+                                    executor_order=pipeline.order, init_channels=init_channels, hooks=checkpoints)
     controller.run()
     try:
         with controller.guard():

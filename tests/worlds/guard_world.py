@@ -9,7 +9,7 @@ import json
 
 import torch
 
-from llamarl.controller import ExecutorController, Upkeep
+from llamarl.controller import ExecutorController, Hooks, Upkeep
 from llamarl.executor import Executor
 from llamarl.world import ExecutorContext, ExecutorSpec
 
@@ -39,7 +39,7 @@ def main() -> None:
     ctx = ExecutorContext.create([ExecutorSpec("careless", 1)], timeout_s=60)
     executor = Careless(ctx)
     ExecutorController(ctx, executor, [], max_steps=2, executor_order=["careless"],
-                       upkeep=Upkeep(device_guard=guard)).run()
+                       hooks=Hooks(upkeep=Upkeep(device_guard=guard))).run()
     with open(out, "w") as f:
         json.dump(executor.sums, f)
     ctx.destroy()

@@ -15,7 +15,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from llamarl.controller import ExecutorController, Upkeep
+from llamarl.controller import ExecutorController, Hooks, Upkeep
 from llamarl.executor import Executor
 from llamarl.world import ExecutorContext, ExecutorSpec
 
@@ -50,8 +50,8 @@ def main() -> None:
         dist.all_reduce(torch.ones(1, device=ctx.device))
 
     ExecutorController(ctx, Idle(ctx, args.pid_dir), [], max_steps=3000, executor_order=["a", "b"],
-                       upkeep=Upkeep(liveness_timeout_s=args.timeout_s),
-                       on_tick=on_tick if args.die_in_on_tick_at is not None else None).run()
+                       hooks=Hooks(upkeep=Upkeep(liveness_timeout_s=args.timeout_s),
+                                   tick=on_tick if args.die_in_on_tick_at is not None else None)).run()
     ctx.destroy()
 
 
