@@ -203,7 +203,8 @@ def missing_docstrings(config) -> list[str]:
 
 def recipe_configs() -> list[tuple[str, type, dict]]:
     """``(module, top config class, presets)`` for every ``recipes/*.py`` recipe (a module with a
-    ``main``: ``recipes/common.py``'s shared base is documented through the recipes that use it)
+    ``main``: a shared base in ``llamarl``, e.g. ``llamarl/rl/dataset_recipes.py``'s, is documented
+    through the recipes that use it)
     that defines an ``RLConfig`` subclass, sorted by module name; ``presets`` is the module's ``PRESETS`` dict
     (``name -> (description, config instance)``) or ``{}``. Imports every recipe module."""
     import recipes

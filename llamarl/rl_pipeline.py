@@ -1,7 +1,8 @@
 """The standard RL pipeline, as data: generator -> reward -> trainer -> (weights) -> generator.
 
-``rl_pipeline(config, ...)`` describes it for ``--run.schedule``; ``run_rl`` validates the config
-and hands the description to ``llamarl.runner.run_pipeline``. The stage builders
+``rl_pipeline(config, task)`` describes it for ``--run.schedule``; ``run_rl(config, task, recipe=...,
+stages=...)``, the one way a recipe runs, validates the config and hands the description (the
+standard one, or the recipe's own: ``stages``) to ``llamarl.runner.run_pipeline``. The stage builders
 (``generator_stage``, ``reward_stage``, ``trainer_stage``) are public so that a recipe can describe
 a different pipeline from the same pieces, e.g. with a reference-policy stage between the reward
 and the trainer (``recipes/ref_kl.py``) or an LLM judge instead of the rule-based reward
@@ -33,17 +34,15 @@ import torch
 
 from llamarl.config import RLConfig
 from llamarl.config_checks import validate_config
-from llamarl.data.prompts import Problem
 from llamarl.executors.dynamic_sampling import DynamicSampling
-from llamarl.executors.generator import GeneratorExecutor, PromptFn, Task
+from llamarl.executors.generator import GeneratorExecutor
 from llamarl.executors.reward import RewardExecutor
 from llamarl.executors.trainer import TrainerExecutor
 from llamarl.models.colocated_memory import EngineFootprint
 from llamarl.pipeline import ChannelSpec, Pipeline, Stage
-from llamarl.rewards import resolve_scorer
 from llamarl.rewards.funcs import FuncsScore, RewardFuncs, split_funcs
 from llamarl.rewards.trajectory import TrajectoryScore, resolve_trajectory_scorer
-from llamarl.run_identity import dataset_fingerprint
+from llamarl.rl.task import Task
 from llamarl.run_plan import plan_run
 from llamarl.runner import run_pipeline
 
@@ -76,22 +75,21 @@ def dynamic_sampling(config: RLConfig, *, scorer: str | None, rewards_from: str 
                            max_refill=refill)
 
 
-def _generator(config: RLConfig, *, task: Task, prompt_fn: PromptFn, output: str = "rollouts",
-               scorer: str | None = None, rewards_from: str | None = None):
+def _generator(config: RLConfig, *, task: Task, output: str = "rollouts", rewards_from: str | None = None):
     plan = plan_run(config)  # once per pipeline, before the world: what every generator rank runs with
     generator_config = dataclasses.replace(config.generator, token_budget=plan.token_budget)
-    dynamic_sampling(config, scorer=scorer, rewards_from=rewards_from)  # refused here, before the world
+    dynamic_sampling(config, scorer=task.scorer, rewards_from=rewards_from)  # refused here, before the world
 
     def build(ctx) -> GeneratorExecutor:
         if plan.token_budget != config.generator.token_budget and ctx.local_rank == 0:
             logger.info("partial rollouts on (--generator.partial-rollouts auto: async on %s, up to %d new "
                         "tokens): --generator.token-budget %d", ctx.device, generator_config.max_new_tokens,
                         plan.token_budget)
-        return GeneratorExecutor(ctx, model_config=config.model, config=generator_config, task=task,
-                                 prompt_fn=prompt_fn, output_name=output, seed=config.run.seed,
+        return GeneratorExecutor(ctx, model_config=config.model, config=generator_config, task=task.sampler,
+                                 prompt_fn=task.prompt_fn, output_name=output, seed=config.run.seed,
                                  max_sequence_tokens=plan.max_sequence_tokens, algo=config.algo, env=config.env,
                                  expected_lag=plan.expected_lag, lora=config.trainer.lora.spec(),
-                                 dynamic=dynamic_sampling(config, scorer=scorer, rewards_from=rewards_from))
+                                 dynamic=dynamic_sampling(config, scorer=task.scorer, rewards_from=rewards_from))
     return build
 
 
@@ -119,13 +117,13 @@ def kept_engine_state(config: RLConfig) -> EngineFootprint | None:
                            dtype=getattr(torch, generator.dtype))
 
 
-def generator_stage(config: RLConfig, *, task: Task, prompt_fn: PromptFn, name: str = "generator",
-                    output: str = "rollouts", scorer: str | None = None, rewards_from: str | None = None) -> Stage:
-    """The policy's sampler on ``--generator.num-ranks`` ranks (``--generator.tp`` per replica),
-    emitting whole prompt groups on channel ``output``; it evaluates greedy accuracy. ``scorer`` /
-    ``rewards_from``: what its dynamic sampling scores with (``dynamic_sampling``)."""
-    return Stage(name, build=_generator(config, task=task, prompt_fn=prompt_fn, output=output, scorer=scorer,
-                                        rewards_from=rewards_from),
+def generator_stage(config: RLConfig, *, task: Task, name: str = "generator", output: str = "rollouts",
+                    rewards_from: str | None = None) -> Stage:
+    """The policy's sampler on ``--generator.num-ranks`` ranks (``--generator.tp`` per replica):
+    ``task``'s prompts, emitting whole prompt groups on channel ``output``; it evaluates greedy
+    accuracy. ``task.scorer`` / ``rewards_from``: what its dynamic sampling scores with
+    (``dynamic_sampling``)."""
+    return Stage(name, build=_generator(config, task=task, output=output, rewards_from=rewards_from),
                  num_ranks=config.generator.num_ranks, ranks_flag="--generator.num-ranks", tp=config.generator.tp,
                  headline=GENERATOR_HEADLINE)
 
@@ -187,13 +185,14 @@ def place(pipeline: Pipeline, config: RLConfig) -> Pipeline:
     return pipeline.colocated() if config.run.schedule == "colocated" else pipeline
 
 
-def rl_pipeline(config: RLConfig, *, task: Task, scorer: str | None, prompt_fn: PromptFn) -> Pipeline:
-    """The generator -> reward -> trainer pipeline of ``config.run.schedule`` (module docstring)."""
-    return _standard_pipeline(config, task=task, scorer=scorer, prompt_fn=prompt_fn)
+def rl_pipeline(config: RLConfig, task: Task) -> Pipeline:
+    """The generator -> reward -> trainer pipeline of ``config.run.schedule`` (module docstring) for
+    ``task``: what ``run_rl`` runs unless the recipe gives its own ``stages``."""
+    return _standard_pipeline(config, task=task)
 
 
-def stage_before_trainer(config: RLConfig, stage: Stage, *, task: Task, scorer: str, prompt_fn: PromptFn,
-                         reward_output: str, output: str, title: str, summary: dict,
+def stage_before_trainer(config: RLConfig, stage: Stage, *, task: Task, reward_output: str, output: str,
+                         title: str, summary: dict,
                          replaces_rewards: bool = False) -> Pipeline:
     """generator -> reward (``reward_output``) -> ``stage`` (``output``) -> trainer, weights trainer ->
     generator: the standard pipeline with a recipe's own stage between the reward and the trainer
@@ -203,23 +202,21 @@ def stage_before_trainer(config: RLConfig, stage: Stage, *, task: Task, scorer: 
     adds no lag; stage -> trainer is same-tick under sync and colocated. ``title`` is appended to the
     schedule's on the timeline; ``summary`` adds entries to ``summary.json``. ``replaces_rewards``:
     the stage sets the rewards itself (an LLM judge), so the generator's dynamic sampling, which
-    scores with ``scorer``, is refused (``dynamic_sampling``)."""
-    return _standard_pipeline(config, task=task, scorer=scorer, prompt_fn=prompt_fn,
-                              between=stage, reward_output=reward_output, output=output, title=title,
-                              summary=summary, rewards_from=stage.name if replaces_rewards else None)
+    scores with ``task.scorer``, is refused (``dynamic_sampling``)."""
+    return _standard_pipeline(config, task=task, between=stage, reward_output=reward_output, output=output,
+                              title=title, summary=summary, rewards_from=stage.name if replaces_rewards else None)
 
 
-def _standard_pipeline(config: RLConfig, *, task: Task, scorer: str | None, prompt_fn: PromptFn,
-                       between: Stage | None = None, reward_output: str = "scored", output: str = "scored",
-                       title: str | None = None, summary: dict | None = None,
+def _standard_pipeline(config: RLConfig, *, task: Task, between: Stage | None = None, reward_output: str = "scored",
+                       output: str = "scored", title: str | None = None, summary: dict | None = None,
                        rewards_from: str | None = None) -> Pipeline:
     """generator -> reward -> [``between``] -> trainer, weights trainer -> generator, the generator
     evaluating: ``rl_pipeline``, or with a stage ``between`` that of ``stage_before_trainer``."""
     config = schedule_config(config)
     sync = config.run.schedule in ("sync", "colocated")
-    generator = generator_stage(config, task=task, prompt_fn=prompt_fn, scorer=scorer, rewards_from=rewards_from)
+    generator = generator_stage(config, task=task, rewards_from=rewards_from)
     trainer = trainer_stage(config, input_name=output)
-    reward = reward_stage(config, scorer=scorer, output=reward_output)
+    reward = reward_stage(config, scorer=task.scorer, output=reward_output)
     channels = [ChannelSpec("rollouts", "generator", "reward", "scatter", same_tick=sync or config.run.async_lag == 1)]
     if between is None:
         stages = data_order([generator, reward, trainer], config)
@@ -235,32 +232,45 @@ def _standard_pipeline(config: RLConfig, *, task: Task, scorer: str | None, prom
                  config)
 
 
-def run_rl(config: RLConfig, *, recipe: str, task: Task, heldout: list[Problem],
-           score: Callable[[str, str], float] | None, scorer: str | None, prompt_fn: PromptFn) -> dict | None:
-    """Validate ``config`` (every rank, before any process group) and run ``rl_pipeline``; returns
-    the summary dict on global rank 0, else None. A configuration that cannot run raises ValueError
-    before any process group: a configuration error under ``llamarl.errors.config_errors``.
-    ``scorer`` (training) and ``score`` (evaluations) are the recipe's text scorer; a recipe scored
-    only by the user's (``--reward.scorer`` or ``--reward.trajectory-scorer``, which replace the
-    recipe's) passes None for both, and then needs one of those flags."""
+Stages = Callable[[RLConfig, Task], Pipeline]
+"""A recipe's own pipeline: ``stages(config, task)`` (checks of the recipe's own sections, then e.g.
+``stage_before_trainer`` with a reference-policy, judge or filter stage), called once, after
+``validate_config`` and before any process group."""
+
+
+def run_rl(config: RLConfig, task: Task, *, recipe: str, stages: Stages | None = None) -> dict | None:
+    """Run ``task`` as ``config`` says: the one way a recipe runs. Validates ``config`` (every rank,
+    before any process group), builds the pipeline, ``rl_pipeline(config, task)`` or the recipe's
+    ``stages(config, task)``, and hands it to ``run_pipeline`` with the held-out problems
+    (``task.eval_problems(--run.num-eval-problems)``), the evaluations' scorer (``evaluation_score``)
+    and the dataset fingerprint (``task.fingerprint``). ``recipe``: the run's name (``summary.json``,
+    the run directory). Returns the summary dict on global rank 0, else None. A configuration that
+    cannot run raises ValueError before any process group: a configuration error under
+    ``llamarl.errors.config_errors``. A task without a scorer of its own (``task.scorer`` None)
+    needs ``--reward.scorer``, ``--reward.trajectory-scorer`` or ``--reward.funcs``, which replace
+    the task's."""
+    if task.env is not None:  # the task's environment replaces the --env.* section, checked as it is
+        config = copy.copy(config)
+        config.env = task.env
     validate_config(config)
     replaced = (config.reward.trajectory_scorer, config.reward.scorer, config.reward.funcs)
-    if (scorer is None or score is None) and all(name is None for name in replaced):
+    if task.scorer is None and all(name is None for name in replaced):
         raise ValueError(f"recipe {recipe} has no scorer of its own: set --reward.scorer module:function "
                          "(completion, reference) -> float, or --reward.trajectory-scorer")
-    return run_pipeline(rl_pipeline(config, task=task, scorer=scorer, prompt_fn=prompt_fn), config,
-                        recipe=recipe, heldout=heldout, score=evaluation_score(config, score),
-                        dataset=lambda: dataset_fingerprint(task))
+    task = task.for_reward(config.reward)
+    pipeline = rl_pipeline(config, task) if stages is None else stages(config, task)
+    return run_pipeline(pipeline, config, recipe=recipe, heldout=task.eval_problems(config.run.num_eval_problems),
+                        score=evaluation_score(config, task), dataset=lambda: task.fingerprint)
 
 
-def evaluation_score(config: RLConfig, score: Callable[[str, str], float] | None) -> Callable[[str, str], float] | None:
-    """What the evaluations score with: the recipe's text scorer ``score``, or the one that replaces
-    it in evaluations as in training: ``--reward.funcs`` (their weighted sum), ``--reward.trajectory-scorer``,
-    else ``--reward.scorer``."""
+def evaluation_score(config: RLConfig, task: Task) -> Callable[[str, str], float] | None:
+    """What the evaluations score with: the task's text scorer (``task.score``, after
+    ``Task.for_reward``: ``--reward.scorer`` when given), or the one that replaces it in evaluations
+    as in training: ``--reward.funcs`` (their weighted sum), else ``--reward.trajectory-scorer``."""
     if config.reward.funcs is not None:
         weights = config.reward.weights or [1.0] * len(split_funcs(config.reward.funcs))
         return FuncsScore(RewardFuncs(config.reward.funcs), tuple(weights))
     name = config.reward.trajectory_scorer
     if name is not None:
         return TrajectoryScore(resolve_trajectory_scorer(name))
-    return score if config.reward.scorer is None else resolve_scorer(config.reward.scorer)
+    return task.for_reward(config.reward).score

@@ -3,76 +3,34 @@
     torchrun --standalone --nproc-per-node 3 -m recipes.arithmetic [--run.max-steps 20 ...]
 
 Ranks: generator 1, reward 1, trainer the rest. Prints the held-out greedy accuracy before and
-after training and writes ``summary.json`` into the run directory.
+after training and writes ``summary.json`` into the run directory. The task and its configuration
+are the library's (``llamarl/rl/arithmetic_task.py``), shared with the recipes built on it
+(``ref_kl``, ``llm_judge``, ``dapo_filter``).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import tyro
 
-from llamarl.config import GeneratorConfig, RLConfig, RunConfig, TrainerConfig
-from llamarl.config_checks import validate_config
-from llamarl.data.arithmetic import ArithmeticTask
-from llamarl.data.prompts import ARITHMETIC_INSTRUCTION, build_chat_prompt
+from llamarl.data.prompts import arithmetic_prompt as prompt_fn
 from llamarl.errors import config_errors, parse_flags
-from llamarl.pipeline import Pipeline
-from llamarl.rewards.arithmetic import score
-from llamarl.rl_pipeline import evaluation_score, run_rl
-from llamarl.run_identity import dataset_fingerprint
-from llamarl.runner import run_pipeline
+from llamarl.rl import arithmetic_task as library
+from llamarl.rl.arithmetic_task import ArithmeticTaskConfig, arithmetic_task
+from llamarl.rl_pipeline import run_rl
+
+__all__ = ["ArithmeticConfig", "ArithmeticTaskConfig", "main", "prompt_fn"]
 
 
 @dataclass
-class ArithmeticTaskConfig:
-    num_digits: int = 2
-    """Digits per operand of the addition problems."""
-
-
-@dataclass
-class ArithmeticConfig(RLConfig):
+class ArithmeticConfig(library.ArithmeticConfig):
     """RL on seeded integer-addition problems (generated on the fly, no download)."""
 
-    task: ArithmeticTaskConfig = field(default_factory=ArithmeticTaskConfig)
-    # Defaults tuned for `make run` on 2 CPU cores (see docs/benchmarks.md): bf16 compute on both sides, the
-    # trainer (the bottleneck) gets 2 threads, small frequent batches.
-    generator: GeneratorConfig = field(default_factory=lambda: GeneratorConfig(
-        num_prompts_per_step=16, samples_per_prompt=4, max_new_tokens=12, temperature=0.8, dtype="bfloat16",
-        num_threads=1))
-    trainer: TrainerConfig = field(default_factory=lambda: TrainerConfig(full_lr=1.5e-5, param_dtype="bfloat16",
-                                                                          num_threads=2))
-    run: RunConfig = field(default_factory=lambda: RunConfig(max_steps=40))
 
-
-def prompt_fn(tokenizer, question: str) -> list[int]:
-    return build_chat_prompt(tokenizer, question, instruction_suffix=ARITHMETIC_INSTRUCTION)
-
-
-def run_variant(config: ArithmeticConfig, *, recipe: str, build_pipeline: Callable[..., Pipeline],
-                checks: Callable[[ArithmeticConfig], None] | None = None, scorer: str = "arithmetic",
-                score: Callable[[str, str], float] = score, edit: Callable[[Pipeline], None] | None = None) -> dict | None:
-    """An arithmetic recipe with a pipeline of its own (``recipes/ref_kl.py``, ``llm_judge.py``,
-    ``dapo_filter.py``): ``validate_config`` and the recipe's own ``checks(config)`` on every rank
-    before any process group (the rank split, its stages included, is checked by the pipeline),
-    ``build_pipeline(config, task=..., scorer=..., prompt_fn=...)``, ``edit(pipeline)`` if given (a
-    test's taps), then ``run_pipeline``. Returns the summary on global rank 0, else None."""
-    validate_config(config)
-    if checks is not None:
-        checks(config)
-    task = ArithmeticTask(num_digits=config.task.num_digits, seed=config.run.seed)
-    pipeline = build_pipeline(config, task=task, scorer=scorer, prompt_fn=prompt_fn)
-    if edit is not None:
-        edit(pipeline)
-    return run_pipeline(pipeline, config, recipe=recipe, heldout=task.heldout(config.run.num_eval_problems),
-                        score=evaluation_score(config, score), dataset=lambda: dataset_fingerprint(task))
-
-
-def main(config: ArithmeticConfig) -> None:
-    task = ArithmeticTask(num_digits=config.task.num_digits, seed=config.run.seed)
-    run_rl(config, recipe="arithmetic", task=task, heldout=task.heldout(config.run.num_eval_problems),
-           score=score, scorer="arithmetic", prompt_fn=prompt_fn)
+def main(config: ArithmeticConfig) -> dict | None:
+    """The addition problems of ``--task.num-digits``, scored by the ``arithmetic`` scorer."""
+    return run_rl(config, arithmetic_task(config), recipe="arithmetic")
 
 
 if __name__ == "__main__":

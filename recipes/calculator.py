@@ -31,7 +31,7 @@ from llamarl.config import EnvConfig, GeneratorConfig, RLConfig, RunConfig, Trai
 from llamarl.data.arithmetic import ArithmeticTask
 from llamarl.data.prompts import build_chat_prompt
 from llamarl.errors import config_errors, parse_flags
-from llamarl.rewards.arithmetic import score
+from llamarl.rl.task import Task
 from llamarl.rl_pipeline import run_rl
 
 EXAMPLES = (("123", "45"), ("307", "62"))
@@ -79,11 +79,11 @@ def chat_prompt_fn(tokenizer, question: str) -> list[int]:
 
 
 def main(config: CalculatorConfig) -> dict | None:
-    task = ArithmeticTask(num_digits=config.task.num_digits, second_num_digits=config.task.second_num_digits,
-                          operation="*", seed=config.run.seed)
-    return run_rl(config, recipe="calculator", task=task, heldout=task.heldout(config.run.num_eval_problems),
-                  score=score, scorer="arithmetic",
-                  prompt_fn=prompt_fn if config.task.prompt == "plain" else chat_prompt_fn)
+    sampler = ArithmeticTask(num_digits=config.task.num_digits, second_num_digits=config.task.second_num_digits,
+                             operation="*", seed=config.run.seed)
+    task = Task(sampler, heldout=sampler.heldout, prompt_fn=prompt_fn if config.task.prompt == "plain" else chat_prompt_fn,
+                scorer="arithmetic")
+    return run_rl(config, task, recipe="calculator")
 
 
 if __name__ == "__main__":

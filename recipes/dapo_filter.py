@@ -28,15 +28,14 @@ import torch
 import tyro
 
 from llamarl.batch import TensorBatch
-from llamarl.data.arithmetic import ArithmeticTask
 from llamarl.errors import config_errors, parse_flags
 from llamarl.executor import Executor
-from llamarl.executors.generator import PromptFn
 from llamarl.executors.reward import set_balance_tokens
 from llamarl.metrics import MetricSpec
 from llamarl.pipeline import Pipeline, Stage
-from llamarl.rl_pipeline import stage_before_trainer
-from recipes.arithmetic import ArithmeticConfig, prompt_fn, run_variant
+from llamarl.rl.arithmetic_task import ArithmeticConfig, arithmetic_task
+from llamarl.rl.task import Task
+from llamarl.rl_pipeline import run_rl, stage_before_trainer
 
 
 @dataclass
@@ -96,17 +95,17 @@ def filter_stage(config: DapoFilterConfig) -> Stage:
                  headline=("filter_groups_kept",))
 
 
-def dapo_filter_pipeline(config: DapoFilterConfig, *, task: ArithmeticTask, scorer: str = "arithmetic",
-                         prompt_fn: PromptFn = prompt_fn) -> Pipeline:
+def dapo_filter_pipeline(config: DapoFilterConfig, task: Task) -> Pipeline:
     """The pipeline for ``--run.schedule`` (``filtered`` same-tick under sync and colocated, as
-    ``scored`` in ``rl_pipeline``; ``scored`` always same-tick: the filter adds no lag)."""
-    return stage_before_trainer(config, filter_stage(config), task=task, scorer=scorer, prompt_fn=prompt_fn,
-                                reward_output="scored", output="filtered", title="DAPO filter", summary={})
+    ``scored`` in ``rl_pipeline``; ``scored`` always same-tick: the filter adds no lag): ``run_rl``'s
+    ``stages``."""
+    return stage_before_trainer(config, filter_stage(config), task=task, reward_output="scored", output="filtered",
+                                title="DAPO filter", summary={})
 
 
 def main(config: DapoFilterConfig) -> dict | None:
     """The arithmetic task with the rule-based scorer and the filter."""
-    return run_variant(config, recipe="dapo_filter", build_pipeline=dapo_filter_pipeline)
+    return run_rl(config, arithmetic_task(config), recipe="dapo_filter", stages=dapo_filter_pipeline)
 
 
 if __name__ == "__main__":

@@ -48,15 +48,18 @@ from llamarl.data.gsm8k import load_gsm8k_jsonl
 from llamarl.data.hub import load_hub_problems
 from llamarl.data.prompts import Problem, build_chat_prompt
 from llamarl.errors import config_errors, parse_flags
-from llamarl.rewards.gsm8k import score
-from recipes.common import (
+from llamarl.rewards.gsm8k import score  # noqa: F401  the scorer registered as "gsm8k": the task's
+from llamarl.rl.dataset_recipes import (
     DatasetConfig,
     DatasetRecipeConfig,
     EvalConfig,
+    prepare_pass_k,
     qwen_1gpu,
     qwen_8gpu,
-    run_dataset_recipe,
+    run_pass_k,
+    split_task,
 )
+from llamarl.rl_pipeline import run_rl
 
 # verl's GSM8K instruction; the scorer reads "#### N" first (then \boxed, "the answer is", last number).
 GSM8K_INSTRUCTION = "Let's think step by step and output the final answer after \"####\"."
@@ -118,8 +121,11 @@ PRESETS: dict[str, tuple[str, GSM8KConfig]] = {
 
 def main(config: GSM8KConfig) -> dict | None:
     """Load the data, run RL, then pass@k if asked; returns the summary on global rank 0."""
-    return run_dataset_recipe(config, recipe="gsm8k", train=config.data.load_split("train"),
-                              test=config.data.load_split("test"), score=score, prompt_fn=prompt_fn)
+    task = split_task(config, train=config.data.load_split("train"), test=config.data.load_split("test"),
+                      scorer="gsm8k", prompt_fn=prompt_fn)
+    prepare_pass_k(config, config.eval, "gsm8k")
+    summary = run_rl(config, task, recipe="gsm8k")
+    return run_pass_k(config, config.eval, summary=summary, task=task)
 
 
 if __name__ == "__main__":

@@ -32,6 +32,7 @@ import tyro
 from llamarl.config import EnvConfig, GeneratorConfig, RewardConfig, RLConfig, RunConfig, TrainerConfig
 from llamarl.environments.guess import GuessNumberTask
 from llamarl.errors import config_errors, parse_flags
+from llamarl.rl.task import Task
 from llamarl.rl_pipeline import run_rl
 
 EXAMPLE = (11, [8, 12, 10, 11])
@@ -87,9 +88,10 @@ def main(config: GuessNumberConfig) -> dict | None:
     if config.env.name is None:
         raise ValueError("recipes.guess_number needs an environment (--env.name, default guess_number): "
                          "the game is its episodes")
-    task = GuessNumberTask(high=config.task.high, seed=config.run.seed)
-    return run_rl(config, recipe="guess_number", task=task, heldout=task.heldout(config.run.num_eval_problems),
-                  score=None, scorer=None, prompt_fn=make_prompt_fn(config.task.high))
+    sampler = GuessNumberTask(high=config.task.high, seed=config.run.seed)
+    # No text scorer of its own: the environment's reward (--reward.trajectory-scorer env, the default).
+    task = Task(sampler, heldout=sampler.heldout, prompt_fn=make_prompt_fn(config.task.high))
+    return run_rl(config, task, recipe="guess_number")
 
 
 if __name__ == "__main__":

@@ -69,13 +69,13 @@ from llamarl.config_checks import check_model
 from llamarl.data.prompts import build_chat_prompt
 from llamarl.errors import config_errors, parse_flags
 from llamarl.executor import Executor
-from llamarl.executors.generator import PromptFn, Task
 from llamarl.executors.reward import set_balance_tokens
 from llamarl.metrics import MetricSpec
 from llamarl.models.loading import load_causal_lm
 from llamarl.pipeline import Pipeline, Stage
-from llamarl.rl_pipeline import stage_before_trainer
-from recipes.arithmetic import ArithmeticConfig, run_variant
+from llamarl.rl.arithmetic_task import ArithmeticConfig, arithmetic_task
+from llamarl.rl.task import Task
+from llamarl.rl_pipeline import run_rl, stage_before_trainer
 
 logger = logging.getLogger("llamarl.llm_judge")
 
@@ -369,14 +369,16 @@ def judge_stage(config: LLMJudgeConfig, *, task: Task, name: str = "judge", inpu
                  headline=JUDGE_HEADLINE)
 
 
-def llm_judge_pipeline(config: LLMJudgeConfig, *, task: Task, scorer: str, prompt_fn: PromptFn) -> Pipeline:
-    """generator -> reward ("ruled") -> judge ("scored") -> trainer, weights trainer -> generator.
+def llm_judge_pipeline(config: LLMJudgeConfig, task: Task) -> Pipeline:
+    """generator -> reward ("ruled") -> judge ("scored") -> trainer, weights trainer -> generator,
+    after ``check_llm_judge``: ``run_rl``'s ``stages``.
 
     Delivery follows ``--run.schedule`` like ``rl_pipeline`` (``ruled`` always same-tick: the judge
     adds no lag); colocated puts every stage, the judge included, on every rank.
     """
+    check_llm_judge(config)
     return stage_before_trainer(config, judge_stage(config, task=task, input_name="ruled", output="scored"), task=task,
-                                scorer=scorer, prompt_fn=prompt_fn, reward_output="ruled", output="scored",
+                                reward_output="ruled", output="scored",
                                 title="LLM judge", replaces_rewards=True,
                                 summary={"judge": config.judge.model or config.model.name,
                                          "judge_hard": config.judge.hard})
@@ -390,7 +392,7 @@ def check_llm_judge(config: LLMJudgeConfig) -> None:
 
 def main(config: LLMJudgeConfig) -> dict | None:
     """The arithmetic task, judged by the LLM, audited and evaluated by the arithmetic scorer."""
-    return run_variant(config, recipe="llm_judge", build_pipeline=llm_judge_pipeline, checks=check_llm_judge)
+    return run_rl(config, arithmetic_task(config), recipe="llm_judge", stages=llm_judge_pipeline)
 
 
 if __name__ == "__main__":

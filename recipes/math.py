@@ -31,14 +31,17 @@ from llamarl.data.hub import load_hub_problems
 from llamarl.data.math import load_math_jsonl, row_to_problem
 from llamarl.data.prompts import Problem, build_chat_prompt
 from llamarl.errors import config_errors, parse_flags
-from llamarl.rewards.math import score
-from recipes.common import (
+from llamarl.rewards.math import score  # noqa: F401  the scorer registered as "math": the task's
+from llamarl.rl.dataset_recipes import (
     DatasetConfig,
     DatasetRecipeConfig,
+    prepare_pass_k,
     qwen_1gpu,
     qwen_8gpu,
-    run_dataset_recipe,
+    run_pass_k,
+    split_task,
 )
+from llamarl.rl_pipeline import run_rl
 
 # The Qwen2.5-Math / DeepSeek instruction; the scorer reads the last \boxed{} first.
 MATH_INSTRUCTION = "Please reason step by step, and put your final answer within \\boxed{}."
@@ -87,8 +90,11 @@ PRESETS: dict[str, tuple[str, MathConfig]] = {
 
 def main(config: MathConfig) -> dict | None:
     """Load the data, run RL, then pass@k if asked; returns the summary on global rank 0."""
-    return run_dataset_recipe(config, recipe="math", train=config.data.load_split("train"),
-                              test=config.data.load_split("test"), score=score, prompt_fn=prompt_fn)
+    task = split_task(config, train=config.data.load_split("train"), test=config.data.load_split("test"),
+                      scorer="math", prompt_fn=prompt_fn)
+    prepare_pass_k(config, config.eval, "math")
+    summary = run_rl(config, task, recipe="math")
+    return run_pass_k(config, config.eval, summary=summary, task=task)
 
 
 if __name__ == "__main__":

@@ -25,8 +25,9 @@
   float`` (llamarl/rewards/trajectory.py: the turns, the tool answers, the environment's reward).
   The row's other fields reach each of them, and the environment, as ``problem.columns``.
 - A KL penalty to the initial policy: ``--ref.kl-coef beta`` (> 0) adds the reference stage of
-  recipes/ref_kl.py on the trainer's ranks (a frozen copy of the initial weights; under LoRA the
-  trainer's model with its adapters disabled): each reward becomes ``reward - beta * sum_t kl_t``.
+  recipes/ref_kl.py (llamarl/rl/reference_stage.py) on the trainer's ranks (a frozen copy of the
+  initial weights; under LoRA the trainer's model with its adapters disabled): each reward becomes
+  ``reward - beta * sum_t kl_t``.
 - Episodes: ``--env.name module:Class`` or ``--env.tools module:fn,...``, as in every recipe.
 
 Every reference is resolved before any rank starts: an unknown module or function, a missing
@@ -41,15 +42,15 @@ from dataclasses import dataclass, field
 import tyro
 
 from llamarl.config import GeneratorConfig, RLConfig, RunConfig, TrainerConfig
-from llamarl.config_checks import check_scorers, validate_config
+from llamarl.config_checks import check_scorers
 from llamarl.data.problem_list import ListTask
-from llamarl.data.prompts import Problem, build_chat_prompt, build_conversation_prompt, conversation_of
+from llamarl.data.prompts import build_chat_prompt, build_conversation_prompt, conversation_of
 from llamarl.data.task_dataset import load_rows, rows_to_problems, split_heldout, template_fields
 from llamarl.errors import config_errors, parse_flags
-from llamarl.rl_pipeline import evaluation_score, run_rl
-from llamarl.run_identity import dataset_fingerprint
-from llamarl.runner import run_pipeline
-from recipes.ref_kl import RefConfig, check_ref_kl, ref_kl_pipeline
+from llamarl.executors.reference import RefConfig
+from llamarl.rl.reference_stage import ref_kl_pipeline
+from llamarl.rl.task import Task
+from llamarl.rl_pipeline import run_rl
 
 FLAGS = {"dataset": "--task.dataset", "prompt_field": "--task.prompt-field", "answer_field": "--task.answer-field",
          "prompt_template": "--task.prompt-template"}
@@ -130,10 +131,12 @@ def make_prompt_fn(system: str | None):
     return prompt_fn
 
 
-def load_task(config: TaskConfig) -> tuple[ListTask, list[Problem]]:
-    """The training task and the held-out problems of ``config.task``, after checking every reference
-    (the scorers, the tools' functions, the dataset and its fields); ValueError (one line naming the
-    flag) otherwise. Sets ``--run.num-eval-problems`` to the held-out count when there are fewer."""
+def load_task(config: TaskConfig) -> Task:
+    """The task of the ``--task.*`` flags: the training rows, the held-out ones, the prompt
+    (``make_prompt_fn``), no scorer of its own (``--reward.*`` gives it), after checking every
+    reference (the scorers, the tools' functions, the dataset and its fields); ValueError (one line
+    naming the flag) otherwise. Sets ``--run.num-eval-problems`` to the held-out count when there
+    are fewer."""
     task, run = config.task, config.run
     if config.reward.scorer is None and config.reward.trajectory_scorer is None and config.reward.funcs is None:
         raise ValueError("recipes.task needs a reward: --reward.funcs module:f,module:g (TRL's f(completions, "
@@ -163,19 +166,14 @@ def load_task(config: TaskConfig) -> tuple[ListTask, list[Problem]]:
                              "evaluation; set --task.eval-dataset or --task.eval-fraction > 0, or "
                              "--run.num-eval-problems 0")
         run.num_eval_problems = len(heldout)
-    return ListTask(train, seed=run.seed), heldout[: run.num_eval_problems]
+    # No scorer of the recipe's own: --reward.funcs, --reward.scorer or --reward.trajectory-scorer replaces it.
+    return Task(ListTask(train, seed=run.seed), heldout=heldout[: run.num_eval_problems],
+                prompt_fn=make_prompt_fn(task.system_prompt))
 
 
 def main(config: TaskConfig) -> dict | None:
-    task, heldout = load_task(config)
-    prompt_fn = make_prompt_fn(config.task.system_prompt)
-    if config.ref.kl_coef == 0:
-        # No scorer of the recipe's own: --reward.funcs, --reward.scorer or --reward.trajectory-scorer replaces it.
-        return run_rl(config, recipe="task", task=task, heldout=heldout, score=None, scorer=None, prompt_fn=prompt_fn)
-    validate_config(config)
-    check_ref_kl(config)
-    return run_pipeline(ref_kl_pipeline(config, task=task, scorer=None, prompt_fn=prompt_fn), config, recipe="task",
-                        heldout=heldout, score=evaluation_score(config, None), dataset=lambda: dataset_fingerprint(task))
+    """The task of the flags; with ``--ref.kl-coef`` > 0 the reference stage before the trainer."""
+    return run_rl(config, load_task(config), recipe="task", stages=ref_kl_pipeline if config.ref.kl_coef else None)
 
 
 if __name__ == "__main__":

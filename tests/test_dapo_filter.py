@@ -19,6 +19,7 @@ from launch import check, run_torchrun
 from taps import read_taps
 
 from llamarl.batch import TensorBatch
+from llamarl.rl.arithmetic_task import arithmetic_task
 from recipes.dapo_filter import DapoFilterConfig, FilterExecutor, dapo_filter_pipeline, zero_signal_groups
 
 
@@ -84,7 +85,7 @@ def test_the_filter_drops_exactly_the_groups_without_signal():
 def test_colocated_places_every_stage_on_every_rank():
     config = DapoFilterConfig()
     config.run.schedule = "colocated"
-    pipeline = dapo_filter_pipeline(config, task=None)
+    pipeline = dapo_filter_pipeline(config, arithmetic_task(config))
     assert [s.colocate_with for s in pipeline.stages] == [None, "generator", "generator", "generator"]
     assert [s.num_ranks for s in pipeline.specs(2)] == [2, 2, 2, 2]
     assert all(pipeline.in_memory(c) for c in pipeline.channels)

@@ -158,6 +158,7 @@ def test_max_refill_is_validated_and_the_dapo_preset_turns_it_on():
 
 
 def test_a_pipeline_whose_rewards_the_generator_cannot_compute_is_refused(model_dir, tmp_path):
+    from llamarl.rl.task import Task
     from llamarl.rl_pipeline import dynamic_sampling
     from recipes.llm_judge import LLMJudgeConfig, llm_judge_pipeline
 
@@ -166,10 +167,10 @@ def test_a_pipeline_whose_rewards_the_generator_cannot_compute_is_refused(model_
     config.run = dataclasses.replace(config.run, output_dir=str(tmp_path))
     config.algo = AlgoConfig(max_refill=2)
     with pytest.raises(ValueError, match=r"^--algo.max-refill 2: .* its stage 'judge', which the generator cannot"):
-        llm_judge_pipeline(config, task=Questions(), scorer="arithmetic", prompt_fn=prompt_fn)
+        llm_judge_pipeline(config, Task(Questions(), prompt_fn=prompt_fn, scorer="arithmetic"))
     with pytest.raises(ValueError, match="needs a scorer the generator can call"):
         dynamic_sampling(config, scorer=None)
     assert dynamic_sampling(config, scorer="arithmetic").target == config.generator.num_prompts_per_step
     config.algo = AlgoConfig()
     assert dynamic_sampling(config, scorer=None) is None
-    llm_judge_pipeline(config, task=Questions(), scorer="arithmetic", prompt_fn=prompt_fn)  # off: accepted
+    llm_judge_pipeline(config, Task(Questions(), prompt_fn=prompt_fn, scorer="arithmetic"))  # off: accepted

@@ -17,9 +17,9 @@ from llamarl.data.math import load_math_jsonl
 from llamarl.data.problem_list import ListTask
 from llamarl.data.prompts import Problem, build_chat_prompt
 from llamarl.evaluation import evaluate_policy, load_policy, pass_at_k
+from llamarl.rl.dataset_recipes import EvalConfig, prepare_pass_k
 from recipes import gsm8k as gsm8k_recipe
 from recipes import math as math_recipe
-from recipes.common import EvalConfig, prepare_pass_k
 
 SHARED = Path(__file__).resolve().parents[1] / "../shared/data/gsm8k"
 

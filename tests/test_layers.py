@@ -21,7 +21,9 @@ its longest matching name, and may import its own layer and any lower one):
    the executors' contract, never an executor).
 10. ``executors``: generator, reward, trainer.
 11. the controller and the pipeline description.
-12. the runner and the standard pipeline; above it only ``recipes``.
+12. the runner, the standard pipeline and the ``Task`` it runs (with the tasks and stages that
+    several recipes share: arithmetic, the dataset recipes', the reference policy's); above it only
+    ``recipes``, and no recipe imports another (``test_no_recipe_imports_a_recipe``).
 
 So algorithms, data and models never import channels, executors or the runner. Pure AST: nothing
 here imports the modules it checks. Every import counts, also one inside a function or under
@@ -54,7 +56,7 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("executors", ("llamarl.executors",)),
     ("controller and pipeline", ("llamarl.controller", "llamarl.pipeline")),
     ("runner", ("llamarl.runner", "llamarl.run_directory", "llamarl.run_log", "llamarl.run_checkpoints",
-                "llamarl.run_summary", "llamarl.rl_pipeline")),
+                "llamarl.run_summary", "llamarl.rl_pipeline", "llamarl.rl")),
     ("recipes", ("recipes",)),
 )
 
@@ -148,3 +150,23 @@ def _tree_with(relative: str, text: str) -> Path:
         (root / name).write_text("")
     (root / relative).write_text(text)
     return root
+
+
+def recipe_imports_of_recipes(root: Path) -> list[str]:
+    """Every import of a ``recipes`` module by a module of ``recipes`` (its package ``recipes``
+    included): a recipe is a leaf, what two recipes share lives in ``llamarl`` (issue 47)."""
+    paths = {module_name(path, root): path for path in sorted((root / "recipes").rglob("*.py"))}
+    return [f"{module} imports {target}" for module, path in paths.items()
+            for target in sorted(imported_modules(path, module, set(paths)))
+            if target.split(".")[0] == "recipes" and target != module]
+
+
+def test_no_recipe_imports_a_recipe():
+    assert not (found := recipe_imports_of_recipes(ROOT)), "\n".join(found)
+    # The rule bites: the imports recipes/ref_kl.py and recipes/gsm8k.py had are ones it reports.
+    root = _tree_with("recipes/ref_kl.py", "from recipes.arithmetic import ArithmeticConfig, run_variant\n")
+    (root / "recipes/arithmetic.py").write_text("")
+    (root / "recipes/gsm8k.py").write_text("from recipes import common\nimport recipes.common as shared\n")
+    (root / "recipes/common.py").write_text("")
+    assert recipe_imports_of_recipes(root) == ["recipes.gsm8k imports recipes.common",
+                                               "recipes.ref_kl imports recipes.arithmetic"]

@@ -29,6 +29,7 @@ from llamarl.config import (
 from llamarl.config_checks import validate_config
 from llamarl.controller import ExecutorController
 from llamarl.engines.engine_configs import TorchEngineConfig, VLLMEngineConfig
+from llamarl.rl.task import Task
 from llamarl.rl_pipeline import rl_pipeline
 
 
@@ -96,10 +97,9 @@ def test_rloo_needs_groups_and_the_split_needs_ranks(model_dir, tmp_path):
                                generator=GeneratorConfig(samples_per_prompt=1)))
     with pytest.raises(ValueError, match=r"^--generator.num-ranks 1 \+ --reward.num-ranks 1 \+ at least 1 trainer rank "
                                          r"= 3 > the world size 2 .*or use --run.schedule colocated$"):
-        rl_pipeline(config(model_dir, tmp_path, reward=RewardConfig(num_ranks=1)), task=None, scorer="arithmetic",
-                    prompt_fn=None).specs(2)
+        rl_pipeline(config(model_dir, tmp_path, reward=RewardConfig(num_ranks=1)), Task(None, scorer="arithmetic")).specs(2)
     # The reward on the trainer's ranks (the default): a generator rank and a trainer rank suffice.
-    pipeline = rl_pipeline(config(model_dir, tmp_path), task=None, scorer="arithmetic", prompt_fn=None)
+    pipeline = rl_pipeline(config(model_dir, tmp_path), Task(None, scorer="arithmetic"))
     assert [(s.name, s.num_ranks) for s in pipeline.specs(2)] == [("generator", 1), ("trainer", 1), ("reward", 1)]
     with pytest.raises(ValueError, match=r"^--generator.num-ranks 1 \+ at least 1 trainer rank = 2 > the world size 1"):
         pipeline.specs(1)

@@ -150,29 +150,27 @@ def main(spec_path: str) -> int:
             made, result["params"] = write_random_model(spec["shape"], Path(spec["model_root"]))
             model, result["model_write_s"] = str(made), time.perf_counter() - start
             save()
-        from llamarl.data.arithmetic import ArithmeticTask
-        from llamarl.rewards import resolve_scorer
+        from llamarl.rl.arithmetic_task import arithmetic_task
         from llamarl.rl_pipeline import run_rl
-        from recipes.arithmetic import ArithmeticConfig, prompt_fn
+        from recipes.arithmetic import ArithmeticConfig
         from recipes.arithmetic import main as recipe_main
 
         config = ArithmeticConfig()
         apply_overrides(config, {**spec["overrides"], "model.name": model})
-        task = ArithmeticTask(num_digits=config.task.num_digits, seed=config.run.seed)
+        scorer = spec.get("scorer")
+        task = arithmetic_task(config) if scorer is None else arithmetic_task(config, scorer=scorer)
         from transformers import AutoTokenizer
 
         tokenizer = AutoTokenizer.from_pretrained(model)
-        lengths = [len(prompt_fn(tokenizer, task.sample(i).question)) for i in range(64)]
+        lengths = [len(task.prompt_fn(tokenizer, task.sample(i).question)) for i in range(64)]
         result["prompt_tokens_mean"] = sum(lengths) / len(lengths)
         save()
         os.environ.update({"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "LOCAL_WORLD_SIZE": "1",
                            "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port())})
-        scorer = spec.get("scorer")
         if scorer is None:  # the recipe itself, as `torchrun -m recipes.arithmetic` runs it
             recipe_main(config)
         else:  # its pipeline trained on ``scorer`` (tests/worlds/e2e_arithmetic.py's LLAMARL_TEST_SCORER)
-            run_rl(config, recipe="arithmetic", task=task, heldout=task.heldout(config.run.num_eval_problems),
-                   score=resolve_scorer(scorer), scorer=scorer, prompt_fn=prompt_fn)
+            run_rl(config, task, recipe="arithmetic")
     finally:
         if made is not None:
             shutil.rmtree(made, ignore_errors=True)

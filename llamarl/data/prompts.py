@@ -109,3 +109,9 @@ def build_chat_prompt(
     if system:
         text = f"{system}\n\n{text}"
     return _as_token_ids(tokenizer(text)["input_ids"])
+
+
+def arithmetic_prompt(tokenizer: Any, question: str) -> list[int]:
+    """The arithmetic recipes' prompt (``recipes/arithmetic.py`` and the recipes built on it): the
+    question as the user turn of the chat template, followed by ``ARITHMETIC_INSTRUCTION``."""
+    return build_chat_prompt(tokenizer, question, instruction_suffix=ARITHMETIC_INSTRUCTION)

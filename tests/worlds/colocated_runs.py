@@ -16,8 +16,9 @@ import socket
 
 import tyro
 
+from llamarl.rl.arithmetic_task import arithmetic_task
 from llamarl.rl_pipeline import run_rl
-from recipes.arithmetic import ArithmeticConfig, main, prompt_fn
+from recipes.arithmetic import ArithmeticConfig, main
 
 
 def free_port() -> int:
@@ -34,12 +35,7 @@ def run(args: list[str]) -> None:
     if scorer is None:
         main(config)
         return
-    from llamarl.data.arithmetic import ArithmeticTask
-    from llamarl.rewards import resolve_scorer
-
-    task = ArithmeticTask(num_digits=config.task.num_digits, seed=config.run.seed)
-    run_rl(config, recipe="arithmetic", task=task, heldout=task.heldout(config.run.num_eval_problems),
-           score=resolve_scorer(scorer), scorer=scorer, prompt_fn=prompt_fn)
+    run_rl(config, arithmetic_task(config, scorer=scorer), recipe="arithmetic")
 
 
 if __name__ == "__main__":

@@ -9,8 +9,9 @@ import sys
 
 import tyro
 
+from llamarl.rl.arithmetic_task import arithmetic_task
 from llamarl.rl_pipeline import run_rl
-from recipes.arithmetic import ArithmeticConfig, main, prompt_fn
+from recipes.arithmetic import ArithmeticConfig, main
 
 if __name__ == "__main__":
     if os.environ.get("LLAMARL_TEST_PID_DIR"):  # so a test can SIGKILL a chosen rank
@@ -27,9 +28,4 @@ if __name__ == "__main__":
     if scorer is None:
         main(config)
     else:
-        from llamarl.data.arithmetic import ArithmeticTask
-        from llamarl.rewards import resolve_scorer
-
-        task = ArithmeticTask(num_digits=config.task.num_digits, seed=config.run.seed)
-        run_rl(config, recipe="arithmetic", task=task, heldout=task.heldout(config.run.num_eval_problems),
-               score=resolve_scorer(scorer), scorer=scorer, prompt_fn=prompt_fn)
+        run_rl(config, arithmetic_task(config, scorer=scorer), recipe="arithmetic")

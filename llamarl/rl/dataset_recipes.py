@@ -1,6 +1,8 @@
-"""Shared by the GSM8K and MATH recipes: the pass@k evaluation section and the run directory it
-reads, the run itself (``run_dataset_recipe``) and the GPU presets' common shape (``qwen_1gpu``,
-``qwen_8gpu``: each recipe passes what differs for its data).
+"""Shared by the GSM8K and MATH recipes (a library piece, so that no recipe imports another): the
+``--data`` section's shape, the ``Task`` of a train / test split (``split_task``), the pass@k
+evaluation section and the run directory it reads (``prepare_pass_k``, ``run_pass_k``), and the
+GPU presets' common shape (``qwen_1gpu``, ``qwen_8gpu``: each recipe passes what differs for its data).
+A dataset recipe runs as ``split_task``, ``prepare_pass_k``, ``run_rl``, ``run_pass_k``.
 
 pass@k needs samples from the final policy; ``run_rl`` evaluates greedy accuracy only, so the
 recipe measures pass@k after the run, on global rank 0, from the final HF export
@@ -34,7 +36,8 @@ from llamarl.data.problem_list import ListTask
 from llamarl.data.prompts import Problem
 from llamarl.engines.engine_configs import VLLMEngineConfig
 from llamarl.evaluation import evaluate_policy, load_policy
-from llamarl.rl_pipeline import run_rl
+from llamarl.executors.generator import PromptFn
+from llamarl.rl.task import Task
 
 
 @dataclass
@@ -135,12 +138,13 @@ def prepare_pass_k(config: RLConfig, eval_config: EvalConfig, recipe: str) -> No
         run.output_dir = str(Path("runs") / f"{recipe}-{time.strftime('%Y%m%d')}-{suffix}")
 
 
-def run_pass_k(config: RLConfig, eval_config: EvalConfig, *, summary: dict | None, problems: list[Problem],
-               prompt_fn, score) -> dict | None:
-    """On the rank that got ``summary`` (global rank 0): pass@k of the base and the final policy,
-    merged into ``summary`` and ``summary.json``. Returns the summary (None on other ranks)."""
+def run_pass_k(config: RLConfig, eval_config: EvalConfig, *, summary: dict | None, task: Task) -> dict | None:
+    """On the rank that got ``summary`` (global rank 0): pass@k of the base and the final policy on
+    ``task``'s held-out problems (its prompt, its scorer), merged into ``summary`` and
+    ``summary.json``. Returns the summary (None on other ranks)."""
     if summary is None or not eval_config.pass_k:
         return summary
+    problems, prompt_fn, score = list(task.heldout), task.prompt_fn, task.score
     run_dir = Path(config.run.output_dir)
     device = "cuda" if torch.cuda.is_available() else "cpu"
     dtype = torch.bfloat16 if config.generator.dtype == "bfloat16" else torch.float32
@@ -163,19 +167,16 @@ def run_pass_k(config: RLConfig, eval_config: EvalConfig, *, summary: dict | Non
     return summary
 
 
-def run_dataset_recipe(config: RLConfig, *, recipe: str, train: list[Problem], test: list[Problem], score,
-                       prompt_fn) -> dict | None:
-    """A dataset recipe's run (GSM8K, MATH): RL on ``train`` with the scorer registered as ``recipe``,
-    greedy held-out accuracy on the first ``--run.num-eval-problems`` of ``test``, then pass@k if
-    asked (``config.eval``). Returns the summary on global rank 0, else None. ValueError (a config
+def split_task(config: RLConfig, *, train: list[Problem], test: list[Problem], scorer: str,
+               prompt_fn: PromptFn) -> Task:
+    """A dataset recipe's task (GSM8K, MATH): ``train`` (seeded by ``--run.seed``), the greedy
+    held-out accuracy on the first ``--run.num-eval-problems`` of ``test`` (pass@k: on its first
+    ``--eval.pass-k-problems``), scored by ``scorer`` (a registered name). ValueError (a config
     error) when the test split has fewer problems than asked for."""
     if config.run.num_eval_problems > len(test):
         raise ValueError(f"--run.num-eval-problems ({config.run.num_eval_problems}) exceeds the "
                          f"{len(test)} test problems")
-    prepare_pass_k(config, config.eval, recipe)
-    summary = run_rl(config, recipe=recipe, task=ListTask(train, seed=config.run.seed),
-                     heldout=test[: config.run.num_eval_problems], score=score, scorer=recipe, prompt_fn=prompt_fn)
-    return run_pass_k(config, config.eval, summary=summary, problems=test, prompt_fn=prompt_fn, score=score)
+    return Task(ListTask(train, seed=config.run.seed), heldout=test, prompt_fn=prompt_fn, scorer=scorer)
 
 
 def qwen_1gpu(config_class: type[RLConfig], *, max_new_tokens: int, lr: float, max_steps: int,
