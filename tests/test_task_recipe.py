@@ -7,7 +7,8 @@ through the generic recipe, and docs/your_own_task.md's commands run as written.
 - The references (``--reward.scorer`` / ``--reward.trajectory-scorer``): resolved before any rank
   starts, one line naming the flag (unknown module, unknown function, wrong signature).
 - Worlds: the doc's single-turn and tool tasks (its ``my_task.py`` and its commands, run from a directory of
-  their own, plus flags for the tiny model and two ticks); a task of the test's own whose
+  their own, plus flags for the tiny model and two ticks); the doc's ``--env.tools`` command on the
+  default model itself (SmolLM2's tokenizer, template and weights: tool calls made and answered); a task of the test's own whose
   trajectory scorer gives mixed rewards, so the policy really trains; the bad inputs through
   ``torchrun/local.sh`` (the doc's launch-script line): one line on stderr, exit 2, no rank started.
 """
@@ -296,8 +297,8 @@ def test_a_task_in_one_file_outside_the_repository_trains(tmp_path, model_dir):
     (("my_task:score", "my_tsk:score"), ("--reward.scorer my_tsk:score: no module named 'my_tsk' (run from the "
                                         "directory that holds it, or put that directory on PYTHONPATH)")),
     (("my_task:score", "my_task:scor"), ("--reward.scorer my_task:scor: {dir}/my_task.py has no 'scor' (it "
-                                        "defines: ConvertEnv, answered_after_the_tool, brief, convert, correct, score, write_chat_dataset, "
-                                        "write_dataset)")),
+                                        "defines: ConvertEnv, answered_after_the_tool, brief, convert, correct, score, "
+                                        "write_chat_dataset, write_dataset, write_tool_dataset)")),
     (("data.jsonl", "dta.jsonl"), "--task.dataset dta.jsonl: no such file"),
     (("{value}", "{amount}"), ("--task.prompt-template 'How many {{to_unit}} is {{amount}} {{from_unit}}?': no row "
                               "of data.jsonl has a field 'amount' (its fields: answer, from_unit, question, to_unit, value)")),
@@ -329,8 +330,10 @@ def qwen_dir(tmp_path_factory) -> Path:
 
 def test_the_docs_tool_task_runs_as_written(units, qwen_dir):
     """The doc's tool-task command (``--env.tools my_task:convert``, the trajectory scorer of the same
-    file) from the task's directory, on a tiny Qwen2 with Qwen2.5's template for two ticks: the tools
-    are presented (a prompt without them would be refused), episodes run, every sample is scored."""
+    file) from the task's directory, with the doc's ``--model.name`` aside (Qwen2.5: a template with
+    tools) as a tiny Qwen2 with Qwen2.5's template, for two ticks: the tools are presented (a prompt
+    without them would be refused), episodes run, every sample is scored."""
+    ok(run_user_command(doc_command("write_tool_dataset"), units, timeout=60))
     out = units / "tools-run"
     ok(run_user_command(doc_command("--env.tools"), units, "--model.name", str(qwen_dir), "--run.output-dir", str(out),
                         *TINY, "--generator.max-new-tokens", "24", "--generator.dtype", "float32"))
@@ -342,6 +345,53 @@ def test_the_docs_tool_task_runs_as_written(units, qwen_dir):
     config = json.loads((out / "config.json").read_text())
     assert config["env"]["tools"] == "my_task:convert"
     assert config["reward"]["trajectory_scorer"] == "my_task:answered_after_the_tool"
+
+
+@pytest.fixture(scope="module")
+def default_model() -> Path:
+    """SmolLM2-135M-Instruct's converted directory (the default ``--model.name``); the test skips
+    where it is not converted (no network here to make it)."""
+    from llamarl.config import ModelConfig
+    from llamarl.models.loading import resolve_source
+
+    try:
+        return Path(resolve_source(ModelConfig().name))
+    except (OSError, ValueError) as exc:
+        pytest.skip(f"the default model is not available here: {exc}")
+
+
+def test_the_docs_tool_task_trains_on_the_default_model(units, default_model):
+    """The doc's ``--env.tools`` command as written, on the default model (SmolLM2-135M-Instruct:
+    its real tokenizer, which splits ``</tool_call>``, and chat template, which has no tool support:
+    the default format), colocated, two ticks of 1 prompt x 4 samples (only --run.* / prompt-count
+    flags added): the policy writes ``<tool_call>`` JSON, ``convert`` runs in the tool workers and
+    its answer comes back as a ``<tool_response>`` the policy replies after, the trajectory scorer
+    scores every sample, the policy takes optimizer steps, summary.json has the held-out accuracy
+    before and after. Fails if no call was parsed and answered (the tool path never ran)."""
+    ok(run_user_command(doc_command("write_tool_dataset"), units, timeout=60))
+    command = doc_command("--env.tools")
+    assert "--model.name" not in command and "my_task:convert" in command, command
+    out = units / "smollm2-tools-run"
+    ok(run_user_command(command, units, "--run.output-dir", str(out), "--run.max-steps", "2",
+                        "--run.num-eval-problems", "2", "--generator.num-prompts-per-step", "1",
+                        "--generator.samples-per-prompt", "4", "--reward.num-workers", "1", timeout=600))
+    from llamarl.models.loading import resolve_source
+
+    assert Path(resolve_source(json.loads((out / "config.json").read_text())["model"]["name"])) == default_model
+    generator = read_jsonl(out / "metrics" / "generator.jsonl")
+    assert len(generator) == 2, generator
+    calls, errors = (sum(r[key] for r in generator) for key in ("env_tool_calls", "env_tool_errors"))
+    answered = sum(r["env_samples_with_observation"] for r in generator)
+    assert calls > errors and answered > 0, generator  # calls parsed, convert ran, its answers appended
+    reward = read_jsonl(out / "metrics" / "reward.jsonl")
+    assert len(reward) == 2 and all(r["reward_errors"] == 0 and r["reward_samples"] == 4 for r in reward), reward
+    assert max(r["reward_mean"] for r in reward) > 0, reward  # a right reply after convert's answer
+    trainer = [r for r in read_jsonl(out / "metrics" / "trainer.jsonl") if "loss" in r]
+    assert sum(r["optimizer_steps"] for r in trainer) >= 1, trainer
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["num_steps"] == 2 and 0 <= summary["base_accuracy"] <= 1 and 0 <= summary["final_accuracy"] <= 1
+    evaluated = read_jsonl(out / "eval_base.jsonl")
+    assert len(evaluated) == 2 and json.loads(evaluated[0]["question"])[1]["content"].startswith("<tool_call>")
 
 
 def test_the_docs_trl_reward_functions_and_conversational_rows_run_as_written(units, model_dir):

@@ -145,10 +145,11 @@ class EpisodeRunner:
                     episode["reward"] = turn.reward
                 out.episode = episode
                 if self.tool_schemas is not None:
-                    from llamarl.environments.function_tools import tool_observation
+                    from llamarl.environments.function_tools import tool_observation_text
 
                     answers = turn.tool_results or [turn.observation]
-                    obs = observation_ids(self.tokenizer, tool_observation(self._frame(len(answers)), answers))
+                    obs = observation_ids(self.tokenizer, tool_observation_text(self.tokenizer, self.tool_schemas,
+                                                                                answers))
                 else:
                     obs = observation_ids(self.tokenizer, turn.observation)
                 if turn.done or not obs:

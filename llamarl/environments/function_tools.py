@@ -9,8 +9,9 @@ those functions, as TRL's ``GRPOTrainer(tools=[fn])`` takes them (the same funct
 - **Prompt**: the generator builds every prompt through the recipe's prompt function with the
   tools added to the chat template call (``apply_chat_template(messages, tools=schemas, ...)``,
   ``presenting_tools``). A template without tool support (no ``tools`` in its text) gets the
-  default format instead: a system message (``DEFAULT_TOOLS_SYSTEM``) listing the schemas and
-  asking for ``<tool_call>\\n{"name": ..., "arguments": {...}}\\n</tool_call>``, Qwen's format.
+  default format instead: a system message (``DEFAULT_TOOLS_SYSTEM``; the first user message's
+  opening for a template without a system role, Gemma-2's) listing the schemas and asking for
+  ``<tool_call>\\n{"name": ..., "arguments": {...}}\\n</tool_call>``, Qwen's format.
 - **Calls**: in the format the chat template speaks (llamarl/environments/tool_formats.py: Qwen /
   Hermes ``<tool_call>`` JSON, Llama-3.1 / 3.2 JSON, Mistral ``[TOOL_CALLS]``; the default format,
   Hermes', for templates with none), or the one ``--env.tool-format`` names. A policy turn ends as
@@ -23,7 +24,9 @@ those functions, as TRL's ``GRPOTrainer(tools=[fn])`` takes them (the same funct
 - **Answers**: each function's return value (a string as is, anything else as JSON) is the content
   of a ``role: "tool"`` message, one per call (``Turn.tool_results``); the observation appended
   after the policy's sampled tokens is what the template renders from the end of the call message
-  (its EOS) to the next assistant header (``tool_observation_format``), e.g. for Qwen2.5
+  (its EOS, or the template's end of turn: Gemma-2's ``<end_of_turn>``) to the next assistant
+  header, rendered with the answers in it (``tool_observation_text``: Llama-3.1's template writes
+  a tool message's content as a JSON string), e.g. for Qwen2.5
   ``\\n<|im_start|>user\\n<tool_response>\\n42\\n</tool_response><|im_end|>\\n<|im_start|>assistant\\n``.
   Default format: a ``user`` message with each content inside ``<tool_response>`` tags. A template
   that refuses several calls in one message (Llama-3.1's) gets their answers in one tool message.
@@ -43,6 +46,7 @@ from collections.abc import Callable
 from llamarl.data.prompts import Problem
 from llamarl.environments.base import EnvironmentContractError, Turn
 from llamarl.environments.tool_formats import (
+    _END_TEXTS,
     DEFAULT_FORMAT,
     TOOL_FORMATS,
     HermesFormat,
@@ -202,6 +206,17 @@ def _with_default_system(messages: list[dict], schemas: list[dict]) -> list[dict
     return [{"role": "system", "content": system}, *messages]
 
 
+def _with_default_system_in_user(messages: list[dict], schemas: list[dict]) -> list[dict]:
+    """``_with_default_system`` for a template without a system role: the text opens the first user message."""
+    messages = [dict(m) for m in messages]
+    first = next((i for i, m in enumerate(messages) if m.get("role") == "user"), None)
+    if first is None:
+        raise ValueError("--env.tools: the chat template has no system role and the prompt no user message to "
+                         "present the tools in")
+    messages[first]["content"] = f"{default_tools_system(schemas)}\n\n{messages[first]['content']}"
+    return messages
+
+
 class _ToolsTokenizer:
     """The tokenizer as a recipe's prompt function sees it under ``presenting_tools``: its
     ``apply_chat_template`` presents the tools; everything else is the tokenizer's."""
@@ -214,7 +229,11 @@ class _ToolsTokenizer:
         if template_supports_tools(self._tokenizer):
             kwargs.setdefault("tools", self._schemas)
         else:
-            conversation = _with_default_system(conversation, self._schemas)
+            try:
+                return self._tokenizer.apply_chat_template(_with_default_system(conversation, self._schemas),
+                                                           *args, **kwargs)
+            except Exception:  # noqa: BLE001 - a template without a system role (Gemma-2's raises)
+                conversation = _with_default_system_in_user(conversation, self._schemas)
         return self._tokenizer.apply_chat_template(conversation, *args, **kwargs)
 
     def __call__(self, *args, **kwargs):
@@ -253,9 +272,10 @@ def _placeholder(k: int) -> str:
     return f"LLAMARLTOOLRESULT{k}END"  # letters only: no template escapes it
 
 
-def _render_answers(tokenizer, schemas: list[dict], count: int) -> str:
+def _render_answers(tokenizer, schemas: list[dict], count: int, contents: list[str] | None = None) -> str:
     """The chat template's text of a user message, an assistant message with ``count`` calls and
-    their ``count`` answers (placeholders), with the next assistant header."""
+    their ``count`` answers (``contents``; None: placeholders), with the next assistant header."""
+    contents = [_placeholder(k) for k in range(count)] if contents is None else contents
     if not template_text(tokenizer):
         raise EnvironmentContractError("the tokenizer has no chat template, through which --env.tools presents the "
                                        "tools and answers them: use a model with a chat template, or an environment "
@@ -266,24 +286,48 @@ def _render_answers(tokenizer, schemas: list[dict], count: int) -> str:
         # Ids of 9 alphanumerics: what Mistral's templates require; the others ignore them.
         calls = [{"id": f"c{k:08d}", "type": "function", "function": {"name": name, "arguments": {}}}
                  for k in range(count)]
-        answers = [{"role": "tool", "name": name, "tool_call_id": f"c{k:08d}", "content": _placeholder(k)}
+        answers = [{"role": "tool", "name": name, "tool_call_id": f"c{k:08d}", "content": contents[k]}
                    for k in range(count)]
         messages = [user, {"role": "assistant", "content": "", "tool_calls": calls}, *answers]
         return tokenizer.apply_chat_template(messages, tools=schemas, tokenize=False, add_generation_prompt=True)
     call_text = TOOL_FORMATS.get(DEFAULT_FORMAT).render([ToolCall(name, {})] * count)
-    responses = "\n".join(f"<tool_response>\n{_placeholder(k)}\n</tool_response>" for k in range(count))
+    responses = "\n".join(f"<tool_response>\n{contents[k]}\n</tool_response>" for k in range(count))
     messages = [user, {"role": "assistant", "content": call_text}, {"role": "user", "content": responses}]
     return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+
+
+# Texts that end a message in the templates tool_formats.py reads (Gemma-2's ``<end_of_turn>``,
+# whose tokenizer's EOS ``<eos>`` no message ends with), besides the tokenizer's EOS.
+_MESSAGE_ENDS = _END_TEXTS
+
+
+def _call_message_end(tokenizer, text: str, before: int) -> int:
+    """Where the call message ends in ``text`` (rendered by ``_render_answers``): after the last
+    end-of-message text (the tokenizer's EOS, or one of ``_MESSAGE_ENDS``) before ``before``; -1 without one."""
+    eos = getattr(tokenizer, "eos_token", None) or ""
+    ends = [text.rfind(end, 0, before) + len(end) for end in {eos, *_MESSAGE_ENDS} - {""}
+            if text.rfind(end, 0, before) >= 0]
+    return max(ends, default=-1)
+
+
+def _no_message_end(tokenizer) -> EnvironmentContractError:
+    eos = getattr(tokenizer, "eos_token", None) or ""
+    return EnvironmentContractError(f"the chat template renders no end of message ({eos!r}, the tokenizer's EOS, or "
+                                    "an end of turn) before a tool message: it cannot answer tool calls (use "
+                                    "--env.tool-format with a template that has tool messages, or an environment "
+                                    "class of your own)")
 
 
 def tool_observation_segments(tokenizer, schemas: list[dict], *, count: int) -> list[str]:
     """The ``count + 1`` texts around ``count`` tool answers in an observation: what the chat
     template renders after an assistant message of ``count`` calls (from its end, the tokenizer's
-    EOS text, where the sampled turn ends) through the tool messages to the next assistant header;
-    the default format's (a ``user`` message of ``<tool_response>`` blocks) for a template without
-    tool support. A template that refuses ``count`` calls in one message (Llama-3.1's) gets the
-    answers in one tool message, one a line. EnvironmentContractError when the template renders no
-    EOS text before the tool message."""
+    EOS text or the template's end of turn, where the sampled turn ends) through the tool messages
+    to the next assistant header; the default format's (a ``user`` message of ``<tool_response>``
+    blocks) for a template without tool support. A template that refuses ``count`` calls in one
+    message (Llama-3.1's) gets the answers in one tool message, one a line. EnvironmentContractError
+    when the template renders no end of message before the tool message. A template may quote or
+    escape a tool message's content (Llama-3.1's ``tojson``): the observation of actual answers is
+    ``tool_observation_text``'s, rendered with them."""
     try:
         text = _render_answers(tokenizer, schemas, count)
     except EnvironmentContractError:
@@ -293,19 +337,42 @@ def tool_observation_segments(tokenizer, schemas: list[dict], *, count: int) -> 
             raise
         before, after = tool_observation_segments(tokenizer, schemas, count=1)
         return [before] + ["\n"] * (count - 1) + [after]
-    eos = getattr(tokenizer, "eos_token", None) or ""
     first = text.find(_placeholder(0))
-    end = text.rfind(eos, 0, max(first, 0)) if eos else -1
-    if first < 0 or end < 0:
-        raise EnvironmentContractError(f"the chat template renders no end of message ({eos!r}, the tokenizer's EOS) "
-                                       "before a tool message: it cannot answer tool calls (use --env.tool-format "
-                                       "with a template that has tool messages, or an environment class of your own)")
-    segments, at = [], end + len(eos)
+    at = _call_message_end(tokenizer, text, max(first, 0))
+    if first < 0 or at < 0:
+        raise _no_message_end(tokenizer)
+    segments = []
     for k in range(count):
         where = text.find(_placeholder(k), at)
         segments.append(text[at:where])
         at = where + len(_placeholder(k))
     return [*segments, text[at:]]
+
+
+def tool_observation_text(tokenizer, schemas: list[dict], results: list[str]) -> str:
+    """The observation of the tool answers ``results``: what the chat template renders from the end
+    of the call message through their tool messages (contents as the template writes them: quoted
+    and escaped by Llama-3.1's ``tojson``) to the next assistant header (``tool_observation_segments``);
+    several answers that the template refuses as several tool messages (Llama-3.1's) are one, a line
+    each."""
+    count = len(results)
+    try:
+        placeholders = _render_answers(tokenizer, schemas, count)
+        text = _render_answers(tokenizer, schemas, count, contents=list(results))
+    except EnvironmentContractError:
+        raise
+    except Exception:  # a template that raises for several calls (Llama-3.1's)
+        if count == 1:
+            raise
+        return tool_observation_text(tokenizer, schemas, ["\n".join(results)])
+    end = _call_message_end(tokenizer, placeholders, max(placeholders.find(_placeholder(0)), 0))
+    if end < 0 or _placeholder(0) not in placeholders:
+        raise _no_message_end(tokenizer)
+    if text[:end] != placeholders[:end]:  # the answers changed what comes before them
+        raise EnvironmentContractError("the chat template renders the messages before a tool message differently "
+                                       "with the tool's answer in it: the observation cannot be appended after the "
+                                       "sampled call")
+    return text[end:]
 
 
 def tool_observation(segments: list[str], results: list[str]) -> str:
