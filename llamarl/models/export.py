@@ -59,7 +59,7 @@ def write_hf_tensors(directory: Path, *, model: torch.nn.Module, sizes: list[tup
     """``export_hf`` for any stream of whole tensors: ``sizes`` lists ``(name, bytes)`` in the order
     ``tensors`` yields ``(name, full tensor)`` (every rank must consume it: the tensors may be
     gathered collectively); ``model`` gives the config and generation config, ``dtype`` the config's
-    ``torch_dtype``. The merged export of LoRA adapters writes through it."""
+    ``dtype``. The merged export of LoRA adapters writes through it."""
     plan = _shard_plan(sizes, max_shard_bytes)
     partial = directory.with_name(directory.name + ".partial")
     if writer:
@@ -87,7 +87,7 @@ def write_hf_tensors(directory: Path, *, model: torch.nn.Module, sizes: list[tup
         (partial / "model.safetensors.index.json").write_text(
             json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2))
     config = model.config
-    config.torch_dtype = dtype
+    config.dtype = dtype  # transformers 5's name (``torch_dtype`` is deprecated: a warning per export)
     config.to_json_file(str(partial / "config.json"))
     # The generation config carries every end-of-turn id (Qwen2.5, Llama-3 list several): without
     # it a reloaded export would stop only at the tokenizer's EOS.
