@@ -4,7 +4,7 @@ tick of each schedule), the pictures of docs/architecture.md.
     .venv/bin/python docs/draw_architecture.py          # rewrites both PNGs beside this file
 
 The pictures are schematic: what they show is taken from llamarl/pipeline.py,
-llamarl/rl_pipeline.py and the tick timelines in llamarl/controller.py's docstring; bar
+llamarl/rl/standard_pipeline.py and the tick timelines in llamarl/controller.py's docstring; bar
 lengths in schedules.png are illustrative, not measured (a run's own timeline.png is measured).
 """
 

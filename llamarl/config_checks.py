@@ -150,12 +150,8 @@ def check_environment_tokens(config: RLConfig) -> None:
         return
     from transformers import AutoTokenizer
 
-    from llamarl.environments.base import (
-        EnvironmentContractError,
-        build_environment,
-        check_tool_schemas,
-        stop_tokens,
-    )
+    from llamarl.environments.base import EnvironmentContractError, check_tool_schemas, stop_tokens
+    from llamarl.environments.building import build_environment
     from llamarl.environments.function_tools import tool_observation_format, tools_reference
     from llamarl.environments.tool_formats import choose_tool_format
 

@@ -31,8 +31,8 @@ from llamarl.config import EnvConfig, GeneratorConfig, RLConfig, RunConfig, Trai
 from llamarl.data.arithmetic import ArithmeticTask
 from llamarl.data.prompts import build_chat_prompt
 from llamarl.errors import config_errors, parse_flags
+from llamarl.rl.standard_pipeline import run_rl
 from llamarl.rl.task import Task
-from llamarl.rl_pipeline import run_rl
 
 EXAMPLES = (("123", "45"), ("307", "62"))
 

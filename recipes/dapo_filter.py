@@ -34,8 +34,8 @@ from llamarl.executors.reward import set_balance_tokens
 from llamarl.metrics import MetricSpec
 from llamarl.pipeline import Pipeline, Stage
 from llamarl.rl.arithmetic_task import ArithmeticConfig, arithmetic_task
+from llamarl.rl.standard_pipeline import run_rl, stage_before_trainer
 from llamarl.rl.task import Task
-from llamarl.rl_pipeline import run_rl, stage_before_trainer
 
 
 @dataclass

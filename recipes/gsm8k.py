@@ -5,7 +5,7 @@
     torchrun --standalone --nproc-per-node 8 -m recipes.gsm8k qwen2.5-1.5b-8gpu   # one 8-GPU node, split
     torchrun ... -m recipes.gsm8k <preset> --help                                 # every flag
 
-Pipeline (``llamarl.rl_pipeline.run_rl``): generator (native engine, or vLLM with ``--generator.engine
+Pipeline (``llamarl.rl.standard_pipeline.run_rl``): generator (native engine, or vLLM with ``--generator.engine
 vllm``) -> ``rollouts`` SCATTER -> reward (``llamarl.rewards.gsm8k``: ``#### N`` / ``\\boxed{N}`` /
 "the answer is N" / last number, compared exactly) -> ``scored`` SCATTER -> trainer (FSDP2; AIPO or
 ``--algo.loss decoupled_ppo``) -> ``weights`` (DDMA) -> generator. ``--run.schedule colocated`` runs
@@ -59,7 +59,7 @@ from llamarl.rl.dataset_recipes import (
     run_pass_k,
     split_task,
 )
-from llamarl.rl_pipeline import run_rl
+from llamarl.rl.standard_pipeline import run_rl
 
 # verl's GSM8K instruction; the scorer reads "#### N" first (then \boxed, "the answer is", last number).
 GSM8K_INSTRUCTION = "Let's think step by step and output the final answer after \"####\"."

@@ -32,8 +32,8 @@ import tyro
 from llamarl.config import EnvConfig, GeneratorConfig, RewardConfig, RLConfig, RunConfig, TrainerConfig
 from llamarl.environments.guess import GuessNumberTask
 from llamarl.errors import config_errors, parse_flags
+from llamarl.rl.standard_pipeline import run_rl
 from llamarl.rl.task import Task
-from llamarl.rl_pipeline import run_rl
 
 EXAMPLE = (11, [8, 12, 10, 11])
 """The worked game of the prompt: the secret and a binary search's guesses."""

@@ -74,8 +74,8 @@ from llamarl.metrics import MetricSpec
 from llamarl.models.loading import load_causal_lm
 from llamarl.pipeline import Pipeline, Stage
 from llamarl.rl.arithmetic_task import ArithmeticConfig, arithmetic_task
+from llamarl.rl.standard_pipeline import run_rl, stage_before_trainer
 from llamarl.rl.task import Task
-from llamarl.rl_pipeline import run_rl, stage_before_trainer
 
 logger = logging.getLogger("llamarl.llm_judge")
 

@@ -41,7 +41,7 @@ from llamarl.rl.dataset_recipes import (
     run_pass_k,
     split_task,
 )
-from llamarl.rl_pipeline import run_rl
+from llamarl.rl.standard_pipeline import run_rl
 
 # The Qwen2.5-Math / DeepSeek instruction; the scorer reads the last \boxed{} first.
 MATH_INSTRUCTION = "Please reason step by step, and put your final answer within \\boxed{}."

@@ -4,7 +4,7 @@
         [--ref.kl-coef 0.05 --ref.kl-estimator k1 --ref.num-ranks 1 --run.max-steps 40 ...]
 
 A worked extension of the RL pipeline built from the library's public pieces only (``Stage``,
-``ChannelSpec``, the stage builders of ``llamarl/rl_pipeline.py``, ``shard_model``,
+``ChannelSpec``, the stage builders of ``llamarl/rl/standard_pipeline.py``, ``shard_model``,
 ``sequence_logprobs`` and ``kl_penalty``); its executor and stage live in the library
 (``llamarl/executors/reference.py``, ``llamarl/rl/reference_stage.py``) because ``recipes.task
 --ref.kl-coef`` runs them too. Four executors, in rank order::
@@ -63,7 +63,7 @@ from llamarl.errors import config_errors, parse_flags
 from llamarl.executors.reference import REF_METRICS, RefConfig, RefPolicyExecutor, shape_rewards
 from llamarl.rl.arithmetic_task import ArithmeticConfig, arithmetic_task
 from llamarl.rl.reference_stage import REF_HEADLINE, check_ref_kl, ref_kl_pipeline, ref_stage
-from llamarl.rl_pipeline import run_rl
+from llamarl.rl.standard_pipeline import run_rl
 
 __all__ = ["REF_HEADLINE", "REF_METRICS", "RefConfig", "RefKLConfig", "RefPolicyExecutor", "check_ref_kl", "main",
            "ref_kl_pipeline", "ref_stage", "shape_rewards"]

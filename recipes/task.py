@@ -49,8 +49,8 @@ from llamarl.data.task_dataset import load_rows, rows_to_problems, split_heldout
 from llamarl.errors import config_errors, parse_flags
 from llamarl.executors.reference import RefConfig
 from llamarl.rl.reference_stage import ref_kl_pipeline
+from llamarl.rl.standard_pipeline import run_rl
 from llamarl.rl.task import Task
-from llamarl.rl_pipeline import run_rl
 
 FLAGS = {"dataset": "--task.dataset", "prompt_field": "--task.prompt-field", "answer_field": "--task.answer-field",
          "prompt_template": "--task.prompt-template"}

@@ -28,7 +28,7 @@ from llamarl.models.colocated_memory import (
     engine_state_bytes,
     kv_state_bytes,
 )
-from llamarl.rl_pipeline import kept_engine_state
+from llamarl.rl.standard_pipeline import kept_engine_state
 
 GB = 10**9
 H100_80GB = 80 * GB

@@ -158,8 +158,8 @@ def test_max_refill_is_validated_and_the_dapo_preset_turns_it_on():
 
 
 def test_a_pipeline_whose_rewards_the_generator_cannot_compute_is_refused(model_dir, tmp_path):
+    from llamarl.rl.standard_pipeline import dynamic_sampling
     from llamarl.rl.task import Task
-    from llamarl.rl_pipeline import dynamic_sampling
     from recipes.llm_judge import LLMJudgeConfig, llm_judge_pipeline
 
     config = LLMJudgeConfig()

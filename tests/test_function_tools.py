@@ -23,12 +23,8 @@ from llamarl.config_checks import check_environment
 from llamarl.data.prompts import Problem, build_chat_prompt
 from llamarl.engines.base import Completion, Request, SamplingParams, sampled_mask
 from llamarl.engines.torch_engine import TorchEngine
-from llamarl.environments.base import (
-    EnvironmentContractError,
-    Turn,
-    build_environment,
-    check_tool_schemas,
-)
+from llamarl.environments.base import EnvironmentContractError, Turn, check_tool_schemas
+from llamarl.environments.building import build_environment
 from llamarl.environments.episodes import EpisodeRunner
 from llamarl.environments.function_tools import (
     FunctionToolsEnvironment,

@@ -56,7 +56,7 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("executors", ("llamarl.executors",)),
     ("controller and pipeline", ("llamarl.controller", "llamarl.pipeline")),
     ("runner", ("llamarl.runner", "llamarl.run_directory", "llamarl.run_log", "llamarl.run_checkpoints",
-                "llamarl.run_summary", "llamarl.rl_pipeline", "llamarl.rl")),
+                "llamarl.run_summary", "llamarl.rl")),
     ("recipes", ("recipes",)),
 )
 

@@ -11,8 +11,8 @@ from llamarl.config import RewardConfig
 from llamarl.data.prompts import Problem, arithmetic_prompt
 from llamarl.rewards import arithmetic, gsm8k
 from llamarl.rl.arithmetic_task import ArithmeticConfig, arithmetic_task
+from llamarl.rl.standard_pipeline import evaluation_score
 from llamarl.rl.task import Task
-from llamarl.rl_pipeline import evaluation_score
 from llamarl.run_identity import dataset_fingerprint
 
 

@@ -43,7 +43,7 @@ from llamarl.engines.base import (
     turn_start,
 )
 from llamarl.engines.stop_text import TextStops
-from llamarl.environments.base import build_environment
+from llamarl.environments.building import build_environment
 from llamarl.environments.episodes import EpisodeRunner
 from llamarl.environments.function_tools import DEFAULT_TOOLS_SYSTEM, presenting_tools, tools_reference
 from llamarl.environments.tool_formats import ToolCall, choose_tool_format

@@ -17,7 +17,8 @@ from tools_for_tests import plain_chat_tokenizer, qwen_tokenizer
 
 from llamarl.config import EnvConfig
 from llamarl.config_checks import check_environment
-from llamarl.environments.base import Turn, build_environment
+from llamarl.environments.base import Turn
+from llamarl.environments.building import build_environment
 from llamarl.environments.function_tools import tool_observation, tool_observation_segments, tools_reference
 from llamarl.environments.tool_formats import (
     TOOL_FORMATS,

@@ -29,8 +29,8 @@ from llamarl.config import (
 from llamarl.config_checks import validate_config
 from llamarl.controller import ExecutorController
 from llamarl.engines.engine_configs import TorchEngineConfig, VLLMEngineConfig
+from llamarl.rl.standard_pipeline import rl_pipeline
 from llamarl.rl.task import Task
-from llamarl.rl_pipeline import rl_pipeline
 
 
 def config(model_dir, tmp_path, **sections):

@@ -151,7 +151,7 @@ def main(spec_path: str) -> int:
             model, result["model_write_s"] = str(made), time.perf_counter() - start
             save()
         from llamarl.rl.arithmetic_task import arithmetic_task
-        from llamarl.rl_pipeline import run_rl
+        from llamarl.rl.standard_pipeline import run_rl
         from recipes.arithmetic import ArithmeticConfig
         from recipes.arithmetic import main as recipe_main
 

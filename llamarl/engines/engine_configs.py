@@ -11,8 +11,7 @@ from typing import ClassVar, Literal
 import torch
 
 from llamarl.engines.base import EngineConfig, EngineSetup, GenerationEngine, register_engine
-
-STATIC_DECODE_MODES = ("auto", "compiled", "eager", "off")
+from llamarl.engines.static_shapes import STATIC_DECODE_MODES
 
 
 @register_engine("torch")

@@ -6,6 +6,10 @@ buckets with them without importing the CUDA decoder's module.
 
 from __future__ import annotations
 
+STATIC_DECODE_MODES = ("auto", "compiled", "eager", "off")
+"""``--generator.torch.static-decode``'s values (llamarl/engines/engine_configs.py), which the native
+engine checks too: here, where both read them without importing each other."""
+
 
 def bucket(rows: int) -> int:
     """The batch bucket that runs ``rows`` live rows: the smallest rung >= ``rows`` of the ladder

@@ -52,10 +52,10 @@ from llamarl.engines.base import (
 )
 from llamarl.engines.decode_loop import LoopHost, decode
 from llamarl.engines.decoder import Decoder
-from llamarl.engines.engine_configs import STATIC_DECODE_MODES
 from llamarl.engines.hf_decoder import HFDecoder
 from llamarl.engines.sampling import draw_uniforms, filtered_logprobs, sample_tokens
 from llamarl.engines.static_decode import StaticDecoder, poisons_device
+from llamarl.engines.static_shapes import STATIC_DECODE_MODES
 from llamarl.engines.stop_text import TextStops
 
 if TYPE_CHECKING:

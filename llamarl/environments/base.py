@@ -237,15 +237,3 @@ def resolve_environment_class(name: str) -> Callable[[], Environment]:
         raise ValueError(f"environment {name!r} is not an environment: it has no {', '.join(missing)} "
                          "(llamarl/environments/base.py)")
     return factory
-
-
-def build_environment(name: str) -> Environment:
-    """A new instance of the environment registered as ``name``; ValueError listing the known ones.
-    ``module:Class`` also works (imported, for a user's environment outside a registry import);
-    ``tools:module:fn,...`` is the environment of those functions (``--env.tools``; ``tools@<format>:...``
-    in that tool-call format)."""
-    from llamarl.environments.function_tools import FORMAT_PREFIX, REFERENCE_PREFIX, FunctionToolsEnvironment
-
-    if name.startswith((REFERENCE_PREFIX, FORMAT_PREFIX)):
-        return FunctionToolsEnvironment.from_reference(name)
-    return resolve_environment_class(name)()

@@ -33,7 +33,8 @@ from multiprocessing.connection import Connection, wait
 import torch
 import torch.distributed as dist
 
-from llamarl.environments.base import EnvironmentContractError, Turn, build_environment, check_turn
+from llamarl.environments.base import EnvironmentContractError, Turn, check_turn
+from llamarl.environments.building import build_environment
 
 logger = logging.getLogger(__name__)
 

@@ -65,7 +65,7 @@ from llamarl.engines.base import (
     check_finite_logprobs,
     sampled_mask,
 )
-from llamarl.environments.base import build_environment
+from llamarl.environments.building import build_environment
 from llamarl.environments.episodes import EpisodeRunner
 from llamarl.environments.function_tools import presenting_tools, tools_reference
 from llamarl.environments.tool_formats import choose_tool_format

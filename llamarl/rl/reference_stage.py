@@ -15,8 +15,8 @@ from llamarl.config import RLConfig
 from llamarl.executors.reference import RefPolicyExecutor
 from llamarl.executors.trainer import TrainerExecutor
 from llamarl.pipeline import Pipeline, Stage
+from llamarl.rl.standard_pipeline import stage_before_trainer
 from llamarl.rl.task import Task
-from llamarl.rl_pipeline import stage_before_trainer
 
 REF_HEADLINE = ("kl_mean", "reward_shaped_mean")
 

@@ -1,4 +1,4 @@
-"""A recipe's task as one object: what ``llamarl.rl_pipeline.run_rl(config, task, ...)`` runs.
+"""A recipe's task as one object: what ``llamarl.rl.standard_pipeline.run_rl(config, task, ...)`` runs.
 
 A ``Task`` is built once, by a recipe (``arithmetic_task`` in ``llamarl/rl/arithmetic_task.py``,
 ``split_task`` in ``llamarl/rl/dataset_recipes.py``) or from ``--task.*`` flags (``recipes/task.py``),

@@ -17,7 +17,7 @@ import socket
 import tyro
 
 from llamarl.rl.arithmetic_task import arithmetic_task
-from llamarl.rl_pipeline import run_rl
+from llamarl.rl.standard_pipeline import run_rl
 from recipes.arithmetic import ArithmeticConfig, main
 
 

@@ -16,7 +16,7 @@ import tyro
 from taps import tap_inputs
 
 from llamarl.rl.arithmetic_task import arithmetic_task
-from llamarl.rl_pipeline import run_rl
+from llamarl.rl.standard_pipeline import run_rl
 from recipes.dapo_filter import DapoFilterConfig, dapo_filter_pipeline
 from recipes.llm_judge import LLMJudgeConfig, llm_judge_pipeline
 from recipes.ref_kl import RefKLConfig, ref_kl_pipeline
