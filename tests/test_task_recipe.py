@@ -363,7 +363,7 @@ def default_model() -> Path:
 def test_the_docs_tool_task_trains_on_the_default_model(units, default_model):
     """The doc's ``--env.tools`` command as written, on the default model (SmolLM2-135M-Instruct:
     its real tokenizer, which splits ``</tool_call>``, and chat template, which has no tool support:
-    the default format), colocated, two ticks of 1 prompt x 4 samples (only --run.* / prompt-count
+    the default format), colocated, two ticks of 1 prompt x 8 samples (only --run.* / prompt-count
     flags added): the policy writes ``<tool_call>`` JSON, ``convert`` runs in the tool workers and
     its answer comes back as a ``<tool_response>`` the policy replies after, the trajectory scorer
     scores every sample, the policy takes optimizer steps, summary.json has the held-out accuracy
@@ -374,7 +374,7 @@ def test_the_docs_tool_task_trains_on_the_default_model(units, default_model):
     out = units / "smollm2-tools-run"
     ok(run_user_command(command, units, "--run.output-dir", str(out), "--run.max-steps", "2",
                         "--run.num-eval-problems", "2", "--generator.num-prompts-per-step", "1",
-                        "--generator.samples-per-prompt", "4", "--reward.num-workers", "1", timeout=600))
+                        "--generator.samples-per-prompt", "8", "--reward.num-workers", "1", timeout=600))
     from llamarl.models.loading import resolve_source
 
     assert Path(resolve_source(json.loads((out / "config.json").read_text())["model"]["name"])) == default_model
@@ -384,7 +384,9 @@ def test_the_docs_tool_task_trains_on_the_default_model(units, default_model):
     answered = sum(r["env_samples_with_observation"] for r in generator)
     assert calls > errors and answered > 0, generator  # calls parsed, convert ran, its answers appended
     reward = read_jsonl(out / "metrics" / "reward.jsonl")
-    assert len(reward) == 2 and all(r["reward_errors"] == 0 and r["reward_samples"] == 4 for r in reward), reward
+    # 16 episodes: the untrained policy calls the tool in about half (docs/your_own_task.md), so a CPU
+    # whose kernels sum in another order samples other tokens but still some right calls.
+    assert len(reward) == 2 and all(r["reward_errors"] == 0 and r["reward_samples"] == 8 for r in reward), reward
     assert max(r["reward_mean"] for r in reward) > 0, reward  # a right reply after convert's answer
     trainer = [r for r in read_jsonl(out / "metrics" / "trainer.jsonl") if "loss" in r]
     assert sum(r["optimizer_steps"] for r in trainer) >= 1, trainer
