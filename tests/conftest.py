@@ -5,6 +5,7 @@
   process (each xdist worker) and read-only; a test that needs another model builds its own.
 - ``load_benchmark(name)``: a ``benchmarks/<name>.py`` script as a module (they are scripts, not a
   package, and import each other by name).
+- ``TRITON_INTERPRET=1`` where no CUDA device is: Triton kernels run by its interpreter.
 - ``rows_batch(rows, width=...)``: a ``TensorBatch`` of (prompt, completion) token rows with the
   trainer's fields (``input_ids``, ``loss_mask`` on the completion, ``num_tokens``).
 """
@@ -18,6 +19,14 @@ from pathlib import Path
 
 import pytest
 import torch
+
+# Triton kernels run here on the CPU through Triton's interpreter (tests/test_triton_kernels.py).
+# Triton reads the choice when it is first imported (its own library functions are decorated then),
+# so it is made before any test imports it; where CUDA runs the tests (tests/gpu) it compiles them.
+if not torch.cuda.is_available():
+    import os
+
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 TESTS = Path(__file__).resolve().parent
 BENCH = TESTS.parent / "benchmarks"

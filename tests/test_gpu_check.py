@@ -236,8 +236,11 @@ def test_engine_smoke_covers_every_measurement(tmp_path):
     assert result["probes"]["copy_gbps"] > 0 and result["profile"]["kernels_per_step"] > 0
     assert sum(b["kernels"] for b in result["profile"]["histogram"]) == pytest.approx(
         result["profile"]["kernels_per_step"])
+    sets = result["kernel_sets"]  # both kernel sets stepped (on the CPU the fused ops' references)
+    assert sets["fused"]["step_ms"] > 0 and sets["torch"]["step_ms"] > 0 and sets["fused_vs_torch"] > 0
     assert [c["met"] for c in section["checks"]][-1] is True  # no graphs on a CPU: nothing to capture
-    assert "target: tiny: decode step / bound with live KV" in (tmp_path / "report.txt").read_text()
+    report = (tmp_path / "report.txt").read_text()
+    assert "target: tiny: decode step / bound with live KV" in report and "kernel sets at" in report
 
 
 @pytest.mark.world  # runs a recipe in a subprocess, and pytest tests/gpu

@@ -22,11 +22,11 @@ GREEDY = SamplingParams(temperature=0.0, max_new_tokens=12)
 SAMPLED = SamplingParams(temperature=1.0, max_new_tokens=12)
 
 
-def engine(model, *, static: bool, backend: str = "eager", eos=(), **kw) -> TorchEngine:
+def engine(model, *, static: bool, backend: str = "eager", eos=(), kernels: str | None = None, **kw) -> TorchEngine:
     built = TorchEngine(model, eos_token_ids=list(eos), pad_token_id=chat_tokenizer().pad_token_id,
                         static_decode="compiled" if static else "off", fused_decode=False, **kw)
     if static:
-        built._static = StaticDecoder(model, compiled=True, backend=backend)
+        built._static = StaticDecoder(model, compiled=True, backend=backend, kernels=kernels)
     return built
 
 
@@ -45,16 +45,19 @@ def graphs() -> int:
     return torch._dynamo.utils.counters["stats"]["unique_graphs"]
 
 
+@pytest.mark.parametrize("kernels", ["torch", "fused"])
 @pytest.mark.parametrize("family", ["llama-tied", "llama-untied", "qwen2", "qwen3", "mistral", "gemma2",
                                     "gemma2-eager"])
-def test_static_steps_give_the_hf_loops_tokens(family):
-    """The shared step reproduces HF's loop for each family; Gemma2 under ``sdpa`` (HF ignores the
-    attention's soft cap there) and under ``eager`` (HF caps the scores: so does the step)."""
+def test_static_steps_give_the_hf_loops_tokens(family, kernels):
+    """The shared step reproduces HF's loop for each family, with either kernel set
+    (llamarl/engines/step_kernels.py; the fused set's ops run their CPU references here, traced by
+    dynamo through their fake implementations); Gemma2 under ``sdpa`` (HF ignores the attention's
+    soft cap there) and under ``eager`` (HF caps the scores: so does the step)."""
     model = build_family(family.removesuffix("-eager"))
     if family.endswith("-eager"):
         model.config._attn_implementation = "eager"
     assert StaticDecoder.supports(model, length=100)
-    static = engine(model, static=True)
+    static = engine(model, static=True, kernels=kernels)
     for sampling in (GREEDY, SAMPLED):
         hf = generate(engine(model, static=False), requests(), sampling)
         got = generate(static, requests(), sampling)

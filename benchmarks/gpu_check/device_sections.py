@@ -124,6 +124,43 @@ def uncaptured_kernels(model, *, rows: int, device: str) -> int | None:
     return sum(1 for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA)
 
 
+def kernel_sets(model, *, rows: int, width: int, device: str, steps: int = 20) -> dict:
+    """The static step with each kernel set (llamarl/engines/step_kernels.py: ``fused``, Triton on
+    CUDA; ``torch``, aten), greedy logits only, at ``rows`` x ``width``: ms a step (a captured graph
+    replayed ``steps`` times on CUDA; the eager step elsewhere) and, on CUDA, the kernels of one
+    uncaptured step. What the fused kernels buy on this GPU, measured side by side."""
+    import torch
+
+    from llamarl.engines.static_decode import StaticDecoder
+
+    out = {}
+    for kernels in ("fused", "torch"):
+        decoder = StaticDecoder(model, kernels=kernels)
+        state = decoder.reserve(capacity=rows, positions=width)
+        decoder.step(state, rows)  # captured on CUDA
+        synchronize(device)
+        begin = time.perf_counter()
+        for _ in range(steps):
+            decoder.step(state, rows)
+        synchronize(device)
+        entry = {"step_ms": 1000 * (time.perf_counter() - begin) / steps, "kernels_per_step": None}
+        if device.startswith("cuda"):
+            plain = StaticDecoder(model, cuda_graphs=False, kernels=kernels)
+            fresh = plain.new_state(capacity=rows, positions=width)
+            plain.step(fresh, rows)
+            torch.cuda.synchronize()
+            with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+                plain.step(fresh, rows)
+                torch.cuda.synchronize()
+            entry["kernels_per_step"] = sum(1 for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA)
+            fresh.release()
+        decoder.release()
+        out[kernels] = entry
+    out["rows"], out["width"] = rows, width
+    out["fused_vs_torch"] = bounds.ratio(out["fused"]["step_ms"], out["torch"]["step_ms"])
+    return out
+
+
 def shape_section(name: str, sizes: Sizes, save) -> dict:
     """One shape (module docstring): ``{probes, params, weight_bytes, widths, steps, profile, ...}``,
     saved after every measurement (a timeout keeps what was measured)."""
@@ -208,6 +245,11 @@ def shape_section(name: str, sizes: Sizes, save) -> dict:
         close = getattr(engine, "close", None)
         if close is not None:
             close()
+    try:
+        out["kernel_sets"] = kernel_sets(model, rows=min(64, max(sizes.rows)), width=sizes.widths[0], device=device)
+    except Exception as error:  # noqa: BLE001 - a comparison, not a verdict
+        out["errors"]["kernel_sets"] = f"{type(error).__name__}: {error}"
+    save(out)
     profile = out.get("profile")
     if profile and device.startswith("cuda") and profile["graph_launches_per_step"] > 0:
         try:  # the profiler may not see a replayed graph's kernels: count an uncaptured step's

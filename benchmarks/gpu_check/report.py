@@ -53,6 +53,11 @@ def _shape(r: dict) -> list[str]:
         lines.append("  kernel time histogram (kernels / us per step): " + ", ".join(
             f"<{_f(b['upto_us'], 'g', 'inf')}us {b['kernels']:.0f}/{b['us']:.0f}" for b in p["histogram"] if b["kernels"]))
         lines += [f"  {t['us']:>9,.0f} us {t['count']:>5.1f}x {t['name']}" for t in p.get("top", [])[:8]]
+    sets = r.get("kernel_sets")
+    if sets:
+        lines.append(f"kernel sets at {sets['rows']} rows, width {sets['width']}: fused {sets['fused']['step_ms']:.3f} ms "
+                     f"({_f(sets['fused']['kernels_per_step'], '.0f')} kernels) vs aten {sets['torch']['step_ms']:.3f} ms "
+                     f"({_f(sets['torch']['kernels_per_step'], '.0f')} kernels): {_f(sets['fused_vs_torch'], '.2f')}x")
     lines += [f"error in {k}: {v}" for k, v in r.get("errors", {}).items()]
     return lines
 

@@ -6,7 +6,8 @@ fraction of that in device work; docs/gpu.md). gpt-fast, nano-vllm and vLLM remo
 way: every tensor a step touches has a fixed shape and address, so the step can be captured once
 and replayed with one launch per step (and, opt-in, compiled first: ``torch.compile``, one graph,
 no graph breaks). A replayed small model is then bound by the number of kernels in the graph, so
-the step is written in few of them (llamarl/engines/static_step.py: 12 kernels a layer).
+the step is written in few of them (llamarl/engines/static_step.py: 9 kernels a layer with the
+fused Triton kernels of llamarl/engines/step_kernels.py, chosen on CUDA; 12 with aten ops).
 
 * **Static state** (``StaticState``): per layer a KV cache ``[2, slots, kv_heads, width, head_dim]``
   (keys, then values) allocated once per decoder (slots rounded up to a bucket, width to a power of two >= 64;
@@ -79,6 +80,7 @@ from llamarl.engines.kv_slots import KVSlots
 from llamarl.engines.static_sampling import FIRST_CANDIDATES, SlotRecords, restore, sample, sampling_key
 from llamarl.engines.static_shapes import bucket, ladder, span_rung, state_width  # noqa: F401 - re-exported
 from llamarl.engines.static_step import fuse_projections, reproduces, rope_tables, static_forward
+from llamarl.engines.step_kernels import KERNEL_SETS, choose_kernels
 
 _SUPPORTED = ("LlamaForCausalLM", "Qwen2ForCausalLM", "MistralForCausalLM", "Qwen3ForCausalLM", "Gemma2ForCausalLM")
 # One compiled graph per (bucket, span) pair of one model at most (dynamo's automatic dynamic shapes
@@ -170,11 +172,13 @@ class StaticDecoder:
         return reproduces(model) and not any(isinstance(p, DTensor) for p in model.parameters())
 
     def __init__(self, model: torch.nn.Module, *, compiled: bool = False, backend: str = "inductor",
-                 cuda_graphs: bool | None = None) -> None:
+                 cuda_graphs: bool | None = None, kernels: str | None = None) -> None:
         """``compiled``: run ``static_forward`` through ``torch.compile(fullgraph=True,
         dynamic=None)`` with ``backend`` (``"eager"`` traces without generating code: tests);
         False (default) runs it eagerly. ``cuda_graphs`` (None: when the model is on CUDA): capture
-        each bucket's step as a CUDA graph, compiled or not (module docstring)."""
+        each bucket's step as a CUDA graph, compiled or not (module docstring). ``kernels``
+        (``"torch"`` / ``"fused"``; None: ``step_kernels.choose_kernels``, fused on CUDA where
+        Triton imports): the step's kernel set (llamarl/engines/step_kernels.py)."""
         self.model = model
         config = model.config
         self.num_heads, self.num_kv_heads = config.num_attention_heads, config.num_key_value_heads
@@ -191,6 +195,10 @@ class StaticDecoder:
         self.cuda_graphs = device.type == "cuda" if cuda_graphs is None else cuda_graphs
         if self.cuda_graphs and device.type != "cuda":
             raise ValueError(f"cuda_graphs needs the model on CUDA, it is on {device}")
+        if kernels is not None and kernels not in KERNEL_SETS:
+            raise ValueError(f"unknown step kernels {kernels!r}; known: {', '.join(KERNEL_SETS)}")
+        self.kernels = KERNEL_SETS[kernels] if kernels else choose_kernels(model, cuda=device.type == "cuda")
+        """The step's kernel set (llamarl/engines/step_kernels.py)."""
         self.state: StaticState | None = None
         """The engine-life state (``reserve``); None before the first call and after ``release``."""
         self._weights: tuple[int, ...] = ()
@@ -232,7 +240,7 @@ class StaticDecoder:
         span) pair (``step``), then replayed for the state's life."""
         # The graphs read q / k / v and gate / up through their fused buffers: parameters rebound
         # since (another storage) are put back into one (static_step.fuse_projections).
-        self._fused = fuse_projections(self.model)
+        self._fused = fuse_projections(self.model, self.kernels)
         weights = self._weight_addresses()
         state = self.state
         if state is not None:
@@ -277,7 +285,7 @@ class StaticDecoder:
         patch = torch._dynamo.config.patch(**{name: _RECOMPILE_LIMIT}) if self.compiled else contextlib.nullcontext()
         with patch:
             if self._fused is None:  # a state from new_state (not reserve)
-                self._fused = fuse_projections(self.model)
+                self._fused = fuse_projections(self.model, self.kernels)
             logits = self._forward(self.model, self._fused, state.tokens[:rows], state.positions[:rows],
                                    [c[:, :rows, :, :columns] for c in state.caches], state.cos, state.sin,
                                    state.logits[:rows], self.num_heads, self.num_kv_heads, self.head_dim, self.scaling)

@@ -4,8 +4,12 @@ Llama-family decoder layer (Llama, Qwen2, Mistral, Qwen3's q / k norms, Gemma2's
 
 Why few kernels: a replayed graph of a small model is bound by its number of kernels (one H200:
 ~3 µs each, ~1,000 a step of SmolLM2's shape at ~33 a layer; docs/gpu.md), not by their work.
-Without Triton, a layer here is 12 kernels on CUDA (Llama, Qwen2, Mistral; 14 with Qwen3's q / k
-norms: one norm over every head, one product by the per-head weights written back, ``FusedWeights``), counted on the CPU proxy's fake-graph tape (tests/fake_cuda.py):
+The step's own kernels come from a set chosen per decoder (llamarl/engines/step_kernels.py): on CUDA
+with Triton the fused set, **9 kernels a layer** for Llama, Qwen2, Mistral, Qwen3 and Gemma2 (norm,
+q / k / v GEMM, RoPE + KV store, attention, o_proj, norm, gate / up GEMM, SiLU·mul, down_proj;
+Gemma2's sandwich norms and residual adds fused into the norms' kernels); the aten set elsewhere,
+12 a layer (14 with Qwen3's q / k norms, 32 Gemma2's), counted on the CPU proxy's fake-graph tape
+(tests/fake_cuda.py):
 
 * RMSNorm with its weight: one ``torch.nn.functional.rms_norm`` (on CUDA the fused
   ``_fused_rms_norm``, fp32 inside). The residual adds are in the GEMMs that precede them:
@@ -15,15 +19,13 @@ norms: one norm over every head, one product by the per-head weights written bac
   (``param.data = view``) into one buffer, so a weight sync's ``copy_`` into the HF model's
   parameters, a LoRA merge's ``addmm(out=weight)`` (llamarl/models/lora_merge.py) and anything
   holding the parameter objects write the buffer the graphs read.
-* RoPE as matrix products, two ``bmm``: queries by ``R``, keys and values together by ``[R | I]``
-  (``R[i, j] = cos_j [i = j] + sin_j [i = j + d/2 mod d]`` is HF's ``x cos + rotate_half(x) sin``;
-  the identity half passes the values through), built once per step for every layer; the keys
-  and values of the step then go to the cache in one indexed write (the cache of a layer is one
-  tensor ``[2, slots, kv, width, d]``: keys, then values).
+* RoPE and the KV store: fused, one kernel over every head of the row (Qwen3's head norms inside);
+  aten, two ``bmm`` by per-row rotation matrices built once a step (queries by ``R``, keys and
+  values together by ``[R | I]``) and one indexed write of the keys and values into the cache
+  (a layer's cache is one tensor ``[2, slots, kv, width, d]``: keys, then values).
 * Attention as one ``scaled_dot_product_attention`` over (row, KV head) pairs, the query heads of
   a KV head as its queries (GQA without repeating K / V), masked by position.
-* SiLU and the product: two kernels (one needs a custom kernel, as do residual + norm fused, RoPE
-  fused with the cache write, Qwen3's norms with RoPE: the rest of issue 45's 12 / 14).
+* SiLU (Gemma2: tanh GELU) and the product: one fused kernel, or two aten kernels.
 
 Numerics: fp32 matches HF's eager step to fp32 rounding. bf16 differs from HF by at most a bf16
 rounding per op where HF rounds twice and this step once (the norm's weight applied in fp32
@@ -35,6 +37,8 @@ from __future__ import annotations
 from typing import NamedTuple
 
 import torch
+
+from llamarl.engines.step_kernels import TORCH_KERNELS, StepKernels, activation_kind
 
 
 class StepShape(NamedTuple):
@@ -52,6 +56,8 @@ class StepShape(NamedTuple):
     cap, and the step follows the model the trainer runs, not the config."""
     final_softcap: float | None = None
     """Logits soft-capped the same way (Gemma2: 30)."""
+    activation: str = "silu"
+    """The MLP's activation (``step_kernels.activation_kind``: ``"silu"``; Gemma2 ``"gelu_tanh"``)."""
 
 
 # RMSNorms whose scale is ``1 + weight`` (a registry by class name: the offset is in their forward).
@@ -68,7 +74,8 @@ def step_shape(model: torch.nn.Module) -> StepShape:
                      sandwich_norms=getattr(layer, "pre_feedforward_layernorm", None) is not None,
                      attn_softcap=getattr(config, "attn_logit_softcapping", None)
                      if getattr(config, "_attn_implementation", None) in _SOFTCAPPING else None,
-                     final_softcap=getattr(config, "final_logit_softcapping", None))
+                     final_softcap=getattr(config, "final_logit_softcapping", None),
+                     activation=activation_kind(config))
 
 
 class FusedWeights(NamedTuple):
@@ -84,9 +91,11 @@ class FusedWeights(NamedTuple):
     parameters is seen at the next step."""
     shape: StepShape = StepShape()
     """How the family's layer departs from Llama's (``step_shape``)."""
+    kernels: StepKernels = TORCH_KERNELS
+    """The step's kernels (llamarl/engines/step_kernels.py: aten, or fused on CUDA)."""
 
 
-def fuse_projections(model: torch.nn.Module) -> FusedWeights:
+def fuse_projections(model: torch.nn.Module, kernels: StepKernels = TORCH_KERNELS) -> FusedWeights:
     """``layers``: per decoder layer the rows of q / k / v (gate / up) stacked in one buffer whose
     slices are the projections' parameters; ``head_norms``: Qwen3's q / k norms, one buffer whose
     rows are the parameters (``FusedWeights``).
@@ -95,14 +104,14 @@ def fuse_projections(model: torch.nn.Module) -> FusedWeights:
     left as they are and the buffer is a view over them; otherwise (the first call, or a parameter
     rebound since) the buffer is made from their current values and each parameter re-pointed into
     it (``param.data = buffer[rows]``: the same ``Parameter`` object, new storage). A bias is None
-    when none of the projections has one."""
+    when none of the projections has one. ``kernels``: the step's kernel set (``FusedWeights``)."""
     fused = []
     for layer in model.model.layers:
         attn, mlp = layer.self_attn, layer.mlp
         qkv, gate_up = (attn.q_proj, attn.k_proj, attn.v_proj), (mlp.gate_proj, mlp.up_proj)
         fused.append((_one_buffer([m.weight for m in qkv]), _one_bias(qkv),
                       _one_buffer([m.weight for m in gate_up]), _one_bias(gate_up)))
-    return FusedWeights(fused, _head_norms(model), step_shape(model))
+    return FusedWeights(fused, _head_norms(model), step_shape(model), kernels)
 
 
 @torch.no_grad()
@@ -192,26 +201,8 @@ def _one_buffer(params: list[torch.Tensor]) -> torch.Tensor:
     return buffer
 
 
-def rotations(cos_table: torch.Tensor, sin_table: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-    """``[rows, d, 2d]``: ``[R | I]`` per row, ``R`` RoPE at the row's position as a matrix
-    (module docstring; ``sin_table`` has its first half negated, ``StaticState.sin``): a row
-    vector ``x`` times ``R`` is HF's ``x * cos + rotate_half(x) * sin``."""
-    cos, sin = cos_table[positions].unsqueeze(1), sin_table[positions].unsqueeze(1)  # [rows, 1, d]
-    d = cos.shape[-1]
-    eye = torch.eye(d, dtype=cos.dtype, device=cos.device)
-    rotation = eye * cos + eye.roll(d // 2, dims=1) * sin
-    return torch.cat((rotation, eye.expand_as(rotation)), dim=2)
-
-
-def _rms_norm(norm: torch.nn.Module | None, x: torch.Tensor, eps: float | None = None, offset: float = 0.0) -> torch.Tensor:
-    """HF's Llama-family RMSNorm (``weight * normalise(x)``) as one fused kernel on CUDA; ``norm``
-    None: no weight (``eps`` given). ``offset`` (Gemma2's 1): ``(offset + weight) * normalise(x)``
-    in fp32, rounded once, as HF's Gemma2 norm (three kernels, the casts and the offset's add)."""
-    weight = None if norm is None else norm.weight
-    eps = (getattr(norm, "variance_epsilon", None) or norm.eps) if eps is None else eps
-    if not offset:
-        return torch.nn.functional.rms_norm(x, (x.shape[-1],), weight, eps)
-    return torch.nn.functional.rms_norm(x.float(), (x.shape[-1],), weight.float() + offset, eps).to(x.dtype)
+def _eps(norm: torch.nn.Module) -> float:
+    return getattr(norm, "variance_epsilon", None) or norm.eps
 
 
 def _attend(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, bias: torch.Tensor, *, scaling: float,
@@ -249,69 +240,57 @@ def static_forward(model: torch.nn.Module, fused: FusedWeights, tokens: torch.Te
     ``logits`` is written by the last GEMM (``out=``): a buffer of the caller's, not the graph's."""
     rows = tokens.shape[0]
     inner = model.model
+    kernels, shape = fused.kernels, fused.shape
     hidden = inner.embed_tokens(tokens)  # [rows, hidden]
-    rotation = rotations(cos_table, sin_table, positions)  # [rows, d, 2d]: [R | I]
+    rotation = kernels.rotations(cos_table, sin_table, positions)  # aten: [rows, d, 2d], [R | I]
     width = caches[0].shape[3]
     groups, heads = num_heads // num_kv_heads, num_heads + 2 * num_kv_heads
     visible = torch.arange(width, device=tokens.device) <= positions.unsqueeze(1)  # [rows, width]
     # One mask row per (row, KV head), the batch of the attention: [rows * kv, 1, 1, width].
     bias = torch.zeros((rows, num_kv_heads, 1, width), dtype=hidden.dtype, device=hidden.device).masked_fill(
         ~visible[:, None, None, :], torch.finfo(hidden.dtype).min).view(rows * num_kv_heads, 1, 1, width)
-    row_index = torch.arange(rows, device=tokens.device)
-    shape = fused.shape
-
-    def norm(module: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
-        return _rms_norm(module, x, offset=shape.norm_offset)
+    offset, layers = shape.norm_offset, inner.layers
+    eps = _eps(layers[0].input_layernorm)
 
     head_norms = fused.head_norms
     if head_norms is not None:  # each head's norm weight from its parameter row (FusedWeights): 2 kernels a step
         head_norms[:, 1:num_heads].copy_(head_norms[:, :1].expand(-1, num_heads - 1, -1))
         head_norms[:, num_heads + 1:].copy_(head_norms[:, num_heads:num_heads + 1].expand(-1, num_kv_heads - 1, -1))
+        head_eps = layers[0].self_attn.q_norm.variance_epsilon
+    x = kernels.norm(hidden, layers[0].input_layernorm.weight, eps, offset)  # each layer's input norm: the layer before's end
     for index, (layer, (qkv_weight, qkv_bias, gate_up_weight, gate_up_bias), cache) in enumerate(
-            zip(inner.layers, fused.layers, caches)):
+            zip(layers, fused.layers, caches)):
         attn, mlp = layer.self_attn, layer.mlp
-        qkv = _linear(norm(layer.input_layernorm, hidden), qkv_weight, qkv_bias).view(rows, heads, head_dim)
-        if head_norms is not None:
-            # Qwen3: RMSNorm over each q and k head before RoPE, as HF (normalise, round, then the
-            # weight): one norm over every head (v's is not used), one product written back into
-            # the q / k heads, so keys and values stay one buffer for the rotation below.
-            qk = qkv[:, :num_heads + num_kv_heads]
-            normed = _rms_norm(None, qkv, attn.q_norm.variance_epsilon)
-            if torch.compiler.is_compiling():  # dynamo refuses a strided out=; inductor fuses these two
-                qk.copy_(normed[:, :num_heads + num_kv_heads] * head_norms[index])
-            else:
-                torch.mul(normed[:, :num_heads + num_kv_heads], head_norms[index], out=qk)
-        q, kv = qkv[:, :num_heads], qkv[:, num_heads:]
-        q = torch.bmm(q, rotation[:, :, :head_dim])  # [rows, heads, d], contiguous
-        new = torch.bmm(kv, rotation)  # [rows, 2 kv, 2d]: rotated keys in the first half, values in the second
-        # A view [rows, 2, kv, d] of (keys, values): head h's rotated half of the keys, its identity
-        # half of the values, i.e. the diagonal of (keys / values) x (first / second half).
-        new = torch.diagonal(new.view(rows, 2, num_kv_heads, 2, head_dim), dim1=1, dim2=3).permute(0, 3, 1, 2)
-        cache[:, row_index, :, positions] = new  # the indexed dims first: [rows, 2, kv, d]
+        following = layers[index + 1].input_layernorm if index + 1 < len(layers) else inner.norm
+        qkv = _linear(x, qkv_weight, qkv_bias).view(rows, heads, head_dim)
+        q = kernels.rope_store(qkv, rotation, positions, cos_table, sin_table, cache,
+                               None if head_norms is None else head_norms[index], num_heads, num_kv_heads,
+                               head_eps if head_norms is not None else 0.0)
         # Grouped query heads against their KV head: batch (row, KV head), the group as the queries.
         attended = _attend(q.view(rows * num_kv_heads, 1, groups, head_dim),
                            cache[0].view(rows * num_kv_heads, 1, width, head_dim),
                            cache[1].view(rows * num_kv_heads, 1, width, head_dim), bias, scaling=scaling,
                            softcap=shape.attn_softcap).view(rows, num_heads * head_dim)
         if shape.sandwich_norms:  # Gemma2: the block's output normalised, then added; its own MLP norm
-            hidden = hidden + norm(layer.post_attention_layernorm, _linear(attended, attn.o_proj.weight, attn.o_proj.bias))
-            gate_up = _linear(norm(layer.pre_feedforward_layernorm, hidden), gate_up_weight, gate_up_bias)
+            x = kernels.sandwich(hidden, _linear(attended, attn.o_proj.weight, attn.o_proj.bias),
+                                 layer.post_attention_layernorm.weight, layer.pre_feedforward_layernorm.weight,
+                                 eps, offset)
         else:
             _add_linear_(hidden, attended, attn.o_proj)
-            gate_up = _linear(norm(layer.post_attention_layernorm, hidden), gate_up_weight, gate_up_bias)
-        inter = gate_up.shape[1] // 2
-        activated = mlp.act_fn(gate_up[:, :inter]) * gate_up[:, inter:]
+            x = kernels.norm(hidden, layer.post_attention_layernorm.weight, eps, offset)
+        gate_up = _linear(x, gate_up_weight, gate_up_bias)
+        activated = kernels.act_mul(gate_up, mlp.act_fn, shape.activation)
         if shape.sandwich_norms:
-            hidden = hidden + norm(layer.post_feedforward_layernorm,
-                                   _linear(activated, mlp.down_proj.weight, mlp.down_proj.bias))
+            x = kernels.sandwich(hidden, _linear(activated, mlp.down_proj.weight, mlp.down_proj.bias),
+                                 layer.post_feedforward_layernorm.weight, following.weight, eps, offset)
         else:
             _add_linear_(hidden, activated, mlp.down_proj)
-    normed = norm(inner.norm, hidden)
+            x = kernels.norm(hidden, following.weight, eps, offset)
     lm_head = model.lm_head
     if lm_head.bias is None:
-        torch.mm(normed, lm_head.weight.t(), out=logits)
+        torch.mm(x, lm_head.weight.t(), out=logits)
     else:
-        torch.addmm(lm_head.bias, normed, lm_head.weight.t(), out=logits)
+        torch.addmm(lm_head.bias, x, lm_head.weight.t(), out=logits)
     if shape.final_softcap is not None:  # Gemma2: cap * tanh(logits / cap), in place
         logits.div_(shape.final_softcap).tanh_().mul_(shape.final_softcap)
     return logits

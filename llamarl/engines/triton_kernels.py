@@ -1,0 +1,159 @@
+"""The static decode step's fused kernels in Triton (llamarl/engines/step_kernels.py registers them as
+the CUDA implementations of its ``llamarl::`` ops): one launch each where the step written in aten
+ops needs several.
+
+* ``rope_store``: every head of a ``[rows, heads + 2 kv, d]`` q / k / v row at once: Qwen3's per-head
+  RMSNorm (optional), RoPE for queries and keys (HF's ``x cos + rotate_half(x) sin``), queries to a
+  new buffer, keys and values straight into the row's slot of the KV cache at its position.
+* ``act_mul``: ``act(gate) * up`` over a ``[rows, 2 inter]`` gate / up GEMM output (SiLU, or
+  Gemma2's tanh-approximated GELU).
+* ``rms_norm``: ``(offset + w) * normalise(x)`` (Gemma2's offset norms; without an offset the step
+  uses aten's fused ``rms_norm``).
+* ``sandwich``: Gemma2's block end: ``hidden += norm_a(y)``, then the next norm of ``hidden``: the
+  post-block norm, the residual add and the next block's input norm in one pass over the row.
+
+Numerics: fp32 inside, each value rounded (``.to(dtype).to(tl.float32)``) to the tensors' dtype where HF's modules round it (the
+normalised head before Qwen3's weight, the activation before the product, the block output before
+the residual add, the residual itself), so a bf16 step differs from the aten step by at most a
+rounding. Rows of any length: a block is the next power of two (masked). The kernels are tested on
+the CPU under ``TRITON_INTERPRET=1`` against the aten references (tests/test_triton_kernels.py)
+before a GPU sees them. Importing this module needs ``triton``; nothing imports it where no CUDA
+device runs the step (step_kernels.py imports it lazily).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _rope_store_kernel(qkv, positions, cos, sin, head_weight, q_out, cache,
+                       s_qkv_r, s_qkv_h, s_cos, s_w, s_q_r, s_q_h,
+                       s_c_kv, s_c_r, s_c_h, s_c_col,
+                       half, eps, num_heads: tl.constexpr, num_kv: tl.constexpr,
+                       HAS_NORM: tl.constexpr, BLOCK: tl.constexpr):
+    row, head = tl.program_id(0), tl.program_id(1)
+    offs = tl.arange(0, BLOCK)
+    mask = offs < half
+    base = qkv + row * s_qkv_r + head * s_qkv_h
+    dtype = q_out.dtype.element_ty
+    x1 = tl.load(base + offs, mask=mask, other=0.0).to(tl.float32)
+    x2 = tl.load(base + half + offs, mask=mask, other=0.0).to(tl.float32)
+    pos = tl.load(positions + row)
+    if head < num_heads + num_kv:
+        if HAS_NORM:  # Qwen3: normalise, round, times the head's weight, round (HF's order)
+            rstd = tl.rsqrt((tl.sum(x1 * x1, axis=0) + tl.sum(x2 * x2, axis=0)) / (2 * half) + eps)
+            w1 = tl.load(head_weight + head * s_w + offs, mask=mask, other=0.0).to(tl.float32)
+            w2 = tl.load(head_weight + head * s_w + half + offs, mask=mask, other=0.0).to(tl.float32)
+            x1 = ((x1 * rstd).to(dtype).to(tl.float32) * w1).to(dtype).to(tl.float32)
+            x2 = ((x2 * rstd).to(dtype).to(tl.float32) * w2).to(dtype).to(tl.float32)
+        c1 = tl.load(cos + pos * s_cos + offs, mask=mask, other=0.0).to(tl.float32)
+        c2 = tl.load(cos + pos * s_cos + half + offs, mask=mask, other=0.0).to(tl.float32)
+        n1 = tl.load(sin + pos * s_cos + offs, mask=mask, other=0.0).to(tl.float32)  # -sin (static_step.rope_tables)
+        n2 = tl.load(sin + pos * s_cos + half + offs, mask=mask, other=0.0).to(tl.float32)
+        y1 = x1 * c1 + x2 * n1
+        y2 = x2 * c2 + x1 * n2
+    else:  # values pass through
+        y1 = x1
+        y2 = x2
+    if head < num_heads:
+        out = q_out + row * s_q_r + head * s_q_h
+    else:
+        kv_head = head - num_heads
+        which = kv_head // num_kv  # 0: keys, 1: values
+        out = cache + which * s_c_kv + row * s_c_r + (kv_head - which * num_kv) * s_c_h + pos * s_c_col
+    tl.store(out + offs, y1.to(dtype), mask=mask)
+    tl.store(out + half + offs, y2.to(dtype), mask=mask)
+
+
+def rope_store(qkv: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+               cache: torch.Tensor, head_weight: torch.Tensor | None, *, num_heads: int, num_kv_heads: int,
+               eps: float) -> torch.Tensor:
+    """One launch: the rotated queries ``[rows, heads, d]`` (returned) and the row's keys / values
+    written into ``cache`` ``[2, rows, kv, columns, d]`` at ``positions`` (step_kernels.rope_store's
+    contract)."""
+    rows, _, d = qkv.shape
+    q = qkv.new_empty((rows, num_heads, d))
+    half = d // 2
+    weight = head_weight if head_weight is not None else q  # unread without a norm
+    _rope_store_kernel[(rows, num_heads + 2 * num_kv_heads)](
+        qkv, positions, cos, sin, weight, q, cache,
+        qkv.stride(0), qkv.stride(1), cos.stride(0), weight.stride(0), q.stride(0), q.stride(1),
+        cache.stride(0), cache.stride(1), cache.stride(2), cache.stride(3),
+        half, eps, num_heads=num_heads, num_kv=num_kv_heads, HAS_NORM=head_weight is not None,
+        BLOCK=triton.next_power_of_2(half))
+    return q
+
+
+@triton.jit
+def _act_mul_kernel(gate_up, out, inter, s_in, s_out, GELU: tl.constexpr, BLOCK: tl.constexpr):
+    row, block = tl.program_id(0), tl.program_id(1)
+    offs = block * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < inter
+    dtype = out.dtype.element_ty
+    gate = tl.load(gate_up + row * s_in + offs, mask=mask, other=0.0).to(tl.float32)
+    up = tl.load(gate_up + row * s_in + inter + offs, mask=mask, other=0.0).to(tl.float32)
+    if GELU:  # 0.5 g (1 + tanh(z)) = g sigmoid(2 z), z = sqrt(2 / pi) (g + 0.044715 g^3)
+        act = gate * tl.sigmoid(2.0 * 0.7978845608028654 * (gate + 0.044715 * gate * gate * gate))
+    else:
+        act = gate * tl.sigmoid(gate)
+    tl.store(out + row * s_out + offs, ((act).to(dtype).to(tl.float32) * up).to(dtype), mask=mask)
+
+
+def act_mul(gate_up: torch.Tensor, *, gelu: bool) -> torch.Tensor:
+    """One launch: ``act(gate) * up`` ``[rows, inter]`` of ``gate_up`` ``[rows, 2 inter]``."""
+    rows, inter = gate_up.shape[0], gate_up.shape[1] // 2
+    out = gate_up.new_empty((rows, inter))
+    block = min(1024, triton.next_power_of_2(inter))
+    _act_mul_kernel[(rows, triton.cdiv(inter, block))](gate_up, out, inter, gate_up.stride(0), out.stride(0),
+                                                       GELU=gelu, BLOCK=block)
+    return out
+
+
+@triton.jit
+def _rms_norm_kernel(x, weight, out, n, s_x, s_out, eps, offset, BLOCK: tl.constexpr):
+    row = tl.program_id(0)
+    offs = tl.arange(0, BLOCK)
+    mask = offs < n
+    v = tl.load(x + row * s_x + offs, mask=mask, other=0.0).to(tl.float32)
+    w = tl.load(weight + offs, mask=mask, other=0.0).to(tl.float32)
+    rstd = tl.rsqrt(tl.sum(v * v, axis=0) / n + eps)
+    tl.store(out + row * s_out + offs, (v * rstd * (offset + w)).to(out.dtype.element_ty), mask=mask)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, *, eps: float, offset: float) -> torch.Tensor:
+    """One launch: ``(offset + weight) * normalise(x)`` in fp32, rounded once, ``x`` ``[rows, n]``."""
+    out = torch.empty_like(x)
+    n = x.shape[1]
+    _rms_norm_kernel[(x.shape[0],)](x, weight, out, n, x.stride(0), out.stride(0), eps, offset,
+                                    BLOCK=triton.next_power_of_2(n))
+    return out
+
+
+@triton.jit
+def _sandwich_kernel(hidden, y, post, nxt, out, n, s_h, s_y, s_out, eps, offset, BLOCK: tl.constexpr):
+    row = tl.program_id(0)
+    offs = tl.arange(0, BLOCK)
+    mask = offs < n
+    dtype = hidden.dtype.element_ty
+    v = tl.load(y + row * s_y + offs, mask=mask, other=0.0).to(tl.float32)
+    w = tl.load(post + offs, mask=mask, other=0.0).to(tl.float32)
+    normed = (v * tl.rsqrt(tl.sum(v * v, axis=0) / n + eps) * (offset + w)).to(dtype).to(tl.float32)
+    h = (tl.load(hidden + row * s_h + offs, mask=mask, other=0.0).to(tl.float32) + normed).to(dtype).to(tl.float32)
+    tl.store(hidden + row * s_h + offs, h.to(dtype), mask=mask)
+    w = tl.load(nxt + offs, mask=mask, other=0.0).to(tl.float32)
+    rstd = tl.rsqrt(tl.sum(h * h, axis=0) / n + eps)
+    tl.store(out + row * s_out + offs, (h * rstd * (offset + w)).to(dtype), mask=mask)
+
+
+def sandwich(hidden: torch.Tensor, y: torch.Tensor, post: torch.Tensor, nxt: torch.Tensor, *, eps: float,
+             offset: float) -> torch.Tensor:
+    """One launch: ``hidden += norm_post(y)`` in place, returns ``norm_next(hidden)`` (both norms
+    ``(offset + w) * normalise``, fp32 inside, rounded where HF rounds)."""
+    out = torch.empty_like(hidden)
+    n = hidden.shape[1]
+    _sandwich_kernel[(hidden.shape[0],)](hidden, y, post, nxt, out, n, hidden.stride(0), y.stride(0), out.stride(0),
+                                         eps, offset, BLOCK=triton.next_power_of_2(n))
+    return out

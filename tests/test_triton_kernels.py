@@ -1,0 +1,162 @@
+"""The static decode step's Triton kernels (llamarl/engines/triton_kernels.py), run on the CPU by
+Triton's interpreter (``TRITON_INTERPRET=1``) before a GPU sees them: each equals its op's CPU
+reference (llamarl/engines/step_kernels.py, ``torch.ops.llamarl.*``: what the CPU proxy's step
+runs) in fp32 and bf16, on shapes that are not powers of two and on the strided cache views the
+step hands it, writing nothing but what it should, in one launch a call (the count the fake-graph
+tape gives each op: tests/test_cuda_graph_proxies.py).
+
+Needs ``triton`` (a dev dependency: pyproject.toml) and its interpreter, which tests/conftest.py
+chooses before anything imports Triton (where no CUDA device is)."""
+
+from __future__ import annotations
+
+import importlib
+import os
+
+import pytest
+import torch
+
+pytest.importorskip("triton", reason="the Triton kernels need triton (pip install -e '.[dev]')")
+
+import llamarl.engines.step_kernels  # noqa: F401 - registers torch.ops.llamarl.*
+
+DTYPES = [torch.float32, torch.bfloat16]
+
+
+@pytest.fixture(scope="module")
+def kernels():
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("a CUDA device is here: tests/gpu runs the compiled kernels")
+    return importlib.import_module("llamarl.engines.triton_kernels")
+
+
+class Launches:
+    """Counts a kernel's launches (``kernel[grid](...)``)."""
+
+    def __init__(self, kernel) -> None:
+        self.kernel, self.count = kernel, 0
+
+    def __getitem__(self, grid):
+        self.count += 1
+        return self.kernel[grid]
+
+
+@pytest.fixture
+def launches(kernels, monkeypatch):
+    counted = {}
+    for name in ("_rope_store_kernel", "_act_mul_kernel", "_rms_norm_kernel", "_sandwich_kernel"):
+        counted[name] = Launches(getattr(kernels, name))
+        monkeypatch.setattr(kernels, name, counted[name])
+    return counted
+
+
+def close(got: torch.Tensor, expected: torch.Tensor) -> None:
+    """fp32: to rounding (the math). bf16: within 4 bf16 ulps of the tensor's largest value. Triton's
+    interpreter casts fp32 to bf16 by truncation where a GPU rounds to nearest (checked: every one of
+    1,000 values truncated), so a value the kernel rounds several times, or a difference of two
+    rounded terms (RoPE), is off by a few ulps of its inputs here; the dtype handling (loads, the
+    casts' places, stores) is what bf16 checks."""
+    if got.dtype == torch.float32:
+        torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+    else:
+        assert got.dtype == expected.dtype
+        torch.testing.assert_close(got.float(), expected.float(), rtol=0,
+                                   atol=4 * 2 ** -8 * expected.abs().max().item())
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("head_dim", [16, 12])
+@pytest.mark.parametrize("head_norm", [False, True])
+def test_rope_store_rotates_and_writes_only_each_rows_position(kernels, launches, dtype, head_dim, head_norm):
+    generator = torch.Generator().manual_seed(head_dim + head_norm)
+    rows, heads, kv, slots, width, columns = 3, 4, 2, 5, 32, 24
+
+    def rand(*shape):
+        return torch.randn(shape, generator=generator).to(dtype)
+
+    qkv = rand(rows, heads + 2 * kv, head_dim)
+    cos, sin = rand(width, head_dim), rand(width, head_dim)
+    weight = rand(heads + kv, head_dim) if head_norm else None
+    positions = torch.tensor([0, 23, 7])
+    full = rand(2, slots, kv, width, head_dim)
+    original, expected_full = full.clone(), full.clone()
+    expected_q = torch.ops.llamarl.rope_store(qkv, positions, cos, sin, expected_full[:, :rows, :, :columns],
+                                              weight, heads, kv, 1e-6)
+    q = kernels.rope_store(qkv, positions, cos, sin, full[:, :rows, :, :columns], weight, num_heads=heads,
+                           num_kv_heads=kv, eps=1e-6)
+    assert launches["_rope_store_kernel"].count == 1
+    close(q, expected_q)
+    close(full, expected_full)
+    written = torch.zeros(full.shape, dtype=torch.bool)
+    for row, position in enumerate(positions.tolist()):
+        written[:, row, :, position] = True
+    assert torch.equal(full[~written], original[~written])  # each row's position written, nothing else
+
+
+def test_rope_store_is_hfs_rotation(kernels):
+    """The reference itself: HF's ``x cos + rotate_half(x) sin`` for queries and keys, values as they are."""
+    generator = torch.Generator().manual_seed(0)
+    heads, kv, d = 2, 1, 8
+    qkv = torch.randn((2, heads + 2 * kv, d), generator=generator)
+    angles = torch.randn((16, d // 2), generator=generator)
+    cos, sin = torch.cat((angles.cos(), angles.cos()), -1), torch.cat((angles.sin(), angles.sin()), -1)
+    negated = torch.cat((-sin[:, :d // 2], sin[:, d // 2:]), -1)  # static_step.rope_tables' sine
+    positions = torch.tensor([3, 9])
+    cache = torch.zeros((2, 2, kv, 16, d))
+    q = kernels.rope_store(qkv, positions, cos, negated, cache, None, num_heads=heads, num_kv_heads=kv, eps=1e-6)
+
+    def hf(x, p):
+        rotated = torch.cat((-x[..., d // 2:], x[..., :d // 2]), -1)
+        return x * cos[p] + rotated * sin[p]
+
+    for r, p in enumerate(positions.tolist()):
+        close(q[r], hf(qkv[r, :heads], p))
+        close(cache[0, r, :, p], hf(qkv[r, heads:heads + kv], p))
+        close(cache[1, r, :, p], qkv[r, heads + kv:])
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("inter", [40, 1500])
+@pytest.mark.parametrize("gelu", [False, True])
+def test_act_mul(kernels, launches, dtype, inter, gelu):
+    gate_up = torch.randn((3, 2 * inter), generator=torch.Generator().manual_seed(inter)).mul(3).to(dtype)
+    got = kernels.act_mul(gate_up, gelu=gelu)
+    assert launches["_act_mul_kernel"].count == 1
+    close(got, torch.ops.llamarl.act_mul(gate_up, gelu))
+    # and the reference is HF's activation times up (fp32: to rounding)
+    act = torch.nn.functional.gelu(gate_up[:, :inter].float(), approximate="tanh") if gelu \
+        else torch.nn.functional.silu(gate_up[:, :inter].float())
+    torch.testing.assert_close(torch.ops.llamarl.act_mul(gate_up.float(), gelu), act * gate_up[:, inter:].float(),
+                               rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("offset", [0.0, 1.0])
+def test_rms_norm(kernels, launches, dtype, offset):
+    generator = torch.Generator().manual_seed(1)
+    x, weight = torch.randn((3, 48), generator=generator).to(dtype), torch.randn(48, generator=generator).to(dtype)
+    got = kernels.rms_norm(x, weight, eps=1e-6, offset=offset)
+    assert launches["_rms_norm_kernel"].count == 1
+    close(got, torch.ops.llamarl.rms_norm(x, weight, 1e-6, offset))
+    expected = torch.nn.functional.rms_norm(x.float(), (48,), weight.float() + offset, 1e-6).to(dtype)
+    close(torch.ops.llamarl.rms_norm(x, weight, 1e-6, offset), expected)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_sandwich_adds_the_normalised_block_and_normalises_the_sum(kernels, launches, dtype):
+    generator = torch.Generator().manual_seed(2)
+
+    def rand(*shape):
+        return torch.randn(shape, generator=generator).to(dtype)
+
+    hidden, y, post, nxt = rand(3, 40), rand(3, 40), rand(40), rand(40)
+    before, expected_hidden = hidden.clone(), hidden.clone()
+    expected = torch.ops.llamarl.sandwich(expected_hidden, y, post, nxt, 1e-6, 1.0)
+    got = kernels.sandwich(hidden, y, post, nxt, eps=1e-6, offset=1.0)
+    assert launches["_sandwich_kernel"].count == 1
+    close(hidden, expected_hidden)
+    close(got, expected)
+    # The reference is Gemma2's block end: hidden + norm_post(y) (rounded, as HF's modules), then norm_next.
+    normed = torch.nn.functional.rms_norm(y.float(), (40,), post.float() + 1, 1e-6).to(dtype)
+    assert torch.equal(expected_hidden, (before.float() + normed.float()).to(dtype))
+    close(expected, torch.nn.functional.rms_norm(expected_hidden.float(), (40,), nxt.float() + 1, 1e-6).to(dtype))
