@@ -127,3 +127,34 @@ def test_the_loop_steps_over_live_spans_only():
     finally:
         StaticDecoder.step = step
     assert seen and set(seen) == {64}, seen
+
+
+def test_the_fused_kernels_attention_needs_no_span():
+    """The fused set's attention reads each row's own live columns (llamarl/engines/step_kernels.py,
+    ``reads_live_columns``; the kernel's visits: tests/test_triton_kernels.py): the loop steps at
+    the state's width, one graph per bucket instead of one per (bucket, span), with no host read
+    for a span, and the tokens are the aten set's."""
+    model = build_family("llama-tied")
+    outs, seen = {}, {}
+    step = StaticDecoder.step
+
+    for kernels in ("fused", "torch"):
+        built = static_engine(model)
+        built._static = StaticDecoder(model, compiled=False, kernels=kernels)
+        built.static_decoder.reserve(capacity=4, positions=1024)
+        spans = seen[kernels] = []
+
+        def recording(self, state, rows, _spans=spans, **kw):
+            _spans.append(kw.get("span"))
+            return step(self, state, rows, **kw)
+
+        StaticDecoder.step = recording
+        try:
+            outs[kernels] = built.generate(staggered(), sampling=SamplingParams(temperature=0.0, max_new_tokens=12),
+                                           version=1)
+        finally:
+            StaticDecoder.step = step
+    assert set(seen["fused"]) == {1024} and set(seen["torch"]) == {64}, seen
+    assert [c.completion_ids for c in outs["fused"]] == [c.completion_ids for c in outs["torch"]]
+    for a, b in zip(outs["fused"], outs["torch"]):
+        torch.testing.assert_close(torch.tensor(a.logprobs), torch.tensor(b.logprobs), rtol=0, atol=1e-5)

@@ -44,7 +44,8 @@ class Launches:
 @pytest.fixture
 def launches(kernels, monkeypatch):
     counted = {}
-    for name in ("_rope_store_kernel", "_act_mul_kernel", "_rms_norm_kernel", "_sandwich_kernel"):
+    for name in ("_rope_store_kernel", "_act_mul_kernel", "_rms_norm_kernel", "_sandwich_kernel",
+                 "_decode_attention_kernel"):
         counted[name] = Launches(getattr(kernels, name))
         monkeypatch.setattr(kernels, name, counted[name])
     return counted
@@ -160,3 +161,47 @@ def test_sandwich_adds_the_normalised_block_and_normalises_the_sum(kernels, laun
     normed = torch.nn.functional.rms_norm(y.float(), (40,), post.float() + 1, 1e-6).to(dtype)
     assert torch.equal(expected_hidden, (before.float() + normed.float()).to(dtype))
     close(expected, torch.nn.functional.rms_norm(expected_hidden.float(), (40,), nxt.float() + 1, 1e-6).to(dtype))
+
+
+def reference_attention(q, cache, positions, scaling, softcap):
+    """Attention written out: each row's heads over its columns 0 .. position, fp32, GQA by repeat."""
+    rows, heads, d = q.shape
+    kv = cache.shape[2]
+    keys = cache[0].float().repeat_interleave(heads // kv, dim=1)  # [rows, heads, columns, d]
+    values = cache[1].float().repeat_interleave(heads // kv, dim=1)
+    out = torch.empty(rows, heads, d)
+    for r, p in enumerate(positions.tolist()):
+        s = torch.einsum("hd,hcd->hc", q[r].float(), keys[r, :, :p + 1]) * scaling
+        if softcap:
+            s = torch.tanh(s / softcap) * softcap
+        out[r] = torch.einsum("hc,hcd->hd", s.softmax(-1), values[r, :, :p + 1])
+    return out
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("softcap", [0.0, 5.0])
+def test_decode_attention_reads_each_rows_live_columns(kernels, launches, monkeypatch, dtype, softcap):
+    """Issue 45's attention over live tokens, per row: the kernel visits ceil((position + 1) / 64)
+    blocks of columns for each (row, KV head), counted by the kernel itself, so doubling the
+    cache's width at the same positions changes neither the blocks visited nor the output; the
+    output is attention over each row's own columns (GQA, 3 query heads a KV head, head dim 24)."""
+    generator = torch.Generator().manual_seed(3)
+    rows, heads, kv, d = 4, 6, 2, 24
+    positions = torch.tensor([0, 63, 64, 150])
+    q = torch.randn((rows, heads, d), generator=generator).to(dtype)
+    narrow = torch.randn((2, rows, kv, 256, d), generator=generator).to(dtype)
+    wide = torch.zeros((2, rows + 3, kv, 512, d), dtype=dtype)  # more slots and twice the columns
+    wide[:, :rows, :, :256] = narrow
+    wide[:, :rows, :, 256:] = float("nan")  # never read: a read would poison the output
+    outs, visits = [], []
+    for cache in (narrow, wide[:, :rows]):
+        counted = torch.zeros(rows * kv, dtype=torch.int32)
+        outs.append(kernels.decode_attention(q, cache, positions, scaling=d ** -0.5, softcap=softcap, visits=counted))
+        visits.append(counted)
+    assert launches["_decode_attention_kernel"].count == 2
+    expected_visits = torch.tensor([1, 1, 1, 1, 2, 2, 3, 3], dtype=torch.int32)  # ceil((p + 1) / 64) per KV head
+    assert torch.equal(visits[0], expected_visits) and torch.equal(visits[1], expected_visits)
+    assert torch.equal(outs[0], outs[1]) and not outs[0].isnan().any()
+    reference = torch.ops.llamarl.decode_attention(q, narrow, positions, d ** -0.5, softcap)
+    close(outs[0], reference)
+    close(reference, reference_attention(q, narrow, positions, d ** -0.5, softcap).to(dtype))

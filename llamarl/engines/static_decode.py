@@ -32,16 +32,18 @@ fused Triton kernels of llamarl/engines/step_kernels.py, chosen on CUDA; 12 with
   rounding per op. RoPE's cos / sin come from the model's own rotary module, evaluated once per
   state for every column.
 
-* **Attention over live columns** (``span_rung``, issue 45 item 3): a step attends the first
+* **Attention over live columns** (issue 45 item 3). With the fused kernels (CUDA with Triton:
+  llamarl/engines/step_kernels.py) the attention kernel reads each row's own columns ``0 ..
+  position`` and nothing past them, so the step runs at the state's width, one graph per bucket
+  (``attention_span`` returns the width, reading nothing). With the aten kernels (``span_rung``) a step attends the first
   ``span`` columns of the cache only, ``span`` the bucket's longest live KV over the next steps
   rounded up to a rung (multiples of 64 up to 1024, then eight rungs an octave), chosen by the
   decode loop at its looks (``attention_span``: one host read there, none between). The
   attention's work is ``rows x span``: it follows the live tokens, not the state's width (doubling
-  the width at the same live lengths changes nothing: tests/test_live_attention.py). Per bucket,
-  not per row: a bucket's rows all read its longest row's span (rows of one call are similar in
-  length; a per-row kernel, e.g. flash attention's ``seqused_k``, needs a GPU to test). Why not
-  FlexAttention: its block mask skips per row, but it needs ``torch.compile`` (Triton) to run
-  fast and to be captured, which the eager path here does not assume.
+  the width at the same live lengths changes nothing: tests/test_live_attention.py), per bucket:
+  a bucket's rows all read its longest row's span. Why a Triton kernel, not FlexAttention: its
+  block mask skips per row too, but needs ``torch.compile`` to run fast and be captured, which the
+  eager captured step does not assume; the kernel runs on the CPU under Triton's interpreter.
 
 Graphs for the engine's life (nano-vllm's and vLLM's scheme): the state (KV cache, fed tokens and
 positions, RoPE tables) is allocated once per decoder, at the capacity and width the calls need
@@ -274,7 +276,13 @@ class StaticDecoder:
     def attention_span(self, state: StaticState, rows: int, *, steps: int) -> int:
         """The span (``span_rung``) that covers the next ``steps`` steps of the first ``rows`` slots:
         their largest position now plus ``steps`` columns. Reads that position on the host (one
-        synchronisation): the decode loop asks at its looks only, never between two."""
+        synchronisation): the decode loop asks at its looks only, never between two.
+
+        With a kernel set whose attention reads each row's own live columns (``reads_live_columns``:
+        the fused set's decode attention), the span is the state's width and nothing is read: a
+        span would only multiply the graphs (one per bucket, not per (bucket, span) pair)."""
+        if self.kernels.reads_live_columns:
+            return state.width
         longest = int(state.positions[:rows].max()) + steps
         return span_rung(min(longest, state.width), state.width)
 

@@ -205,18 +205,6 @@ def _eps(norm: torch.nn.Module) -> float:
     return getattr(norm, "variance_epsilon", None) or norm.eps
 
 
-def _attend(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, bias: torch.Tensor, *, scaling: float,
-            softcap: float | None) -> torch.Tensor:
-    """Attention of ``q`` ``[batch, 1, queries, d]`` over ``keys`` / ``values`` ``[batch, 1, columns, d]``
-    masked by the additive ``bias``: one SDPA kernel; with ``softcap`` (Gemma2) HF's eager math,
-    ``softmax(cap * tanh(q k^T * scaling / cap) + bias)`` in fp32, then ``@ values``."""
-    if softcap is None:
-        return torch.nn.functional.scaled_dot_product_attention(q, keys, values, attn_mask=bias, scale=scaling)
-    scores = torch.matmul(q, keys.transpose(-1, -2)) * scaling
-    scores = torch.tanh(scores / softcap) * softcap + bias
-    return torch.matmul(torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype), values)
-
-
 def _linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     return torch.mm(x, weight.t()) if bias is None else torch.addmm(bias, x, weight.t())
 
@@ -242,13 +230,10 @@ def static_forward(model: torch.nn.Module, fused: FusedWeights, tokens: torch.Te
     inner = model.model
     kernels, shape = fused.kernels, fused.shape
     hidden = inner.embed_tokens(tokens)  # [rows, hidden]
-    rotation = kernels.rotations(cos_table, sin_table, positions)  # aten: [rows, d, 2d], [R | I]
-    width = caches[0].shape[3]
-    groups, heads = num_heads // num_kv_heads, num_heads + 2 * num_kv_heads
-    visible = torch.arange(width, device=tokens.device) <= positions.unsqueeze(1)  # [rows, width]
-    # One mask row per (row, KV head), the batch of the attention: [rows * kv, 1, 1, width].
-    bias = torch.zeros((rows, num_kv_heads, 1, width), dtype=hidden.dtype, device=hidden.device).masked_fill(
-        ~visible[:, None, None, :], torch.finfo(hidden.dtype).min).view(rows * num_kv_heads, 1, 1, width)
+    # What the kernels need once a step (aten: RoPE's rotation matrices and the attention's mask).
+    aux = kernels.prepare(cos_table, sin_table, positions, width=caches[0].shape[3], num_kv_heads=num_kv_heads,
+                          dtype=hidden.dtype)
+    heads = num_heads + 2 * num_kv_heads
     offset, layers = shape.norm_offset, inner.layers
     eps = _eps(layers[0].input_layernorm)
 
@@ -263,14 +248,10 @@ def static_forward(model: torch.nn.Module, fused: FusedWeights, tokens: torch.Te
         attn, mlp = layer.self_attn, layer.mlp
         following = layers[index + 1].input_layernorm if index + 1 < len(layers) else inner.norm
         qkv = _linear(x, qkv_weight, qkv_bias).view(rows, heads, head_dim)
-        q = kernels.rope_store(qkv, rotation, positions, cos_table, sin_table, cache,
+        q = kernels.rope_store(qkv, aux, positions, cos_table, sin_table, cache,
                                None if head_norms is None else head_norms[index], num_heads, num_kv_heads,
-                               head_eps if head_norms is not None else 0.0)
-        # Grouped query heads against their KV head: batch (row, KV head), the group as the queries.
-        attended = _attend(q.view(rows * num_kv_heads, 1, groups, head_dim),
-                           cache[0].view(rows * num_kv_heads, 1, width, head_dim),
-                           cache[1].view(rows * num_kv_heads, 1, width, head_dim), bias, scaling=scaling,
-                           softcap=shape.attn_softcap).view(rows, num_heads * head_dim)
+                               head_eps if head_norms is not None else 0.0)  # [rows, heads, d]
+        attended = kernels.attend(q, cache, aux, positions, scaling, shape.attn_softcap).view(rows, num_heads * head_dim)
         if shape.sandwich_norms:  # Gemma2: the block's output normalised, then added; its own MLP norm
             x = kernels.sandwich(hidden, _linear(attended, attn.o_proj.weight, attn.o_proj.bias),
                                  layer.post_attention_layernorm.weight, layer.pre_feedforward_layernorm.weight,

@@ -6,11 +6,13 @@ Why two: on a GPU a replayed decode step of a small model is bound by its number
 H200: ~3 µs each; docs/gpu.md), and aten needs several where one fused kernel does: RoPE with the
 KV store (3 aten kernels: queries' rotation, keys' and values' rotation, the indexed write; 5 with
 Qwen3's head norms), SiLU·mul (2), Gemma2's ``1 + weight`` norms (5 each, in fp32) and its sandwich
-(post-block norm, residual add, next norm: 11). On the CPU the aten step is the one to keep (its
-speed is measured, and the bf16 step runs in C anyway: llamarl/engines/cpu/).
+(post-block norm, residual add, next norm: 11). And aten's attention reads every column of the
+cache behind a mask (5 kernels a step build it), where a decode kernel reads each row's own live
+columns: at 256 rows the KV read is most of a step's bytes. On the CPU the aten step is the one to
+keep (its speed is measured, and the bf16 step runs in C anyway: llamarl/engines/cpu/).
 
 The fused set's kernels are ``torch.library`` custom ops (``llamarl::rope_store``, ``act_mul``,
-``rms_norm``, ``sandwich``): on CUDA each is one Triton launch; on the CPU each runs its reference
+``rms_norm``, ``sandwich``, ``decode_attention``): on CUDA each is one Triton launch; on the CPU each runs its reference
 (the same math in aten ops, rounding where the kernel rounds), which is what tests compare the
 Triton kernels with under ``TRITON_INTERPRET=1``, and a dispatched op is one kernel on the CPU
 proxy's fake-graph tape (tests/fake_cuda.py) as it is one launch on the GPU. Each op has a fake
@@ -125,6 +127,37 @@ def _(hidden, y, post, nxt, eps, offset):
     return torch.empty_like(hidden)
 
 
+@torch.library.custom_op("llamarl::decode_attention", mutates_args=(), schema=(
+    "(Tensor q, Tensor cache, Tensor positions, float scaling, float softcap) -> Tensor"))
+def _decode_attention(q: torch.Tensor, cache: torch.Tensor, positions: torch.Tensor, scaling: float,
+                      softcap: float) -> torch.Tensor:
+    """Each row's queries ``q`` ``[rows, heads, d]`` over its own columns ``0 .. positions[row]`` of
+    ``cache`` ``[2, rows, kv, columns, d]``, a KV head's query heads together (GQA without repeating
+    K / V); softmax in fp32; ``softcap`` > 0: scores capped, ``cap * tanh(s / cap)`` (Gemma2). On
+    CUDA the kernel reads a row's live columns only (triton_kernels.decode_attention); this
+    reference masks the rest."""
+    rows, heads, d = q.shape
+    kv, columns = cache.shape[2], cache.shape[3]
+    scores = torch.einsum("rkgd,rkcd->rkgc", q.float().view(rows, kv, heads // kv, d), cache[0].float()) * scaling
+    if softcap:
+        scores = torch.tanh(scores / softcap) * softcap
+    live = torch.arange(columns, device=q.device) <= positions.unsqueeze(1)  # [rows, columns]
+    scores = scores.masked_fill(~live[:, None, None, :], float("-inf"))
+    out = torch.einsum("rkgc,rkcd->rkgd", torch.softmax(scores, dim=-1), cache[1].float())
+    return out.reshape(rows, heads, d).to(q.dtype)
+
+
+@_decode_attention.register_fake
+def _(q, cache, positions, scaling, softcap):
+    return torch.empty_like(q)
+
+
+@_decode_attention.register_kernel("cuda")
+def _(q, cache, positions, scaling, softcap):
+    from llamarl.engines import triton_kernels
+    return triton_kernels.decode_attention(q, cache, positions, scaling=scaling, softcap=softcap)
+
+
 @_rope_store.register_kernel("cuda")
 def _(qkv, positions, cos, sin, cache, head_weight, num_heads, num_kv_heads, eps):
     from llamarl.engines import triton_kernels
@@ -153,19 +186,29 @@ def _(hidden, y, post, nxt, eps, offset):
 # ---- the two sets -----------------------------------------------------------------------------
 
 class StepKernels(NamedTuple):
-    """The step's kernels: one signature, two sets (module docstring). ``norm(x, weight, eps,
-    offset)``; ``sandwich(hidden, y, post, next, eps, offset)`` (``hidden += norm_post(y)`` in place,
-    returns ``norm_next(hidden)``); ``rope_store(qkv, rotation, positions, cos, sin, cache,
-    head_weight, num_heads, num_kv_heads, eps)`` (returns the queries ``[rows, heads, d]``, writes
-    keys and values into ``cache``); ``rotations(cos, sin, positions)``: what ``rope_store`` needs
-    once a step (the aten set's rotation matrices; None for the fused set); ``act_mul(gate_up,
-    act_fn, kind)``."""
+    """The step's kernels: one signature, two sets (module docstring).
+
+    * ``prepare(cos, sin, positions, *, width, num_kv_heads, dtype)``: what the others need once a
+      step (the aten set's RoPE rotation matrices and attention mask; None for the fused set);
+    * ``norm(x, weight, eps, offset)``;
+    * ``sandwich(hidden, y, post, next, eps, offset)``: ``hidden += norm_post(y)`` in place,
+      returns ``norm_next(hidden)``;
+    * ``rope_store(qkv, prepared, positions, cos, sin, cache, head_weight, num_heads, num_kv_heads,
+      eps)``: returns the rotated queries ``[rows, heads, d]``, writes keys and values into ``cache``;
+    * ``attend(q, cache, prepared, positions, scaling, softcap)``: ``[rows, heads, d]``, each row
+      over its columns ``0 .. position`` (softcap None: none): aten, one SDPA kernel over every
+      column of the cache behind a mask; fused, one kernel reading each row's live columns only;
+    * ``act_mul(gate_up, act_fn, kind)``."""
 
     name: str
+    reads_live_columns: bool
+    """``attend`` reads each row's columns ``0 .. position`` only, whatever the cache's width (the
+    step then needs no attention span: static_decode.StaticDecoder.attention_span)."""
+    prepare: Callable
     norm: Callable
     sandwich: Callable
-    rotations: Callable
     rope_store: Callable
+    attend: Callable
     act_mul: Callable
 
 
@@ -182,18 +225,24 @@ def _aten_sandwich(hidden, y, post, nxt, eps, offset):
     return _aten_norm(hidden, nxt, eps, offset)
 
 
-def _aten_rotations(cos_table, sin_table, positions):
-    """``[rows, d, 2d]``: ``[R | I]`` per row (and the rows' indices, for the cache writes), ``R`` RoPE at the row's position as a matrix (the
+def _aten_prepare(cos_table, sin_table, positions, *, width, num_kv_heads, dtype):
+    """``[R | I]`` per row ``[rows, d, 2d]``, ``R`` RoPE at the row's position as a matrix (the
     sine table's first half negated): a row vector ``x`` times ``R`` is HF's ``x * cos +
-    rotate_half(x) * sin``, the identity half passes the values through."""
+    rotate_half(x) * sin``, the identity half passes the values through; the rows' indices, for the
+    cache writes; the attention's additive mask, one row per (row, KV head): ``[rows * kv, 1, 1,
+    width]``, 0 up to the row's position."""
     cos, sin = cos_table[positions].unsqueeze(1), sin_table[positions].unsqueeze(1)  # [rows, 1, d]
     d = cos.shape[-1]
     eye = torch.eye(d, dtype=cos.dtype, device=cos.device)
     rotation = eye * cos + eye.roll(d // 2, dims=1) * sin
-    return torch.cat((rotation, eye.expand_as(rotation)), dim=2), torch.arange(positions.shape[0], device=cos.device)
+    rows = positions.shape[0]
+    visible = torch.arange(width, device=positions.device) <= positions.unsqueeze(1)  # [rows, width]
+    bias = torch.zeros((rows, num_kv_heads, 1, width), dtype=dtype, device=positions.device).masked_fill(
+        ~visible[:, None, None, :], torch.finfo(dtype).min).view(rows * num_kv_heads, 1, 1, width)
+    return (torch.cat((rotation, eye.expand_as(rotation)), dim=2), torch.arange(rows, device=positions.device), bias)
 
 
-def _aten_rope_store(qkv, rotations, positions, cos, sin, cache, head_weight, num_heads, num_kv_heads, eps):
+def _aten_rope_store(qkv, prepared, positions, cos, sin, cache, head_weight, num_heads, num_kv_heads, eps):
     rows, _, head_dim = qkv.shape
     if head_weight is not None:
         # Qwen3: RMSNorm over each q and k head before RoPE, as HF (normalise, round, then the
@@ -205,7 +254,7 @@ def _aten_rope_store(qkv, rotations, positions, cos, sin, cache, head_weight, nu
             qk.copy_(normed[:, :num_heads + num_kv_heads] * head_weight)
         else:
             torch.mul(normed[:, :num_heads + num_kv_heads], head_weight, out=qk)
-    rotation, row_index = rotations
+    rotation, row_index, _ = prepared
     q, kv = qkv[:, :num_heads], qkv[:, num_heads:]
     q = torch.bmm(q, rotation[:, :, :head_dim])  # [rows, heads, d], contiguous
     new = torch.bmm(kv, rotation)  # [rows, 2 kv, 2d]: rotated keys in the first half, values in the second
@@ -216,12 +265,31 @@ def _aten_rope_store(qkv, rotations, positions, cos, sin, cache, head_weight, nu
     return q
 
 
+def _aten_attend(q, cache, prepared, positions, scaling, softcap):
+    """One SDPA kernel over (row, KV head) pairs, a KV head's query heads as its queries (GQA
+    without repeating K / V), masked by position; with ``softcap`` (Gemma2) HF's eager math,
+    ``softmax(cap * tanh(q k^T * scaling / cap) + mask)`` in fp32, then ``@ values``."""
+    rows, heads, d = q.shape
+    kv, width = cache.shape[2], cache.shape[3]
+    bias = prepared[2]
+    q = q.view(rows * kv, 1, heads // kv, d)
+    keys, values = cache[0].view(rows * kv, 1, width, d), cache[1].view(rows * kv, 1, width, d)
+    if softcap is None:
+        out = torch.nn.functional.scaled_dot_product_attention(q, keys, values, attn_mask=bias, scale=scaling)
+    else:
+        scores = torch.matmul(q, keys.transpose(-1, -2)) * scaling
+        scores = torch.tanh(scores / softcap) * softcap + bias
+        out = torch.matmul(torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype), values)
+    return out.view(rows, heads, d)
+
+
 def _aten_act_mul(gate_up, act_fn, kind):
     inter = gate_up.shape[1] // 2
     return act_fn(gate_up[:, :inter]) * gate_up[:, inter:]
 
 
-TORCH_KERNELS = StepKernels("torch", _aten_norm, _aten_sandwich, _aten_rotations, _aten_rope_store, _aten_act_mul)
+TORCH_KERNELS = StepKernels("torch", False, _aten_prepare, _aten_norm, _aten_sandwich, _aten_rope_store, _aten_attend,
+                            _aten_act_mul)
 """aten ops: 12 kernels a layer on CUDA for Llama / Qwen2 / Mistral (static_step.py)."""
 
 
@@ -231,7 +299,15 @@ def _fused_norm(x, weight, eps, offset):
     return torch.ops.llamarl.rms_norm(x, weight, eps, offset)
 
 
-def _fused_rope_store(qkv, rotation, positions, cos, sin, cache, head_weight, num_heads, num_kv_heads, eps):
+def _fused_prepare(cos_table, sin_table, positions, *, width, num_kv_heads, dtype):
+    return None  # RoPE's tables are read by position, the attention reads each row's own length
+
+
+def _fused_attend(q, cache, prepared, positions, scaling, softcap):
+    return torch.ops.llamarl.decode_attention(q, cache, positions, scaling, softcap or 0.0)
+
+
+def _fused_rope_store(qkv, prepared, positions, cos, sin, cache, head_weight, num_heads, num_kv_heads, eps):
     return torch.ops.llamarl.rope_store(qkv, positions, cos, sin, cache, head_weight, num_heads, num_kv_heads, eps)
 
 
@@ -239,9 +315,10 @@ def _fused_act_mul(gate_up, act_fn, kind):
     return torch.ops.llamarl.act_mul(gate_up, kind == "gelu_tanh")
 
 
-FUSED_KERNELS = StepKernels("fused", _fused_norm, torch.ops.llamarl.sandwich, lambda cos, sin, positions: None,
-                            _fused_rope_store, _fused_act_mul)
-"""One launch per op on CUDA (Triton): 9 kernels a layer for every supported family."""
+FUSED_KERNELS = StepKernels("fused", True, _fused_prepare, _fused_norm, torch.ops.llamarl.sandwich, _fused_rope_store,
+                            _fused_attend, _fused_act_mul)
+"""One launch per op on CUDA (Triton): 9 kernels a layer for every supported family, the attention
+reading each row's live columns only, nothing built once a step."""
 
 KERNEL_SETS = {"torch": TORCH_KERNELS, "fused": FUSED_KERNELS}
 

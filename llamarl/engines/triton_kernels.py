@@ -157,3 +157,70 @@ def sandwich(hidden: torch.Tensor, y: torch.Tensor, post: torch.Tensor, nxt: tor
     _sandwich_kernel[(hidden.shape[0],)](hidden, y, post, nxt, out, n, hidden.stride(0), y.stride(0), out.stride(0),
                                          eps, offset, BLOCK=triton.next_power_of_2(n))
     return out
+
+
+@triton.jit
+def _decode_attention_kernel(q, cache, positions, out, visits,
+                             s_q_r, s_q_h, s_c_kv, s_c_r, s_c_h, s_c_col, s_o_r, s_o_h,
+                             scaling, softcap, d, groups, num_kv,
+                             SOFTCAP: tl.constexpr, PRECISION: tl.constexpr, COUNT: tl.constexpr,
+                             BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
+    row, kv_head = tl.program_id(0), tl.program_id(1)
+    g, dd, n = tl.arange(0, BLOCK_G), tl.arange(0, BLOCK_D), tl.arange(0, BLOCK_N)
+    g_mask, d_mask = g < groups, dd < d
+    dtype = out.dtype.element_ty
+    # The KV head's query heads, padded to a tile of at least 16 rows (tl.dot's least), zeros past them.
+    queries = tl.load(q + row * s_q_r + (kv_head * groups + g)[:, None] * s_q_h + dd[None, :],
+                      mask=g_mask[:, None] & d_mask[None, :], other=0.0).to(tl.float32)
+    length = tl.load(positions + row) + 1  # this row's live columns: 0 .. position
+    keys = cache + row * s_c_r + kv_head * s_c_h
+    values = keys + s_c_kv
+    best = tl.full((BLOCK_G,), float("-inf"), tl.float32)
+    total = tl.zeros((BLOCK_G,), tl.float32)
+    acc = tl.zeros((BLOCK_G, BLOCK_D), tl.float32)
+    blocks = 0
+    for start in range(0, length, BLOCK_N):
+        cols = start + n
+        c_mask = cols < length
+        k = tl.load(keys + cols[:, None] * s_c_col + dd[None, :], mask=c_mask[:, None] & d_mask[None, :],
+                    other=0.0).to(tl.float32)
+        scores = tl.dot(queries, tl.trans(k), input_precision=PRECISION) * scaling
+        if SOFTCAP:  # Gemma2: cap * tanh(s / cap), tanh(x) = 2 sigmoid(2x) - 1
+            scores = softcap * (2.0 * tl.sigmoid(2.0 * scores / softcap) - 1.0)
+        scores = tl.where(c_mask[None, :], scores, float("-inf"))
+        new_best = tl.maximum(best, tl.max(scores, axis=1))
+        alpha = tl.exp(best - new_best)
+        p = tl.exp(scores - new_best[:, None])
+        total = total * alpha + tl.sum(p, axis=1)
+        v = tl.load(values + cols[:, None] * s_c_col + dd[None, :], mask=c_mask[:, None] & d_mask[None, :],
+                    other=0.0).to(tl.float32)
+        acc = acc * alpha[:, None] + tl.dot(p, v, input_precision=PRECISION)
+        best = new_best
+        blocks += 1
+    tl.store(out + row * s_o_r + (kv_head * groups + g)[:, None] * s_o_h + dd[None, :],
+             (acc / total[:, None]).to(dtype), mask=g_mask[:, None] & d_mask[None, :])
+    if COUNT:
+        tl.store(visits + row * num_kv + kv_head, blocks)
+
+
+def decode_attention(q: torch.Tensor, cache: torch.Tensor, positions: torch.Tensor, *, scaling: float,
+                     softcap: float, visits: torch.Tensor | None = None, block: int = 64) -> torch.Tensor:
+    """One launch: each row's queries ``q`` ``[rows, heads, d]`` over its own live keys and values,
+    columns ``0 .. positions[row]`` of ``cache`` ``[2, rows, kv, columns, d]`` (a KV head's query
+    heads together: GQA without repeating K / V), online softmax in fp32 (flash decoding without
+    splits); ``softcap`` > 0 caps the scores (Gemma2). The products run on fp32 tiles: exact IEEE
+    for an fp32 cache; TF32 for a 16-bit one, whose values TF32 holds exactly (bf16's 8-bit
+    mantissa inside TF32's 10), so a bf16 cache loses nothing to the tensor cores' format. Blocks of ``block`` columns past a row's
+    position are never read, whatever the cache's width. ``visits`` (int32 ``[rows * kv]``, tests):
+    the blocks each program read."""
+    rows, heads, d = q.shape
+    kv = cache.shape[2]
+    out = torch.empty_like(q)
+    count = visits is not None
+    _decode_attention_kernel[(rows, kv)](
+        q, cache, positions, out, visits if count else out,
+        q.stride(0), q.stride(1), cache.stride(0), cache.stride(1), cache.stride(2), cache.stride(3),
+        out.stride(0), out.stride(1), scaling, softcap if softcap else 1.0, d, heads // kv, kv,
+        SOFTCAP=bool(softcap), PRECISION="ieee" if q.dtype == torch.float32 else "tf32", COUNT=count,
+        BLOCK_G=max(16, triton.next_power_of_2(heads // kv)), BLOCK_N=block, BLOCK_D=max(16, triton.next_power_of_2(d)))
+    return out

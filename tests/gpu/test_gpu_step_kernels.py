@@ -40,6 +40,12 @@ def test_each_kernel_matches_its_reference(dtype):
     for gelu in (False, True):
         torch.testing.assert_close(triton_kernels.act_mul(gate_up.cuda(), gelu=gelu).cpu(),
                                    torch.ops.llamarl.act_mul(gate_up, gelu), **tol)
+    q = rand(rows, heads, d)
+    for softcap in (0.0, 50.0):
+        torch.testing.assert_close(
+            triton_kernels.decode_attention(q.cuda(), cache.cuda()[:, :rows], positions.cuda(), scaling=d ** -0.5,
+                                            softcap=softcap).cpu(),
+            torch.ops.llamarl.decode_attention(q, cache[:, :rows], positions, d ** -0.5, softcap), **tol)
     x, y, w, w2 = rand(rows, 1536), rand(rows, 1536), rand(1536), rand(1536)
     torch.testing.assert_close(triton_kernels.rms_norm(x.cuda(), w.cuda(), eps=1e-6, offset=1.0).cpu(),
                                torch.ops.llamarl.rms_norm(x, w, 1e-6, 1.0), **tol)
