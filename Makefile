@@ -1,6 +1,6 @@
 # `make run` trains the default recipe; `make test` runs the whole suite. Each bootstraps .venv.
 # The run targets start torchrun through torchrun/local.sh, which checks the configuration once
-# first (llamarl/preflight.py): a bad flag is one line and exit 2, before any rank starts.
+# first (llamarl/runtime/preflight.py): a bad flag is one line and exit 2, before any rank starts.
 PY := .venv/bin/python
 NPROC ?= 2
 RUN_ARGS ?=

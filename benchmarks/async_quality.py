@@ -22,7 +22,7 @@ generator 1 + trainer 1, ``--async-threads``). Configs (``--configs``):
 - ``async-uncorrected``: the async schedule of ``async-aipo`` with **no off-policy correction at
   all**: per token ``-A * log pi`` (token mean), i.e. AIPO with the importance weight replaced by 1,
   the stale samples treated as if on-policy. None of the registered losses means that
-  (``llamarl/algorithms/registry.py``: ``aipo``, ``decoupled_ppo``, ``ppo``; ``ppo`` uses the
+  (``llamarl/algorithms/registered.py``: ``aipo``, ``decoupled_ppo``, ``ppo``; ``ppo`` uses the
   behaviour policy as PPO's old policy, so its gradient still carries the ratio pi/mu inside the
   clip range, a clipped importance correction), so this script registers it as ``pg_uncorrected``
   through the library's ``register_policy_loss`` and launches the recipe through itself
@@ -79,7 +79,7 @@ def pg_uncorrected_loss(*, logp, behav_logp, prox_logp, advantages, mask, algo, 
 
 def register_uncorrected_loss() -> None:
     """Register ``pg_uncorrected_loss`` as ``--algo.loss pg_uncorrected`` (in this process)."""
-    from llamarl.algorithms.registry import _BEHAVIOUR_METRICS, POLICY_LOSSES, register_policy_loss
+    from llamarl.algorithms.registered import _BEHAVIOUR_METRICS, POLICY_LOSSES, register_policy_loss
 
     if UNCORRECTED_LOSS not in POLICY_LOSSES:
         register_policy_loss(UNCORRECTED_LOSS, metrics=dict(_BEHAVIOUR_METRICS))(pg_uncorrected_loss)

@@ -1,4 +1,4 @@
-"""What checkpoint digests cost (llamarl/checkpoint_files.py): a real trainer checkpoint of
+"""What checkpoint digests cost (llamarl/runtime/checkpoint_files.py): a real trainer checkpoint of
 SmolLM2-135M (fp32 weights + AdamW state, ``save_sharded_state``) written with and without its
 digests, then verified ``full`` and ``size`` (``verify_checkpoint``), in one invocation, median of
 repeats; the 7B figure is the measured full-verify throughput applied to a 7B checkpoint's bytes.
@@ -25,9 +25,9 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM
 
-from llamarl.checkpoint_files import collect_files, recording, verify_checkpoint
 from llamarl.models.loading import resolve_model_path
-from llamarl.sharded_state import save_sharded_state
+from llamarl.runtime.checkpoint_files import collect_files, recording, verify_checkpoint
+from llamarl.runtime.sharded_state import save_sharded_state
 
 SEVEN_B_PARAMS = 7.6e9  # Qwen2.5-7B
 BYTES_PER_PARAM = 4 + 8  # fp32 master weights + AdamW's two fp32 moments

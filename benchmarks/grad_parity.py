@@ -189,11 +189,13 @@ def llamarl_side(args, out: Path, batch, *, name: str, param_dtype: str, ratio1:
     from safetensors.torch import save_file
     from torch.distributed.tensor import DTensor
 
-    from llamarl.batch import TensorBatch
-    from llamarl.config import AlgoConfig, ModelConfig, TrainerConfig
+    from llamarl.algorithms.config import AlgoConfig
+    from llamarl.executors.config import TrainerConfig
     from llamarl.executors.trainer import TrainerExecutor
+    from llamarl.models.config import ModelConfig
     from llamarl.models.microbatch import sequence_logprobs
-    from llamarl.world import ExecutorContext, ExecutorSpec
+    from llamarl.runtime.batch import TensorBatch
+    from llamarl.runtime.world import ExecutorContext, ExecutorSpec
 
     with socket.socket() as s:  # a one-rank gloo world for the trainer executor, on a fresh port each time
         s.bind(("127.0.0.1", 0))

@@ -66,7 +66,6 @@ from torch.distributed.tensor import DTensor
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from llamarl.boxes import chunk_slice
 from llamarl.models.memory import (
     ActivationCount,
     resolve_activation_checkpointing,
@@ -75,6 +74,7 @@ from llamarl.models.memory import (
 )
 from llamarl.models.sharding import decoder_layers, shard_model
 from llamarl.models.tensor_parallel import apply_tensor_parallel
+from llamarl.runtime.boxes import chunk_slice
 
 GIB = 2**30
 LORA_RANK = 16

@@ -35,7 +35,7 @@ computes the same log-probs as a full ``lm_head`` (less memory, similar time at 
 Measured per optimizer step (generation + scoring + training, excluding checkpoint saves and
 evaluations): steady-state samples/s and completion tokens/s (median over steps after the first
 ``--warmup`` steps). Accuracy: greedy accuracy on the same 100 held-out problems, measured by the
-same code (``llamarl.evaluation.evaluate_policy``) on the policies both sides saved every
+same code (``llamarl.executors.evaluation_loop.evaluate_policy``) on the policies both sides saved every
 ``--eval-every`` steps; time to ``--target`` accuracy is the cumulative step time at the first
 evaluated step that reaches it. The JSON also records ``uptime`` before and after (the machine may
 be shared), the wall time of each side, the exact llamarl command, and where a step's time goes
@@ -71,7 +71,7 @@ sys.path.insert(0, str(REPO))
 
 from llamarl.data.arithmetic import ArithmeticTask
 from llamarl.data.prompts import ARITHMETIC_INSTRUCTION, build_chat_prompt
-from llamarl.evaluation import evaluate_policy, load_policy
+from llamarl.executors.evaluation_loop import evaluate_policy, load_policy
 from llamarl.models.loading import resolve_model_path
 from llamarl.rewards.arithmetic import score
 

@@ -371,7 +371,7 @@ def worker(args) -> None:
     import torch.distributed as dist
     from weight_sync_lora import adapter_counts, add_ratios
 
-    from llamarl.world import ExecutorContext, ExecutorSpec
+    from llamarl.runtime.world import ExecutorContext, ExecutorSpec
 
     trainers, generators, tp = parse_layout(args.layout)
     ctx = ExecutorContext.create([ExecutorSpec("generator", generators), ExecutorSpec("trainer", trainers)],

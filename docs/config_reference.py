@@ -208,7 +208,7 @@ def recipe_configs() -> list[tuple[str, type, dict]]:
     that defines an ``RLConfig`` subclass, sorted by module name; ``presets`` is the module's ``PRESETS`` dict
     (``name -> (description, config instance)``) or ``{}``. Imports every recipe module."""
     import recipes
-    from llamarl.config import RLConfig
+    from llamarl.rl.config import RLConfig
 
     found = []
     for info in sorted(pkgutil.iter_modules(recipes.__path__), key=lambda m: m.name):
@@ -241,7 +241,8 @@ def shown_default(text: str) -> str:
 
 def _section_table(section: Section) -> list[str]:
     title = f"`--{section.path}.*`" if section.path else "top-level flags"
-    lines = [f"### {title} ({section.cls.__name__})", ""]
+    source = section.cls.__module__.replace(".", "/") + ".py"  # where the section is defined: beside its owner
+    lines = [f"### {title} ({section.cls.__name__}, `{source}`)", ""]
     if section.description:
         lines += [_one_line(section.description), ""]
     lines += ["| flag | type | default | description |", "|---|---|---|---|"]
@@ -259,7 +260,7 @@ def _differences(config, baseline: dict[str, tuple[str, Section]]) -> list[tuple
 
 def render_reference() -> str:
     """The whole of ``docs/configuration.md`` (module docstring)."""
-    from llamarl.config import RLConfig
+    from llamarl.rl.config import RLConfig
 
     base = RLConfig()
     base_values = _flag_values(base)
@@ -269,15 +270,16 @@ def render_reference() -> str:
         f"<!-- Generated from the config dataclasses' field docstrings by `{COMMAND}`; do not edit by hand. -->",
         "",
         (f"**Generated** by `{COMMAND}` (or `python docs/config_reference.py > docs/configuration.md`) "
-         "from the docstrings of the config dataclasses (`llamarl/config.py` and each recipe's top config in "
-         "`recipes/`). Edit a field's docstring there and regenerate; `tests/test_docs.py` fails when this "
+         "from the docstrings of the config dataclasses (each section's beside what it configures, as its heading "
+         "says, composed by `llamarl/rl/config.py`; each recipe's top config in `recipes/`). Edit a field's "
+         "docstring there and regenerate; `tests/test_docs.py` fails when this "
          "file is stale or a field has no docstring."),
         "",
         ("Every flag is `--section.field` with the field name in kebab-case (tyro); "
          "`torchrun ... -m recipes.<name> --help` prints the same text for one recipe. Types: `{a, b}` is one "
          "of the listed values, `X | None` also takes `None`; a list takes its values space-separated."),
         "",
-        "## Library sections (`RLConfig`, `llamarl/config.py`)",
+        "## Library sections (`RLConfig`, `llamarl/rl/config.py`)",
         "",
         _one_line(class_docstring(RLConfig)),
         "",
@@ -316,7 +318,7 @@ def render_reference() -> str:
 
 def all_missing_docstrings() -> list[str]:
     """``"<config class>: <flag>"`` for every undocumented flag of RLConfig and every recipe config."""
-    from llamarl.config import RLConfig
+    from llamarl.rl.config import RLConfig
 
     configs = [RLConfig, *(cls for _, cls, _ in recipe_configs())]
     return [f"{cls.__module__}.{cls.__name__}: {flag}" for cls in configs for flag in missing_docstrings(cls())]

@@ -3,8 +3,8 @@ tick of each schedule), the pictures of docs/architecture.md.
 
     .venv/bin/python docs/draw_architecture.py          # rewrites both PNGs beside this file
 
-The pictures are schematic: what they show is taken from llamarl/pipeline.py,
-llamarl/rl/standard_pipeline.py and the tick timelines in llamarl/controller.py's docstring; bar
+The pictures are schematic: what they show is taken from llamarl/run/stages.py,
+llamarl/rl/standard_pipeline.py and the tick timelines in llamarl/run/controller.py's docstring; bar
 lengths in schedules.png are illustrative, not measured (a run's own timeline.png is measured).
 """
 
@@ -77,13 +77,13 @@ def _pipeline_panel(ax):
             "each trainer shard goes straight to the generator ranks holding that slice (static plan, one bucket "
             "per pair)", ha="center", va="center", fontsize=8, color="#990000")
     _box(ax, 0.02, 0.20, 0.96, 0.16, COLOURS["controller"])
-    ax.text(0.5, 0.335, "ExecutorController (llamarl/controller.py): the same SPMD loop on every rank", ha="center",
+    ax.text(0.5, 0.335, "ExecutorController (llamarl/run/controller.py): the same SPMD loop on every rank", ha="center",
             va="top", fontsize=10, weight="bold")
     ax.text(0.5, 0.285, "init; init channels (weights) | each tick: set_step -> next-tick channels -> for each "
             "executor in data order:\nits same-tick inbound channels, then its step() | checkpoint / export when "
             "due | metrics + progress (one WORLD all-reduce)", ha="center", va="top", fontsize=8.5)
     _box(ax, 0.02, 0.02, 0.96, 0.15, COLOURS["world"])
-    ax.text(0.5, 0.15, "ExecutorContext (llamarl/world.py)", ha="center", va="top", fontsize=10, weight="bold")
+    ax.text(0.5, 0.15, "ExecutorContext (llamarl/runtime/world.py)", ha="center", va="top", fontsize=10, weight="bold")
     ax.text(0.5, 0.105, "consecutive rank ranges in stage order; one process group + DeviceMesh per executor (2-D "
             "(dp, tp) when tp > 1),\ncreated once, in the same order, on every rank; nccl on CUDA, gloo on CPU; "
             "channels send point-to-point between their two ends", ha="center", va="top", fontsize=8.5)

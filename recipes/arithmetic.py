@@ -15,10 +15,10 @@ from dataclasses import dataclass
 import tyro
 
 from llamarl.data.prompts import arithmetic_prompt as prompt_fn
-from llamarl.errors import config_errors, parse_flags
 from llamarl.rl import arithmetic_task as library
 from llamarl.rl.arithmetic_task import ArithmeticTaskConfig, arithmetic_task
 from llamarl.rl.standard_pipeline import run_rl
+from llamarl.runtime.errors import config_errors, parse_flags
 
 __all__ = ["ArithmeticConfig", "ArithmeticTaskConfig", "main", "prompt_fn"]
 

@@ -27,12 +27,15 @@ from dataclasses import dataclass, field
 
 import tyro
 
-from llamarl.config import EnvConfig, GeneratorConfig, RLConfig, RunConfig, TrainerConfig
 from llamarl.data.arithmetic import ArithmeticTask
 from llamarl.data.prompts import build_chat_prompt
-from llamarl.errors import config_errors, parse_flags
+from llamarl.environments.config import EnvConfig
+from llamarl.executors.config import GeneratorConfig, TrainerConfig
+from llamarl.rl.config import RLConfig
 from llamarl.rl.standard_pipeline import run_rl
 from llamarl.rl.task import Task
+from llamarl.run.config import RunConfig
+from llamarl.runtime.errors import config_errors, parse_flags
 
 EXAMPLES = (("123", "45"), ("307", "62"))
 

@@ -27,15 +27,14 @@ from typing import ClassVar
 import torch
 import tyro
 
-from llamarl.batch import TensorBatch
-from llamarl.errors import config_errors, parse_flags
-from llamarl.executor import Executor
-from llamarl.executors.reward import set_balance_tokens
-from llamarl.metrics import MetricSpec
-from llamarl.pipeline import Pipeline, Stage
 from llamarl.rl.arithmetic_task import ArithmeticConfig, arithmetic_task
 from llamarl.rl.standard_pipeline import run_rl, stage_before_trainer
 from llamarl.rl.task import Task
+from llamarl.run.stages import Pipeline, Stage
+from llamarl.runtime.batch import TensorBatch, set_balance_tokens
+from llamarl.runtime.errors import config_errors, parse_flags
+from llamarl.runtime.executor import Executor
+from llamarl.runtime.metrics import MetricSpec
 
 
 @dataclass
@@ -97,7 +96,7 @@ def filter_stage(config: DapoFilterConfig) -> Stage:
 
 def dapo_filter_pipeline(config: DapoFilterConfig, task: Task) -> Pipeline:
     """The pipeline for ``--run.schedule`` (``filtered`` same-tick under sync and colocated, as
-    ``scored`` in ``rl_pipeline``; ``scored`` always same-tick: the filter adds no lag): ``run_rl``'s
+    ``scored`` in ``standard_pipeline``; ``scored`` always same-tick: the filter adds no lag): ``run_rl``'s
     ``stages``."""
     return stage_before_trainer(config, filter_stage(config), task=task, reward_output="scored", output="filtered",
                                 title="DAPO filter", summary={})

@@ -36,18 +36,12 @@ from pathlib import Path
 
 import tyro
 
-from llamarl.config import (
-    AlgoConfig,
-    GeneratorConfig,
-    ModelConfig,
-    RewardConfig,
-    RunConfig,
-    TrainerConfig,
-)
+from llamarl.algorithms.config import AlgoConfig
 from llamarl.data.gsm8k import load_gsm8k_jsonl
 from llamarl.data.hub import load_hub_problems
 from llamarl.data.prompts import Problem, build_chat_prompt
-from llamarl.errors import config_errors, parse_flags
+from llamarl.executors.config import GeneratorConfig, RewardConfig, TrainerConfig
+from llamarl.models.config import ModelConfig
 from llamarl.rewards.gsm8k import score  # noqa: F401  the scorer registered as "gsm8k": the task's
 from llamarl.rl.dataset_recipes import (
     DatasetConfig,
@@ -60,6 +54,8 @@ from llamarl.rl.dataset_recipes import (
     split_task,
 )
 from llamarl.rl.standard_pipeline import run_rl
+from llamarl.run.config import RunConfig
+from llamarl.runtime.errors import config_errors, parse_flags
 
 # verl's GSM8K instruction; the scorer reads "#### N" first (then \boxed, "the answer is", last number).
 GSM8K_INSTRUCTION = "Let's think step by step and output the final answer after \"####\"."

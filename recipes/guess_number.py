@@ -29,11 +29,14 @@ from dataclasses import dataclass, field
 
 import tyro
 
-from llamarl.config import EnvConfig, GeneratorConfig, RewardConfig, RLConfig, RunConfig, TrainerConfig
+from llamarl.environments.config import EnvConfig
 from llamarl.environments.guess import GuessNumberTask
-from llamarl.errors import config_errors, parse_flags
+from llamarl.executors.config import GeneratorConfig, RewardConfig, TrainerConfig
+from llamarl.rl.config import RLConfig
 from llamarl.rl.standard_pipeline import run_rl
 from llamarl.rl.task import Task
+from llamarl.run.config import RunConfig
+from llamarl.runtime.errors import config_errors, parse_flags
 
 EXAMPLE = (11, [8, 12, 10, 11])
 """The worked game of the prompt: the secret and a binary search's guesses."""

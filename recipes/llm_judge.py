@@ -40,7 +40,7 @@ large for one would need sharding (FSDP2 as in ``recipes/ref_kl.py``). A judge p
 than ``--judge.max-tokens-per-microbatch`` or the judge's context is not judged: its reward is 0,
 counted as ``judge_too_long`` (a running total per rank) and warned about.
 
-Schedules: ``async`` (default) and ``sync`` deliver as ``rl_pipeline``; the ``ruled`` hop (reward
+Schedules: ``async`` (default) and ``sync`` deliver as ``standard_pipeline``; the ``ruled`` hop (reward
 -> judge) is always same-tick, so the judge adds no lag. ``colocated`` runs every stage, the judge
 included, on every rank (one process suffices).
 
@@ -63,19 +63,18 @@ from typing import ClassVar, Literal
 import torch
 import tyro
 
-from llamarl.batch import TensorBatch
-from llamarl.checkpoint import read_json, write_json
-from llamarl.config_checks import check_model
 from llamarl.data.prompts import build_chat_prompt
-from llamarl.errors import config_errors, parse_flags
-from llamarl.executor import Executor
-from llamarl.executors.reward import set_balance_tokens
-from llamarl.metrics import MetricSpec
 from llamarl.models.loading import load_causal_lm
-from llamarl.pipeline import Pipeline, Stage
 from llamarl.rl.arithmetic_task import ArithmeticConfig, arithmetic_task
+from llamarl.rl.config_checks import check_model
 from llamarl.rl.standard_pipeline import run_rl, stage_before_trainer
 from llamarl.rl.task import Task
+from llamarl.run.stages import Pipeline, Stage
+from llamarl.runtime.batch import TensorBatch, set_balance_tokens
+from llamarl.runtime.checkpoint import read_json, write_json
+from llamarl.runtime.errors import config_errors, parse_flags
+from llamarl.runtime.executor import Executor
+from llamarl.runtime.metrics import MetricSpec
 
 logger = logging.getLogger("llamarl.llm_judge")
 
@@ -373,7 +372,7 @@ def llm_judge_pipeline(config: LLMJudgeConfig, task: Task) -> Pipeline:
     """generator -> reward ("ruled") -> judge ("scored") -> trainer, weights trainer -> generator,
     after ``check_llm_judge``: ``run_rl``'s ``stages``.
 
-    Delivery follows ``--run.schedule`` like ``rl_pipeline`` (``ruled`` always same-tick: the judge
+    Delivery follows ``--run.schedule`` like ``standard_pipeline`` (``ruled`` always same-tick: the judge
     adds no lag); colocated puts every stage, the judge included, on every rank.
     """
     check_llm_judge(config)

@@ -20,17 +20,11 @@ from dataclasses import dataclass, field
 
 import tyro
 
-from llamarl.config import (
-    AlgoConfig,
-    GeneratorConfig,
-    RewardConfig,
-    RunConfig,
-    TrainerConfig,
-)
+from llamarl.algorithms.config import AlgoConfig
 from llamarl.data.hub import load_hub_problems
 from llamarl.data.math import load_math_jsonl, row_to_problem
 from llamarl.data.prompts import Problem, build_chat_prompt
-from llamarl.errors import config_errors, parse_flags
+from llamarl.executors.config import GeneratorConfig, RewardConfig, TrainerConfig
 from llamarl.rewards.math import score  # noqa: F401  the scorer registered as "math": the task's
 from llamarl.rl.dataset_recipes import (
     DatasetConfig,
@@ -42,6 +36,8 @@ from llamarl.rl.dataset_recipes import (
     split_task,
 )
 from llamarl.rl.standard_pipeline import run_rl
+from llamarl.run.config import RunConfig
+from llamarl.runtime.errors import config_errors, parse_flags
 
 # The Qwen2.5-Math / DeepSeek instruction; the scorer reads the last \boxed{} first.
 MATH_INSTRUCTION = "Please reason step by step, and put your final answer within \\boxed{}."

@@ -38,7 +38,7 @@ it started from, so the stage runs on the trainer's ranks (``colocate_with="trai
 ``--ref.num-ranks`` and ``--ref.param-dtype`` then do not apply: it forwards in the trainer's
 precision), reading the trainer's model when it steps, before the trainer in each tick.
 
-Schedules: ``async`` (default) and ``sync`` deliver as ``rl_pipeline`` does, with the extra hop
+Schedules: ``async`` (default) and ``sync`` deliver as ``standard_pipeline`` does, with the extra hop
 ``scored`` (reward -> ref) always same-tick, so the lag of every trained token is the standard
 pipeline's (``--run.async-lag``) and ``--algo.stale-policy wait`` plans with the right one.
 ``colocated`` runs every stage, the reference included, on every rank (one process suffices).
@@ -59,11 +59,11 @@ from dataclasses import dataclass, field
 
 import tyro
 
-from llamarl.errors import config_errors, parse_flags
 from llamarl.executors.reference import REF_METRICS, RefConfig, RefPolicyExecutor, shape_rewards
 from llamarl.rl.arithmetic_task import ArithmeticConfig, arithmetic_task
 from llamarl.rl.reference_stage import REF_HEADLINE, check_ref_kl, ref_kl_pipeline, ref_stage
 from llamarl.rl.standard_pipeline import run_rl
+from llamarl.runtime.errors import config_errors, parse_flags
 
 __all__ = ["REF_HEADLINE", "REF_METRICS", "RefConfig", "RefKLConfig", "RefPolicyExecutor", "check_ref_kl", "main",
            "ref_kl_pipeline", "ref_stage", "shape_rewards"]

@@ -32,7 +32,7 @@
 
 Every reference is resolved before any rank starts: an unknown module or function, a missing
 dataset file, a field no row has, is one line (``llamarl: config error: --flag value: what is
-wrong``) and exit code 2 (through ``torchrun/local.sh``, torchrun never starts: llamarl/preflight.py).
+wrong``) and exit code 2 (through ``torchrun/local.sh``, torchrun never starts: llamarl/runtime/preflight.py).
 """
 
 from __future__ import annotations
@@ -41,16 +41,18 @@ from dataclasses import dataclass, field
 
 import tyro
 
-from llamarl.config import GeneratorConfig, RLConfig, RunConfig, TrainerConfig
-from llamarl.config_checks import check_scorers
 from llamarl.data.problem_list import ListTask
 from llamarl.data.prompts import build_chat_prompt, build_conversation_prompt, conversation_of
 from llamarl.data.task_dataset import load_rows, rows_to_problems, split_heldout, template_fields
-from llamarl.errors import config_errors, parse_flags
+from llamarl.executors.config import GeneratorConfig, TrainerConfig
 from llamarl.executors.reference import RefConfig
+from llamarl.rl.config import RLConfig
+from llamarl.rl.config_checks import check_scorers
 from llamarl.rl.reference_stage import ref_kl_pipeline
 from llamarl.rl.standard_pipeline import run_rl
 from llamarl.rl.task import Task
+from llamarl.run.config import RunConfig
+from llamarl.runtime.errors import config_errors, parse_flags
 
 FLAGS = {"dataset": "--task.dataset", "prompt_field": "--task.prompt-field", "answer_field": "--task.answer-field",
          "prompt_template": "--task.prompt-template"}

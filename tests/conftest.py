@@ -34,7 +34,7 @@ for path in (TESTS, TESTS / "worlds"):
     if str(path) not in sys.path:
         sys.path.insert(0, str(path))
 
-from llamarl.batch import TensorBatch
+from llamarl.runtime.batch import TensorBatch
 
 
 @pytest.fixture(scope="session")

@@ -5,7 +5,7 @@ import json
 import pytest
 import torch
 
-from llamarl.batch import TensorBatch, WireFormatError
+from llamarl.runtime.batch import TensorBatch, WireFormatError
 
 
 def sample_batch() -> TensorBatch:

@@ -10,8 +10,8 @@ sys.path.insert(0, str(Path(__file__).parent))
 from launch import check, run_torchrun
 from worlds.channels_world import make_batch
 
-from llamarl.batch import TensorBatch
 from llamarl.channels.base import balanced_group_partition
+from llamarl.runtime.batch import TensorBatch
 
 
 @pytest.fixture(scope="module")

@@ -1,4 +1,4 @@
-"""Checkpoints under faults (llamarl/checkpoint.py, llamarl/checkpoint_files.py, llamarl/run_identity.py).
+"""Checkpoints under faults (llamarl/runtime/checkpoint.py, llamarl/runtime/checkpoint_files.py, llamarl/runtime/run_identity.py).
 
 End to end, one-process colocated runs of the tiny model (tests/worlds/colocated_runs.py, several
 runs a process): a SIGKILL at each phase of writing a checkpoint (``state``: this rank's files
@@ -26,8 +26,8 @@ import pytest
 sys.path.insert(0, str(Path(__file__).parent))
 from launch import REPO, run_colocated_runs
 
-from llamarl.checkpoint import COMPLETE_MARKER, choose_checkpoint, complete_steps, prune, resume_point
-from llamarl.checkpoint_files import disk_full_error, verify_checkpoint
+from llamarl.runtime.checkpoint import COMPLETE_MARKER, choose_checkpoint, complete_steps, prune, resume_point
+from llamarl.runtime.checkpoint_files import disk_full_error, verify_checkpoint
 
 STEPS = 3
 PHASES = ("state", "rename", "marker", "prune", "archive")
@@ -104,7 +104,7 @@ def faults(tmp_path_factory, model_dir):
     # The launch scripts' preflight refuses it in one process, before torchrun (exit 2, one line).
     (other / "summary.json").unlink()  # as if the allowed run died after its last checkpoint
     procs["preflight"] = subprocess.run(
-        [sys.executable, "-m", "llamarl.preflight", "--world-size", "1", "--", "-m", "recipes.arithmetic",
+        [sys.executable, "-m", "llamarl.runtime.preflight", "--world-size", "1", "--", "-m", "recipes.arithmetic",
          *flags(model_dir, other, "--checkpoint.resume", "latest", "--trainer.lr", "5e-3")],
         cwd=REPO, capture_output=True, text=True, timeout=300, check=False,
         env={**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"})
@@ -259,7 +259,7 @@ def test_a_marked_checkpoint_whose_files_a_deletion_removed_is_not_resumed(fault
 
 
 def test_identity_names_recipe_dataset_and_model_changes(faults, tmp_path):
-    from llamarl.run_identity import check_identity
+    from llamarl.runtime.run_identity import check_identity
 
     out, _ = faults
     marker = json.loads((out["straight_full"] / "checkpoints" / "step_3" / COMPLETE_MARKER).read_text())
@@ -282,7 +282,7 @@ def test_disk_full_error_names_what_is_needed(tmp_path):
 
 
 def test_identity_accepts_a_new_field_at_its_default_and_refuses_a_typo(faults, tmp_path):
-    from llamarl.run_identity import check_identity
+    from llamarl.runtime.run_identity import check_identity
 
     out, _ = faults
     saved = json.loads((out["straight_full"] / "checkpoints" / "step_3" / COMPLETE_MARKER).read_text())["identity"]
@@ -306,7 +306,7 @@ def test_a_finished_run_is_finished_even_if_its_last_checkpoint_is_damaged(fault
 
 
 def test_a_run_directory_is_locked_by_the_job_using_it(tmp_path):
-    from llamarl.run_directory import _lock, release_lock
+    from llamarl.run.directory import _lock, release_lock
 
     _lock(tmp_path)
     with pytest.raises(ValueError, match=f"run directory {tmp_path} is in use by another job \\(pid {os.getpid()}"):

@@ -10,7 +10,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 from launch import check, run_torchrun
 from test_trainer import setup  # noqa: F401 - a fixture: tiny model + batch
 
-from llamarl.checkpoint import (
+from llamarl.runtime.checkpoint import (
     COMPLETE_MARKER,
     archive_after,
     commit_step,

@@ -18,7 +18,6 @@ from test_fused_decode import staggered
 from tiny_model import build_tiny_llama
 from transformers import Qwen2Config
 
-from llamarl.config import RLConfig
 from llamarl.engines.base import EngineSetup, Sleeps
 from llamarl.engines.engine_configs import TorchEngineConfig
 from llamarl.models import memory
@@ -28,6 +27,7 @@ from llamarl.models.colocated_memory import (
     engine_state_bytes,
     kv_state_bytes,
 )
+from llamarl.rl.config import RLConfig
 from llamarl.rl.standard_pipeline import kept_engine_state
 
 GB = 10**9

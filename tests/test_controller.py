@@ -9,7 +9,7 @@ import pytest
 sys.path.insert(0, str(Path(__file__).parent))
 from launch import check, run_torchrun
 
-from llamarl.controller import ExecutorController
+from llamarl.run.controller import ExecutorController
 
 MAX_STEPS = 5
 

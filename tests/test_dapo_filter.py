@@ -18,8 +18,8 @@ sys.path.insert(0, str(Path(__file__).parent / "worlds"))
 from launch import check, run_torchrun
 from taps import read_taps
 
-from llamarl.batch import TensorBatch
 from llamarl.rl.arithmetic_task import arithmetic_task
+from llamarl.runtime.batch import TensorBatch
 from recipes.dapo_filter import DapoFilterConfig, FilterExecutor, dapo_filter_pipeline, zero_signal_groups
 
 

@@ -28,7 +28,7 @@ REFERENCE = re.compile(r"^[ ]{0,3}\[[^\]]+\]:\s*<?(\S+?)>?(?:\s+.*)?$", re.MULTI
 HTML = re.compile(r"\b(?:href|src)\s*=\s*[\"']([^\"']+)[\"']", re.IGNORECASE)
 INLINE_CODE = re.compile(r"(`+)(?:(?!\1).)+?\1", re.DOTALL)
 # A path that leaves the repository, wherever a page writes it (prose, backticks, commands):
-# `../x` (pages write repository paths from the root, `llamarl/world.py`) or this workspace's root.
+# `../x` (pages write repository paths from the root, `llamarl/runtime/world.py`) or this workspace's root.
 OUTSIDE = re.compile(r"(?<![\w.~/])(?:\.\./|/work/)[\w./-]*")
 # Generated from the recipes' configs (tests/test_docs.py keeps it current): its values are the code's.
 GENERATED = {"configuration.md"}

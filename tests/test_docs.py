@@ -17,7 +17,7 @@ DOCS = REPO / "docs"
 PAGES = ("architecture.md", "write_your_own_executor.md")
 
 
-# A path in backticks, as the pages write them: `llamarl/world.py`, `tests/worlds/`, `docs/x.png`.
+# A path in backticks, as the pages write them: `llamarl/runtime/world.py`, `tests/worlds/`, `docs/x.png`.
 PATH = re.compile(r"`((?:llamarl|recipes|tests|docs|benchmarks|torchrun)/[\w./-]*)")
 # A relative markdown link or image target: ](architecture.png).
 LINK = re.compile(r"\]\((?!https?://|#)([^)\s#]+)")
@@ -36,7 +36,7 @@ def test_every_config_field_has_a_docstring():
 
 
 def test_attribute_docstrings_are_inherited_and_sections_nest():
-    from llamarl.config import RLConfig
+    from llamarl.rl.config import RLConfig
     from recipes.arithmetic import ArithmeticConfig
 
     base = {row.flag: row for s in config_reference.config_sections(RLConfig()) for row in s.rows}

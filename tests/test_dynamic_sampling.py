@@ -25,11 +25,13 @@ import torch
 sys.path.insert(0, str(Path(__file__).parent))
 from scorers_for_tests import first_char_even
 
-from llamarl.batch import TensorBatch
-from llamarl.config import AlgoConfig, GeneratorConfig, ModelConfig, RewardConfig
+from llamarl.algorithms.config import AlgoConfig
 from llamarl.data.prompts import Problem
+from llamarl.executors.config import GeneratorConfig, RewardConfig
 from llamarl.executors.dynamic_sampling import DynamicSampling, tied_groups
 from llamarl.executors.generator import GeneratorExecutor
+from llamarl.models.config import ModelConfig
+from llamarl.runtime.batch import TensorBatch
 
 SCORER = "scorers_for_tests:first_char_even"
 SAMPLES, PROMPTS, MAX_REFILL = 2, 3, 3

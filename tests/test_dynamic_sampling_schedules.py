@@ -4,7 +4,7 @@ generator replicas, the trainer and the reward on the third rank) and async lag 
 rollouts in flight. All eight runs share one torchrun world (``tests/worlds/schedule_runs.py``).
 
 Per schedule: a 4-tick run checkpointing at ticks 2 and 4, then the same run resumed from its
-step-2 checkpoint in its own directory (the abandoned ticks are archived, llamarl/run_directory.py).
+step-2 checkpoint in its own directory (the abandoned ticks are archived, llamarl/run/directory.py).
 The resumed ticks must equal the uninterrupted ones: data position, kept / dropped groups and
 refill rounds, reward mean, loss. And dynamic sampling must have worked end to end: some groups
 dropped and refilled, every tick's batch full unless all its rounds ran, and the trainer never

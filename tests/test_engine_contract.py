@@ -12,7 +12,6 @@ import pytest
 import torch
 from tiny_model import build_tiny_llama
 
-from llamarl.config import GeneratorConfig, ModelConfig, RLConfig
 from llamarl.data.prompts import Problem
 from llamarl.engines import base
 from llamarl.engines.base import (
@@ -31,7 +30,10 @@ from llamarl.engines.base import (
 )
 from llamarl.engines.engine_configs import TorchEngineConfig, VLLMEngineConfig
 from llamarl.engines.torch_engine import TorchEngine
+from llamarl.executors.config import GeneratorConfig
 from llamarl.executors.generator import GeneratorExecutor
+from llamarl.models.config import ModelConfig
+from llamarl.rl.config import RLConfig
 
 
 @pytest.fixture

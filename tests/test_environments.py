@@ -15,8 +15,8 @@ from llamarl.engines.base import Request, SamplingParams
 from llamarl.engines.torch_engine import TorchEngine
 from llamarl.environments.base import Turn, register_environment
 from llamarl.environments.calculator import CalculatorEnvironment, evaluate
-from llamarl.environments.episodes import EpisodeRunner
-from llamarl.environments.tools import ToolRunner
+from llamarl.environments.episode_engine import EpisodeRunner
+from llamarl.environments.tool_workers import ToolRunner
 from llamarl.executors.generator import completions_to_batch
 from llamarl.models.loading import load_causal_lm
 
@@ -195,7 +195,7 @@ def test_a_repeated_tool_failure_is_printed_once_and_counted_every_time(caplog):
     lines): one warning per kind of failure, every failure counted."""
     runner = ToolRunner("test_environments:FlakyTools", timeout_s=1.0, num_workers=0)
     try:
-        with caplog.at_level("WARNING", logger="llamarl.environments.tools"):
+        with caplog.at_level("WARNING", logger="llamarl.environments.tool_workers"):
             turns = runner.run([({"n": 0}, "boom="), ({"n": 1}, "boom="), ({"n": 2}, "ab="), ({"n": 3}, "boom=")])
     finally:
         runner.close()

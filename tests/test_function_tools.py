@@ -18,14 +18,13 @@ import pytest
 import torch
 from tools_for_tests import convert, plain_chat_tokenizer, qwen_tokenizer, tiny_qwen2
 
-from llamarl.config import EnvConfig
-from llamarl.config_checks import check_environment
 from llamarl.data.prompts import Problem, build_chat_prompt
 from llamarl.engines.base import Completion, Request, SamplingParams, sampled_mask
 from llamarl.engines.torch_engine import TorchEngine
 from llamarl.environments.base import EnvironmentContractError, Turn, check_tool_schemas
 from llamarl.environments.building import build_environment
-from llamarl.environments.episodes import EpisodeRunner
+from llamarl.environments.config import EnvConfig
+from llamarl.environments.episode_engine import EpisodeRunner
 from llamarl.environments.function_tools import (
     FunctionToolsEnvironment,
     presenting_tools,
@@ -33,8 +32,9 @@ from llamarl.environments.function_tools import (
     tool_observation_format,
     tool_schema,
 )
-from llamarl.environments.tools import ToolRunner
+from llamarl.environments.tool_workers import ToolRunner
 from llamarl.executors.generator import completions_to_batch
+from llamarl.rl.config_checks import check_environment
 
 TOOLS = "tools_for_tests:convert,tools_for_tests:shout"
 CALL = '<tool_call>\n{"name": "convert", "arguments": {"value": 2, "from_unit": "m", "to_unit": "cm"}}\n</tool_call>'

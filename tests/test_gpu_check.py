@@ -160,7 +160,7 @@ def test_tick_configuration_needs_no_tyro(monkeypatch, tmp_path):
 
     from gpu_check import run_child
 
-    import llamarl.run_summary
+    import llamarl.run.summary
     from recipes.arithmetic import ArithmeticConfig
 
     config = ArithmeticConfig()
@@ -171,7 +171,7 @@ def test_tick_configuration_needs_no_tyro(monkeypatch, tmp_path):
     with pytest.raises(ValueError, match="no config field"):
         run_child.apply_overrides(config, {"run.no_such_field": 1})
     saved = {name: sys.modules.get(name) for name in ("tyro", "torch.utils.tensorboard")}
-    monkeypatch.setattr(llamarl.run_summary, "write_timeline_png", llamarl.run_summary.write_timeline_png)
+    monkeypatch.setattr(llamarl.run.summary, "write_timeline_png", llamarl.run.summary.write_timeline_png)
     real = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec",
                         lambda name, *a: None if name in ("tyro", "tensorboard", "matplotlib") else real(name, *a))
@@ -180,7 +180,7 @@ def test_tick_configuration_needs_no_tyro(monkeypatch, tmp_path):
         from torch.utils.tensorboard import SummaryWriter
 
         SummaryWriter(log_dir=str(tmp_path)).add_scalar("x", 1.0, 0)
-        assert llamarl.run_summary.write_timeline_png(tmp_path, []) is None
+        assert llamarl.run.summary.write_timeline_png(tmp_path, []) is None
         with pytest.raises(RuntimeError, match="tyro is not installed"):
             sys.modules["tyro"].cli(ArithmeticConfig)
     finally:

@@ -11,13 +11,13 @@ import torch
 from safetensors.torch import save_file
 from tiny_model import save_tiny_model
 
-from llamarl.config import ExportConfig, RunConfig
 from llamarl.data.hub import load_hub_problems
 from llamarl.data.math import load_math_jsonl
 from llamarl.data.problem_list import ListTask
 from llamarl.data.prompts import Problem, build_chat_prompt
-from llamarl.evaluation import evaluate_policy, load_policy, pass_at_k
+from llamarl.executors.evaluation_loop import evaluate_policy, load_policy, pass_at_k
 from llamarl.rl.dataset_recipes import EvalConfig, prepare_pass_k
+from llamarl.run.config import ExportConfig, RunConfig
 from recipes import gsm8k as gsm8k_recipe
 from recipes import math as math_recipe
 

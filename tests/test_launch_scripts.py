@@ -134,7 +134,7 @@ BAD_SPLIT_LINE = ("llamarl: config error: --generator.num-ranks 5 + at least 1 t
 
 
 def test_a_config_error_through_the_launcher_is_one_line_and_exit_2():
-    """The preflight (llamarl/preflight.py) finds the error in one process: torchrun never starts, so
+    """The preflight (llamarl/runtime/preflight.py) finds the error in one process: torchrun never starts, so
     the job prints exactly the config-error line (no torchrun failure report) and exits 2."""
     proc = script("local.sh", *BAD_SPLIT, env={"NPROC_PER_NODE": "3", "LLAMARL_PREFLIGHT": "1"})
     assert (proc.returncode, proc.stdout, proc.stderr) == (2, "", BAD_SPLIT_LINE)
@@ -153,7 +153,7 @@ def test_preflight_outcomes():
     tyro's own box, once, for a flag tyro rejects; 3 (cannot judge, so the launcher goes on to
     torchrun) for a program that makes its own process group."""
     def preflight(*target):
-        return subprocess.run([sys.executable, "-m", "llamarl.preflight", "--world-size", "3", "--", *target],
+        return subprocess.run([sys.executable, "-m", "llamarl.runtime.preflight", "--world-size", "3", "--", *target],
                               cwd=REPO, capture_output=True, text=True, timeout=120, check=False)
     ok = preflight("-m", "recipes.arithmetic", "--run.max-steps", "1")
     assert (ok.returncode, ok.stdout, ok.stderr) == (0, "", "")
@@ -164,7 +164,7 @@ def test_preflight_outcomes():
 
 
 def test_a_failed_job_ends_on_the_failing_ranks_line_without_torchruns_report(tmp_path):
-    """Issue 50: the launcher's torchrun (llamarl/launch.py) exits with the failing rank's code and
+    """Issue 50: the launcher's torchrun (llamarl/run/launch.py) exits with the failing rank's code and
     adds nothing after its line: no ChildFailedError traceback, no failure report, no agent log. The
     same job under torchrun itself prints all three (what the launcher removes)."""
     program = tmp_path / "fails.py"

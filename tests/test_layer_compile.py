@@ -10,7 +10,7 @@ import pytest
 import torch
 from tiny_model import build_tiny_llama
 
-from llamarl.config import TrainerConfig
+from llamarl.executors.config import TrainerConfig
 from llamarl.executors.trainer_metrics import CompileClock
 from llamarl.models.sharding import checkpoint_layers, compile_layers, decoder_layers, is_compiled
 from llamarl.models.shared_prefix import shared_prefix_logprobs

@@ -3,27 +3,28 @@
 The layers, lowest first (``LAYERS`` below is the rule as data; a module belongs to the layer of
 its longest matching name, and may import its own layer and any lower one):
 
-1. foundation: the payload (``batch``), shard boxes (``boxes``), the name registry, the logger,
-   checkpoint files and sharded state, metrics files, the progress line, the training-sample log
-   and the Weights & Biases logger. They import nothing of
-   llamarl above them, so anything may use them.
+1. ``runtime``: the payload (``batch``), shard boxes (``boxes``), the name registry, the logger,
+   the job's errors, checkpoint files and sharded state, metrics files, the progress line, the
+   training-sample log, a run's identity, the world (ranks, devices, process groups, placement,
+   preflight, liveness, the shared run directory) and the ``Executor`` contract. It imports nothing
+   of llamarl outside its folder (``test_runtime_imports_nothing_above_it``), so anything may use it.
 2. ``data``: problems, prompts, datasets, micro-batch packing, the ``\\boxed{}`` parser.
 3. ``models``: loading, FSDP2 / TP sharding, per-token log-probs, micro-batched forwards,
    in-place weight copies: plain functions of modules and tensors.
 4. ``algorithms``: losses, advantages, the proximal policy (math on log-probs; may use models).
 5. ``engines``: the generation contract and its engines (native, vLLM).
 6. ``rewards`` and ``environments``: scorers, episodes, tools (they read engines' completions).
-7. configuration and evaluation: the dataclass configs (which validate names against the
-   registries below them), the held-out sampling-and-scoring loop.
-8. the world: ranks, devices, process groups, liveness, the job's errors, the ``Executor`` contract,
-   what a configuration implies for a run (``run_plan``, ``config_checks``).
-9. ``channels``: data and weights between executors' ranks (they call models' plain functions and
+7. ``channels``: data and weights between executors' ranks (they call models' plain functions and
    the executors' contract, never an executor).
-10. ``executors``: generator, reward, trainer.
-11. the controller and the pipeline description.
-12. the runner, the standard pipeline and the ``Task`` it runs (with the tasks and stages that
-    several recipes share: arithmetic, the dataset recipes', the reference policy's); above it only
-    ``recipes``, and no recipe imports another (``test_no_recipe_imports_a_recipe``).
+8. ``executors``: generator, reward, trainer, and the held-out sampling-and-scoring loop
+   (``executors.evaluation_loop``).
+9. ``run``: the pipeline described as data (``run.stages``), the controller, the runner and its
+   objects (run directory, evaluations, log, checkpoints, summary, W&B), the launcher.
+10. ``rl``: the standard pipeline and the ``Task`` it runs (with the tasks and stages that several
+    recipes share: arithmetic, the dataset recipes', the reference policy's), the RL configuration
+    (``rl.config``: ``RLConfig`` composing the sections, each defined beside its owner in that
+    folder's ``config.py``), its checks and what it implies for a run; above it only ``recipes``,
+    and no recipe imports another (``test_no_recipe_imports_a_recipe``).
 
 So algorithms, data and models never import channels, executors or the runner. Pure AST: nothing
 here imports the modules it checks. Every import counts, also one inside a function or under
@@ -39,24 +40,16 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 
 LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
-    ("foundation", ("llamarl", "llamarl.batch", "llamarl.boxes", "llamarl.registry", "llamarl.log",
-                    "llamarl.checkpoint", "llamarl.checkpoint_files", "llamarl.run_identity",
-                    "llamarl.sharded_state", "llamarl.metrics", "llamarl.progress",
-                    "llamarl.sample_log", "llamarl.wandb_log")),
+    ("runtime", ("llamarl", "llamarl.runtime")),
     ("data", ("llamarl.data",)),
     ("models", ("llamarl.models",)),
     ("algorithms", ("llamarl.algorithms",)),
     ("engines", ("llamarl.engines",)),
     ("rewards and environments", ("llamarl.rewards", "llamarl.environments")),
-    ("configuration and evaluation", ("llamarl.config", "llamarl.evaluation", "llamarl.eval_history")),
-    ("world", ("llamarl.world", "llamarl.placement", "llamarl.preflight", "llamarl.launch", "llamarl.liveness",
-               "llamarl.shared_dir", "llamarl.errors", "llamarl.executor", "llamarl.run_plan",
-               "llamarl.config_checks")),
     ("channels", ("llamarl.channels",)),
     ("executors", ("llamarl.executors",)),
-    ("controller and pipeline", ("llamarl.controller", "llamarl.pipeline")),
-    ("runner", ("llamarl.runner", "llamarl.run_directory", "llamarl.run_log", "llamarl.run_checkpoints",
-                "llamarl.run_summary", "llamarl.rl")),
+    ("run", ("llamarl.run",)),
+    ("rl", ("llamarl.rl",)),
     ("recipes", ("recipes",)),
 )
 
@@ -90,7 +83,7 @@ def imported_modules(path: Path, module: str, known: set[str]) -> set[str]:
                 target = ".".join(base + ([node.module] if node.module else []))
             else:
                 target = node.module or ""
-            for alias in node.names:  # ``from llamarl import world`` imports the module llamarl.world
+            for alias in node.names:  # ``from llamarl.runtime import world`` imports llamarl.runtime.world
                 found.add(f"{target}.{alias.name}" if f"{target}.{alias.name}" in known else target)
     return {name for name in found if name.split(".")[0] in ("llamarl", "recipes")}
 
@@ -109,6 +102,34 @@ def upward_arrows(root: Path) -> tuple[list[str], list[str]]:
     return unplaced, arrows
 
 
+# What no module of the runtime may import: the layers that build on it (the run, RL, the executors
+# and the channels between them). LAYERS says so too; this names the folders' rule on its own.
+ABOVE_THE_RUNTIME = ("llamarl.rl", "llamarl.run", "llamarl.executors", "llamarl.channels")
+
+
+def runtime_imports_above(root: Path) -> list[str]:
+    """Every import, by a module under ``llamarl/runtime``, of a module in ``ABOVE_THE_RUNTIME``."""
+    paths = {module_name(path, root): path for path in sorted((root / "llamarl").rglob("*.py"))}
+    return [f"{module} imports {target}" for module, path in paths.items()
+            if module.startswith("llamarl.runtime")
+            for target in sorted(imported_modules(path, module, set(paths)))
+            if any(target == name or target.startswith(name + ".") for name in ABOVE_THE_RUNTIME)]
+
+
+def test_runtime_imports_nothing_above_it():
+    assert not (found := runtime_imports_above(ROOT)), "\n".join(found)
+    # The rule bites: the channel imports the controller has (it is in run/, not runtime/) are ones
+    # it would report from the runtime.
+    root = _tree_with("llamarl/runtime/controller.py",
+                      "from llamarl.channels.in_memory import InMemoryChannel\nimport llamarl.run.runner\n")
+    for name in ("llamarl/runtime/__init__.py", "llamarl/channels/__init__.py", "llamarl/channels/in_memory.py",
+                 "llamarl/run/__init__.py", "llamarl/run/runner.py"):
+        (root / name).parent.mkdir(parents=True, exist_ok=True)
+        (root / name).write_text("")
+    assert runtime_imports_above(root) == ["llamarl.runtime.controller imports llamarl.channels.in_memory",
+                                           "llamarl.runtime.controller imports llamarl.run.runner"]
+
+
 def test_layers_point_down_only():
     unplaced, arrows = upward_arrows(ROOT)
     problems = [f"{module} has no layer in tests/test_layers.py's LAYERS" for module in unplaced] + arrows
@@ -117,7 +138,7 @@ def test_layers_point_down_only():
 
 # What a module outside llamarl/engines/ may import of it: the contract, the engines' settings and
 # the shape helpers, never an engine's implementation (issue 47: reading a run's settings built
-# nothing, yet llamarl/config.py imported the native engine and vLLM's wrapper).
+# nothing, yet llamarl/rl/config.py imported the native engine and vLLM's wrapper).
 ENGINE_CONTRACT = ("llamarl.engines", "llamarl.engines.base", "llamarl.engines.engine_configs",
                    "llamarl.engines.static_shapes")
 
@@ -135,10 +156,10 @@ def engine_imports_outside_engines(root: Path) -> list[str]:
 
 def test_no_module_outside_the_engines_imports_an_engine():
     assert not (found := engine_imports_outside_engines(ROOT)), "\n".join(found)
-    # The rule bites: the import llamarl/config.py had is one it reports.
+    # The rule bites: the import the RL config had (llamarl/config.py, before the folders) is one it reports.
     assert engine_imports_outside_engines(_tree_with(
-        "llamarl/config.py", "from llamarl.engines.torch_engine import TorchEngineConfig\n")) == \
-        ["llamarl.config imports llamarl.engines.torch_engine"]
+        "llamarl/rl/config.py", "from llamarl.engines.torch_engine import TorchEngineConfig\n")) == \
+        ["llamarl.rl.config imports llamarl.engines.torch_engine"]
 
 
 def _tree_with(relative: str, text: str) -> Path:
@@ -148,6 +169,7 @@ def _tree_with(relative: str, text: str) -> Path:
     for name in ("llamarl/engines/__init__.py", "llamarl/engines/torch_engine.py", "recipes/__init__.py"):
         (root / name).parent.mkdir(parents=True, exist_ok=True)
         (root / name).write_text("")
+    (root / relative).parent.mkdir(parents=True, exist_ok=True)
     (root / relative).write_text(text)
     return root
 

@@ -107,7 +107,7 @@ def test_torchruns_sigterm_during_a_failure_report_waits_for_the_silent_peer_to_
     must not end the report before the line naming the dead rank (exit 1, not 143)."""
     from types import SimpleNamespace
 
-    from llamarl.controller import ExecutorController
+    from llamarl.run.controller import ExecutorController
 
     def silent_peers():  # torchrun's SIGTERM lands during the heartbeat wait
         os.kill(os.getpid(), signal.SIGTERM)
@@ -143,7 +143,7 @@ def test_silent_peers_names_the_rank_that_stopped_publishing_not_a_live_or_finis
     """What a rank whose barrier failed asks before it exits: which peers went silent."""
     import torch.distributed as dist
 
-    from llamarl.liveness import Heartbeat
+    from llamarl.runtime.liveness import Heartbeat
 
     master = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
     monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")

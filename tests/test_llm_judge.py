@@ -27,9 +27,9 @@ from scorers_for_tests import first_char_even
 from taps import read_taps
 from tiny_model import save_tiny_model
 
-from llamarl.batch import TensorBatch
 from llamarl.data.arithmetic import ArithmeticTask
 from llamarl.models.loading import load_causal_lm
+from llamarl.runtime.batch import TensorBatch
 from recipes.llm_judge import (
     DEFAULT_JUDGE_PROMPT,
     JudgeConfig,

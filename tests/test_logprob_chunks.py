@@ -14,7 +14,7 @@ from test_shared_prefix import TEMPERATURE, _batch
 from tiny_model import build_tiny_llama
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from llamarl.config import TrainerConfig
+from llamarl.executors.config import TrainerConfig
 from llamarl.models.fused_logprobs import HeadLogprobs
 from llamarl.models.logprob_chunks import selected_logprobs
 from llamarl.models.logprobs import completion_logprobs

@@ -19,11 +19,13 @@ sys.path.insert(0, str(Path(__file__).parent))
 from model_families import build_family
 from tiny_model import build_tiny_llama
 
-from llamarl.config import GeneratorConfig, LoraConfig, ModelConfig, RLConfig, TrainerConfig
-from llamarl.config_checks import validate_config
+from llamarl.executors.config import GeneratorConfig, TrainerConfig
+from llamarl.models.config import LoraConfig, ModelConfig
 from llamarl.models.lora import AdapterView, LoraSpec, adapter_parameters, adapters_disabled, checkpoint_name
 from llamarl.models.lora_merge import AdapterMerger
 from llamarl.models.sharding import shard_model
+from llamarl.rl.config import RLConfig
+from llamarl.rl.config_checks import validate_config
 
 IDS = torch.tensor([[5, 17, 3, 99, 42, 7, 64, 12]])
 

@@ -7,8 +7,10 @@ import pytest
 import torch
 
 from llamarl.algorithms.lr_schedule import lr_at
-from llamarl.config import RLConfig, RunConfig, TrainerConfig
+from llamarl.executors.config import TrainerConfig
 from llamarl.executors.trainer import TrainerExecutor
+from llamarl.rl.config import RLConfig
+from llamarl.run.config import RunConfig
 
 
 def test_warmup_then_linear_and_cosine_step_by_step():

@@ -106,7 +106,7 @@ def test_recomputed_prox_is_the_policy_before_the_first_minibatch(worlds):
 
 
 def test_num_minibatches_is_validated():
-    from llamarl.config import TrainerConfig
+    from llamarl.executors.config import TrainerConfig
 
     with pytest.raises(ValueError, match="--trainer.num-minibatches must be >= 1, got 0"):
         TrainerConfig(num_minibatches=0)

@@ -1,5 +1,5 @@
 """Which process group every point-to-point operation of the channels goes through, in a world
-mixing GPU and CPU executors (llamarl/placement.py: ``p2p_group``), checked on CPU.
+mixing GPU and CPU executors (llamarl/runtime/placement.py: ``p2p_group``), checked on CPU.
 
 A mixed world needs GPUs, so here its ranks are threads of one process and ``dist.P2POp`` /
 ``dist.batch_isend_irecv`` are replaced by an in-process transport that records each operation's
@@ -24,11 +24,11 @@ import torch.distributed as dist
 sys.path.insert(0, str(Path(__file__).parent))
 from worlds.channels_world import make_batch
 
-from llamarl.batch import TensorBatch
 from llamarl.channels.base import GATHER, SCATTER, CommunicationChannel
 from llamarl.channels.p2p import exchange
 from llamarl.channels.weights import WeightsChannel
-from llamarl.world import ExecutorContext
+from llamarl.runtime.batch import TensorBatch
+from llamarl.runtime.world import ExecutorContext
 
 GPU_GROUP = SimpleNamespace(name="gpu-only")  # stands for a GPU rank's handle of the GPU-only group
 # The docs' 9-ranks-on-8-GPUs layout, shrunk: generator and trainer on GPUs, the reward on the host.

@@ -37,7 +37,7 @@ def test_consecutive_nonfinite_steps_end_the_run_with_a_clear_message(setup, tmp
 
 
 def test_max_nonfinite_steps_must_be_positive():
-    from llamarl.config import TrainerConfig
+    from llamarl.executors.config import TrainerConfig
 
     with pytest.raises(ValueError, match="--trainer.max-nonfinite-steps must be >= 1, got 0"):
         TrainerConfig(max_nonfinite_steps=0)

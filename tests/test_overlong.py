@@ -4,11 +4,11 @@ paper's eq. 13 by hand, and through the reward executor's scoring (llamarl/execu
 import pytest
 import torch
 
-from llamarl.batch import TensorBatch
-from llamarl.config import RewardConfig
+from llamarl.executors.config import RewardConfig
 from llamarl.executors.reward import score_rollouts
 from llamarl.rewards.overlong import mask_truncated, overlong_penalty
 from llamarl.rewards.pool import RewardPool
+from llamarl.runtime.batch import TensorBatch
 
 
 def test_the_punishment_is_dapos_eq_13():

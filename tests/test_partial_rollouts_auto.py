@@ -2,8 +2,11 @@
 
 import pytest
 
-from llamarl.config import GeneratorConfig, ModelConfig, RLConfig, RunConfig, TrainerConfig
-from llamarl.run_plan import auto_token_budget, plan_run
+from llamarl.executors.config import GeneratorConfig, TrainerConfig
+from llamarl.models.config import ModelConfig
+from llamarl.rl.config import RLConfig
+from llamarl.rl.run_plan import auto_token_budget, plan_run
+from llamarl.run.config import RunConfig
 
 CUDA, CPU = "cuda", "cpu"
 
@@ -24,7 +27,7 @@ def test_auto_budget(config, schedule, device, budget):
 
 
 def test_plan_run_resolves_the_lag_the_longest_sample_and_the_budget(model_dir):
-    """The values the generator runs with, resolved once from several flags (llamarl/run_plan.py)."""
+    """The values the generator runs with, resolved once from several flags (llamarl/rl/run_plan.py)."""
     config = RLConfig(model=ModelConfig(name=str(model_dir)), generator=GeneratorConfig(max_new_tokens=300),
                       trainer=TrainerConfig(max_tokens_per_microbatch=4096, num_minibatches=2),
                       run=RunConfig(schedule="async", async_lag=2))

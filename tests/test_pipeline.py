@@ -8,7 +8,7 @@ import json
 import pytest
 from launch import check, run_torchrun
 
-from llamarl.pipeline import ChannelSpec, Pipeline, Stage
+from llamarl.run.stages import ChannelSpec, Pipeline, Stage
 
 
 def _stage(name, num_ranks=1):
@@ -76,11 +76,11 @@ def test_four_stage_toy_pipeline_runs_through_the_library_entry_point(tmp_path):
 
 
 def test_roles_are_checked_with_the_stage_named():
-    """A weights channel's ends and the evaluator must play their roles (llamarl/executor.py)."""
+    """A weights channel's ends and the evaluator must play their roles (llamarl/runtime/executor.py)."""
     from types import SimpleNamespace
 
     from llamarl.channels.in_memory import InMemoryWeights
-    from llamarl.executor import Executor, check_roles
+    from llamarl.runtime.executor import Executor, check_roles
 
     class Source(Executor):
         version = 0

@@ -1,4 +1,4 @@
-"""Which device each executor gets (llamarl/placement.py), decided from the specs and the node's
+"""Which device each executor gets (llamarl/runtime/placement.py), decided from the specs and the node's
 GPU count alone. These are the decisions every rank takes before the world exists; a world that
 mixes GPU and CPU ranks (NCCL + gloo in each group, host staging between them) needs GPUs to run,
 and no GPU machine was lent to the session that wrote it, so only the decisions and their
@@ -10,11 +10,11 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from llamarl import world
-from llamarl.config import RewardConfig
-from llamarl.pipeline import Pipeline, Stage
-from llamarl.placement import device_kinds, is_mixed, link_device, p2p_group
-from llamarl.world import ExecutorContext, ExecutorSpec, plan_ranks
+from llamarl.executors.config import RewardConfig
+from llamarl.run.stages import Pipeline, Stage
+from llamarl.runtime import world
+from llamarl.runtime.placement import device_kinds, is_mixed, link_device, p2p_group
+from llamarl.runtime.world import ExecutorContext, ExecutorSpec, plan_ranks
 
 
 def kinds(specs, *, world_size, gpus=8, per_node=None, cuda=True):

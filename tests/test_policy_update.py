@@ -10,7 +10,8 @@ import math
 import pytest
 import torch
 
-from llamarl.algorithms.registry import get_policy_loss
+from llamarl.algorithms.config import AlgoConfig
+from llamarl.algorithms.registered import get_policy_loss
 from llamarl.algorithms.update import (
     MINIBATCH_COUNTS,
     PolicyUpdate,
@@ -21,9 +22,8 @@ from llamarl.algorithms.update import (
     normalize_advantages,
     split_minibatches,
 )
-from llamarl.batch import TensorBatch
-from llamarl.config import AlgoConfig
-from llamarl.metrics import MetricSpec
+from llamarl.runtime.batch import TensorBatch
+from llamarl.runtime.metrics import MetricSpec
 
 
 def close(actual, expected, tol=1e-6):

@@ -9,10 +9,10 @@ import torch
 
 from llamarl.algorithms.aggregation import Aggregation, aggregate, token_weights
 from llamarl.algorithms.clip_variants import cispo_loss, dapo_loss, gspo_loss
+from llamarl.algorithms.config import AlgoConfig
 from llamarl.algorithms.losses import decoupled_ppo_loss
 from llamarl.algorithms.mismatch import mismatch_weights
-from llamarl.algorithms.registry import get_advantage, get_policy_loss
-from llamarl.config import AlgoConfig
+from llamarl.algorithms.registered import get_advantage, get_policy_loss
 
 torch.manual_seed(0)
 B, T = 5, 7

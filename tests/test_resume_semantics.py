@@ -1,5 +1,5 @@
-"""What a resume does to its run directory and summary (llamarl/run_directory.py,
-llamarl/run_checkpoints.py): resuming from an older checkpoint archives the abandoned run's later
+"""What a resume does to its run directory and summary (llamarl/run/directory.py,
+llamarl/run/checkpoints.py): resuming from an older checkpoint archives the abandoned run's later
 state; the summary describes the whole run; resuming a finished run does nothing.
 
 One-process colocated runs of the tiny untied model (fast, and deterministic: a resumed run's
@@ -16,8 +16,8 @@ import pytest
 sys.path.insert(0, str(Path(__file__).parent))
 from launch import check, run_torchrun
 
-from llamarl.checkpoint import COMPLETE_MARKER
-from llamarl.checkpoint_files import replace_committed_file
+from llamarl.runtime.checkpoint import COMPLETE_MARKER
+from llamarl.runtime.checkpoint_files import replace_committed_file
 
 STEPS = 3
 
@@ -146,7 +146,7 @@ def test_resuming_a_finished_run_does_nothing(tmp_path, model_dir, finished):
     proc = run(model_dir, out, "--checkpoint.resume", "latest")
     assert f"run already finished at step {STEPS} ({out / 'summary.json'}); nothing to do" in proc.stdout
     # No evaluation, export, checkpoint or summary is made again: not a file changed or added (but
-    # the run directory's lock, which every job takes: llamarl/run_directory.py).
+    # the run directory's lock, which every job takes: llamarl/run/directory.py).
     after = {p: p.stat().st_mtime_ns for p in out.rglob("*") if p.is_file() and p.name != ".lock"}
     assert after == {p: t for p, t in before.items() if p.name != ".lock"}
 
@@ -154,8 +154,8 @@ def test_resuming_a_finished_run_does_nothing(tmp_path, model_dir, finished):
 def test_only_the_newest_checkpoint_of_an_ended_run_with_its_step_count_is_finished(tmp_path):
     """Without a checkpoint at the last step (every 3 of 10 ticks), ``latest`` of an ended run is
     finished too; an older checkpoint, another run's, or more steps than the summary's train on."""
-    from llamarl.checkpoint import commit_step, partial_dir
-    from llamarl.checkpoint import finished_summary as _finished_summary
+    from llamarl.runtime.checkpoint import commit_step, partial_dir
+    from llamarl.runtime.checkpoint import finished_summary as _finished_summary
 
     run_dir = tmp_path / "run"
     for step in (6, 9):

@@ -13,13 +13,13 @@ import textwrap
 import pytest
 import torch
 
-from llamarl.batch import TensorBatch
-from llamarl.config import RewardConfig
-from llamarl.config_checks import check_scorers
 from llamarl.data.prompts import Problem, conversation_of
 from llamarl.data.task_dataset import Rows, rows_to_problems
+from llamarl.executors.config import RewardConfig
 from llamarl.executors.reward import build_pool, group_chunks, score_rollouts
 from llamarl.rewards.funcs import FuncsScore, RewardFuncs
+from llamarl.rl.config_checks import check_scorers
+from llamarl.runtime.batch import TensorBatch
 
 USER_FUNCS = '''
 CALLS = []

@@ -208,8 +208,8 @@ def test_pool_counters_continue_from_a_checkpoint(tests_importable):
 def test_score_rollouts_marks_groups_without_signal_for_balancing(tests_importable):
     import torch
 
-    from llamarl.batch import TensorBatch
     from llamarl.executors.reward import score_rollouts
+    from llamarl.runtime.batch import TensorBatch
 
     batch = TensorBatch({"group_ids": torch.tensor([4, 4, 7, 7]), "num_tokens": torch.tensor([5, 6, 7, 8]),
                          "completion_len": torch.tensor([1, 2, 3, 4])})

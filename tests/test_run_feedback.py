@@ -10,8 +10,9 @@ import logging
 import pytest
 import tyro
 
-from llamarl.config import LoraConfig, TrainerConfig
-from llamarl.run_identity import run_identity
+from llamarl.executors.config import TrainerConfig
+from llamarl.models.config import LoraConfig
+from llamarl.runtime.run_identity import run_identity
 
 
 def _parsed(args: list[str]):
@@ -98,7 +99,7 @@ def test_an_evaluation_draws_a_progress_bar(capsys):
 
     from llamarl.data.prompts import Problem
     from llamarl.engines.base import SamplingParams
-    from llamarl.evaluation import score_samples
+    from llamarl.executors.evaluation_loop import score_samples
 
     class Echo:  # an engine answering each request with its prompt's ids
         def generate(self, requests, *, sampling, version):
@@ -121,7 +122,7 @@ def test_the_tick_line_counts_ticks_as_the_files_do():
     ~time left)``; the seconds a tick leave the first tick (start-up) out once others exist."""
     import torch
 
-    from llamarl.progress import Progress, duration_text
+    from llamarl.runtime.progress import Progress, duration_text
 
     progress = Progress(keys=[], max_steps=10, start_step=2, rank=0, device=torch.device("cpu"), use_bar=False)
     progress.tick_seconds = [30.0, 2.0, 4.0]
@@ -137,7 +138,7 @@ def test_tools_on_a_tokenizer_without_a_chat_template_fail_before_any_model_load
     model's character tokenizer lacks (that it splits ``</tool_call>`` into 12 tokens is fine: a call
     turn ends at EOS): the whole-config check (every rank, before the world) says so in one line
     from the tokenizer alone, where the generator found it after loading the model."""
-    from llamarl.config_checks import validate_config
+    from llamarl.rl.config_checks import validate_config
 
     config = _parsed(["--model.name", str(model_dir), "--env.tools", "tools_for_tests:shout"])
     with pytest.raises(ValueError) as info:
@@ -178,7 +179,7 @@ def test_a_tick_whose_every_tool_call_failed_warns_once(caplog):
     ones do not (the progress line's ``tool_err=`` shows each)."""
     import torch
 
-    from llamarl.progress import Progress
+    from llamarl.runtime.progress import Progress
 
     progress = Progress(keys=[], max_steps=5, start_step=0, rank=0, device=torch.device("cpu"), use_bar=False)
     with caplog.at_level(logging.WARNING, logger="llamarl.progress"):

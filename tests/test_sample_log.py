@@ -10,9 +10,9 @@ import torch
 from conftest import read_jsonl
 from launch import check, run_colocated_runs
 
-from llamarl.batch import TensorBatch
-from llamarl.progress import progress_text
-from llamarl.sample_log import sample_rows, turns_of
+from llamarl.runtime.batch import TensorBatch
+from llamarl.runtime.progress import progress_text
+from llamarl.runtime.sample_log import sample_rows, turns_of
 
 ENV = {"LLAMARL_TEST_SCORER": "scorers_for_tests:first_char_even"}
 

@@ -12,9 +12,9 @@ import torch
 from conftest import load_benchmark
 from tiny_model import build_tiny_llama
 
-from llamarl.boxes import chunk_slice
 from llamarl.models.memory import saved_activation_bytes
 from llamarl.models.sharding import shard_model
+from llamarl.runtime.boxes import chunk_slice
 
 scaling = load_benchmark("scaling")
 LAYOUTS, layout_memory, markdown_table = scaling.LAYOUTS, scaling.layout_memory, scaling.markdown_table

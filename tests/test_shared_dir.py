@@ -1,4 +1,4 @@
-"""The start-up check that every rank sees the same run directory (llamarl/shared_dir.py), in a
+"""The start-up check that every rank sees the same run directory (llamarl/runtime/shared_dir.py), in a
 real 3-rank gloo world (this file is also that world's script): a shared directory passes and
 leaves nothing behind; a rank whose directory is its own (a node-local disk) makes every rank
 raise the same one-line error naming that rank."""
@@ -23,7 +23,7 @@ def world_main() -> None:
     import torch
     import torch.distributed as dist
 
-    from llamarl.shared_dir import check_shared_run_dir
+    from llamarl.runtime.shared_dir import check_shared_run_dir
 
     parser = argparse.ArgumentParser()
     parser.add_argument("--base", type=Path, required=True)

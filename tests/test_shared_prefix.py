@@ -10,10 +10,10 @@ import torch
 from conftest import rows_batch
 from tiny_model import build_tiny_llama
 
-from llamarl.batch import TensorBatch
 from llamarl.models.logprobs import completion_logprobs
 from llamarl.models.microbatch import microbatch_inputs, plan_microbatches
 from llamarl.models.shared_prefix import context_groups, shared_prefix_logprobs, supports
+from llamarl.runtime.batch import TensorBatch
 
 TEMPERATURE = 0.7
 

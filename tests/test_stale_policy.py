@@ -26,11 +26,13 @@ import torch
 sys.path.insert(0, str(Path(__file__).parent))
 from launch import check, run_torchrun
 
-from llamarl.batch import TensorBatch
-from llamarl.config import AlgoConfig, GeneratorConfig, ModelConfig
+from llamarl.algorithms.config import AlgoConfig
 from llamarl.data.prompts import Problem
 from llamarl.engines.engine_configs import TorchEngineConfig
+from llamarl.executors.config import GeneratorConfig
 from llamarl.executors.generator import GeneratorExecutor
+from llamarl.models.config import ModelConfig
+from llamarl.runtime.batch import TensorBatch
 
 WORLD = "../" + Path(__file__).name  # run_torchrun resolves scripts under tests/worlds/
 SAMPLES = 2
@@ -130,9 +132,9 @@ def world_main() -> None:
     """
     import argparse
 
-    from llamarl.config import TrainerConfig
+    from llamarl.executors.config import TrainerConfig
     from llamarl.executors.trainer import TrainerExecutor
-    from llamarl.world import ExecutorContext, ExecutorSpec
+    from llamarl.runtime.world import ExecutorContext, ExecutorSpec
 
     parser = argparse.ArgumentParser(description="generator and trainer in one pipeline (test_stale_policy.py)")
     parser.add_argument("--model-dir", required=True)

@@ -257,8 +257,8 @@ class SplitStopEnv:
 def test_an_environment_stop_text_of_several_tokens_ends_the_turn_as_a_stop_string(model, monkeypatch):
     from llamarl.data.prompts import Problem
     from llamarl.environments.base import observation_ids
-    from llamarl.environments.episodes import EpisodeRunner
-    from llamarl.environments.tools import ToolRunner
+    from llamarl.environments.episode_engine import EpisodeRunner
+    from llamarl.environments.tool_workers import ToolRunner
 
     reference = run(native(model), SamplingParams(temperature=0.0, max_new_tokens=NEW))
     stop = cases_of(reference)["spread"]
@@ -283,8 +283,8 @@ def test_a_turn_the_budget_cuts_is_marked_truncated_and_maskable(model, monkeypa
     episode is marked truncated; ``mask_truncated`` zeroes the loss mask of that turn only."""
     from llamarl.data.prompts import Problem
     from llamarl.environments.base import observation_ids
-    from llamarl.environments.episodes import EpisodeRunner
-    from llamarl.environments.tools import ToolRunner
+    from llamarl.environments.episode_engine import EpisodeRunner
+    from llamarl.environments.tool_workers import ToolRunner
 
     reference = run(native(model), SamplingParams(temperature=0.0, max_new_tokens=NEW))
     monkeypatch.setattr(SplitStopEnv, "stop", cases_of(reference)["spread"])

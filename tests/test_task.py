@@ -7,13 +7,13 @@ import dataclasses
 import pytest
 
 import llamarl.rl.task as task_module
-from llamarl.config import RewardConfig
 from llamarl.data.prompts import Problem, arithmetic_prompt
+from llamarl.executors.config import RewardConfig
 from llamarl.rewards import arithmetic, gsm8k
 from llamarl.rl.arithmetic_task import ArithmeticConfig, arithmetic_task
 from llamarl.rl.standard_pipeline import evaluation_score
 from llamarl.rl.task import Task
-from llamarl.run_identity import dataset_fingerprint
+from llamarl.runtime.run_identity import dataset_fingerprint
 
 
 def test_the_scorer_reference_is_resolved_once(monkeypatch):

@@ -27,9 +27,9 @@ from pathlib import Path
 import pytest
 from conftest import read_jsonl
 
-from llamarl.config import RewardConfig
-from llamarl.config_checks import check_scorers
 from llamarl.data.task_dataset import load_rows, rows_to_problems, split_heldout
+from llamarl.executors.config import RewardConfig
+from llamarl.rl.config_checks import check_scorers
 
 REPO = Path(__file__).resolve().parents[1]
 DOC = REPO / "docs" / "your_own_task.md"
@@ -351,7 +351,7 @@ def test_the_docs_tool_task_runs_as_written(units, qwen_dir):
 def default_model() -> Path:
     """SmolLM2-135M-Instruct's converted directory (the default ``--model.name``); the test skips
     where it is not converted (no network here to make it)."""
-    from llamarl.config import ModelConfig
+    from llamarl.models.config import ModelConfig
     from llamarl.models.loading import resolve_source
 
     try:

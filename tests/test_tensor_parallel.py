@@ -21,11 +21,11 @@ from launch import check, run_torchrun
 from tiny_model import build_tiny_llama, save_tiny_model
 from worlds.tp_world import PROMPTS, VERSION
 
-from llamarl.config import GeneratorConfig
 from llamarl.data.prompts import Problem
+from llamarl.executors.config import GeneratorConfig
 from llamarl.executors.generator import GeneratorExecutor
 from llamarl.models.tensor_parallel import apply_tensor_parallel
-from llamarl.world import ExecutorContext, ExecutorSpec, plan_ranks, tp_grid
+from llamarl.runtime.world import ExecutorContext, ExecutorSpec, plan_ranks, tp_grid
 
 COLUMN = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj")
 ROW = ("o_proj", "down_proj")

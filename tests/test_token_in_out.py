@@ -1,6 +1,6 @@
 """Token in, token out, guaranteed (issue 49, item 4): a property test over real chat templates.
 
-The trained ids of a multi-turn tool episode (llamarl/environments/episodes.py) are the ids the
+The trained ids of a multi-turn tool episode (llamarl/environments/episode_engine.py) are the ids the
 engine sampled, in order, never a re-tokenisation of the transcript; the ids between them are the
 observations, exactly the ids the chat template renders for the tool messages (from the end of
 the call message to the next assistant header, the contract of llamarl/environments/function_tools.py),
@@ -44,10 +44,10 @@ from llamarl.engines.base import (
 )
 from llamarl.engines.stop_text import TextStops
 from llamarl.environments.building import build_environment
-from llamarl.environments.episodes import EpisodeRunner
+from llamarl.environments.episode_engine import EpisodeRunner
 from llamarl.environments.function_tools import DEFAULT_TOOLS_SYSTEM, presenting_tools, tools_reference
 from llamarl.environments.tool_formats import ToolCall, choose_tool_format
-from llamarl.environments.tools import ToolRunner
+from llamarl.environments.tool_workers import ToolRunner
 from llamarl.executors.generator import completions_to_batch
 
 TEMPLATES = Path(__file__).parent / "chat_templates"

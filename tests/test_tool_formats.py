@@ -15,10 +15,9 @@ from types import SimpleNamespace
 import pytest
 from tools_for_tests import plain_chat_tokenizer, qwen_tokenizer
 
-from llamarl.config import EnvConfig
-from llamarl.config_checks import check_environment
 from llamarl.environments.base import Turn
 from llamarl.environments.building import build_environment
+from llamarl.environments.config import EnvConfig
 from llamarl.environments.function_tools import tool_observation, tool_observation_segments, tools_reference
 from llamarl.environments.tool_formats import (
     TOOL_FORMATS,
@@ -27,7 +26,8 @@ from llamarl.environments.tool_formats import (
     choose_tool_format,
     register_tool_format,
 )
-from llamarl.environments.tools import ToolRunner
+from llamarl.environments.tool_workers import ToolRunner
+from llamarl.rl.config_checks import check_environment
 
 TOOLS = "tools_for_tests:convert,tools_for_tests:shout"
 CONVERT = ToolCall("convert", {"value": 2, "from_unit": "m", "to_unit": "cm"})
@@ -178,7 +178,7 @@ def test_the_default_models_tokenizer_takes_tools_though_it_splits_the_tags():
     from model_families import chat_tokenizer
 
     from llamarl.environments.base import observation_ids
-    from llamarl.environments.episodes import EpisodeRunner
+    from llamarl.environments.episode_engine import EpisodeRunner
 
     tokenizer = chat_tokenizer()
     assert len(observation_ids(tokenizer, "</tool_call>")) > 1

@@ -160,8 +160,8 @@ def test_a_loss_registered_by_user_code_is_used_with_its_declared_reductions(set
 
 
 def test_unknown_names_list_the_registered_ones():
-    from llamarl.algorithms.registry import get_advantage, get_policy_loss, register_policy_loss
-    from llamarl.config import AlgoConfig
+    from llamarl.algorithms.config import AlgoConfig
+    from llamarl.algorithms.registered import get_advantage, get_policy_loss, register_policy_loss
 
     with pytest.raises(ValueError, match=r"unknown policy loss 'nope'; registered: aipo, cispo, dapo, "
                                          r"decoupled_ppo, gspo, gspo_token, ppo"):
@@ -198,7 +198,8 @@ def test_max_staleness_drops_rows_counts_them_and_reports_staleness_over_kept_to
 
 
 def test_top_p_and_top_k_are_refused_for_training():
-    from llamarl.config import GeneratorConfig, RLConfig
+    from llamarl.executors.config import GeneratorConfig
+    from llamarl.rl.config import RLConfig
 
     with pytest.raises(ValueError, match="--generator.top-p 0.9 / --generator.top-k 0: training needs"):
         RLConfig(generator=GeneratorConfig(top_p=0.9))

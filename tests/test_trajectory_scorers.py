@@ -9,9 +9,9 @@ import pytest
 
 from llamarl.data.prompts import Problem
 from llamarl.engines.base import Completion, Request, SamplingParams, sampled_mask
-from llamarl.environments.episodes import EpisodeRunner
+from llamarl.environments.episode_engine import EpisodeRunner
 from llamarl.environments.guess import GuessNumberEnvironment, GuessNumberTask, guess_reward
-from llamarl.environments.tools import ToolRunner
+from llamarl.environments.tool_workers import ToolRunner
 from llamarl.executors.generator import completions_to_batch
 from llamarl.executors.reward import score_rollouts
 from llamarl.rewards.pool import RewardPool

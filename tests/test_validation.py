@@ -16,21 +16,17 @@ from huggingface_hub import constants as hf_constants
 sys.path.insert(0, str(Path(__file__).parent))
 from launch import REPO, run_torchrun
 
-from llamarl import errors
-from llamarl.config import (
-    AlgoConfig,
-    GeneratorConfig,
-    ModelConfig,
-    RewardConfig,
-    RLConfig,
-    RunConfig,
-    TrainerConfig,
-)
-from llamarl.config_checks import validate_config
-from llamarl.controller import ExecutorController
+from llamarl.algorithms.config import AlgoConfig
 from llamarl.engines.engine_configs import TorchEngineConfig, VLLMEngineConfig
-from llamarl.rl.standard_pipeline import rl_pipeline
+from llamarl.executors.config import GeneratorConfig, RewardConfig, TrainerConfig
+from llamarl.models.config import ModelConfig
+from llamarl.rl.config import RLConfig
+from llamarl.rl.config_checks import validate_config
+from llamarl.rl.standard_pipeline import standard_pipeline
 from llamarl.rl.task import Task
+from llamarl.run.config import RunConfig
+from llamarl.run.controller import ExecutorController
+from llamarl.runtime import errors
 
 
 def config(model_dir, tmp_path, **sections):
@@ -97,9 +93,9 @@ def test_rloo_needs_groups_and_the_split_needs_ranks(model_dir, tmp_path):
                                generator=GeneratorConfig(samples_per_prompt=1)))
     with pytest.raises(ValueError, match=r"^--generator.num-ranks 1 \+ --reward.num-ranks 1 \+ at least 1 trainer rank "
                                          r"= 3 > the world size 2 .*or use --run.schedule colocated$"):
-        rl_pipeline(config(model_dir, tmp_path, reward=RewardConfig(num_ranks=1)), Task(None, scorer="arithmetic")).specs(2)
+        standard_pipeline(config(model_dir, tmp_path, reward=RewardConfig(num_ranks=1)), Task(None, scorer="arithmetic")).specs(2)
     # The reward on the trainer's ranks (the default): a generator rank and a trainer rank suffice.
-    pipeline = rl_pipeline(config(model_dir, tmp_path), Task(None, scorer="arithmetic"))
+    pipeline = standard_pipeline(config(model_dir, tmp_path), Task(None, scorer="arithmetic"))
     assert [(s.name, s.num_ranks) for s in pipeline.specs(2)] == [("generator", 1), ("trainer", 1), ("reward", 1)]
     with pytest.raises(ValueError, match=r"^--generator.num-ranks 1 \+ at least 1 trainer rank = 2 > the world size 1"):
         pipeline.specs(1)

@@ -500,8 +500,8 @@ def test_an_episode_on_vllm_equals_the_native_engines(engine, hf_model):
     from envs_for_tests import StopAtText
     from tiny_model import tiny_tokenizer
 
-    from llamarl.environments.episodes import EpisodeRunner
-    from llamarl.environments.tools import ToolRunner
+    from llamarl.environments.episode_engine import EpisodeRunner
+    from llamarl.environments.tool_workers import ToolRunner
 
     engine.load_weights(hf_model.named_parameters())  # earlier tests may have loaded other weights
     tokenizer = tiny_tokenizer()

@@ -11,7 +11,7 @@ import struct
 from conftest import read_jsonl
 from launch import REPO, check, run_colocated_runs
 
-from llamarl.wandb_log import RUN_ID_FILE, TABLE_COLUMNS, rollout_rows, run_id
+from llamarl.run.wandb_log import RUN_ID_FILE, TABLE_COLUMNS, rollout_rows, run_id
 
 ENV = {"LLAMARL_TEST_SCORER": "scorers_for_tests:first_char_even"}
 

@@ -21,8 +21,8 @@ from tiny_model import build_tiny_llama
 from tp_layout import llama_tp_slices
 from worlds.weights_world import BUCKET_MB, ERROR_CASES, LORA, SIZES, cases, lora_cases
 
-from llamarl.boxes import chunk_slice
 from llamarl.channels.ddma_plan import build_plan
+from llamarl.runtime.boxes import chunk_slice
 
 # Split name -> (trainer ranks, generator ranks); the first one spans the whole world.
 WORLDS = {"3->2": (3, 2), "2->1": (2, 1), "1->2": (1, 2), "1->1": (1, 1)}

@@ -16,7 +16,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from llamarl.batch import (
+from llamarl.channels.base import BROADCAST, CommunicationChannel
+from llamarl.runtime.batch import (
     MAX_DATA_BYTES,
     MAX_HEADER_BYTES,
     MAX_METADATA_DEPTH,
@@ -24,8 +25,7 @@ from llamarl.batch import (
     WireFormatError,
     check_wire_sizes,
 )
-from llamarl.channels.base import BROADCAST, CommunicationChannel
-from llamarl.world import ExecutorContext
+from llamarl.runtime.world import ExecutorContext
 
 SOURCE = "channel 'rollouts' from rank 3"
 

@@ -3,7 +3,7 @@
 import pytest
 import torch.distributed as dist
 
-from llamarl.world import ExecutorContext, ExecutorSpec, plan_ranks
+from llamarl.runtime.world import ExecutorContext, ExecutorSpec, plan_ranks
 
 
 def test_plan_assigns_consecutive_ranges_in_order():

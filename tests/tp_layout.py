@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from llamarl.boxes import chunk_slice
+from llamarl.runtime.boxes import chunk_slice
 
 
 def llama_tp_slices(model: torch.nn.Module, *, tp_rank: int, tp_size: int) -> dict[str, tuple[int, int, int]]:

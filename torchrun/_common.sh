@@ -41,8 +41,8 @@ parse_common_args() {
   if [[ -n "${TORCHRUN:-}" ]]; then
     read -r -a TORCHRUN_CMD <<< "$TORCHRUN"
   elif [[ -x "$here/.venv/bin/python" ]]; then
-    # torchrun itself, ending a failed job on the failing rank's own line (llamarl/launch.py).
-    TORCHRUN_CMD=("$here/.venv/bin/python" -m llamarl.launch)
+    # torchrun itself, ending a failed job on the failing rank's own line (llamarl/run/launch.py).
+    TORCHRUN_CMD=("$here/.venv/bin/python" -m llamarl.run.launch)
   elif [[ -x "$here/.venv/bin/torchrun" ]]; then
     TORCHRUN_CMD=("$here/.venv/bin/torchrun")
   else
@@ -58,7 +58,7 @@ parse_common_args() {
   fi
 }
 
-# Check the recipe's configuration once, in one process, before torchrun starts (llamarl/preflight.py):
+# Check the recipe's configuration once, in one process, before torchrun starts (llamarl/runtime/preflight.py):
 # a configuration error is then the job's only output (one line, exit 2). Skipped for --dry-run,
 # --help and LLAMARL_PREFLIGHT=0. Args: the job's world size, then torchrun's program and its args.
 preflight() {
@@ -68,9 +68,9 @@ preflight() {
   for arg in "$@"; do [[ "$arg" == -h || "$arg" == --help ]] && return 0; done
   local rc=0
   if [[ "${PREFLIGHT_QUIET:-0}" == 1 ]]; then
-    "$PREFLIGHT_PY" -m llamarl.preflight --world-size "$world_size" -- "$@" >/dev/null 2>&1 || rc=$?
+    "$PREFLIGHT_PY" -m llamarl.runtime.preflight --world-size "$world_size" -- "$@" >/dev/null 2>&1 || rc=$?
   else
-    "$PREFLIGHT_PY" -m llamarl.preflight --world-size "$world_size" -- "$@" || rc=$?
+    "$PREFLIGHT_PY" -m llamarl.runtime.preflight --world-size "$world_size" -- "$@" || rc=$?
   fi
   if [[ "$rc" == 2 ]]; then exit 2; fi
   return 0

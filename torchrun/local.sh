@@ -11,7 +11,7 @@ RECIPE is a module (recipes.gsm8k) or a Python file (path/to/script.py); the res
 
 Variables:
   NPROC_PER_NODE   processes on this node (default: the number of GPUs, else 3)
-  TORCHRUN         the torchrun to use (default: `.venv/bin/python -m llamarl.launch`, torchrun with a
+  TORCHRUN         the torchrun to use (default: `.venv/bin/python -m llamarl.run.launch`, torchrun with a
                    failed job's output ending on the failing rank's own line; else torchrun on PATH)
   OMP_NUM_THREADS  threads per process (default 1; the recipes set their own per executor)
   EXTRA_TORCHRUN_ARGS  more torchrun flags, e.g. "--max-restarts 1"
@@ -19,7 +19,7 @@ Variables:
 --dry-run prints the torchrun command instead of running it.
 
 Before torchrun starts, the recipe's configuration is checked once in one process
-(llamarl/preflight.py): a configuration error is printed as one line and the script exits 2
+(llamarl/runtime/preflight.py): a configuration error is printed as one line and the script exits 2
 without starting torchrun. LLAMARL_PREFLIGHT=0 skips the check.
 
 Examples:

@@ -23,7 +23,7 @@ Variables (optional):
   TORCHRUN, OMP_NUM_THREADS, EXTRA_TORCHRUN_ARGS   as in torchrun/local.sh
 
 --dry-run prints the torchrun command instead of running it. Before torchrun starts, every node
-checks the recipe's configuration once (llamarl/preflight.py; the first node prints an error, as one
+checks the recipe's configuration once (llamarl/runtime/preflight.py; the first node prints an error, as one
 line, and every node exits 2); LLAMARL_PREFLIGHT=0 skips the check.
 
 Example (two 8-GPU nodes, run on both):

@@ -71,9 +71,9 @@ def install_shims() -> list[str]:
         sys.modules["torch.utils.tensorboard"] = board
         shims.append("tensorboard")
     if importlib.util.find_spec("matplotlib") is None:
-        import llamarl.run_summary
+        import llamarl.run.summary
 
-        llamarl.run_summary.write_timeline_png = lambda run_dir, spans, **kwargs: None
+        llamarl.run.summary.write_timeline_png = lambda run_dir, spans, **kwargs: None
         shims.append("matplotlib")
     return shims
 

@@ -55,7 +55,7 @@ def make_batch(sizes: Sizes, *, groups: int, vocab: int, seed: int = 0):
     ... within each group."""
     import torch
 
-    from llamarl.batch import TensorBatch
+    from llamarl.runtime.batch import TensorBatch
 
     size, prompt, completion = sizes.train_group_size, sizes.train_prompt_tokens, sizes.train_completion_tokens
     rows, width = groups * size, prompt + completion
@@ -92,7 +92,7 @@ def random_weights(shape: str, device: str):
 
 def world(device: str):
     """A world of one rank, this process (gloo on the CPU, NCCL on a GPU): the trainer's context."""
-    from llamarl.world import ExecutorContext, ExecutorSpec
+    from llamarl.runtime.world import ExecutorContext, ExecutorSpec
 
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -107,8 +107,10 @@ def world(device: str):
 def make_trainer(ctx, shape: str, method: str, sizes: Sizes, weights_dir: Path, *, compiled: bool = False):
     """llamarl's ``TrainerExecutor`` on a random-init ``shape``, ``init``-ed (module docstring);
     ``compiled``: ``--trainer.compile layers`` (inductor; the smoke's CPU: the ``eager`` backend)."""
-    from llamarl.config import AlgoConfig, LoraConfig, ModelConfig, TrainerConfig
+    from llamarl.algorithms.config import AlgoConfig
+    from llamarl.executors.config import TrainerConfig
     from llamarl.executors.trainer import TrainerExecutor
+    from llamarl.models.config import LoraConfig, ModelConfig
 
     lora = method == "lora"
     # LoRA: the base is stored in param_dtype whatever --model.dtype, the adapters in fp32 (_adapt):

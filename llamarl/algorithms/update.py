@@ -19,7 +19,7 @@ Everything here is local to one rank and runs without a process group. In the or
    mask), then ``minibatch_counts`` (the rows to forward, ``forwarded_rows``: a loss token and
    ``A != 0``, and this rank's counts, summed over ranks by the trainer into ``MINIBATCH_COUNTS``);
 4. per micro-batch: ``PolicyUpdate.loss_on`` (the proximal log-probs, stored or A-3PO log-linear,
-   ``prox.py``, then the loss registered as ``--algo.loss``, resolved once, ``registry.py``) and
+   ``prox.py``, then the loss registered as ``--algo.loss``, resolved once, ``registered.py``) and
    ``PolicyUpdate.accumulate`` (its metrics by their declared reduction);
 5. ``PolicyUpdate.metric_vectors`` (what the trainer all-reduces: sums, then maxima) and
    ``PolicyUpdate.reduced_metrics`` (the step's loss and token-weighted means).
@@ -31,17 +31,17 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
 
 import torch
 from torch import Tensor
 
 from llamarl.algorithms.advantages import check_groups
 from llamarl.algorithms.aggregation import Aggregation, aggregate
+from llamarl.algorithms.config import AlgoConfig
 from llamarl.algorithms.prox import loglinear_prox_logp
-from llamarl.algorithms.registry import PolicyLoss, get_advantage, get_policy_loss
-from llamarl.batch import TensorBatch
-from llamarl.metrics import MetricSpec
+from llamarl.algorithms.registered import PolicyLoss, get_advantage, get_policy_loss
+from llamarl.runtime.batch import TensorBatch
+from llamarl.runtime.metrics import MetricSpec
 
 __all__ = ["MINIBATCH_COUNTS", "NORMALIZE_EPS", "PolicyUpdate", "advantage_moments", "filter_stale",
            "forwarded_rows", "minibatch_counts", "normalize_advantages", "split_minibatches"]
@@ -163,8 +163,8 @@ class PolicyUpdate:
     """The algorithm of ``--algo``: the advantage estimator and the policy loss, each looked up in the
     registry once, here, and the per-rank steps of an update that depend on them."""
 
-    algo: Any
-    """An ``AlgoConfig`` (``--algo``; ``llamarl/config.py`` is a layer above this one, hence ``Any``)."""
+    algo: AlgoConfig
+    """The ``--algo`` section (``llamarl/algorithms/config.py``)."""
     loss: PolicyLoss = field(init=False)
     """The loss registered as ``algo.loss``: its function, declared metrics, whether it needs prox."""
 

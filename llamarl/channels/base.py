@@ -22,12 +22,12 @@ import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from llamarl.batch import MAX_DATA_BYTES, TensorBatch
 from llamarl.channels.p2p import exchange
+from llamarl.runtime.batch import MAX_DATA_BYTES, TensorBatch
 
 if TYPE_CHECKING:
-    from llamarl.executor import Executor
-    from llamarl.world import ExecutorContext
+    from llamarl.runtime.executor import Executor
+    from llamarl.runtime.world import ExecutorContext
 
 
 def check_endpoints(channels, executors: list[str]) -> None:
@@ -99,12 +99,12 @@ class CommunicationChannel:
     same_tick: bool = False
     """Delivery: False (next tick) carries what the outbound executor produced at the previous
     tick; True (same tick) delivers within the tick, the inbound executor stepping after the
-    outbound one (see ``llamarl/controller.py``)."""
+    outbound one (see ``llamarl/run/controller.py``)."""
     max_data_bytes: int = MAX_DATA_BYTES
     """Largest data buffer (bytes) a receiving rank allocates for one batch from one peer. A peer
     announcing more, or a malformed batch, raises ``WireFormatError`` naming this channel and the
     peer's rank (``channel 'rollouts' from rank 3: ...``) before anything is allocated; a sender
-    over the limit raises ``ValueError``. See ``llamarl.batch.MAX_DATA_BYTES`` for the default."""
+    over the limit raises ``ValueError``. See ``llamarl.runtime.batch.MAX_DATA_BYTES`` for the default."""
 
     def __post_init__(self) -> None:
         if not isinstance(self.kind, ChannelKind):
@@ -128,7 +128,7 @@ class CommunicationChannel:
         label = f"channel {self.name!r}"
 
         # Staged on this executor's device, or on the host between a GPU and a CPU executor (both
-        # ends agree: llamarl/placement.py); what arrives is then moved to this executor's device.
+        # ends agree: llamarl/runtime/placement.py); what arrives is then moved to this executor's device.
         # Sent through the group both ends agree on too: WORLD, or a mixed world's GPU-only group.
         peer = self.inbound if ctx.executor == self.outbound else self.outbound
         link, group = ctx.link_device(peer), ctx.link_group(peer)

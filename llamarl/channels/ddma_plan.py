@@ -26,8 +26,8 @@ from dataclasses import dataclass
 import torch
 from torch.distributed.tensor import DTensor
 
-from llamarl.batch import DTYPE_NAMES, DTYPES
-from llamarl.boxes import Box, box_index, dtensor_box, inside, intersect, local_tensor, shift, volume
+from llamarl.runtime.batch import DTYPE_NAMES, DTYPES
+from llamarl.runtime.boxes import Box, box_index, dtensor_box, inside, intersect, local_tensor, shift, volume
 
 __all__ = ["Box", "DdmaPlan", "Piece", "box_index", "build_plan", "describe_local_layout", "local_tensor"]
 

@@ -14,7 +14,7 @@ colocated``) both live in each of those processes, so a channel between them nee
   gathered, cast and streamed into the engine one at a time (``stream_full_weights``). Skipped, as
   the network channel is, when the outbound version is the one last copied.
 
-When the controller runs them (``llamarl/controller.py``): a same-tick data channel right before
+When the controller runs them (``llamarl/run/controller.py``): a same-tick data channel right before
 its inbound executor steps, a next-tick one at the start of the next tick (so a checkpoint in
 between still holds the batch among the outbound executor's unsent outputs); a weights channel at
 the end of the tick that trained, so an evaluation or checkpoint after the tick sees the new
@@ -26,9 +26,9 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 
-from llamarl.batch import TensorBatch
 from llamarl.channels.sinks import feed, weight_sink_of
 from llamarl.models.weight_copy import check_same_parameters, copy_weights_in_place, stream_full_weights
+from llamarl.runtime.batch import TensorBatch
 
 
 @dataclass

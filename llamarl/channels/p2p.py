@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from llamarl.batch import MAX_DATA_BYTES, MAX_HEADER_BYTES, TensorBatch, check_wire_sizes
+from llamarl.runtime.batch import MAX_DATA_BYTES, MAX_HEADER_BYTES, TensorBatch, check_wire_sizes
 
 
 def _run(ops: list[dist.P2POp]) -> None:
@@ -36,7 +36,7 @@ def exchange(
     CUDA under NCCL (which moves device memory only) and the host under gloo, and the received
     batches stay there (no device -> host -> device round trip). Every operation goes through
     ``group`` (None: WORLD), ranks staying global: ``ctx.link_group(peer)``, the GPU-only group of a
-    mixed world between two GPU executors (``llamarl/placement.py``: ``p2p_group``). Returns
+    mixed world between two GPU executors (``llamarl/runtime/placement.py``: ``p2p_group``). Returns
     ``{src: batch}``.
 
     A malformed size, header or buffer from a peer raises ``WireFormatError`` naming ``label`` and

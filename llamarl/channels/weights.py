@@ -55,10 +55,10 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
-from llamarl.batch import DTYPES, TensorBatch, WireFormatError
 from llamarl.channels.ddma_plan import Piece, box_index, build_plan, describe_local_layout, local_tensor
 from llamarl.channels.p2p import exchange
 from llamarl.channels.sinks import feed, weight_sink_of
+from llamarl.runtime.batch import DTYPES, TensorBatch, WireFormatError
 
 MODES = ("ddma", "gather_broadcast")
 
@@ -151,7 +151,7 @@ class WeightsChannel:
         if kinds[self.outbound] != kinds[self.inbound]:  # every rank of both ends decides alike: all raise
             raise ValueError(f"weight channel {self.name!r}: {self.outbound!r} runs on {kinds[self.outbound]} and "
                              f"{self.inbound!r} on {kinds[self.inbound]}; weights move between executors on the "
-                             "same kind of device (llamarl/placement.py)")
+                             "same kind of device (llamarl/runtime/placement.py)")
         # Every message of the sync goes through one group, the same at both ends: WORLD, or the
         # GPU-only group of a mixed world (CUDA tensors on WORLD would wait for its CPU ranks).
         group = ctx.link_group(self.inbound if ctx.executor == self.outbound else self.outbound)

@@ -1,11 +1,12 @@
-"""Problem records and prompt construction (chat template, or a plain fallback for tiny tokenizers)."""
+"""Problem records, where a run draws them from (``Sampler``), and prompt construction (``PromptFn``:
+chat template, or a plain fallback for tiny tokenizers)."""
 
 from __future__ import annotations
 
 import dataclasses
 import json
-from collections.abc import Mapping
-from typing import Any
+from collections.abc import Callable, Mapping
+from typing import Any, Protocol
 
 # The arithmetic recipe's instruction; the arithmetic scorer reads the FIRST number of the reply.
 ARITHMETIC_INSTRUCTION = "Answer with just the number."
@@ -25,6 +26,19 @@ class Problem:
     """The dataset row's other fields (``recipes/task.py``: every field but the prompt's), what TRL-style
     reward functions get as keyword lists, per-sample scorers as keywords they name, trajectory
     scorers and environments as ``problem.columns``; empty for the built-in tasks."""
+
+
+class Sampler(Protocol):
+    """Where a run's training problems come from: ``sample(index)`` is the problem of data index
+    ``index``, a pure function of it (so a resumed run draws what the interrupted one would have).
+    ``ArithmeticTask`` and ``ListTask`` (a dataset's rows) are samplers; the generator draws from one."""
+
+    def sample(self, index: int) -> Problem: ...
+
+
+PromptFn = Callable[[Any, str], list[int]]
+"""``prompt_fn(tokenizer, question) -> token ids``: the policy's prompt for a question
+(``build_chat_prompt`` with a recipe's instruction, ``arithmetic_prompt``)."""
 
 
 def _user_content(question: str, instruction_suffix: str) -> str:

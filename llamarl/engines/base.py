@@ -61,7 +61,7 @@ from typing import ClassVar, Protocol, runtime_checkable
 
 import torch
 
-from llamarl.registry import Registry
+from llamarl.runtime.registry import Registry
 
 FINISH_STOP = "stop"
 FINISH_LENGTH = "length"

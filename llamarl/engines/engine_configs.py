@@ -1,5 +1,5 @@
 """The built-in engines' settings (``--generator.torch.*``, ``--generator.vllm.*``), registered
-here, apart from the engines: a module that reads a run's settings (llamarl/config.py) imports
+here, apart from the engines: a module that reads a run's settings (llamarl/executors/config.py) imports
 this light module, never an engine's implementation; ``build`` imports the engine it makes.
 """
 

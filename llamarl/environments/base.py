@@ -15,7 +15,7 @@ text is tokenised once by ``observation_ids`` and appended with loss mask 0, no 
 and version -1, so it is context for every later token and contributes no gradient.
 
 ``step`` is a pure function of JSON-serialisable ``state`` and the turn's text, returning the next
-state in its ``Turn``: it runs in worker processes with a timeout (llamarl/environments/tools.py),
+state in its ``Turn``: it runs in worker processes with a timeout (llamarl/environments/tool_workers.py),
 an episode in progress is checkpointed as that state, and a resumed run continues it exactly.
 Register an environment with ``@register_environment("name")`` on a class with a no-argument
 constructor; select it with ``--env.name name`` (or ``--env.name module:Class``). Plain Python
@@ -33,7 +33,7 @@ Programming errors stop the run (``EnvironmentContractError``, one line naming t
 the method and what was wrong): ``step`` returning anything but a ``Turn`` (or a ``Turn`` whose
 fields have the wrong types or whose state is not JSON), ``reset`` returning a state that is not a
 JSON object, a ``chat_tools`` schema without a name. An exception raised inside ``step`` (a tool
-that failed, a call the model got wrong) is not one: it is counted and answered (tools.py).
+that failed, a call the model got wrong) is not one: it is counted and answered (tool_workers.py).
 """
 
 from __future__ import annotations
@@ -44,7 +44,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Protocol, runtime_checkable
 
 from llamarl.data.prompts import Problem
-from llamarl.registry import Registry, import_path
+from llamarl.runtime.registry import Registry, import_path
 
 
 @dataclass

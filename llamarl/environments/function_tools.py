@@ -53,7 +53,7 @@ from llamarl.environments.tool_formats import (
     ToolCall,
     template_text,
 )
-from llamarl.registry import import_path
+from llamarl.runtime.registry import import_path
 
 TOOL_CALL_START = HermesFormat.start
 TOOL_CALL_END = HermesFormat.end

@@ -36,7 +36,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, field
 
-from llamarl.registry import Registry
+from llamarl.runtime.registry import Registry
 
 # Special texts a turn decoded with its special tokens may end with (removed before parsing).
 _END_TEXTS = ("<|im_end|>", "<|eot_id|>", "<|eom_id|>", "<|end_of_text|>", "</s>", "<|endoftext|>", "<end_of_turn>")

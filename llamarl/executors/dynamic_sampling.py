@@ -23,7 +23,7 @@ and only the generator can sample more. Scoring there works in every schedule un
 sync, async lag 1 and 2: the channels carry what they always carry, one batch a tick), and keeps
 the refill on the weights of the tick (strictly on-policy under sync and colocated). A reward that
 the generator cannot call (an LLM judge, a reward executor of a recipe's own) is refused before any
-process group (``rl_pipeline``).
+process group (``standard_pipeline``).
 
 Data position and resume: every prompt consumed, a dropped group's included, advances the data
 position; with several data-parallel replicas each round's prompts are shared out by one
@@ -55,10 +55,10 @@ from typing import ClassVar
 
 import torch
 
-from llamarl.batch import TensorBatch
-from llamarl.config import RewardConfig
-from llamarl.metrics import MetricSpec
+from llamarl.executors.config import RewardConfig
 from llamarl.rewards.pool import RewardPool
+from llamarl.runtime.batch import TensorBatch
+from llamarl.runtime.metrics import MetricSpec
 
 __all__ = ["DYNAMIC_SAMPLING_METRICS", "DynamicSampling", "Group", "agree_counts", "tied_groups"]
 

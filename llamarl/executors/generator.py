@@ -28,7 +28,7 @@ checked). With ``drop`` (or no eta) samples are always resumed and the trainer d
 
 With several generator ranks, data-parallel replica d (``ctx.dp_rank``) takes prompts
 ``position + d * num_prompts_per_step + i``. With ``--generator.tp N`` the ranks form a
-``(dp, tp)`` mesh (``ctx.mesh``, see llamarl/world.py): the model is sharded over each TP group
+``(dp, tp)`` mesh (``ctx.mesh``, see llamarl/runtime/world.py): the model is sharded over each TP group
 (llamarl/models/tensor_parallel.py), and every rank of a TP group runs the same requests with the
 same seed, so they sample identical tokens (TP all-reduces leave every rank bitwise identical
 activations). Only the TP group's first rank emits the rollouts; its peers emit nothing (an empty
@@ -45,14 +45,12 @@ import math
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import ClassVar, Protocol
+from typing import ClassVar
 
 import torch
 
-from llamarl.batch import TensorBatch
-from llamarl.checkpoint import load_rng, read_json, save_rng, write_json
-from llamarl.config import AlgoConfig, EnvConfig, GeneratorConfig, ModelConfig
-from llamarl.data.prompts import Problem
+from llamarl.algorithms.config import AlgoConfig, check_wait_meets_lag
+from llamarl.data.prompts import Problem, PromptFn, Sampler
 from llamarl.engines.base import (
     Completion,
     EngineSetup,
@@ -66,30 +64,27 @@ from llamarl.engines.base import (
     sampled_mask,
 )
 from llamarl.environments.building import build_environment
-from llamarl.environments.episodes import EpisodeRunner
+from llamarl.environments.config import EnvConfig
+from llamarl.environments.episode_engine import EpisodeRunner
 from llamarl.environments.function_tools import presenting_tools, tools_reference
 from llamarl.environments.tool_formats import choose_tool_format
-from llamarl.environments.tools import ToolRunner, TurnShare
-from llamarl.evaluation import score_samples
-from llamarl.executor import Executor
+from llamarl.environments.tool_workers import ToolRunner, TurnShare
+from llamarl.executors.config import GeneratorConfig
 from llamarl.executors.dynamic_sampling import DYNAMIC_SAMPLING_METRICS, DynamicSampling, Group, agree_counts
+from llamarl.executors.evaluation_loop import score_samples
 from llamarl.executors.group_buffer import GroupBuffer
 from llamarl.executors.weight_arrival import choose_weight_arrival
-from llamarl.metrics import MetricSpec
+from llamarl.models.config import ModelConfig
 from llamarl.models.loading import stop_token_ids
 from llamarl.models.lora import LoraSpec
 from llamarl.rewards.trajectory import trajectory_of
-from llamarl.run_plan import check_wait_meets_lag
-from llamarl.sample_log import turns_of
+from llamarl.runtime.batch import TensorBatch
+from llamarl.runtime.checkpoint import load_rng, read_json, save_rng, write_json
+from llamarl.runtime.executor import Executor
+from llamarl.runtime.metrics import MetricSpec
+from llamarl.runtime.sample_log import turns_of
 
 logger = logging.getLogger("llamarl.generator")
-
-
-class Task(Protocol):
-    def sample(self, index: int) -> Problem: ...
-
-
-PromptFn = Callable[[object, str], list[int]]
 
 
 def completions_to_batch(completions: list[Completion], *, group_ids: list[int], references: list[str],
@@ -183,14 +178,14 @@ class GeneratorExecutor(Executor):
         """``--generator.num-threads``, set by the controller before each step."""
         return self.config.num_threads
 
-    def __init__(self, ctx, *, model_config: ModelConfig, config: GeneratorConfig, task: Task,
+    def __init__(self, ctx, *, model_config: ModelConfig, config: GeneratorConfig, task: Sampler,
                  prompt_fn: PromptFn, output_name: str = "rollouts", seed: int = 0,
                  max_sequence_tokens: int | None = None, algo: AlgoConfig | None = None,
                  expected_lag: int = 1, env: EnvConfig | None = None, lora: LoraSpec | None = None,
                  dynamic: DynamicSampling | None = None) -> None:
         """``algo``: its ``max_staleness`` / ``stale_policy`` (None: no staleness control here).
         ``env``: with a ``name``, every sample is an episode of that environment
-        (llamarl/environments/episodes.py); None or no name: one completion per sample.
+        (llamarl/environments/episode_engine.py); None or no name: one completion per sample.
         ``lora``: the trainer's adapters (``--trainer.lora.*``): the weights channel then brings only
         them, merged into this rank's generation weights in place (``models/lora_merge.py``,
         ``weight_arrival.py``).
@@ -319,7 +314,7 @@ class GeneratorExecutor(Executor):
     def _tool_counts(self) -> dict:
         return {} if self.episodes is None else self.episodes.tools.counts()
 
-    # The weights channel's side (``WeightSink``, llamarl/executor.py), answered by the way the
+    # The weights channel's side (``WeightSink``, llamarl/runtime/executor.py), answered by the way the
     # weights arrive (llamarl/executors/weight_arrival.py).
 
     def get_model(self) -> torch.nn.Module:
@@ -509,8 +504,8 @@ class GeneratorExecutor(Executor):
         With ``tp > 1`` it is collective over this rank's TP group: every rank of the group must
         call it with the same problems (each returns the same accuracy). ``samples_path`` gets one
         JSON line per problem (question, reference, completion, score, and ``turns``: the completion
-        split into the policy's text and the environment's observations, ``llamarl.sample_log``).
-        The generator's first rank draws its progress bar (``llamarl.progress.eval_bar``).
+        split into the policy's text and the environment's observations, ``llamarl.runtime.sample_log``).
+        The generator's first rank draws its progress bar (``llamarl.runtime.progress.eval_bar``).
         """
         greedy = SamplingParams(temperature=0.0, max_new_tokens=self.config.max_new_tokens)
         prompts = [list(self.prompt_fn(self.tokenizer, p.question)) for p in problems]

@@ -16,15 +16,14 @@ from typing import ClassVar, Literal
 import torch
 
 from llamarl.algorithms.advantages import KL_KINDS, kl_penalty
-from llamarl.batch import TensorBatch
-from llamarl.config import ModelConfig
-from llamarl.executor import Executor
-from llamarl.executors.reward import set_balance_tokens
-from llamarl.metrics import MetricSpec
+from llamarl.models.config import ModelConfig
 from llamarl.models.loading import load_causal_lm
 from llamarl.models.lora import adapters_disabled
 from llamarl.models.microbatch import sequence_logprobs
 from llamarl.models.sharding import shard_model
+from llamarl.runtime.batch import TensorBatch, set_balance_tokens
+from llamarl.runtime.executor import Executor
+from llamarl.runtime.metrics import MetricSpec
 
 logger = logging.getLogger("llamarl.ref_kl")
 

@@ -15,15 +15,15 @@ from typing import ClassVar
 
 import torch
 
-from llamarl.batch import TensorBatch
-from llamarl.checkpoint import read_json, write_json
-from llamarl.config import RewardConfig
 from llamarl.data.prompts import Problem
-from llamarl.executor import Executor
-from llamarl.metrics import MetricSpec
+from llamarl.executors.config import RewardConfig
 from llamarl.rewards.funcs import RewardFuncs, combine, function_means
 from llamarl.rewards.overlong import mask_truncated, overlong_penalty
 from llamarl.rewards.pool import RewardPool
+from llamarl.runtime.batch import TensorBatch, set_balance_tokens
+from llamarl.runtime.checkpoint import read_json, write_json
+from llamarl.runtime.executor import Executor
+from llamarl.runtime.metrics import MetricSpec
 
 REWARD_METRICS = {
     "reward_mean": MetricSpec("reward", "mean", weight="reward_samples"),
@@ -39,19 +39,6 @@ REWARD_METRICS = {
 }
 """What ``score_rollouts`` reports, and how each is reduced over the scoring ranks (the error
 counters are each rank's running totals, so their sum is the run's)."""
-
-
-def set_balance_tokens(batch: TensorBatch) -> None:
-    """Set ``balance_tokens`` from ``rewards``: 0 for every row of a prompt group whose samples all
-    scored alike, else ``num_tokens``. Such a group has zero advantage, so the trainer does not
-    forward it, and SCATTER balances trainer ranks by the tokens that will really be trained on.
-    Any executor that sets or changes ``rewards`` calls it."""
-    group_ids, rewards = batch["group_ids"], batch["rewards"]
-    same = torch.ones_like(group_ids, dtype=torch.bool)
-    for gid in group_ids.unique().tolist():
-        rows = group_ids == gid
-        same[rows] = bool((rewards[rows] == rewards[rows][0]).all())
-    batch.fields["balance_tokens"] = torch.where(same, torch.zeros_like(batch["num_tokens"]), batch["num_tokens"])
 
 
 def build_pool(config: RewardConfig, scorer: str | None) -> RewardPool:

@@ -26,7 +26,7 @@ them):
       every rank runs the same number of micro-batches (padding with zero-weight dummies) because
       each FSDP2 forward / backward is collective (``llamarl/models/microbatch.py``, which any
       executor holding a sharded model can use);
-   d. the loss registered as ``--algo.loss`` (``llamarl/algorithms/registry.py``: AIPO, decoupled
+   d. the loss registered as ``--algo.loss`` (``llamarl/algorithms/registered.py``: AIPO, decoupled
       PPO, PPO built in), backward, gradient clipping, AdamW; version += 1. Its metrics are reduced
       over micro-batches and ranks as the loss declared them (token-weighted mean, max or sum).
    A minibatch without loss tokens, without a sample carrying signal or with a non-finite loss or
@@ -62,6 +62,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from llamarl.algorithms.config import AlgoConfig
 from llamarl.algorithms.lr_schedule import lr_at
 from llamarl.algorithms.update import (
     MINIBATCH_COUNTS,
@@ -73,10 +74,7 @@ from llamarl.algorithms.update import (
     normalize_advantages,
     split_minibatches,
 )
-from llamarl.batch import TensorBatch
-from llamarl.checkpoint import load_rng, read_json, save_rng, write_json
-from llamarl.config import AlgoConfig, ModelConfig, TrainerConfig
-from llamarl.executor import Executor
+from llamarl.executors.config import TrainerConfig
 from llamarl.executors.no_signal import SignalWatch
 from llamarl.executors.trainer_metrics import (
     ENTROPY_SUM,
@@ -88,8 +86,8 @@ from llamarl.executors.trainer_metrics import (
     read_step,
     state_bytes,
 )
-from llamarl.metrics import MetricSpec
 from llamarl.models.colocated_memory import EngineFootprint
+from llamarl.models.config import ModelConfig
 from llamarl.models.export import export_hf
 from llamarl.models.flops import ModelFlops, peak_tflops
 from llamarl.models.lora import AdapterView
@@ -102,7 +100,11 @@ from llamarl.models.microbatch import (
     sequence_logprobs,
 )
 from llamarl.models.sharded_loading import load_sharded_causal_lm
-from llamarl.sharded_state import load_sharded_state, save_sharded_state
+from llamarl.runtime.batch import TensorBatch
+from llamarl.runtime.checkpoint import load_rng, read_json, save_rng, write_json
+from llamarl.runtime.executor import Executor
+from llamarl.runtime.metrics import MetricSpec
+from llamarl.runtime.sharded_state import load_sharded_state, save_sharded_state
 
 logger = logging.getLogger("llamarl.trainer")
 

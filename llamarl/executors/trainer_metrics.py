@@ -12,8 +12,8 @@ from collections.abc import Callable, Iterator
 import torch
 import torch.distributed as dist
 
-from llamarl.boxes import local_tensor
-from llamarl.metrics import MetricSpec
+from llamarl.runtime.boxes import local_tensor
+from llamarl.runtime.metrics import MetricSpec
 
 __all__ = ["ENTROPY_SUM", "TRAINER_METRICS", "CompileClock", "accumulate_on_device", "combine_minibatch_metrics", "device_timer",
            "read_step", "state_bytes"]

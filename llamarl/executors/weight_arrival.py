@@ -1,6 +1,6 @@
 """How the trainer's weights arrive in the generator: one object, chosen once (``choose_weight_arrival``).
 
-The generator is the inbound end of a weights channel (``WeightSink`` in llamarl/executor.py): the
+The generator is the inbound end of a weights channel (``WeightSink`` in llamarl/runtime/executor.py): the
 channel writes the parameters of ``get_model()`` in place, or, where ``weight_sink()`` gives a
 callable, streams the sync into it as ``(name, full tensor)`` pairs; then it calls
 ``set_weights_version``. Which of those happens, and what the generator keeps of the model, depends

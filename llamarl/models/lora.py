@@ -29,8 +29,8 @@ from dataclasses import dataclass
 import torch
 from torch.distributed.tensor import DTensor
 
-from llamarl.boxes import dtensor_box, local_tensor
 from llamarl.models.lora_forward import use_merged_forward
+from llamarl.runtime.boxes import dtensor_box, local_tensor
 
 __all__ = ["AdapterView", "LoraSpec", "adapter_parameters", "adapters_disabled", "merged_named_parameters"]
 

@@ -30,8 +30,8 @@ from dataclasses import dataclass
 import torch
 from torch.distributed.tensor import DTensor
 
-from llamarl.boxes import dtensor_box, local_tensor
 from llamarl.models.lora import AdapterView, LoraSpec
+from llamarl.runtime.boxes import dtensor_box, local_tensor
 
 __all__ = ["AdapterMerger"]
 

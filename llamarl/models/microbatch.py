@@ -35,12 +35,12 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from llamarl.batch import TensorBatch
 from llamarl.data.packing import check_token_counts, pack_microbatches
 from llamarl.models import shared_prefix
 from llamarl.models.flops import work_of
 from llamarl.models.logprobs import completion_logprobs
 from llamarl.models.sharding import reshard_after_no_grad
+from llamarl.runtime.batch import TensorBatch
 
 __all__ = ["Microbatch", "device_inputs", "microbatch_inputs", "microbatch_logprobs", "plan_forwards",
            "plan_microbatches", "sequence_logprobs"]

@@ -27,12 +27,12 @@ from safetensors import safe_open
 from torch.distributed.tensor import DTensor, Shard
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
-from llamarl.boxes import chunk_slice
 from llamarl.models.colocated_memory import EngineFootprint
 from llamarl.models.loading import load_causal_lm, resolve_source
 from llamarl.models.lora import LoraSpec, checkpoint_name
 from llamarl.models.memory import activation_checkpointing_for
 from llamarl.models.sharding import shard_model
+from llamarl.runtime.boxes import chunk_slice
 
 logger = logging.getLogger(__name__)
 

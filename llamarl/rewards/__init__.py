@@ -9,9 +9,9 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from llamarl.registry import import_path
 from llamarl.rewards import arithmetic, gsm8k
 from llamarl.rewards import math as math_scorer
+from llamarl.runtime.registry import import_path
 
 Scorer = Callable[[str, str], float]
 

@@ -34,7 +34,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from llamarl.data.prompts import Problem, conversation_of
-from llamarl.registry import import_path
+from llamarl.runtime.registry import import_path
 
 RESERVED = ("prompts", "completions", "completion_ids")
 
@@ -160,7 +160,7 @@ def function_means(names: list[str], values: list[list[float | None]]) -> dict[s
 
 @dataclass(frozen=True)
 class FuncsScore:
-    """``--reward.funcs`` where an evaluation takes a score (``llamarl.evaluation.score_samples``):
+    """``--reward.funcs`` where an evaluation takes a score (``llamarl.executors.evaluation_loop.score_samples``):
     the weighted sum of the functions on one completion of ``problem``, scored inline."""
 
     funcs: RewardFuncs

@@ -27,7 +27,7 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 
 from llamarl.data.prompts import Problem
-from llamarl.registry import Registry, import_path
+from llamarl.runtime.registry import Registry, import_path
 
 
 @dataclass(frozen=True)
@@ -140,7 +140,7 @@ def resolve_trajectory_scorer(name: str) -> TrajectoryScorer:
 
 @dataclass(frozen=True)
 class TrajectoryScore:
-    """A trajectory scorer where an evaluation takes a score (``llamarl.evaluation.score_samples``):
+    """A trajectory scorer where an evaluation takes a score (``llamarl.executors.evaluation_loop.score_samples``):
     the wrapper says which of the two signatures to call, explicitly."""
 
     scorer: TrajectoryScorer

@@ -7,10 +7,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from llamarl.config import GeneratorConfig, RLConfig, RunConfig, TrainerConfig
 from llamarl.data.arithmetic import ArithmeticTask
 from llamarl.data.prompts import arithmetic_prompt
+from llamarl.executors.config import GeneratorConfig, TrainerConfig
+from llamarl.rl.config import RLConfig
 from llamarl.rl.task import Task
+from llamarl.run.config import RunConfig
 
 
 @dataclass

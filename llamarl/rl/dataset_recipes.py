@@ -21,23 +21,17 @@ from pathlib import Path
 
 import torch
 
-from llamarl.config import (
-    AlgoConfig,
-    CheckpointConfig,
-    GeneratorConfig,
-    ModelConfig,
-    RewardConfig,
-    RLConfig,
-    RunConfig,
-    TrainerConfig,
-)
+from llamarl.algorithms.config import AlgoConfig
 from llamarl.data.gsm8k import Problems
 from llamarl.data.problem_list import ListTask
-from llamarl.data.prompts import Problem
+from llamarl.data.prompts import Problem, PromptFn
 from llamarl.engines.engine_configs import VLLMEngineConfig
-from llamarl.evaluation import evaluate_policy, load_policy
-from llamarl.executors.generator import PromptFn
+from llamarl.executors.config import GeneratorConfig, RewardConfig, TrainerConfig
+from llamarl.executors.evaluation_loop import evaluate_policy, load_policy
+from llamarl.models.config import ModelConfig
+from llamarl.rl.config import RLConfig
 from llamarl.rl.task import Task
+from llamarl.run.config import CheckpointConfig, RunConfig
 
 
 @dataclass

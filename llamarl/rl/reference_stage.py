@@ -11,12 +11,12 @@ from dataclasses import replace
 
 import torch
 
-from llamarl.config import RLConfig
 from llamarl.executors.reference import RefPolicyExecutor
 from llamarl.executors.trainer import TrainerExecutor
-from llamarl.pipeline import Pipeline, Stage
+from llamarl.rl.config import RLConfig
 from llamarl.rl.standard_pipeline import stage_before_trainer
 from llamarl.rl.task import Task
+from llamarl.run.stages import Pipeline, Stage
 
 REF_HEADLINE = ("kl_mean", "reward_shaped_mean")
 
@@ -42,7 +42,7 @@ def ref_kl_pipeline(config: RLConfig, task: Task) -> Pipeline:
     """generator -> reward ("scored") -> ref ("shaped") -> trainer, weights trainer -> generator, for
     a ``config`` with a ``ref`` section (``RefConfig``), after ``check_ref_kl``: ``run_rl``'s ``stages``.
 
-    Delivery follows ``--run.schedule`` like ``rl_pipeline``: ``rollouts`` same-tick under sync or
+    Delivery follows ``--run.schedule`` like ``standard_pipeline``: ``rollouts`` same-tick under sync or
     ``--run.async-lag 1``, ``shaped`` same-tick under sync, ``scored`` always same-tick (the
     reference adds no lag); colocated puts every stage, the reference included, on every rank.
     """

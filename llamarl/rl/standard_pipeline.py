@@ -1,14 +1,14 @@
 """The standard RL pipeline, as data: generator -> reward -> trainer -> (weights) -> generator.
 
-``rl_pipeline(config, task)`` describes it for ``--run.schedule``; ``run_rl(config, task, recipe=...,
+``standard_pipeline(config, task)`` describes it for ``--run.schedule``; ``run_rl(config, task, recipe=...,
 stages=...)``, the one way a recipe runs, validates the config and hands the description (the
-standard one, or the recipe's own: ``stages``) to ``llamarl.runner.run_pipeline``. The stage builders
+standard one, or the recipe's own: ``stages``) to ``llamarl.run.runner.run_pipeline``. The stage builders
 (``generator_stage``, ``reward_stage``, ``trainer_stage``) are public so that a recipe can describe
 a different pipeline from the same pieces, e.g. with a reference-policy stage between the reward
 and the trainer (``recipes/ref_kl.py``) or an LLM judge instead of the rule-based reward
 (``recipes/llm_judge.py``).
 
-Schedules (channel delivery, see llamarl/controller.py for each tick's timeline):
+Schedules (channel delivery, see llamarl/run/controller.py for each tick's timeline):
 
 - ``async`` with ``--run.async-lag 2`` (LlamaRL Algorithm 1 as written): every channel next
   tick; the trainer trains at t+2 on rollouts generated at t. ``--run.async-lag 1`` (default): rollouts
@@ -32,19 +32,19 @@ from collections.abc import Callable
 
 import torch
 
-from llamarl.config import RLConfig
-from llamarl.config_checks import validate_config
 from llamarl.executors.dynamic_sampling import DynamicSampling
 from llamarl.executors.generator import GeneratorExecutor
 from llamarl.executors.reward import RewardExecutor
 from llamarl.executors.trainer import TrainerExecutor
 from llamarl.models.colocated_memory import EngineFootprint
-from llamarl.pipeline import ChannelSpec, Pipeline, Stage
 from llamarl.rewards.funcs import FuncsScore, RewardFuncs, split_funcs
 from llamarl.rewards.trajectory import TrajectoryScore, resolve_trajectory_scorer
+from llamarl.rl.config import RLConfig
+from llamarl.rl.config_checks import validate_config
+from llamarl.rl.run_plan import plan_run
 from llamarl.rl.task import Task
-from llamarl.run_plan import plan_run
-from llamarl.runner import run_pipeline
+from llamarl.run.runner import run_pipeline
+from llamarl.run.stages import ChannelSpec, Pipeline, Stage
 
 logger = logging.getLogger(__name__)
 
@@ -185,7 +185,7 @@ def place(pipeline: Pipeline, config: RLConfig) -> Pipeline:
     return pipeline.colocated() if config.run.schedule == "colocated" else pipeline
 
 
-def rl_pipeline(config: RLConfig, task: Task) -> Pipeline:
+def standard_pipeline(config: RLConfig, task: Task) -> Pipeline:
     """The generator -> reward -> trainer pipeline of ``config.run.schedule`` (module docstring) for
     ``task``: what ``run_rl`` runs unless the recipe gives its own ``stages``."""
     return _standard_pipeline(config, task=task)
@@ -198,7 +198,7 @@ def stage_before_trainer(config: RLConfig, stage: Stage, *, task: Task, reward_o
     generator: the standard pipeline with a recipe's own stage between the reward and the trainer
     (a reference policy, an LLM judge, a filter), placed for ``--run.schedule``.
 
-    Delivery as in ``rl_pipeline``, plus: the reward -> stage hop is always same-tick, so the stage
+    Delivery as in ``standard_pipeline``, plus: the reward -> stage hop is always same-tick, so the stage
     adds no lag; stage -> trainer is same-tick under sync and colocated. ``title`` is appended to the
     schedule's on the timeline; ``summary`` adds entries to ``summary.json``. ``replaces_rewards``:
     the stage sets the rewards itself (an LLM judge), so the generator's dynamic sampling, which
@@ -211,7 +211,7 @@ def _standard_pipeline(config: RLConfig, *, task: Task, between: Stage | None = 
                        output: str = "scored", title: str | None = None, summary: dict | None = None,
                        rewards_from: str | None = None) -> Pipeline:
     """generator -> reward -> [``between``] -> trainer, weights trainer -> generator, the generator
-    evaluating: ``rl_pipeline``, or with a stage ``between`` that of ``stage_before_trainer``."""
+    evaluating: ``standard_pipeline``, or with a stage ``between`` that of ``stage_before_trainer``."""
     config = schedule_config(config)
     sync = config.run.schedule in ("sync", "colocated")
     generator = generator_stage(config, task=task, rewards_from=rewards_from)
@@ -240,13 +240,13 @@ Stages = Callable[[RLConfig, Task], Pipeline]
 
 def run_rl(config: RLConfig, task: Task, *, recipe: str, stages: Stages | None = None) -> dict | None:
     """Run ``task`` as ``config`` says: the one way a recipe runs. Validates ``config`` (every rank,
-    before any process group), builds the pipeline, ``rl_pipeline(config, task)`` or the recipe's
+    before any process group), builds the pipeline, ``standard_pipeline(config, task)`` or the recipe's
     ``stages(config, task)``, and hands it to ``run_pipeline`` with the held-out problems
     (``task.eval_problems(--run.num-eval-problems)``), the evaluations' scorer (``evaluation_score``)
     and the dataset fingerprint (``task.fingerprint``). ``recipe``: the run's name (``summary.json``,
     the run directory). Returns the summary dict on global rank 0, else None. A configuration that
     cannot run raises ValueError before any process group: a configuration error under
-    ``llamarl.errors.config_errors``. A task without a scorer of its own (``task.scorer`` None)
+    ``llamarl.runtime.errors.config_errors``. A task without a scorer of its own (``task.scorer`` None)
     needs ``--reward.scorer``, ``--reward.trajectory-scorer`` or ``--reward.funcs``, which replace
     the task's."""
     if task.env is not None:  # the task's environment replaces the --env.* section, checked as it is
@@ -258,7 +258,7 @@ def run_rl(config: RLConfig, task: Task, *, recipe: str, stages: Stages | None =
         raise ValueError(f"recipe {recipe} has no scorer of its own: set --reward.scorer module:function "
                          "(completion, reference) -> float, or --reward.trajectory-scorer")
     task = task.for_reward(config.reward)
-    pipeline = rl_pipeline(config, task) if stages is None else stages(config, task)
+    pipeline = standard_pipeline(config, task) if stages is None else stages(config, task)
     return run_pipeline(pipeline, config, recipe=recipe, heldout=task.eval_problems(config.run.num_eval_problems),
                         score=evaluation_score(config, task), dataset=lambda: task.fingerprint)
 

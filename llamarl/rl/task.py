@@ -19,12 +19,11 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from functools import cached_property
 
-from llamarl.config import EnvConfig, RewardConfig
-from llamarl.data.prompts import Problem
-from llamarl.executors.generator import PromptFn
-from llamarl.executors.generator import Task as Sampler
+from llamarl.data.prompts import Problem, PromptFn, Sampler
+from llamarl.environments.config import EnvConfig
+from llamarl.executors.config import RewardConfig
 from llamarl.rewards import Scorer, resolve_scorer
-from llamarl.run_identity import dataset_fingerprint
+from llamarl.runtime.run_identity import dataset_fingerprint
 
 __all__ = ["Sampler", "Task"]
 
@@ -59,7 +58,7 @@ class Task:
 
     @cached_property
     def fingerprint(self) -> str:
-        """The dataset fingerprint of ``sampler`` (``llamarl.run_identity.dataset_fingerprint``: the
+        """The dataset fingerprint of ``sampler`` (``llamarl.runtime.run_identity.dataset_fingerprint``: the
         problems it serves first), computed once, on first use (the run's identity)."""
         return dataset_fingerprint(self.sampler)
 

@@ -11,10 +11,10 @@ from pathlib import Path
 
 import torch
 
-from llamarl.batch import TensorBatch
 from llamarl.channels.base import BROADCAST, GATHER, SCATTER, CommunicationChannel
-from llamarl.executor import Executor
-from llamarl.world import ExecutorContext, ExecutorSpec
+from llamarl.runtime.batch import TensorBatch
+from llamarl.runtime.executor import Executor
+from llamarl.runtime.world import ExecutorContext, ExecutorSpec
 
 CASES = {"broadcast": BROADCAST, "scatter": SCATTER, "gather": GATHER}
 

@@ -14,11 +14,11 @@ from pathlib import Path
 
 import torch
 
-from llamarl.batch import TensorBatch
 from llamarl.channels.base import BROADCAST, SCATTER, CommunicationChannel
-from llamarl.controller import ExecutorController
-from llamarl.executor import Executor
-from llamarl.world import ExecutorContext, ExecutorSpec
+from llamarl.run.controller import ExecutorController
+from llamarl.runtime.batch import TensorBatch
+from llamarl.runtime.executor import Executor
+from llamarl.runtime.world import ExecutorContext, ExecutorSpec
 
 
 class Toy(Executor):

@@ -9,9 +9,9 @@ import json
 
 import torch
 
-from llamarl.controller import ExecutorController, Hooks, Upkeep
-from llamarl.executor import Executor
-from llamarl.world import ExecutorContext, ExecutorSpec
+from llamarl.run.controller import ExecutorController, Hooks, Upkeep
+from llamarl.runtime.executor import Executor
+from llamarl.runtime.world import ExecutorContext, ExecutorSpec
 
 
 class Careless(Executor):

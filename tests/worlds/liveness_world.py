@@ -15,9 +15,9 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from llamarl.controller import ExecutorController, Hooks, Upkeep
-from llamarl.executor import Executor
-from llamarl.world import ExecutorContext, ExecutorSpec
+from llamarl.run.controller import ExecutorController, Hooks, Upkeep
+from llamarl.runtime.executor import Executor
+from llamarl.runtime.world import ExecutorContext, ExecutorSpec
 
 
 class Idle(Executor):

@@ -14,12 +14,14 @@ import os
 import torch
 from safetensors.torch import load_file
 
-from llamarl.batch import TensorBatch
+from llamarl.algorithms.config import AlgoConfig
 from llamarl.channels.base import balanced_group_partition
-from llamarl.config import AlgoConfig, ModelConfig, TrainerConfig
+from llamarl.executors.config import TrainerConfig
 from llamarl.executors.trainer import TrainerExecutor
+from llamarl.models.config import ModelConfig
 from llamarl.models.sharding import full_named_parameters
-from llamarl.world import ExecutorContext, ExecutorSpec
+from llamarl.runtime.batch import TensorBatch
+from llamarl.runtime.world import ExecutorContext, ExecutorSpec
 
 
 def parse_args() -> argparse.Namespace:

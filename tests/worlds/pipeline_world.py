@@ -17,12 +17,12 @@ from typing import ClassVar
 
 import torch
 
-from llamarl.batch import TensorBatch
-from llamarl.config import CheckpointConfig, ExportConfig, RunConfig
-from llamarl.executor import Executor
-from llamarl.metrics import MetricSpec
-from llamarl.pipeline import ChannelSpec, Pipeline, Stage
-from llamarl.runner import run_pipeline
+from llamarl.run.config import CheckpointConfig, ExportConfig, RunConfig
+from llamarl.run.runner import run_pipeline
+from llamarl.run.stages import ChannelSpec, Pipeline, Stage
+from llamarl.runtime.batch import TensorBatch
+from llamarl.runtime.executor import Executor
+from llamarl.runtime.metrics import MetricSpec
 
 
 class Source(Executor):

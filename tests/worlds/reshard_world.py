@@ -25,11 +25,13 @@ import torch
 from safetensors.torch import load_file, save_file
 from torch.distributed.tensor import DTensor
 
-from llamarl.batch import TensorBatch
+from llamarl.algorithms.config import AlgoConfig
 from llamarl.channels.base import balanced_group_partition
-from llamarl.config import AlgoConfig, LoraConfig, ModelConfig, TrainerConfig
+from llamarl.executors.config import TrainerConfig
 from llamarl.executors.trainer import TrainerExecutor
-from llamarl.world import ExecutorContext, ExecutorSpec
+from llamarl.models.config import LoraConfig, ModelConfig
+from llamarl.runtime.batch import TensorBatch
+from llamarl.runtime.world import ExecutorContext, ExecutorSpec
 
 MODES = ("save", "load", "train", "save-train", "bad-groups", "no-grad", "save-lora", "load-lora")
 

@@ -12,7 +12,7 @@ from pathlib import Path
 
 from safetensors.torch import load_file, save_file
 
-from llamarl.batch import TensorBatch
+from llamarl.runtime.batch import TensorBatch
 
 
 def tap_inputs(pipeline, stage: str, directory: Path) -> None:

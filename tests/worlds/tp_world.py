@@ -30,14 +30,16 @@ from safetensors.torch import save_file
 
 from llamarl.channels.ddma_plan import local_tensor
 from llamarl.channels.weights import WeightsChannel
-from llamarl.config import EnvConfig, GeneratorConfig, ModelConfig
 from llamarl.data.prompts import Problem
 from llamarl.engines.torch_engine import Request, SamplingParams, TorchEngine
-from llamarl.executor import Executor
+from llamarl.environments.config import EnvConfig
+from llamarl.executors.config import GeneratorConfig
 from llamarl.executors.generator import GeneratorExecutor
+from llamarl.models.config import ModelConfig
 from llamarl.models.loading import load_causal_lm
 from llamarl.models.sharding import full_named_parameters, shard_model
-from llamarl.world import ExecutorContext, ExecutorSpec
+from llamarl.runtime.executor import Executor
+from llamarl.runtime.world import ExecutorContext, ExecutorSpec
 
 PROMPTS = ["1+1=", "what is 12 times 7?", "x", "The quick brown fox jumps over"]
 MAX_NEW_TOKENS = 10

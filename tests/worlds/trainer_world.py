@@ -33,14 +33,16 @@ from safetensors.torch import load_file, save_file
 from torch.distributed.tensor import DTensor
 from trainer_reference import CLIP, CURRENT_VERSION, EPS, LR, RHO, TEMPERATURE
 
+from llamarl.algorithms.config import AlgoConfig
 from llamarl.algorithms.losses import aipo_loss, decoupled_ppo_loss
-from llamarl.algorithms.registry import register_policy_loss
-from llamarl.batch import TensorBatch
+from llamarl.algorithms.registered import register_policy_loss
 from llamarl.channels.base import balanced_group_partition
-from llamarl.config import AlgoConfig, ModelConfig, TrainerConfig
+from llamarl.executors.config import TrainerConfig
 from llamarl.executors.trainer import TrainerExecutor
+from llamarl.models.config import ModelConfig
 from llamarl.models.sharding import full_named_parameters
-from llamarl.world import ExecutorContext, ExecutorSpec
+from llamarl.runtime.batch import TensorBatch
+from llamarl.runtime.world import ExecutorContext, ExecutorSpec
 
 PROBES: list[tuple[int, float]] = []  # (minibatch, max |logp - prox| on loss tokens), per micro-batch
 MINIBATCH = [0]

@@ -38,11 +38,11 @@ from tp_layout import llama_tp_slices, narrow_to_slices
 
 from llamarl.channels.ddma_plan import local_tensor
 from llamarl.channels.weights import WeightsChannel
-from llamarl.executor import Executor
 from llamarl.models.lora import AdapterView, LoraSpec
 from llamarl.models.lora_merge import AdapterMerger
 from llamarl.models.sharding import full_named_parameters, shard_model
-from llamarl.world import ExecutorContext, ExecutorSpec
+from llamarl.runtime.executor import Executor
+from llamarl.runtime.world import ExecutorContext, ExecutorSpec
 
 # 131 / 40 / 71 / 20 (kv) are divisible by neither 2 nor 3 where it matters: uneven FSDP and TP shards.
 SIZES = {"vocab_size": 131, "hidden_size": 40, "num_heads": 4, "num_kv_heads": 2, "intermediate_size": 71}
