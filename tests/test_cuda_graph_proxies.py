@@ -182,6 +182,28 @@ def test_a_layer_replays_few_kernels(monkeypatch, family, fused, aten):
     assert _kernels_per_layer(monkeypatch, family, "torch") <= aten
 
 
+def _sampling_kernels(monkeypatch, kernels: str, sampling) -> int:
+    """Kernels the draw and the books add to a step's graph: the graph with sampling minus without."""
+    FakeCudaGraphs(monkeypatch)
+    decoder = StaticDecoder(build_family("llama-untied", num_layers=2).to(torch.bfloat16), compiled=False,
+                            kernels=kernels)
+    decoder.cuda_graphs = True
+    state = decoder.reserve(capacity=4, positions=20)
+    key = decoder.sampling_key(sampling)
+    decoder.step(state, 4, span=state.width, sampling=key)
+    decoder.step(state, 4, span=state.width)
+    return len(state.graphs[4, state.width, key][0].kernels) - len(state.graphs[4, state.width, None][0].kernels)
+
+
+def test_the_draw_and_the_books_add_few_kernels(monkeypatch):
+    """In the graph, the greedy draw and the books were 33 aten kernels a step (as many as three
+    layers): the fused set's ``llamarl::greedy`` and ``llamarl::book`` make them 2; a sampled draw
+    keeps aten's ops but its books are one kernel (57 -> 36; with top-k and top-p 75 -> 49)."""
+    assert _sampling_kernels(monkeypatch, "fused", GREEDY) <= 2
+    assert _sampling_kernels(monkeypatch, "torch", GREEDY) >= 30
+    assert _sampling_kernels(monkeypatch, "fused", TOP_P) <= _sampling_kernels(monkeypatch, "torch", TOP_P) - 20
+
+
 @pytest.mark.parametrize("kernels", ["torch", "fused"])
 def test_the_fused_projections_are_the_models_parameters(monkeypatch, kernels):
     """q / k / v (their Qwen2 biases) and gate / up run as one GEMM each over buffers whose slices

@@ -29,18 +29,18 @@ SETTINGS = [SamplingParams(temperature=0.0, max_new_tokens=12), SamplingParams(t
             SamplingParams(temperature=1.0, top_k=3, max_new_tokens=12)]
 
 
-def graph_engine(model, **kw) -> TorchEngine:
+def graph_engine(model, kernels: str | None = None, **kw) -> TorchEngine:
     built = TorchEngine(model, eos_token_ids=[], pad_token_id=chat_tokenizer().pad_token_id, fused_decode=False,
                         static_decode="eager", **kw)
-    built._static = StaticDecoder(model, compiled=False)
+    built._static = StaticDecoder(model, compiled=False, kernels=kernels)
     built._static.cuda_graphs = True  # the fakes stand in for the device
     return built
 
 
-def host_sampled_engine(model, **kw) -> TorchEngine:
+def host_sampled_engine(model, kernels: str | None = None, **kw) -> TorchEngine:
     """The same graphs of the forward, sampled on the host by sample_tokens with decode_loop's
     eager books (the static path before item 4): the same logits, so the same tokens exactly."""
-    built = graph_engine(model, **kw)
+    built = graph_engine(model, kernels, **kw)
     built._static.samples_in_step = False
     return built
 
@@ -139,18 +139,20 @@ def test_a_step_runs_no_op_outside_its_graph_but_the_looks(monkeypatch, setting)
     assert (outside[16] - outside[8]) / (steps[16] - steps[8]) == 0, (outside, steps)
 
 
+@pytest.mark.parametrize("kernels", ["torch", "fused"])
 @pytest.mark.parametrize("setting", SETTINGS, ids=lambda s: f"T{s.temperature}-p{s.top_p}-k{s.top_k}")
-def test_replayed_steps_give_the_hf_loops_tokens(monkeypatch, setting):
+def test_replayed_steps_give_the_hf_loops_tokens(monkeypatch, setting, kernels):
     """Same uniforms, same tokens: the graphs' draws against the same replayed forward sampled on
     the host by sample_tokens, rows ending at different steps (compaction), a stop id, continuous
-    batching; log-probs within 1e-6."""
+    batching; log-probs within 1e-6. With either kernel set (the fused set's greedy draw and books
+    are one op each: llamarl/engines/step_kernels.py)."""
     FakeCudaGraphs(monkeypatch)
     model = build_family("qwen2")
-    free = generate(host_sampled_engine(model), requests(), setting, seed=5)
+    free = generate(host_sampled_engine(model, kernels), requests(), setting, seed=5)
     stops = [next(t for t in free[1].completion_ids[3:] if t not in (11, 12, 13))]
     for kw in ({"eos_check_every": 3}, {"eos_check_every": 2, "max_num_seqs": 2}):
-        reference = host_sampled_engine(model, **kw)
-        built = graph_engine(model, **kw)
+        reference = host_sampled_engine(model, kernels, **kw)
+        built = graph_engine(model, kernels, **kw)
         reference.eos_token_ids = built.eos_token_ids = stops
         expected = generate(reference, requests(), setting, seed=5)
         got = generate(built, requests(), setting, seed=5)

@@ -45,7 +45,7 @@ class Launches:
 def launches(kernels, monkeypatch):
     counted = {}
     for name in ("_rope_store_kernel", "_act_mul_kernel", "_rms_norm_kernel", "_sandwich_kernel",
-                 "_decode_attention_kernel"):
+                 "_decode_attention_kernel", "_greedy_kernel", "_book_kernel"):
         counted[name] = Launches(getattr(kernels, name))
         monkeypatch.setattr(kernels, name, counted[name])
     return counted
@@ -205,3 +205,54 @@ def test_decode_attention_reads_each_rows_live_columns(kernels, launches, monkey
     reference = torch.ops.llamarl.decode_attention(q, narrow, positions, d ** -0.5, softcap)
     close(outs[0], reference)
     close(reference, reference_attention(q, narrow, positions, d ** -0.5, softcap).to(dtype))
+
+
+@pytest.mark.parametrize("vocab", [1000, 9000])  # one block; three blocks, the last partial
+def test_greedy_is_the_argmax_and_its_log_softmax(kernels, launches, vocab):
+    generator = torch.Generator().manual_seed(vocab)
+    logits = torch.randn((5, vocab), generator=generator) * 4
+    logits[1, 7] = logits[1, vocab - 3] = logits[1].max() + 1  # a tie across blocks: the lowest id wins
+    logits[2, min(4096 + 5, vocab - 1)] = logits[2].max() + 1  # the maximum in a later block (the last id)
+    tokens, lps = kernels.greedy(logits, block=4096)
+    assert launches["_greedy_kernel"].count == 1
+    expected_tokens, expected_lps = torch.ops.llamarl.greedy(logits)
+    assert tokens.tolist() == expected_tokens.tolist() == logits.argmax(-1).tolist()
+    torch.testing.assert_close(lps, expected_lps, rtol=0, atol=1e-5)
+    torch.testing.assert_close(lps, torch.log_softmax(logits, -1).gather(1, tokens[:, None]).squeeze(1),
+                               rtol=0, atol=1e-5)
+
+
+@pytest.mark.parametrize("with_ok", [False, True])
+def test_book_keeps_the_records_as_the_reference(kernels, launches, with_ok):
+    """Rows alive or not, a stop id drawn, a budget reached, a stalled top-p row (``ok`` False):
+    the kernel writes the records, liveness, fed tokens and positions the reference writes."""
+    from llamarl.engines.static_sampling import SlotRecords
+
+    def records():
+        r = SlotRecords(slots=6, width=16, vocab=50, device=torch.device("cpu"))
+        r.begin([7, 9])
+        r.admit(torch.arange(5), bases=[2, 3, 4, 5, 6], limits=[5, 1, 5, 5, 5], uniforms=None)
+        r.alive[3] = False  # finished earlier
+        return r
+
+    tokens, lps = torch.tensor([7, 3, 4, 5, 9]), torch.tensor([-0.1, -0.2, -0.3, -0.4, -0.5])
+    ok = torch.tensor([True, True, True, False, False]) if with_ok else None
+    states = []
+    for run in ("kernel", "reference"):
+        r, fed, positions = records(), torch.tensor([1, 2, 3, 4, 5, 6]), torch.tensor([2, 3, 4, 5, 6, 0])
+        args = {"ids": r.ids[:5], "rec_lps": r.lps[:5], "alive": r.alive[:5], "stopped": r.stopped[:5],
+                    "overflow": r.overflow[:5], "end": r.end[:5], "is_stop": r.is_stop, "fed": fed[:5], "positions": positions[:5]}
+        if run == "kernel":
+            kernels.book(tokens, lps, ok, **args)
+        else:
+            r.book(slice(0, 5), tokens, lps, ok, fed=fed, positions=positions)
+        states.append([r.ids, r.lps, r.alive, r.stopped, r.overflow, fed, positions])
+    assert launches["_book_kernel"].count == 1
+    for got, expected in zip(*states):
+        assert torch.equal(got, expected)
+    alive, stopped = states[1][2], states[1][3]
+    assert stopped[0] and not alive[0]  # drew a stop id
+    assert not alive[1]  # reached its budget (one new token)
+    assert alive[2] and states[1][6][2] == 5  # went on: its position advanced
+    if with_ok:
+        assert states[1][4][4] and alive[4] and states[1][6][4] == 6  # stalled: overflow, alive, same position

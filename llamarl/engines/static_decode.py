@@ -79,7 +79,7 @@ from torch.distributed.tensor import DTensor
 
 from llamarl.engines.base import SamplingParams
 from llamarl.engines.kv_slots import KVSlots
-from llamarl.engines.static_sampling import FIRST_CANDIDATES, SlotRecords, restore, sample, sampling_key
+from llamarl.engines.static_sampling import FIRST_CANDIDATES, SlotRecords, restore, sampling_key
 from llamarl.engines.static_shapes import bucket, ladder, span_rung, state_width  # noqa: F401 - re-exported
 from llamarl.engines.static_step import fuse_projections, reproduces, rope_tables, static_forward
 from llamarl.engines.step_kernels import KERNEL_SETS, choose_kernels
@@ -301,8 +301,8 @@ class StaticDecoder:
             records = state.records
             uniforms = None if key[0] == 0 else records.uniforms[:rows].gather(
                 1, state.positions[:rows].unsqueeze(1)).squeeze(1)
-            tokens, lps, ok = sample(logits, uniforms, key)
-            records.book(slice(0, rows), tokens, lps, ok, fed=state.tokens, positions=state.positions)
+            tokens, lps, ok = self.kernels.sample(logits, uniforms, key)
+            self.kernels.book(records, rows, tokens, lps, ok, state.tokens, state.positions)
         return logits
 
     @torch.no_grad()

@@ -146,6 +146,12 @@ class SlotRecords:
         (and ``ok``) records its token at its position; a stop id or its budget ends it (its
         position and fed token stay: its later steps rewrite what it wrote); else it feeds the
         token at the next position. A row not ``ok`` stalls (module docstring)."""
+        if isinstance(index, slice) and index.start in (0, None) and index.step in (1, None):
+            rows = index.stop
+            book_first_rows(tokens, lps, ok, ids=self.ids[:rows], rec_lps=self.lps[:rows], alive=self.alive[:rows],
+                            stopped=self.stopped[:rows], overflow=self.overflow[:rows], end=self.end[:rows],
+                            is_stop=self.is_stop, fed=fed[:rows], positions=positions[:rows])
+            return
         position, live = positions[index], self.alive[index]
         take = live if ok is None else live & ok
         column = torch.where(take, position, self.ids.shape[1] - 1)
@@ -177,6 +183,29 @@ class SlotRecords:
     def counts(self, positions: torch.Tensor) -> torch.Tensor:
         """New tokens recorded per slot: up to its position, its own when it ended there."""
         return positions - self.base + (~self.alive).long()
+
+
+def book_first_rows(tokens: torch.Tensor, lps: torch.Tensor, ok: torch.Tensor | None, *, ids: torch.Tensor,
+                    rec_lps: torch.Tensor, alive: torch.Tensor, stopped: torch.Tensor, overflow: torch.Tensor,
+                    end: torch.Tensor, is_stop: torch.Tensor, fed: torch.Tensor, positions: torch.Tensor) -> None:
+    """``SlotRecords.book`` for the first ``len(tokens)`` slots, every argument but ``is_stop``
+    those slots' views: the ops the captured step runs (the fused kernel set's ``llamarl::book``
+    is this in one kernel: llamarl/engines/step_kernels.py)."""
+    # Views: ``live`` reads the updated ``alive`` in the overflow line, the same value there (a row
+    # not ``ok`` takes nothing, so its liveness is unchanged).
+    position, live = positions, alive
+    take = live if ok is None else live & ok
+    column = torch.where(take, position, ids.shape[1] - 1)
+    ids.scatter_(1, column.unsqueeze(1), tokens.unsqueeze(1))
+    rec_lps.scatter_(1, column.unsqueeze(1), lps.unsqueeze(1))
+    hit = is_stop[tokens] & take
+    still = take & ~hit & (position + 1 < end)
+    stopped.copy_(stopped | hit)
+    alive.copy_(live & (still | ~take))
+    fed.copy_(torch.where(still, tokens, fed))
+    positions.copy_(position + still.long())
+    if ok is not None:
+        overflow.copy_(overflow | (live & ~ok))
 
 
 def restore(snapshot: list[tuple[torch.Tensor, torch.Tensor]]) -> None:

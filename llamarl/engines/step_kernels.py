@@ -30,6 +30,9 @@ from typing import NamedTuple
 
 import torch
 
+from llamarl.engines.sampling import _greedy
+from llamarl.engines.static_sampling import book_first_rows, sample
+
 logger = logging.getLogger(__name__)
 
 # Activations the fused act_mul kernel computes, by the names HF's configs use.
@@ -158,6 +161,48 @@ def _(q, cache, positions, scaling, softcap):
     return triton_kernels.decode_attention(q, cache, positions, scaling=scaling, softcap=softcap)
 
 
+@torch.library.custom_op("llamarl::greedy", mutates_args=(), schema="(Tensor logits) -> (Tensor, Tensor)")
+def _greedy_op(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each row's argmax (ties to the lowest id) and its ``log_softmax`` value (sampling._greedy)."""
+    return _greedy(logits)
+
+
+@_greedy_op.register_fake
+def _(logits):
+    rows = logits.shape[0]
+    return logits.new_empty(rows, dtype=torch.long), logits.new_empty(rows, dtype=torch.float32)
+
+
+@_greedy_op.register_kernel("cuda")
+def _(logits):
+    from llamarl.engines import triton_kernels
+    return triton_kernels.greedy(logits)
+
+
+@torch.library.custom_op("llamarl::book", mutates_args={"ids", "rec_lps", "alive", "stopped", "overflow", "fed",
+                                                        "positions"}, schema=(
+    "(Tensor tokens, Tensor lps, Tensor? ok, Tensor(a!) ids, Tensor(b!) rec_lps, Tensor(c!) alive, "
+    "Tensor(d!) stopped, Tensor(e!) overflow, Tensor end, Tensor is_stop, Tensor(f!) fed, Tensor(g!) positions) -> ()"))
+def _book_op(tokens: torch.Tensor, lps: torch.Tensor, ok: torch.Tensor | None, ids: torch.Tensor,
+             rec_lps: torch.Tensor, alive: torch.Tensor, stopped: torch.Tensor, overflow: torch.Tensor,
+             end: torch.Tensor, is_stop: torch.Tensor, fed: torch.Tensor, positions: torch.Tensor) -> None:
+    """The books of the first rows after a draw (static_sampling.book_first_rows)."""
+    book_first_rows(tokens, lps, ok, ids=ids, rec_lps=rec_lps, alive=alive, stopped=stopped, overflow=overflow,
+                    end=end, is_stop=is_stop, fed=fed, positions=positions)
+
+
+@_book_op.register_fake
+def _(tokens, lps, ok, ids, rec_lps, alive, stopped, overflow, end, is_stop, fed, positions):
+    return None
+
+
+@_book_op.register_kernel("cuda")
+def _(tokens, lps, ok, ids, rec_lps, alive, stopped, overflow, end, is_stop, fed, positions):
+    from llamarl.engines import triton_kernels
+    triton_kernels.book(tokens, lps, ok, ids=ids, rec_lps=rec_lps, alive=alive, stopped=stopped, overflow=overflow,
+                        end=end, is_stop=is_stop, fed=fed, positions=positions)
+
+
 @_rope_store.register_kernel("cuda")
 def _(qkv, positions, cos, sin, cache, head_weight, num_heads, num_kv_heads, eps):
     from llamarl.engines import triton_kernels
@@ -198,7 +243,11 @@ class StepKernels(NamedTuple):
     * ``attend(q, cache, prepared, positions, scaling, softcap)``: ``[rows, heads, d]``, each row
       over its columns ``0 .. position`` (softcap None: none): aten, one SDPA kernel over every
       column of the cache behind a mask; fused, one kernel reading each row's live columns only;
-    * ``act_mul(gate_up, act_fn, kind)``."""
+    * ``act_mul(gate_up, act_fn, kind)``;
+    * ``sample(logits, uniforms, key)``: ``(tokens, log-probs, ok)`` (static_sampling.sample's
+      contract; the fused set draws greedy rows in one kernel);
+    * ``book(records, rows, tokens, lps, ok, fed, positions)``: the first ``rows`` slots' books
+      after a draw (static_sampling.SlotRecords.book; one kernel in the fused set)."""
 
     name: str
     reads_live_columns: bool
@@ -210,6 +259,8 @@ class StepKernels(NamedTuple):
     rope_store: Callable
     attend: Callable
     act_mul: Callable
+    sample: Callable
+    book: Callable
 
 
 def _aten_norm(x, weight, eps, offset):
@@ -288,8 +339,12 @@ def _aten_act_mul(gate_up, act_fn, kind):
     return act_fn(gate_up[:, :inter]) * gate_up[:, inter:]
 
 
+def _aten_book(records, rows, tokens, lps, ok, fed, positions):
+    records.book(slice(0, rows), tokens, lps, ok, fed=fed, positions=positions)
+
+
 TORCH_KERNELS = StepKernels("torch", False, _aten_prepare, _aten_norm, _aten_sandwich, _aten_rope_store, _aten_attend,
-                            _aten_act_mul)
+                            _aten_act_mul, sample, _aten_book)
 """aten ops: 12 kernels a layer on CUDA for Llama / Qwen2 / Mistral (static_step.py)."""
 
 
@@ -315,8 +370,20 @@ def _fused_act_mul(gate_up, act_fn, kind):
     return torch.ops.llamarl.act_mul(gate_up, kind == "gelu_tanh")
 
 
+def _fused_sample(logits, uniforms, key):
+    if key[0] == 0:  # greedy
+        return (*torch.ops.llamarl.greedy(logits), None)
+    return sample(logits, uniforms, key)
+
+
+def _fused_book(records, rows, tokens, lps, ok, fed, positions):
+    torch.ops.llamarl.book(tokens, lps, ok, records.ids[:rows], records.lps[:rows], records.alive[:rows],
+                           records.stopped[:rows], records.overflow[:rows], records.end[:rows], records.is_stop,
+                           fed[:rows], positions[:rows])
+
+
 FUSED_KERNELS = StepKernels("fused", True, _fused_prepare, _fused_norm, torch.ops.llamarl.sandwich, _fused_rope_store,
-                            _fused_attend, _fused_act_mul)
+                            _fused_attend, _fused_act_mul, _fused_sample, _fused_book)
 """One launch per op on CUDA (Triton): 9 kernels a layer for every supported family, the attention
 reading each row's live columns only, nothing built once a step."""
 

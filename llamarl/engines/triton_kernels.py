@@ -178,7 +178,7 @@ def _decode_attention_kernel(q, cache, positions, out, visits,
     best = tl.full((BLOCK_G,), float("-inf"), tl.float32)
     total = tl.zeros((BLOCK_G,), tl.float32)
     acc = tl.zeros((BLOCK_G, BLOCK_D), tl.float32)
-    blocks = 0
+    blocks = row * 0  # an int32 scalar, carried through the loop
     for start in range(0, length, BLOCK_N):
         cols = start + n
         c_mask = cols < length
@@ -204,7 +204,7 @@ def _decode_attention_kernel(q, cache, positions, out, visits,
 
 
 def decode_attention(q: torch.Tensor, cache: torch.Tensor, positions: torch.Tensor, *, scaling: float,
-                     softcap: float, visits: torch.Tensor | None = None, block: int = 64) -> torch.Tensor:
+                     softcap: float, visits: torch.Tensor | None = None, block: int | None = None) -> torch.Tensor:
     """One launch: each row's queries ``q`` ``[rows, heads, d]`` over its own live keys and values,
     columns ``0 .. positions[row]`` of ``cache`` ``[2, rows, kv, columns, d]`` (a KV head's query
     heads together: GQA without repeating K / V), online softmax in fp32 (flash decoding without
@@ -212,8 +212,10 @@ def decode_attention(q: torch.Tensor, cache: torch.Tensor, positions: torch.Tens
     for an fp32 cache; TF32 for a 16-bit one, whose values TF32 holds exactly (bf16's 8-bit
     mantissa inside TF32's 10), so a bf16 cache loses nothing to the tensor cores' format. Blocks of ``block`` columns past a row's
     position are never read, whatever the cache's width. ``visits`` (int32 ``[rows * kv]``, tests):
-    the blocks each program read."""
+    the blocks each program read. ``block`` (None: 64 columns, 32 past a head dim of 128, so a
+    tile of keys and one of values stay small in shared memory: Gemma2's 256)."""
     rows, heads, d = q.shape
+    block = block or (64 if d <= 128 else 32)
     kv = cache.shape[2]
     out = torch.empty_like(q)
     count = visits is not None
@@ -222,5 +224,70 @@ def decode_attention(q: torch.Tensor, cache: torch.Tensor, positions: torch.Tens
         q.stride(0), q.stride(1), cache.stride(0), cache.stride(1), cache.stride(2), cache.stride(3),
         out.stride(0), out.stride(1), scaling, softcap if softcap else 1.0, d, heads // kv, kv,
         SOFTCAP=bool(softcap), PRECISION="ieee" if q.dtype == torch.float32 else "tf32", COUNT=count,
-        BLOCK_G=max(16, triton.next_power_of_2(heads // kv)), BLOCK_N=block, BLOCK_D=max(16, triton.next_power_of_2(d)))
+        BLOCK_G=max(16, triton.next_power_of_2(heads // kv)), BLOCK_N=block, BLOCK_D=max(16, triton.next_power_of_2(d)),
+        num_stages=2)
     return out
+
+
+@triton.jit
+def _greedy_kernel(logits, tokens, lps, vocab, s_l, BLOCK: tl.constexpr):
+    row = tl.program_id(0)
+    offs = tl.arange(0, BLOCK)
+    best = tl.full((), float("-inf"), tl.float32)
+    arg = row * 0
+    total = tl.zeros((), tl.float32)  # sum of exp(x - best) so far
+    for start in range(0, vocab, BLOCK):
+        cols = start + offs
+        x = tl.load(logits + row * s_l + cols, mask=cols < vocab, other=float("-inf")).to(tl.float32)
+        block_best = tl.max(x, axis=0)
+        block_arg = tl.argmax(x, axis=0, tie_break_left=True) + start
+        new_best = tl.maximum(best, block_best)
+        total = total * tl.exp(best - new_best) + tl.sum(tl.exp(x - new_best), axis=0)
+        arg = tl.where(block_best > best, block_arg, arg)  # ties keep the earlier block: the lowest id
+        best = new_best
+    tl.store(tokens + row, arg.to(tl.int64))
+    tl.store(lps + row, -tl.log(total))  # log_softmax at the max: (best - best) - log(total)
+
+
+def greedy(logits: torch.Tensor, *, block: int = 4096) -> tuple[torch.Tensor, torch.Tensor]:
+    """One launch: each row's argmax (ties to the lowest id) and its ``log_softmax`` value, the
+    logits read once in blocks with a running max and sum of exponentials (fp32)."""
+    rows, vocab = logits.shape
+    tokens = torch.empty(rows, dtype=torch.long, device=logits.device)
+    lps = torch.empty(rows, dtype=torch.float32, device=logits.device)
+    _greedy_kernel[(rows,)](logits, tokens, lps, vocab, logits.stride(0), BLOCK=min(block, triton.next_power_of_2(vocab)))
+    return tokens, lps
+
+
+@triton.jit
+def _book_kernel(tokens, lps, ok, ids, rec_lps, alive, stopped, overflow, end, is_stop, fed, positions,
+                 s_ids, s_lps, width, HAS_OK: tl.constexpr):
+    row = tl.program_id(0)
+    token = tl.load(tokens + row)
+    position = tl.load(positions + row)
+    live = tl.load(alive + row) != 0
+    take = live
+    if HAS_OK:
+        fine = tl.load(ok + row) != 0
+        take = live & fine
+        tl.store(overflow + row, (tl.load(overflow + row) != 0) | (live & ~fine))
+    column = tl.where(take, position, width - 1)  # a row that takes nothing writes the trash column
+    tl.store(ids + row * s_ids + column, token)
+    tl.store(rec_lps + row * s_lps + column, tl.load(lps + row))
+    hit = (tl.load(is_stop + token) != 0) & take
+    still = take & ~hit & (position + 1 < tl.load(end + row))
+    tl.store(stopped + row, (tl.load(stopped + row) != 0) | hit)
+    tl.store(alive + row, live & (still | ~take))
+    tl.store(fed + row, tl.where(still, token, tl.load(fed + row)))
+    tl.store(positions + row, position + still.to(position.dtype))
+
+
+def book(tokens: torch.Tensor, lps: torch.Tensor, ok: torch.Tensor | None, *, ids: torch.Tensor,
+         rec_lps: torch.Tensor, alive: torch.Tensor, stopped: torch.Tensor, overflow: torch.Tensor,
+         end: torch.Tensor, is_stop: torch.Tensor, fed: torch.Tensor, positions: torch.Tensor) -> None:
+    """One launch: the books of the first ``len(tokens)`` slots after a draw
+    (static_sampling.SlotRecords.book's contract, for a slice of the first rows)."""
+    rows = tokens.shape[0]
+    _book_kernel[(rows,)](tokens, lps, ok if ok is not None else alive, ids, rec_lps, alive, stopped, overflow, end,
+                          is_stop, fed, positions, ids.stride(0), rec_lps.stride(0), ids.shape[1],
+                          HAS_OK=ok is not None)

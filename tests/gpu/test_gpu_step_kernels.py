@@ -56,6 +56,34 @@ def test_each_kernel_matches_its_reference(dtype):
     torch.testing.assert_close(got.cpu(), expected, **tol)
 
 
+def test_greedy_and_book_match_their_references():
+    triton_kernels = pytest.importorskip("llamarl.engines.triton_kernels", reason="needs triton")
+    from llamarl.engines.static_sampling import SlotRecords
+
+    logits = torch.randn((7, 151936), generator=torch.Generator().manual_seed(0)) * 3
+    tokens, lps = triton_kernels.greedy(logits.cuda())
+    expected_tokens, expected_lps = torch.ops.llamarl.greedy(logits)
+    assert tokens.cpu().tolist() == expected_tokens.tolist()
+    torch.testing.assert_close(lps.cpu(), expected_lps, rtol=0, atol=1e-4)
+    states = []
+    for device in ("cuda", "cpu"):
+        r = SlotRecords(slots=6, width=16, vocab=151936, device=torch.device(device))
+        r.begin([int(expected_tokens[0])])
+        r.admit(torch.arange(6, device=device), bases=[2, 3, 4, 5, 6, 7], limits=[5, 1, 5, 5, 5, 5], uniforms=None)
+        fed = torch.arange(6, device=device)
+        positions = torch.tensor([2, 3, 4, 5, 6, 7], device=device)
+        args = {"ids": r.ids[:6], "rec_lps": r.lps[:6], "alive": r.alive[:6], "stopped": r.stopped[:6],
+                "overflow": r.overflow[:6], "end": r.end[:6], "is_stop": r.is_stop, "fed": fed, "positions": positions}
+        toks, lp = expected_tokens[:6].to(device), expected_lps[:6].to(device)
+        if device == "cuda":
+            triton_kernels.book(toks, lp, None, **args)
+        else:
+            torch.ops.llamarl.book(toks, lp, None, *args.values())
+        states.append([t.cpu() for t in (r.ids, r.lps, r.alive, r.stopped, fed, positions)])
+    for got, expected in zip(*states):
+        assert torch.equal(got, expected)
+
+
 @pytest.mark.parametrize("family", ["llama-tied", "qwen2", "qwen3", "mistral", "gemma2"])
 def test_the_captured_step_with_fused_kernels_gives_the_aten_steps_tokens(family):
     model = build_family(family).cuda()
