@@ -171,14 +171,18 @@ def test_evaluations_do_not_change_training(tmp_path, model_dir):
               "--trainer.lr", "1e-3", "--export.every", "1"]
     quiet, evaluating = tmp_path / "quiet", tmp_path / "evaluating"
     # Both one-process runs in one Python process, one after the other (imports paid once).
-    check(run_colocated_runs([flags(model_dir, quiet, *common),
+    # The quiet run exports every tick but not a final copy (--export.no-final: it wrote hf/final
+    # anyway with --export.every set, before the controller's Upkeep took export_final).
+    check(run_colocated_runs([flags(model_dir, quiet, *common, "--export.no-final"),
                               flags(model_dir, evaluating, *common, "--run.eval-every", "1")],
                              plan_file=tmp_path / "runs.json", timeout_s=300,
                              env={"LLAMARL_TEST_SCORER": "scorers_for_tests:recording_first_char_even",
                                   "LLAMARL_TEST_SAMPLES": str(tmp_path / "samples")}))
     evals = json.loads((evaluating / "summary.json").read_text())["evals"]
     assert [e["step"] for e in evals] == [0, 1, 2, 3]
-    a, b = exported(quiet), exported(evaluating)
+    assert not (quiet / "hf" / "final").exists() and (evaluating / "hf" / "final").is_dir()
+    a, b = exported(quiet, "step_3"), exported(evaluating)
+    assert all(torch.equal(a[k], v) for k, v in exported(evaluating, "step_3").items())  # final = the last step's
     first = exported(quiet, "step_1")
     assert any(not torch.equal(first[k], a[k]) for k in a), "ticks 1-2 did not train"
     assert all(torch.equal(a[k], b[k]) for k in a)

@@ -76,6 +76,7 @@ class RunCheckpoints:
         self.info = {"identity": identity} if identity is not None else {}
         self.upkeep = Upkeep(export_every=export.every,
                              export_dir=run_dir / "hf" if export.final or export.every else None,
+                             export_final=export.final,
                              device_guard=run.device_guard, liveness_timeout_s=run.liveness_timeout_s,
                              traceback_dir=run_dir / "logs")
 

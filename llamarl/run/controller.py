@@ -75,9 +75,11 @@ class Upkeep:
     ``RunHooks``' (``llamarl/run/checkpoints.py``)."""
 
     export_every: int = 0
-    """Export after every this many ticks (0: only the final export, when ``export_dir`` is set)."""
+    """Export after every this many ticks (0: none but the final export)."""
     export_dir: Path | None = None
     """Where ``step_<n>`` / ``final`` exports go (None: no export)."""
+    export_final: bool = True
+    """Export once more after the last tick, to ``export_dir/final`` (``--export.final``)."""
     device_guard: bool = False
     """torch's default device is ``meta`` inside steps, channels and evaluations (see ``guard``)."""
     liveness_timeout_s: float | None = None
@@ -109,7 +111,7 @@ class RunHooks(Protocol):
        ``after_tick(step)`` (the evaluation due then, whose record goes into that checkpoint's
        runner state). A tick's metrics are on disk before a checkpoint that covers it is
        committed, so a run killed right after the commit and resumed from it logs every tick;
-    4. after the last tick, the controller's final export (``upkeep.export_dir``).
+    4. after the last tick, the controller's final export (``upkeep.export_final``).
 
     ``upkeep``: what the controller does itself (exports, device guard, liveness, tracebacks).
     ``at(phase, executor=None)``: the hook names what it is doing (failure lines, heartbeats).
@@ -173,8 +175,9 @@ class ExecutorController:
     None: ``Hooks()``, nothing but the loop) is everything else the run does, and when: resuming
     (``hooks.start_step``, ``restore``), the base evaluation, each tick's metrics, checkpoints and
     evaluations (``RunHooks`` says in which order), and the controller's own ``hooks.upkeep``.
-    Exports (``upkeep.export_every`` ticks, and once after the last tick when ``upkeep.export_dir``
-    is set): ``executor.export(export_dir/step_{n})`` / ``export_dir/final`` on every rank.
+    Exports (``upkeep.export_every`` ticks, and once after the last tick when
+    ``upkeep.export_final``; none without ``upkeep.export_dir``): ``executor.export(export_dir/step_{n})``
+    / ``export_dir/final`` on every rank.
     ``upkeep.liveness_timeout_s`` (None: off) starts a ``Heartbeat`` (llamarl/runtime/liveness.py): a rank
     silent that long ends the job with a line naming it, independently of the collective timeout.
 
@@ -266,7 +269,7 @@ class ExecutorController:
             for step in range(self.start_step, self.max_steps):
                 self.step_index = step
                 self._tick(step)
-            if self.export_dir is not None:
+            if self.export_dir is not None and self.upkeep.export_final:
                 for name, executor in self.executors.items():
                     self._active, self.phase = name, "export"
                     executor.export(Path(self.export_dir) / "final")
