@@ -8,7 +8,8 @@ because the advantage baseline needs the whole group. That bookkeeping between s
 position, carried samples, unfinished groups, stale restarts) is ``GroupBuffer``
 (llamarl/executors/group_buffer.py); how the trainer's weights arrive (written in place, streamed
 into the engine, LoRA adapters merged) is one ``WeightArrival`` chosen at ``init``
-(llamarl/executors/weight_arrival.py).
+(llamarl/executors/weight_arrival.py), and how a sample is produced (one completion, or an episode
+of an environment) one ``SampleSource`` chosen there too (llamarl/executors/sample_source.py).
 
 Output (channel ``rollouts``): right-padded ``input_ids`` [N, L] = prompt + completion,
 ``loss_mask`` / ``behav_logp`` / ``versions`` [N, L] at the completion positions (versions -1
@@ -63,16 +64,12 @@ from llamarl.engines.base import (
     check_finite_logprobs,
     sampled_mask,
 )
-from llamarl.environments.building import build_environment
 from llamarl.environments.config import EnvConfig
-from llamarl.environments.episode_engine import EpisodeRunner
-from llamarl.environments.function_tools import presenting_tools, tools_reference
-from llamarl.environments.tool_formats import choose_tool_format
-from llamarl.environments.tool_workers import ToolRunner, TurnShare
 from llamarl.executors.config import GeneratorConfig
 from llamarl.executors.dynamic_sampling import DYNAMIC_SAMPLING_METRICS, DynamicSampling, Group, agree_counts
 from llamarl.executors.evaluation_loop import score_samples
 from llamarl.executors.group_buffer import GroupBuffer
+from llamarl.executors.sample_source import choose_sample_source
 from llamarl.executors.weight_arrival import choose_weight_arrival
 from llamarl.models.config import ModelConfig
 from llamarl.models.loading import stop_token_ids
@@ -184,8 +181,8 @@ class GeneratorExecutor(Executor):
                  expected_lag: int = 1, env: EnvConfig | None = None, lora: LoraSpec | None = None,
                  dynamic: DynamicSampling | None = None) -> None:
         """``algo``: its ``max_staleness`` / ``stale_policy`` (None: no staleness control here).
-        ``env``: with a ``name``, every sample is an episode of that environment
-        (llamarl/environments/episode_engine.py); None or no name: one completion per sample.
+        ``env``: with a ``name`` (or ``tools``), every sample is an episode of that environment
+        (``Episodes``, llamarl/executors/sample_source.py); None or neither: one completion per sample.
         ``lora``: the trainer's adapters (``--trainer.lora.*``): the weights channel then brings only
         them, merged into this rank's generation weights in place (``models/lora_merge.py``,
         ``weight_arrival.py``).
@@ -217,7 +214,7 @@ class GeneratorExecutor(Executor):
         # Prompt + max_new_tokens must fit this (the trainer's micro-batch budget, the model's
         # context); a longer prompt is skipped with a warning and counted, never a mid-run crash.
         self.max_sequence_tokens = max_sequence_tokens
-        self.env_config = env if env is not None and env.reference() is not None else None
+        self.env = env
         self.lora = lora
         self.dynamic = dynamic
         self._new_tokens = 0  # this tick's sampled tokens, over its rounds (``_sample``)
@@ -260,25 +257,13 @@ class GeneratorExecutor(Executor):
         # and one that reports counters.
         self.sleeping_engine = self.engine if isinstance(self.engine, Sleeps) and self.engine.sleep_mode else None
         self.counting_engine = self.engine if isinstance(self.engine, ReportsCounters) else None
-        self.episodes: EpisodeRunner | None = None
-        if self.env_config is not None:
-            # Episodes: the engine wrapped by the runner, which has the engine's contract (step and
-            # evaluate use it alike); the tools run in worker processes of this rank.
-            env = self.env_config
-            share = None
-            if self.ctx.tp_size > 1:  # TP peers must append the same observations: the first rank's
-                share = TurnShare(group=tp_group, device=self.ctx.device, src=tp_src)
-            reference = env.reference()
-            if env.tools is not None and env.tool_format is None:  # the format the chat template speaks
-                reference = tools_reference(env.tools, tool_format=choose_tool_format(self.tokenizer).name)
-            self.episodes = self.engine = EpisodeRunner(
-                self.engine, environment=build_environment(reference), tokenizer=self.tokenizer,
-                tools=ToolRunner(reference, timeout_s=env.tool_timeout_s, num_workers=env.num_tool_workers,
-                                 share=share),
-                max_turns=env.max_turns, problem_of=self.groups.problem,
-                mask_truncated=env.mask_truncated)
-            if self.episodes.tool_schemas is not None:  # the environment presents tools: every prompt shows them
-                self.prompt_fn = presenting_tools(self.prompt_fn, self.episodes.tool_schemas)
+        # How a sample is produced (one completion, or an episode of ``--env``'s environment:
+        # llamarl/executors/sample_source.py), chosen once; from here on ``engine`` is what generates
+        # (the episode runner has the engine's contract: step and evaluate use it alike).
+        self.source = choose_sample_source(self.engine, self.env, tokenizer=self.tokenizer,
+                                           problem_of=self.groups.problem, device=self.ctx.device,
+                                           tp_group=tp_group, tp_src=tp_src)
+        self.engine, self.prompt_fn = self.source.engine, self.source.prompt_fn(self.prompt_fn)
         # Seeded by the DP replica, not the rank: TP peers must draw the same samples.
         # On ctx.device: the sampler draws its uniforms on the logits' device.
         self.rng = torch.Generator(device=self.ctx.device).manual_seed(self.seed * 1000 + self.ctx.dp_rank)
@@ -292,7 +277,7 @@ class GeneratorExecutor(Executor):
         state = self.groups.state_dict()
         write_json(directory / f"state_rank{rank}.json", {
             "data_position": state.pop("data_position"), "version": self.version, **state,
-            "tools": self._tool_counts(),
+            "tools": self.source.counts(),
         })
         save_rng(directory / f"rng_rank{rank}.safetensors", self.rng)
 
@@ -301,8 +286,7 @@ class GeneratorExecutor(Executor):
         rank = self.ctx.local_rank
         state = read_json(directory / f"state_rank{rank}.json")
         self.version = int(state["version"])
-        if self.episodes is not None:
-            self.episodes.tools.restore_counts(state.get("tools", {}))
+        self.source.restore_counts(state.get("tools", {}))
         self.groups.load_state_dict(state)
         load_rng(directory / f"rng_rank{rank}.safetensors", self.rng)
 
@@ -310,9 +294,6 @@ class GeneratorExecutor(Executor):
     def data_position(self) -> int:
         """Prompts consumed so far by every replica (``GroupBuffer.claim``)."""
         return self.groups.data_position
-
-    def _tool_counts(self) -> dict:
-        return {} if self.episodes is None else self.episodes.tools.counts()
 
     # The weights channel's side (``WeightSink``, llamarl/runtime/executor.py), answered by the way the
     # weights arrive (llamarl/executors/weight_arrival.py).
@@ -358,7 +339,7 @@ class GeneratorExecutor(Executor):
 
     def step(self) -> None:
         start = time.perf_counter()
-        tools_before = self._tool_counts()  # the env_tool_* metrics are this tick's calls
+        counts_before = self.source.counts()  # the env_tool_* metrics are this tick's calls
         self._restart_stale_groups()
         self._new_tokens, self._refill_seconds = 0, 0.0
         self._sample(self.groups.take_carried() + self._new_requests())
@@ -371,7 +352,7 @@ class GeneratorExecutor(Executor):
         if completions and emits:
             self.outputs[self.output_name] = self._rollout_batch(groups)
         self.metrics = {**dynamic_metrics, **self._step_metrics(seconds, completions, emits=emits)}
-        self._add_environment_metrics(tools_before, completions, emits=emits)
+        self.metrics.update(self.source.metrics(counts_before, completions, emits=emits))  # env_*, with episodes
         if not emits:  # a TP peer repeats its group's first rank's work: counted there only
             for key in _PER_REPLICA:
                 self.metrics.pop(key, None)  # env_* only exist with an environment
@@ -479,23 +460,6 @@ class GeneratorExecutor(Executor):
                 "gen_restarted_stale": float(self.groups.restarted_stale),
                 "data_skipped_rows": float(getattr(self.task, "num_skipped_rows", 0))}
 
-    def _add_environment_metrics(self, tools_before: dict, completions: list[Completion], *, emits: bool) -> None:
-        """With an environment, the ``env_*`` metrics: this tick's, and cumulative over the run (a resumed
-        run continues them)."""
-        if self.episodes is None:
-            return
-        for key, value in self._tool_counts().items():
-            self.metrics[f"env_tool_{key}"] = float(value - tools_before.get(key, 0))
-            self.metrics[f"env_tool_{key}_total"] = float(value)
-        # emitted samples whose episode got at least one observation (a tool's answer)
-        self.metrics["env_samples_with_observation"] = float(
-            sum(0 in sampled_mask(c) for c in completions) if emits else 0)
-        # emitted episodes whose last turn the token budget cut (neither a call nor an answer)
-        self.metrics["env_truncated"] = float(
-            sum(bool(c.episode.get("truncated")) for c in completions) if emits else 0)
-        if emits and completions:  # tool calls per emitted episode (training episodes only)
-            self.metrics["env_turns_mean"] = sum(c.episode.get("turns", 0) for c in completions) / len(completions)
-
     @torch.no_grad()
     def evaluate(self, problems: list[Problem], score: Callable[[str, str], float], *, chunk: int = 64,
                  samples_path: Path | None = None) -> float:
@@ -509,22 +473,14 @@ class GeneratorExecutor(Executor):
         """
         greedy = SamplingParams(temperature=0.0, max_new_tokens=self.config.max_new_tokens)
         prompts = [list(self.prompt_fn(self.tokenizer, p.question)) for p in problems]
-        episodes = self.episodes
-        if episodes is not None:  # evaluation episodes start from these problems
-            training_problems, episodes.problem_of = episodes.problem_of, problems.__getitem__
-            # The env_tool_* metrics count training episodes: the evaluation's calls are not theirs.
-            training_counts = episodes.tools.counts()
         segments: list = []
-        try:
+        # Episodes start from these problems; the training's counters do not see the evaluation's calls.
+        with self.source.evaluating(problems):
             scores, texts = score_samples(self.engine, self.tokenizer, problems=problems, prompts=prompts,
                                           score=score, sampling=greedy, chunk=chunk, version=self.version,
                                           segments=segments if samples_path is not None else None,
                                           progress=f"eval of weights version {self.version}"
                                           if self.ctx.local_rank == 0 else None)
-        finally:
-            if episodes is not None:
-                episodes.problem_of = training_problems
-                episodes.tools.restore_counts(training_counts)
         correct = sum(s[0] for s in scores)
         if samples_path is not None:
             samples_path.write_text("".join(
