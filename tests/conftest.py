@@ -102,6 +102,12 @@ def _world_helpers(module) -> set[str]:
         found |= more
 
 
+# The files of the CPU suite that take longest (an idle 2-core run, slowest first): scheduled first.
+SLOW_FIRST = ("test_task_recipe.py", "test_checkpoint_faults.py", "test_colocated.py", "test_e2e.py",
+              "test_episodes_pipeline.py", "test_ref_kl.py", "test_model_families.py", "test_kill_resume.py",
+              "test_default_model.py", "test_static_decode.py", "test_launch_scripts.py", "test_benchmarks_smoke.py")
+
+
 def pytest_configure(config):
     config.addinivalue_line("markers", "world: starts processes (torchrun worlds, recipes, subprocesses)")
 
@@ -128,3 +134,9 @@ def pytest_collection_modifyitems(config, items):
             if any(launch in src for launch in LAUNCHES) or any(f"{h}(" in src for h in names):
                 item.add_marker(pytest.mark.world)
                 break
+    # The slowest files first: `make test` hands whole files to its two workers in collection
+    # order (xdist's loadfile), so a slow file collected late (they are alphabetical) ran alone at
+    # the end while the other worker idled. Longest first, the tail is the small files. Stable:
+    # the rest keep their order (every worker collects the same order, as xdist requires).
+    rank = {name: i for i, name in enumerate(SLOW_FIRST)}
+    items.sort(key=lambda item: rank.get(item.path.name, len(SLOW_FIRST)))
