@@ -102,18 +102,20 @@ def profile_step(call: Caller, prompts: list[list[int]], *, mode: str, device: s
             "top": [{"name": name, "us": us, "count": count_by_name[name]} for name, us in top]}
 
 
-def uncaptured_kernels(model, *, rows: int, device: str) -> int | None:
+def uncaptured_kernels(model, *, rows: int, device: str, positions: int = 128,
+                       kernels: str | None = None) -> int | None:
     """Kernels one uncaptured static step launches (what its graph replays), where the profiler
     does not see a graph's kernels; None off CUDA or where the decoder's API is not the one read
-    here (``StaticDecoder(model, cuda_graphs=False)``, ``new_state``, ``step``)."""
+    here (``StaticDecoder(model, cuda_graphs=False)``, ``new_state``, ``step``). ``kernels``: the
+    step's kernel set (None: the decoder's choice)."""
     import torch
 
     if not device.startswith("cuda"):
         return None
     from llamarl.engines.static_decode import StaticDecoder
 
-    decoder = StaticDecoder(model, cuda_graphs=False)
-    state = decoder.new_state(capacity=rows, positions=128)
+    decoder = StaticDecoder(model, cuda_graphs=False, kernels=kernels)
+    state = decoder.new_state(capacity=rows, positions=positions)
     for _ in range(2):
         decoder.step(state, rows)
     torch.cuda.synchronize()
@@ -129,8 +131,6 @@ def kernel_sets(model, *, rows: int, width: int, device: str, steps: int = 20) -
     CUDA; ``torch``, aten), greedy logits only, at ``rows`` x ``width``: ms a step (a captured graph
     replayed ``steps`` times on CUDA; the eager step elsewhere) and, on CUDA, the kernels of one
     uncaptured step. What the fused kernels buy on this GPU, measured side by side."""
-    import torch
-
     from llamarl.engines.static_decode import StaticDecoder
 
     out = {}
@@ -143,19 +143,10 @@ def kernel_sets(model, *, rows: int, width: int, device: str, steps: int = 20) -
         for _ in range(steps):
             decoder.step(state, rows)
         synchronize(device)
-        entry = {"step_ms": 1000 * (time.perf_counter() - begin) / steps, "kernels_per_step": None}
-        if device.startswith("cuda"):
-            plain = StaticDecoder(model, cuda_graphs=False, kernels=kernels)
-            fresh = plain.new_state(capacity=rows, positions=width)
-            plain.step(fresh, rows)
-            torch.cuda.synchronize()
-            with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-                plain.step(fresh, rows)
-                torch.cuda.synchronize()
-            entry["kernels_per_step"] = sum(1 for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA)
-            fresh.release()
+        step_ms = 1000 * (time.perf_counter() - begin) / steps
         decoder.release()
-        out[kernels] = entry
+        out[kernels] = {"step_ms": step_ms, "kernels_per_step": uncaptured_kernels(
+            model, rows=rows, device=device, positions=width, kernels=kernels)}
     out["rows"], out["width"] = rows, width
     out["fused_vs_torch"] = bounds.ratio(out["fused"]["step_ms"], out["torch"]["step_ms"])
     return out

@@ -93,10 +93,6 @@ def sample(logits: torch.Tensor, uniforms: torch.Tensor | None, key: tuple):
     return tokens, logp.gather(-1, tokens.unsqueeze(-1)).squeeze(-1), ok
 
 
-def _assign(buffer: torch.Tensor, index, value: torch.Tensor) -> None:
-    buffer[index] = value  # a slice: one copy into the view; a tensor of slots: one indexed write
-
-
 class SlotRecords:
     """The per-slot records of a static state (module docstring), for the engine's life:
     ``uniforms`` fp64 / ``ids`` int64 / ``lps`` fp32 ``[slots, width]`` by position, ``alive`` /
@@ -146,29 +142,22 @@ class SlotRecords:
         (and ``ok``) records its token at its position; a stop id or its budget ends it (its
         position and fed token stay: its later steps rewrite what it wrote); else it feeds the
         token at the next position. A row not ``ok`` stalls (module docstring)."""
-        if isinstance(index, slice) and index.start in (0, None) and index.step in (1, None):
+        if isinstance(index, slice):  # the first rows, in the captured step: their views, written in place
+            if index.start not in (0, None) or index.step not in (1, None):
+                raise ValueError(f"book takes the first rows as a slice (0, rows), got {index}")
             rows = index.stop
             book_first_rows(tokens, lps, ok, ids=self.ids[:rows], rec_lps=self.lps[:rows], alive=self.alive[:rows],
                             stopped=self.stopped[:rows], overflow=self.overflow[:rows], end=self.end[:rows],
                             is_stop=self.is_stop, fed=fed[:rows], positions=positions[:rows])
             return
-        position, live = positions[index], self.alive[index]
-        take = live if ok is None else live & ok
-        column = torch.where(take, position, self.ids.shape[1] - 1)
-        if isinstance(index, slice):
-            self.ids[index].scatter_(1, column.unsqueeze(1), tokens.unsqueeze(1))
-            self.lps[index].scatter_(1, column.unsqueeze(1), lps.unsqueeze(1))
-        else:
-            self.ids[index, column] = tokens
-            self.lps[index, column] = lps
-        hit = self.is_stop[tokens] & take
-        still = take & ~hit & (position + 1 < self.end[index])
-        _assign(self.stopped, index, self.stopped[index] | hit)
-        _assign(self.alive, index, live & (still | ~take))
-        _assign(fed, index, torch.where(still, tokens, fed[index]))
-        _assign(positions, index, position + still.long())
-        if ok is not None:
-            _assign(self.overflow, index, self.overflow[index] | (live & ~ok))
+        # A tensor of slots (admission, eager): their rows gathered, booked as first rows, written back.
+        buffers = [self.ids, self.lps, self.alive, self.stopped, self.overflow, fed, positions]
+        rows = [buffer[index] for buffer in buffers]
+        ids, rec_lps, alive, stopped, overflow, fed_rows, position_rows = rows
+        book_first_rows(tokens, lps, ok, ids=ids, rec_lps=rec_lps, alive=alive, stopped=stopped, overflow=overflow,
+                        end=self.end[index], is_stop=self.is_stop, fed=fed_rows, positions=position_rows)
+        for buffer, row in zip(buffers, rows):
+            buffer[index] = row
 
     def move(self, src: torch.Tensor, dst: torch.Tensor) -> None:
         """Copy slots ``src`` to ``dst`` (the loop's compaction)."""

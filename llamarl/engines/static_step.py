@@ -237,7 +237,7 @@ def static_forward(model: torch.nn.Module, fused: FusedWeights, tokens: torch.Te
     offset, layers = shape.norm_offset, inner.layers
     eps = _eps(layers[0].input_layernorm)
 
-    head_norms = fused.head_norms
+    head_norms, head_eps = fused.head_norms, 0.0
     if head_norms is not None:  # each head's norm weight from its parameter row (FusedWeights): 2 kernels a step
         head_norms[:, 1:num_heads].copy_(head_norms[:, :1].expand(-1, num_heads - 1, -1))
         head_norms[:, num_heads + 1:].copy_(head_norms[:, num_heads:num_heads + 1].expand(-1, num_kv_heads - 1, -1))
@@ -250,7 +250,7 @@ def static_forward(model: torch.nn.Module, fused: FusedWeights, tokens: torch.Te
         qkv = _linear(x, qkv_weight, qkv_bias).view(rows, heads, head_dim)
         q = kernels.rope_store(qkv, aux, positions, cos_table, sin_table, cache,
                                None if head_norms is None else head_norms[index], num_heads, num_kv_heads,
-                               head_eps if head_norms is not None else 0.0)  # [rows, heads, d]
+                               head_eps)  # [rows, heads, d]
         attended = kernels.attend(q, cache, aux, positions, scaling, shape.attn_softcap).view(rows, num_heads * head_dim)
         if shape.sandwich_norms:  # Gemma2: the block's output normalised, then added; its own MLP norm
             x = kernels.sandwich(hidden, _linear(attended, attn.o_proj.weight, attn.o_proj.bias),

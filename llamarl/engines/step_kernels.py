@@ -350,7 +350,7 @@ TORCH_KERNELS = StepKernels("torch", False, _aten_prepare, _aten_norm, _aten_san
 
 def _fused_norm(x, weight, eps, offset):
     if not offset:  # aten's rms_norm is already one fused kernel on CUDA
-        return torch.nn.functional.rms_norm(x, (x.shape[-1],), weight, eps)
+        return _aten_norm(x, weight, eps, offset)
     return torch.ops.llamarl.rms_norm(x, weight, eps, offset)
 
 
